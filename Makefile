@@ -1,0 +1,28 @@
+# Two entry points that set themselves up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-gpu venv clean
+
+$(STAMP): pyproject.toml scripts/find-python.sh
+	@PYBIN=$$(scripts/find-python.sh) || exit 1; \
+	  echo "creating $(VENV) with $$PYBIN"; \
+	  $$PYBIN -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fp8stack plan --model tiny --fp8-recipe tensorwise --small-gemm-filter off
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache

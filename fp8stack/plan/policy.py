@@ -1,0 +1,205 @@
+"""The policy: small rules, applied in order, that turn a ModelDescription into a Plan.
+
+Each rule looks at one component and either decides (returns a Decision with its reason) or
+passes (returns None). The first rule that decides wins; the last rule always decides.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from fp8stack.plan.description import Component, ModelDescription
+from fp8stack.plan.errors import PlanError
+from fp8stack.plan.plan import Decision, Plan
+from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, FP8_FORMATS,
+                                   GROUPED_ALIGNMENT, dense_backend, expert_backend, get_recipe)
+
+SMALL_GEMM_FILTERS: dict[str, tuple[tuple[int, int], ...]] = {
+    # (max_n, max_k): a GEMM with n <= max_n and k <= max_k is "small". torchao's auto-filters.
+    "rowwise": ((2048, 1 << 62), (1 << 62, 1024), (4096, 2048)),
+    "tensorwise": ((1024, 4096),),
+    "off": (),
+}
+"""Size thresholds below which FP8 casts cost more than the faster GEMM saves (H100 measurements
+behind torchao's _auto_filter_for_recipe)."""
+
+HIGH_PRECISION_REASONS = {
+    "embedding": "embedding lookup is not a GEMM; table and gradients stay BF16 (DeepSeek-V3)",
+    "head": "output head feeds softmax/cross-entropy; BF16 keeps the logits exact enough (DeepSeek-V3)",
+    "router": "router: top-k gating flips on small logit differences; BF16 GEMM, FP32 softmax",
+    "norm": "norm: mean-of-squares reduction in FP32, BF16 in and out",
+    "attn_core": "attention core (QK^T, softmax, PV) in BF16 flash/SDPA with FP32 softmax",
+    "ssm_scan": "SSM scan: recurrent state accumulates over the sequence; FP8 scans measured net-negative",
+}
+"""Kinds that never run in FP8, whatever the recipe or overrides say."""
+
+
+@dataclass(frozen=True)
+class Override:
+    """A user rule from a recipe file: components matching `block` and `fqn` get `backend`/`recipe`."""
+
+    block: str = "*"
+    """Glob on the block type ('moe', 'dense', ...)."""
+    fqn: str = "*"
+    """Glob on the component fqn ('layers.*.attention.wo')."""
+    backend: str | None = None
+    """bf16 | te | torchao | auto; None keeps the policy's backend preference."""
+    recipe: str | None = None
+    """Recipe for matching components; None keeps the policy's recipe."""
+    reason: str = ""
+    """Why, shown in the plan."""
+    source: str = "override"
+    """Where the override came from (recipe file path)."""
+
+    def matches(self, component: Component) -> bool:
+        return fnmatchcase(component.block, self.block) and fnmatchcase(component.fqn, self.fqn)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Everything the policy needs besides the model; validated on construction."""
+
+    recipe: str
+    """FP8 recipe for GEMMs the rules leave in FP8, or 'bf16' for no FP8 at all."""
+    fp8_format: str = "hybrid"
+    """e4m3, or hybrid (E4M3 forward, E5M2 gradients)."""
+    backend: str = "auto"
+    """Preferred backend for dense linears: auto | te | torchao."""
+    arch: int = 90
+    """Target SM version: 90 Hopper, 100 Blackwell."""
+    first_last_layers_bf16: bool = False
+    """Keep the first and last layers in BF16 (Megatron --first-last-layers-bf16)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Layers kept BF16 at the start when first_last_layers_bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Layers kept BF16 at the end when first_last_layers_bf16."""
+    small_gemm_filter: str = "rowwise"
+    """Which torchao size thresholds send small GEMMs to BF16: rowwise | tensorwise | off."""
+    overrides: tuple[Override, ...] = field(default=())
+    """Per-block / per-fqn rules; the last matching one wins."""
+
+    def __post_init__(self) -> None:
+        if self.fp8_format not in FP8_FORMATS:
+            raise PlanError(f"unknown FP8 format {self.fp8_format!r}: use e4m3 or hybrid")
+        if self.backend not in BACKEND_PREFERENCES:
+            raise PlanError(f"unknown backend {self.backend!r}: use one of {', '.join(BACKEND_PREFERENCES)}")
+        if self.small_gemm_filter not in SMALL_GEMM_FILTERS:
+            raise PlanError(f"unknown small-GEMM filter {self.small_gemm_filter!r}: use one of {', '.join(SMALL_GEMM_FILTERS)}")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"--{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
+        for recipe in {self.recipe, *(o.recipe for o in self.overrides if o.recipe)}:
+            self._check_recipe(recipe, self.backend)
+        for o in self.overrides:
+            if o.backend not in (None, BF16, *BACKEND_PREFERENCES):
+                raise PlanError(f"{o.source}: override backend {o.backend!r}: use bf16, auto, te or torchao")
+            if o.backend not in (None, BF16):
+                self._check_recipe(o.recipe or self.recipe, o.backend)
+
+    def _check_recipe(self, name: str, backend: str) -> None:
+        if name == BF16:
+            return
+        recipe = get_recipe(name)
+        if self.arch < recipe.min_arch:
+            raise PlanError(
+                f"recipe {name!r} needs sm{recipe.min_arch}+ but the target is sm{self.arch}: "
+                f"pick another recipe or pass --arch sm{recipe.min_arch}")
+        dense_backend(recipe, backend)
+
+
+Rule = Callable[[Component, PolicyConfig, ModelDescription], Decision | None]
+
+
+def high_precision_kinds(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
+    """Embeddings, head, router, norms, attention core and SSM scans never run in FP8."""
+    if c.kind in HIGH_PRECISION_REASONS:
+        return Decision(c, BF16, BF16, HIGH_PRECISION_REASONS[c.kind])
+    return None
+
+
+def no_fp8_requested(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
+    """A bf16 recipe (and no override asking for FP8) keeps everything BF16."""
+    target = _target(c, cfg)
+    if target[1] == BF16:
+        return Decision(c, BF16, BF16, target[2] or "recipe bf16: no FP8 requested")
+    return None
+
+
+def first_last_layers(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
+    """Megatron's --first-last-layers-bf16: the outermost layers stay BF16 unless an override names them."""
+    if not cfg.first_last_layers_bf16 or c.layer is None or _matching_override(c, cfg):
+        return None
+    start, end = cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16
+    if c.layer < start:
+        return Decision(c, BF16, BF16, f"first {start} layer(s) kept BF16 (--first-last-layers-bf16)")
+    if c.layer >= model.num_layers - end:
+        return Decision(c, BF16, BF16, f"last {end} layer(s) kept BF16 (--first-last-layers-bf16)")
+    return None
+
+
+def alignment(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
+    """FP8 GEMMs need both dims divisible by 16 (128 for block scales and grouped GEMMs)."""
+    backend, recipe, _ = _target(c, cfg)
+    need = GROUPED_ALIGNMENT if backend == "grouped_fp8" else get_recipe(recipe).alignment
+    for dim, value in (("n", c.n), ("k", c.k)):
+        if value % need:
+            return Decision(c, BF16, BF16, f"{dim}={value} is not divisible by {need} ({recipe} on {backend} needs it)")
+    return None
+
+
+def small_gemm(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
+    """GEMMs under the small-size thresholds stay BF16: the casts would eat the gain."""
+    for max_n, max_k in SMALL_GEMM_FILTERS[cfg.small_gemm_filter]:
+        if c.n <= max_n and c.k <= max_k:
+            bound = " and ".join(f"{d}={v} <= {m}" for d, v, m in (("n", c.n, max_n), ("k", c.k, max_k)) if m < 1 << 62)
+            return Decision(c, BF16, BF16, f"small GEMM ({bound}, torchao {cfg.small_gemm_filter} auto-filter): "
+                                            "FP8 casts cost more than the GEMM saves")
+    return None
+
+
+def fp8(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision:
+    """What is left runs in FP8 on its backend."""
+    backend, recipe, override_reason = _target(c, cfg)
+    why = f"{recipe} FP8 ({get_recipe(recipe).summary}) via {BACKEND_LABELS[backend]}"
+    if c.kind == "expert" and recipe != cfg.recipe and not override_reason:
+        why += f"; grouped expert GEMMs have no {cfg.recipe} kernel, so they use {recipe}"
+    return Decision(c, backend, recipe, f"{override_reason}: {why}" if override_reason else why)
+
+
+RULES: tuple[Rule, ...] = (high_precision_kinds, no_fp8_requested, first_last_layers, alignment, small_gemm, fp8)
+"""In order; the first rule that returns a Decision decides."""
+
+
+def make_plan(model: ModelDescription, cfg: PolicyConfig) -> Plan:
+    """Apply RULES to every component of `model`."""
+    decisions = []
+    for c in model.components:
+        for rule in RULES:
+            decision = rule(c, cfg, model)
+            if decision is not None:
+                decisions.append(decision)
+                break
+    return Plan(model=model.name, recipe=cfg.recipe, fp8_format=cfg.fp8_format, arch=cfg.arch,
+                decisions=tuple(decisions))
+
+
+def _matching_override(c: Component, cfg: PolicyConfig) -> Override | None:
+    matches = [o for o in cfg.overrides if o.matches(c)]
+    return matches[-1] if matches else None
+
+
+def _target(c: Component, cfg: PolicyConfig) -> tuple[str, str, str]:
+    """(backend, recipe, override reason) this component would get if no safety rule intervenes."""
+    override = _matching_override(c, cfg)
+    recipe_name = (override.recipe if override and override.recipe else cfg.recipe)
+    preference = override.backend if override and override.backend else cfg.backend
+    note = f"{override.source}: {override.reason or 'override'}" if override else ""
+    if preference == BF16 or recipe_name == BF16:
+        return BF16, BF16, note
+    recipe = get_recipe(recipe_name)
+    dense = dense_backend(recipe, preference)
+    if c.kind == "expert":
+        backend, expert_recipe = expert_backend(recipe, dense)
+        return backend, expert_recipe, note
+    return dense, recipe.name, note

@@ -1,0 +1,104 @@
+"""FP8 recipe names and what each needs: which backends implement it, dim alignment, GPU arch."""
+
+from dataclasses import dataclass
+
+from fp8stack.plan.errors import PlanError
+
+BF16 = "bf16"
+"""The recipe name of a plan without FP8, and the backend that leaves modules as they are."""
+
+FP8_FORMATS = ("e4m3", "hybrid")
+"""e4m3 everywhere, or hybrid: E4M3 forward, E5M2 gradients (TE's Format.HYBRID)."""
+
+BACKEND_PREFERENCES = ("auto", "te", "torchao")
+"""What a user may ask for dense linears; `auto` takes each recipe's first backend."""
+
+GROUPED_ALIGNMENT = 128
+"""grouped_fp8 scales 128-element blocks of K and N, so both must be multiples of 128."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One FP8 scaling recipe as the policy sees it."""
+
+    name: str
+    """Name used on the command line and in plans (Megatron's --fp8-recipe names where they exist)."""
+    dense_backends: tuple[str, ...]
+    """Backends that implement it for dense linears; the first is the `auto` choice."""
+    expert_backend: str
+    """Backend for MoE expert GEMMs under this recipe."""
+    expert_recipe: str
+    """Recipe the expert GEMMs run with (grouped GEMMs exist only for some scalings)."""
+    alignment: int
+    """Both GEMM dims must be multiples of this."""
+    min_arch: int
+    """Lowest SM version (89 = Ada/Hopper FP8, 100 = Blackwell)."""
+    summary: str
+    """What the recipe does, for the reason column."""
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("delayed", ("te",), "te", "delayed", 16, 89,
+               "per-tensor scales from an amax history (TE DelayedScaling)"),
+        Recipe("tensorwise", ("torchao", "te"), "grouped_fp8", "rowwise", 16, 89,
+               "per-tensor dynamic scales"),
+        Recipe("rowwise", ("torchao",), "grouped_fp8", "rowwise", 16, 89,
+               "per-row dynamic scales (torchao rowwise)"),
+        Recipe("rowwise_gw_hp", ("torchao",), "grouped_fp8", "rowwise_gw_hp", 16, 89,
+               "per-row scales, weight gradient GEMM kept in BF16 (torchao rowwise_with_gw_hp)"),
+        Recipe("blockwise", ("te",), "grouped_fp8", "blockwise", 128, 90,
+               "DeepSeek-style 1x128 activation / 128x128 weight block scales"),
+        Recipe("mxfp8", ("te",), "te", "mxfp8", 32, 100,
+               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)"),
+    )
+}
+
+BACKEND_LABELS = {
+    "te": "TransformerEngine",
+    "torchao": "torchao Float8Linear",
+    "grouped_fp8": "grouped block-scaled FP8 GEMM (DeepGEMM if installed, else torch scaled GEMMs)",
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called `name`, or a PlanError listing the valid names."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise PlanError(
+            f"unknown FP8 recipe {name!r}: use one of {', '.join([BF16, *RECIPES])}"
+        ) from None
+
+
+def dense_backend(recipe: Recipe, preference: str) -> str:
+    """The backend that runs dense linears for `recipe` when the user prefers `preference`."""
+    if preference == "auto":
+        return recipe.dense_backends[0]
+    if preference not in recipe.dense_backends:
+        raise PlanError(
+            f"recipe {recipe.name!r} has no {preference} implementation: "
+            f"use --backend {' or '.join(recipe.dense_backends)} (or auto)"
+        )
+    return preference
+
+
+def expert_backend(recipe: Recipe, dense: str) -> tuple[str, str]:
+    """(backend, recipe) for MoE expert GEMMs: TE GroupedLinear follows a TE dense path except for
+    blockwise, which always takes the DeepSeek-style grouped kernels."""
+    if dense == "te" and recipe.name != "blockwise":
+        return "te", recipe.name
+    return recipe.expert_backend, recipe.expert_recipe
+
+
+def parse_arch(text: str | int) -> int:
+    """'sm90' / '90' / 90 / '9.0' -> 90."""
+    raw = str(text).strip().lower().removeprefix("sm_").removeprefix("sm")
+    try:
+        value = int(float(raw) * 10) if "." in raw else int(raw)
+    except ValueError:
+        raise PlanError(f"cannot read GPU arch {text!r}: write it like sm90 or sm100") from None
+    if not 50 <= value <= 200:
+        raise PlanError(f"GPU arch {text!r} is out of range: write it like sm90 or sm100")
+    return value

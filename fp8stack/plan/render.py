@@ -1,0 +1,96 @@
+"""Plan rendering: a grouped table (rich), Markdown, JSON."""
+
+import io
+import json
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from fp8stack.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class Row:
+    """Identical decisions for the same component in several layers, shown once."""
+
+    layers: str
+    """Layer ranges ('0-2, 5') or '-' outside the layers."""
+    name: str
+    kind: str
+    shape: str
+    backend: str
+    recipe: str
+    reason: str
+
+
+def grouped_rows(plan: Plan) -> list[Row]:
+    """Merge decisions that differ only in their layer index, keeping first-seen order."""
+    groups: dict[tuple, list[int | None]] = {}
+    for d in plan.decisions:
+        c = d.component
+        shape = f"{c.experts}x {c.n}x{c.k}" if c.experts > 1 else f"{c.n}x{c.k}"
+        key = (c.block, c.name, c.kind, shape, d.backend, d.recipe, d.reason)
+        groups.setdefault(key, []).append(c.layer)
+    return [Row(_ranges(layers), f"{block}: {name}" if block != "model" else name, kind, shape, backend, recipe, reason)
+            for (block, name, kind, shape, backend, recipe, reason), layers in groups.items()]
+
+
+def _ranges(layers: list[int | None]) -> str:
+    if layers == [None]:
+        return "-"
+    spans, start, prev = [], None, None
+    for i in sorted(x for x in layers if x is not None):
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            spans.append((start, prev))
+            start = prev = i
+    spans.append((start, prev))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _summary_lines(plan: Plan) -> list[str]:
+    s = plan.summary()
+    return [
+        f"GEMM FLOPs/token (forward): {s['gemm_flops_per_token']:.3e}",
+        "share by precision: " + ", ".join(f"{k} {v:.1%}" for k, v in s["flops_share_by_precision"].items()),
+        "share by backend:   " + ", ".join(f"{k} {v:.1%}" for k, v in s["flops_share_by_backend"].items()),
+        f"GEMMs in FP8: {s['fp8_gemms']}, in high precision: {s['high_precision_gemms']}",
+        "FP32: " + ", ".join(what for what, _ in plan.fp32),
+    ]
+
+
+def render_table(plan: Plan, width: int = 160) -> str:
+    """The human view: one row per group of identical layers, then the summary."""
+    table = Table(title=f"{plan.model} - recipe {plan.recipe} ({plan.fp8_format}), target sm{plan.arch}")
+    for column in ("layers", "component", "kind", "shape (n x k)", "backend", "recipe", "reason"):
+        table.add_column(column, overflow="fold")
+    for row in grouped_rows(plan):
+        table.add_row(row.layers, row.name, row.kind, row.shape, row.backend, row.recipe, row.reason)
+    out = io.StringIO()
+    console = Console(file=out, width=width, no_color=True, highlight=False)
+    console.print(table)
+    for line in _summary_lines(plan):
+        console.print(line)
+    return out.getvalue()
+
+
+def render_markdown(plan: Plan) -> str:
+    """The same grouped table as GitHub Markdown."""
+    lines = [f"### {plan.model}: recipe {plan.recipe} ({plan.fp8_format}), sm{plan.arch}", "",
+             "| layers | component | kind | shape | backend | recipe | reason |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.layers} | {r.name} | {r.kind} | {r.shape} | {r.backend} | {r.recipe} | {r.reason} |"
+              for r in grouped_rows(plan)]
+    lines += [""] + [f"- {line}" for line in _summary_lines(plan)]
+    return "\n".join(lines) + "\n"
+
+
+def render_json(plan: Plan) -> str:
+    """Plan.as_dict() as indented JSON."""
+    return json.dumps(plan.as_dict(), indent=2)
+
+
+RENDERERS = {"table": render_table, "markdown": render_markdown, "json": render_json}
