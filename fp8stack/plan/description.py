@@ -96,6 +96,8 @@ def load_yaml_file(path: Path, what: str) -> dict:
         data = yaml.safe_load(path.read_text())
     except OSError as err:
         raise PlanError(f"cannot read {what} {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise PlanError(f"{what} {path} is not UTF-8 text: give a YAML file") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -115,14 +117,14 @@ def description_from_dict(data: dict, source: str = "<dict>") -> ModelDescriptio
     """Build a description from the YAML mapping: before_layers, blocks + layers, after_layers."""
     unknown = set(data) - _TOP_KEYS
     if unknown:
-        raise PlanError(f"{source}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+        raise PlanError(f"{source}: unknown key(s) {sorted(map(str, unknown))}; allowed: {sorted(_TOP_KEYS)}")
     for key in ("name", "seq_len", "blocks", "layers"):
         if key not in data:
             raise PlanError(f"{source}: missing required key {key!r}")
     seq_len = _positive_int(data["seq_len"], f"{source}: seq_len")
     prefix = str(data.get("layer_prefix", "layers"))
     blocks = data["blocks"]
-    if not isinstance(blocks, dict) or not blocks:
+    if not isinstance(blocks, dict) or not blocks or not all(isinstance(b, str) for b in blocks):
         raise PlanError(f"{source}: 'blocks' must map block type names to component lists")
 
     components = [_component(c, _name_of(c, source), "model", None, source)
@@ -132,7 +134,7 @@ def description_from_dict(data: dict, source: str = "<dict>") -> ModelDescriptio
         if not isinstance(entry, dict) or "block" not in entry:
             raise PlanError(f"{source}: each 'layers' entry needs 'block' (and optional 'repeat')")
         block = entry["block"]
-        if block not in blocks:
+        if not isinstance(block, str) or block not in blocks:
             raise PlanError(f"{source}: layers use block {block!r}, not defined under 'blocks' ({sorted(blocks)})")
         for _ in range(_positive_int(entry.get("repeat", 1), f"{source}: repeat of {block}")):
             for spec in _list(blocks[block], f"{source}: block {block}"):
@@ -153,7 +155,7 @@ def _name_of(spec: object, source: str) -> str:
 def _component(spec: dict, fqn: str, block: str, layer: int | None, source: str) -> Component:
     unknown = set(spec) - _COMPONENT_KEYS
     if unknown:
-        raise PlanError(f"{source}: component {fqn} has unknown key(s) {sorted(unknown)}; allowed: {sorted(_COMPONENT_KEYS)}")
+        raise PlanError(f"{source}: component {fqn} has unknown key(s) {sorted(map(str, unknown))}; allowed: {sorted(_COMPONENT_KEYS)}")
     kind = spec.get("kind")
     if kind not in KINDS:
         raise PlanError(f"{source}: component {fqn} has kind {kind!r}; use one of {', '.join(KINDS)}")

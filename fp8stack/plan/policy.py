@@ -79,6 +79,14 @@ class PolicyConfig:
     """Per-block / per-fqn rules; the last matching one wins."""
 
     def __post_init__(self) -> None:
+        for name in ("recipe", "fp8_format", "backend", "small_gemm_filter"):
+            _require_name(getattr(self, name), name)
+        if not isinstance(self.first_last_layers_bf16, bool):
+            raise PlanError(f"first_last_layers_bf16 must be true or false, got {self.first_last_layers_bf16!r}")
+        for o in self.overrides:
+            for name in ("recipe", "backend"):
+                if getattr(o, name) is not None:
+                    _require_name(getattr(o, name), f"{o.source}: override {name}")
         if self.fp8_format not in FP8_FORMATS:
             raise PlanError(f"unknown FP8 format {self.fp8_format!r}: use e4m3 or hybrid")
         if self.backend not in BACKEND_PREFERENCES:
@@ -89,15 +97,19 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
-        for recipe in {self.recipe, *(o.recipe for o in self.overrides if o.recipe)}:
-            self._check_recipe(recipe, self.backend)
+        self._check_recipe(self.recipe, self.backend)
         for o in self.overrides:
             if o.backend not in (None, BF16, *BACKEND_PREFERENCES):
                 raise PlanError(f"{o.source}: override backend {o.backend!r}: use bf16, auto, te or torchao")
-            if o.backend not in (None, BF16):
+            if o.backend == BF16:
+                continue
+            try:  # an override naming a backend must fit it now; one that inherits the backend may
+                # target experts only, so its dense-backend fit is checked when it meets a linear
                 self._check_recipe(o.recipe or self.recipe, o.backend)
+            except PlanError as err:
+                raise PlanError(f"{o.source}: override for block {o.block!r}, fqn {o.fqn!r}: {err}") from None
 
-    def _check_recipe(self, name: str, backend: str) -> None:
+    def _check_recipe(self, name: str, backend: str | None) -> None:
         if name == BF16:
             return
         recipe = get_recipe(name)
@@ -105,7 +117,15 @@ class PolicyConfig:
             raise PlanError(
                 f"recipe {name!r} needs sm{recipe.min_arch}+ but the target is sm{self.arch}: "
                 f"pick another recipe or pass --arch sm{recipe.min_arch}")
-        dense_backend(recipe, backend)
+        if backend is not None:
+            dense_backend(recipe, backend)
+
+
+def _require_name(value: object, what: str) -> None:
+    """YAML turns some words into other types (off -> False, 1.0 -> float): report that, not a TypeError."""
+    if not isinstance(value, str):
+        hint = " (YAML reads off/on/yes/no as booleans: quote the word)" if isinstance(value, bool) else ""
+        raise PlanError(f"{what} must be a name, got {value!r}{hint}")
 
 
 Rule = Callable[[Component, PolicyConfig, ModelDescription], Decision | None]
@@ -127,8 +147,10 @@ def no_fp8_requested(c: Component, cfg: PolicyConfig, model: ModelDescription) -
 
 
 def first_last_layers(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
-    """Megatron's --first-last-layers-bf16: the outermost layers stay BF16 unless an override names them."""
-    if not cfg.first_last_layers_bf16 or c.layer is None or _matching_override(c, cfg):
+    """Megatron's --first-last-layers-bf16: the outermost layers stay BF16 unless an override names them
+    by fqn (a block-wide override such as {block: moe} does not lift it)."""
+    override = _matching_override(c, cfg)
+    if not cfg.first_last_layers_bf16 or c.layer is None or (override and override.fqn != "*"):
         return None
     start, end = cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16
     if c.layer < start:
@@ -149,7 +171,11 @@ def alignment(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decis
 
 
 def small_gemm(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
-    """GEMMs under the small-size thresholds stay BF16: the casts would eat the gain."""
+    """Dense linears under the small-size thresholds stay BF16: the casts would eat the gain. Expert
+    GEMMs are exempt: the thresholds were measured on dense Float8Linear, and a grouped GEMM's size is
+    its whole token buffer, not one expert's slice."""
+    if c.kind != "linear":
+        return None
     for max_n, max_k in SMALL_GEMM_FILTERS[cfg.small_gemm_filter]:
         if c.n <= max_n and c.k <= max_k:
             bound = " and ".join(f"{d}={v} <= {m}" for d, v, m in (("n", c.n, max_n), ("k", c.k, max_k)) if m < 1 << 62)
@@ -198,8 +224,11 @@ def _target(c: Component, cfg: PolicyConfig) -> tuple[str, str, str]:
     if preference == BF16 or recipe_name == BF16:
         return BF16, BF16, note
     recipe = get_recipe(recipe_name)
-    dense = dense_backend(recipe, preference)
-    if c.kind == "expert":
+    if c.kind == "expert":  # experts never run on the dense backend; the preference only picks TE's GroupedLinear
+        dense = preference if preference in recipe.dense_backends else recipe.dense_backends[0]
         backend, expert_recipe = expert_backend(recipe, dense)
         return backend, expert_recipe, note
-    return dense, recipe.name, note
+    try:
+        return dense_backend(recipe, preference), recipe.name, note
+    except PlanError as err:
+        raise PlanError(f"{note or 'policy'} on {c.fqn}: {err}") from None

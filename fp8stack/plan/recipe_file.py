@@ -29,7 +29,7 @@ def load_recipe_file(name_or_path: str | Path) -> tuple[dict, tuple[Override, ..
     data = load_yaml_file(path, "recipe file")
     unknown = set(data) - {*SETTINGS, "overrides", "description"}
     if unknown:
-        raise PlanError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted({*SETTINGS, 'overrides', 'description'})}")
+        raise PlanError(f"{path}: unknown key(s) {sorted(map(str, unknown))}; allowed: {sorted({*SETTINGS, 'overrides', 'description'})}")
     settings = {k: data[k] for k in SETTINGS if k in data}
     entries = data.get("overrides") or []
     if not isinstance(entries, list):

@@ -63,16 +63,36 @@ def _summary_lines(plan: Plan) -> list[str]:
     ]
 
 
+_COLUMNS = ("layers", "component", "kind", "shape (n x k)", "backend", "recipe")
+"""Table columns before the reason."""
+MIN_REASON_WIDTH = 40
+"""Narrower than this, the reason column would fold every few words: reasons become numbered notes."""
+
+
 def render_table(plan: Plan, width: int = 160) -> str:
-    """The human view: one row per group of identical layers, then the summary."""
+    """The human view: one row per group of identical layers, then the summary.
+
+    Reasons sit in the last column when `width` leaves them MIN_REASON_WIDTH characters, else
+    each distinct reason is printed once below the table and rows point to it by number.
+    """
+    rows = grouped_rows(plan)
+    cells = [(r.layers, r.name, r.kind, r.shape, r.backend, r.recipe) for r in rows]
+    used = sum(max([len(h), *(len(c[i]) for c in cells)]) + 3 for i, h in enumerate(_COLUMNS))  # + padding, border
+    inline = width - used - 4 >= MIN_REASON_WIDTH
+    notes = list(dict.fromkeys(r.reason for r in rows))
     table = Table(title=f"{plan.model} - recipe {plan.recipe} ({plan.fp8_format}), target sm{plan.arch}")
-    for column in ("layers", "component", "kind", "shape (n x k)", "backend", "recipe", "reason"):
+    for column in _COLUMNS:
         table.add_column(column, overflow="fold")
-    for row in grouped_rows(plan):
-        table.add_row(row.layers, row.name, row.kind, row.shape, row.backend, row.recipe, row.reason)
+    table.add_column("reason" if inline else "why", overflow="fold")
+    for row, cell in zip(rows, cells):
+        table.add_row(*cell, row.reason if inline else f"[{notes.index(row.reason) + 1}]")
     out = io.StringIO()
-    console = Console(file=out, width=width, no_color=True, highlight=False)
+    # markup and emoji off: reasons from recipe files are plain text, '[...]' and ':x:' included
+    console = Console(file=out, width=width, no_color=True, highlight=False, markup=False, emoji=False)
     console.print(table)
+    if not inline:
+        for i, note in enumerate(notes, 1):
+            console.print(f"[{i}] {note}")
     for line in _summary_lines(plan):
         console.print(line)
     return out.getvalue()

@@ -1,0 +1,188 @@
+"""A small plain-torch Llama (torchtitan's layout): RMSNorm, RoPE, GQA attention, SwiGLU, optional MoE.
+
+Module names are the ones configs/models/*.yaml use (fused wqkv and w13), so the plan derived from
+a built model equals the plan read from its YAML file.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8stack.models.moe import FeedForward, MoE, MoEConfig
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-style decoder."""
+
+    dim: int
+    """Hidden size."""
+    n_layers: int
+    """Transformer blocks."""
+    n_heads: int
+    """Query heads."""
+    n_kv_heads: int
+    """Key/value heads (GQA groups); equal to n_heads for plain multi-head attention."""
+    ffn_dim: int
+    """Hidden width of the dense SwiGLU."""
+    vocab_size: int
+    """Embedding rows and output logits."""
+    seq_len: int
+    """Training sequence length."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 500000.0
+    """RoPE base frequency (Llama 3)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts shape; None for an all-dense model."""
+    first_moe_layer: int = 0
+    """With moe set: layers before this index keep a dense FeedForward (DeepSeek-V3 keeps 3)."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"LlamaConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"LlamaConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE")
+        if self.moe is not None and not 0 <= self.first_moe_layer < self.n_layers:
+            raise ValueError(f"LlamaConfig: first_moe_layer={self.first_moe_layer} must be in [0, n_layers={self.n_layers})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id >= self.first_moe_layer
+
+    @classmethod
+    def tiny(cls) -> "LlamaConfig":
+        """configs/models/tiny.yaml: CPU-sized, byte vocabulary."""
+        return cls(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256, seq_len=256)
+
+    @classmethod
+    def tiny_moe(cls) -> "LlamaConfig":
+        """configs/models/tiny-moe.yaml: tiny with layers 1-3 as 8-expert top-2 MoE plus a shared expert."""
+        moe = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256)
+        return cls(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256, seq_len=256,
+                   moe=moe, first_moe_layer=1)
+
+    @classmethod
+    def llama_1b_like(cls) -> "LlamaConfig":
+        """configs/models/llama-1b-like.yaml: 4 Llama-3-8B-shaped layers, the single-GPU benchmark."""
+        return cls(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, seq_len=4096)
+
+
+def rope_table(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """Complex FP32 rotations [seq_len, head_dim / 2]. Built per forward, not kept as a buffer:
+    it costs microseconds, and a buffer would be cast (imaginary part dropped) by .to(bfloat16)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x [B, S, H, head_dim] by rope [S, head_dim / 2], in FP32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rope[:, None, :]).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: fused wqkv, RoPE, SDPA (flash on GPU), wo."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(batch, seq, -1, self.head_dim), rope)
+        k = apply_rope(k.view(batch, seq, -1, self.head_dim), rope)
+        v = v.view(batch, seq, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.wqkv.weight, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then + feed_forward or moe (norm(x))."""
+
+    def __init__(self, layer_id: int, config: LlamaConfig):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        if config.is_moe_layer(layer_id):
+            self.moe = MoE(config.dim, config.moe)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+        # Output projections of deeper layers start smaller so the residual stream stays O(1).
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    @property
+    def mlp(self) -> nn.Module:
+        """The feed-forward part: `moe` or `feed_forward`."""
+        return self.moe if hasattr(self, "moe") else self.feed_forward
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.mlp(self.ffn_norm(x))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.mlp.init_weights(self.init_std)
+
+
+class Llama(nn.Module):
+    """Token embeddings, n_layers TransformerBlocks, final RMSNorm, output head. forward: tokens -> logits."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, config) for i in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.init_weights()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] int64 -> logits [B, S, vocab] in the activation dtype."""
+        cfg = self.config
+        rope = rope_table(cfg.head_dim, tokens.shape[1], cfg.rope_theta, device=tokens.device)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, rope)
+        return self.output(self.norm(x))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy, computed in FP32 (logits span a wide range)."""
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """(Re)initialise every parameter; the same seed gives the same weights on the same device. Call after `to_empty()` when the model was built on the meta device."""
+        device = self.output.weight.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            torch.manual_seed(seed)
+            nn.init.normal_(self.tok_embeddings.weight)
+            for layer in self.layers:
+                layer.init_weights()
+            self.norm.reset_parameters()
+            std = self.config.dim ** -0.5
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)

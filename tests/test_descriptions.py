@@ -1,0 +1,175 @@
+"""Model description YAMLs (configs/models) and example recipe files (configs/recipes): they load, have
+the shapes their header comments promise, and plan sensibly; bad description input is a PlanError."""
+
+from collections import Counter
+
+import pytest
+import yaml
+
+from fp8stack.plan import PlanError, PolicyConfig, description_from_dict, load_description, load_recipe_file, make_plan
+from fp8stack.plan.description import CONFIGS_DIR
+
+MODEL_FILES = sorted((CONFIGS_DIR / "models").glob("*.yaml"))
+RECIPE_FILES = sorted((CONFIGS_DIR / "recipes").glob("*.yaml"))
+HIGH_PRECISION_KINDS = ("embedding", "head", "router", "norm", "attn_core", "ssm_scan")
+
+
+def shapes(model, layer: int) -> dict[str, tuple[int, int]]:
+    return {c.name: (c.n, c.k) for c in model.components if c.layer == layer}
+
+
+@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: p.stem)
+def test_every_model_file_loads_with_unique_names(path):
+    model = load_description(path)
+    assert model.num_layers > 0
+    fqns = [c.fqn for c in model.components]
+    assert len(fqns) == len(set(fqns))
+    assert [c.layer for c in model.components if c.layer is not None] == sorted(
+        c.layer for c in model.components if c.layer is not None)
+
+
+@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: p.stem)
+def test_blockwise_plan_keeps_the_sensitive_kinds_bf16_and_experts_grouped(path):
+    plan = make_plan(load_description(path), PolicyConfig(recipe="blockwise", small_gemm_filter="off"))
+    for d in plan.decisions:
+        if d.component.kind in HIGH_PRECISION_KINDS:
+            assert d.backend == "bf16", d.fqn
+        if d.component.kind == "expert":
+            assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise"), d.fqn
+
+
+def test_llama3_8b_shapes():
+    model = load_description("llama3-8b")
+    assert (model.num_layers, model.seq_len) == (32, 8192)
+    layer = shapes(model, 31)
+    assert layer["attention.wqkv"] == ((32 + 2 * 8) * 128, 4096)
+    assert layer["feed_forward.w13"] == (2 * 14336, 4096)
+    assert layer["feed_forward.w2"] == (4096, 14336)
+    assert shapes(model, None)["output"] == (128256, 4096)
+    params = sum(c.n * c.k for c in model.components if c.kind in ("embedding", "linear", "head"))
+    assert 8.0e9 < params < 8.1e9  # Llama-3-8B has 8.03B parameters
+
+
+def test_deepseek_v3_layout_and_mla_shapes():
+    model = load_description("deepseek-v3-like-moe")
+    assert model.num_layers == 61
+    blocks = {c.layer: c.block for c in model.components if c.layer is not None}
+    assert [blocks[i] for i in range(61)] == ["dense"] * 3 + ["moe"] * 58
+    layer = shapes(model, 3)
+    assert layer["attention.wq_b"] == (128 * (128 + 64), 1536)
+    assert layer["attention.wkv_a"] == (512 + 64, 7168)
+    assert layer["attention.wkv_b"] == (128 * (128 + 128), 512)
+    assert layer["attention.wo"] == (7168, 128 * 128)
+    experts = {c.name: c for c in model.components if c.layer == 3 and c.kind == "expert"}
+    assert {(c.experts, c.active) for c in experts.values()} == {(256, 8)}
+    assert (experts["moe.experts.w13"].n, experts["moe.experts.w2"].k) == (2 * 2048, 2048)
+    params = sum(c.n * c.k * c.experts for c in model.components if c.kind in ("embedding", "linear", "expert", "router", "head"))
+    assert 670e9 < params < 672e9  # 671B without the multi-token-prediction module
+
+
+def test_deepseek_v3_plan_under_the_default_blockwise_policy():
+    plan = make_plan(load_description("deepseek-v3-like-moe"), PolicyConfig(recipe="blockwise"))
+    assert plan.decision("layers.3.moe.router.gate").backend == "bf16"
+    assert plan.decision("layers.3.moe.experts.w13").backend == "grouped_fp8"
+    assert plan.decision("layers.3.moe.experts.w2").backend == "grouped_fp8"
+    assert plan.decision("layers.3.attention.wkv_a").reason.startswith("n=576 is not divisible by 128")
+    assert {plan.decision(f).backend for f in ("tok_embeddings", "output", "norm")} == {"bf16"}
+
+
+def test_hybrid_layout_and_its_one_unaligned_dim():
+    model = load_description("hybrid-mamba-moe")
+    assert model.num_layers == 52
+    blocks = Counter(c.block for c in model.components if c.name == "norm" and c.layer is not None)
+    assert blocks == {"mamba": 28, "moe": 20, "attention": 4}
+    gemm_dims = {(c.name, d) for c in model.components if c.kind in ("linear", "expert") for d in (c.n, c.k) if d % 128}
+    assert gemm_dims == {("mixer.in_proj", 16496)}
+    assert 16496 % 16 == 0
+    rowwise = make_plan(model, PolicyConfig(recipe="rowwise"))
+    blockwise = make_plan(model, PolicyConfig(recipe="blockwise"))
+    assert rowwise.decision("layers.0.mixer.in_proj").backend == "torchao"
+    assert blockwise.decision("layers.0.mixer.in_proj").backend == "bf16"
+    assert blockwise.decision("layers.0.mixer.scan").backend == "bf16"
+
+
+@pytest.mark.parametrize("recipe_path", RECIPE_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("model_path", MODEL_FILES, ids=lambda p: p.stem)
+def test_every_recipe_file_plans_every_model(recipe_path, model_path):
+    settings, overrides = load_recipe_file(recipe_path)
+    plan = make_plan(load_description(model_path), PolicyConfig(**settings, overrides=overrides))
+    assert len(plan.decisions) == len(load_description(model_path).components)
+    assert all(d.backend == "bf16" for d in plan.decisions if d.component.kind in HIGH_PRECISION_KINDS)
+
+
+def plan_with(recipe_file: str, model: str):
+    settings, overrides = load_recipe_file(recipe_file)
+    return make_plan(load_description(model), PolicyConfig(**settings, overrides=overrides))
+
+
+def test_moe_only_fp8_keeps_everything_outside_the_moe_ffn_bf16():
+    for model in ("deepseek-v3-like-moe", "hybrid-mamba-moe"):
+        plan = plan_with("moe-only-fp8", model)
+        fp8 = {d.component.name for d in plan.decisions if d.precision == "fp8"}
+        assert fp8 == {"moe.experts.w13", "moe.experts.w2", "moe.shared_experts.w13", "moe.shared_experts.w2"}
+        assert plan.decision("layers.3.moe.experts.w2").backend == "grouped_fp8"
+
+
+def test_deepseek_v3_recipe_runs_the_small_mla_projections_in_fp8():
+    plan = plan_with("deepseek-v3", "deepseek-v3-like-moe")
+    assert plan.fp8_format == "e4m3"
+    for name in ("wq_a", "wq_b", "wkv_b", "wo"):
+        assert (plan.decision(f"layers.0.attention.{name}").backend, plan.decision(f"layers.60.attention.{name}").recipe) == ("te", "blockwise")
+    assert plan.decision("layers.0.attention.wkv_a").backend == "bf16"  # 576 outputs: the alignment rule
+
+
+def test_torchao_rowwise_gw_hp_recipe_matches_the_shipped_split():
+    plan = plan_with("torchao-rowwise-gw-hp-dense", "hybrid-mamba-moe")
+    assert (plan.decision("layers.5.attention.wqkv").backend, plan.decision("layers.5.attention.wqkv").recipe) == ("torchao", "rowwise_gw_hp")
+    assert (plan.decision("layers.1.moe.experts.w13").backend, plan.decision("layers.1.moe.experts.w13").recipe) == ("grouped_fp8", "blockwise")
+    assert plan.decision("layers.1.moe.shared_experts.w13").backend == "torchao"
+    assert {plan.decision(f"layers.0.mixer.{n}").backend for n in ("in_proj", "out_proj")} == {"bf16"}
+
+
+GOOD = {
+    "name": "m", "seq_len": 16,
+    "blocks": {"dense": [{"name": "w", "kind": "linear", "n": 32, "k": 32}]},
+    "layers": [{"block": "dense", "repeat": 2}],
+}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"shape": 3}, "unknown key(s) ['shape']"),
+    ({"layers": "dense"}, "layers must be a list"),
+    ({"seq_len": 0}, "seq_len must be a positive integer"),
+    ({"blocks": {}}, "'blocks' must map block type names"),
+    ({"layers": [{"block": "moe"}]}, "layers use block 'moe', not defined under 'blocks'"),
+    ({"layers": [{"repeat": 2}]}, "each 'layers' entry needs 'block'"),
+    ({"layers": [{"block": "dense", "repeat": -1}]}, "repeat of dense must be a positive integer"),
+    ({"blocks": {"dense": [{"name": "w", "kind": "conv", "n": 1, "k": 1}]}}, "has kind 'conv'; use one of linear"),
+    ({"blocks": {"dense": [{"name": "w", "kind": "linear", "n": 0, "k": 1}]}}, "layers.0.w n must be a positive integer"),
+    ({"blocks": {"dense": [{"name": "w", "kind": "linear", "k": 1}]}}, "n must be a positive integer, got None"),
+    ({"blocks": {"dense": [{"kind": "linear", "n": 1, "k": 1}]}}, "every component needs a 'name'"),
+    ({"blocks": {"dense": [{"name": "w", "kind": "linear", "n": 1, "k": 1, "width": 2}]}}, "has unknown key(s) ['width']"),
+])
+def test_bad_description_raises_plan_error_naming_the_fix(change, message):
+    with pytest.raises(PlanError) as err:
+        description_from_dict({**GOOD, **change}, source="bad.yaml")
+    assert message in str(err.value)
+    assert str(err.value).startswith("bad.yaml")
+
+
+def test_missing_required_key():
+    with pytest.raises(PlanError, match="missing required key 'layers'"):
+        description_from_dict({k: v for k, v in GOOD.items() if k != "layers"})
+
+
+def test_unreadable_description_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: m\nblocks: [unclosed\n")
+    with pytest.raises(PlanError, match="not valid YAML at line"):
+        load_description(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(PlanError, match="must be a YAML mapping"):
+        load_description(listing)
+    with pytest.raises(PlanError, match="not found: give a YAML path or one of .*llama3-8b"):
+        load_description("no-such-model")
