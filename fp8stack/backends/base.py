@@ -22,6 +22,8 @@ class ConversionRecord:
     """fqn -> class name of the module that now runs it."""
     recipe: str = ""
     """Recipe the converted modules run with."""
+    notes: list[str] = field(default_factory=list)
+    """What a user should know about how the plan was honoured (kernels chosen, formats a kernel imposes)."""
 
 
 class Backend(Protocol):

@@ -1,0 +1,151 @@
+"""DeepSeek-V3-style block scaling in plain torch: quantize/dequantize, expert-group padding, and
+the FP32 reference the grouped FP8 kernels are tested against.
+
+Activations (and gradients) are scaled per 1x128 tile along the reduction dim, weights per 128x128
+block; scales are FP32 decode factors (x ~= q * s), data is E4M3. Everything here runs on CPU.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128
+"""Tile length along the reduction dim and side of a weight block."""
+FP8 = torch.float8_e4m3fn
+"""Data type of every operand: torch's DeepSeek-style scaled_mm, its rowwise grouped GEMM and
+DeepGEMM all take E4M3 only (DeepSeek-V3 uses E4M3 for gradients too; the fine scales keep their range)."""
+FP8_MAX = torch.finfo(FP8).max
+
+
+class Fp8Tensor(NamedTuple):
+    """Quantized data and its FP32 decode scales."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def decode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Decode scale mapping amax to FP8_MAX; 1 for all-zero tiles, never 0 (0/0 would be NaN)."""
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return scale.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale, saturated to the E4M3 range."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_1x128(x: torch.Tensor) -> Fp8Tensor:
+    """Scale each row in 1x128 tiles along the last dim: data like x, scale [..., ceil(K/128)].
+    A partial last tile is padded with zeros, which leaves its amax unchanged."""
+    k = x.shape[-1]
+    tiles = -(-k // BLOCK)
+    padded = F.pad(x.float(), (0, tiles * BLOCK - k)).unflatten(-1, (tiles, BLOCK))
+    scale = decode_scale(padded.abs().amax(dim=-1))
+    data = cast_to_fp8(padded, scale.unsqueeze(-1)).flatten(-2)[..., :k]
+    return Fp8Tensor(data.contiguous(), scale)
+
+
+def dequantize_1x128(t: Fp8Tensor) -> torch.Tensor:
+    k = t.data.shape[-1]
+    return t.data.float() * t.scale.repeat_interleave(BLOCK, dim=-1)[..., :k]
+
+
+def quantize_128x128(w: torch.Tensor) -> Fp8Tensor:
+    """Scale [..., N, K] in 128x128 blocks: scale [..., N/128, K/128]. N and K must be multiples of 128."""
+    n, k = w.shape[-2:]
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"128x128 block scaling needs both weight dims divisible by {BLOCK}, got {n}x{k}")
+    blocks = w.float().unflatten(-1, (k // BLOCK, BLOCK)).unflatten(-3, (n // BLOCK, BLOCK))  # [.., nb, 128, kb, 128]
+    scale = decode_scale(blocks.abs().amax(dim=(-3, -1)))
+    data = cast_to_fp8(blocks, scale[..., :, None, :, None]).flatten(-4, -3).flatten(-2)
+    return Fp8Tensor(data, scale)
+
+
+def dequantize_128x128(t: Fp8Tensor) -> torch.Tensor:
+    expanded = t.scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return t.data.float() * expanded
+
+
+def group_counts(offsets: torch.Tensor) -> list[int]:
+    """Rows per expert from cumulative end offsets (a host sync)."""
+    return torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).tolist()
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Expert row groups rounded up to `alignment` rows, and how rows move between the two layouts."""
+
+    counts: tuple[int, ...]
+    """Rows per expert as given."""
+    padded: tuple[int, ...]
+    """Rows per expert after padding (multiples of the alignment)."""
+    dest: torch.Tensor | None
+    """[sum(counts)] row of each given row in the padded layout; None when the groups are already aligned."""
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor, alignment: int) -> "GroupLayout":
+        counts = group_counts(offsets)
+        if any(c < 0 for c in counts):
+            raise ValueError(f"expert offsets must be non-decreasing, got counts {counts}")
+        padded = [-(-c // alignment) * alignment for c in counts]
+        if padded == counts:
+            return cls(tuple(counts), tuple(padded), None)
+        padded_start, dest = 0, []
+        for count, rows in zip(counts, padded):
+            dest.append(torch.arange(padded_start, padded_start + count))
+            padded_start += rows
+        return cls(tuple(counts), tuple(padded), torch.cat(dest).to(offsets.device))
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[>= rows, ...] -> [sum(padded), ...], padding rows zero; rows past the groups are dropped."""
+        if self.dest is None:
+            return x[: self.rows]
+        out = x.new_zeros(sum(self.padded), *x.shape[1:])
+        return out.index_copy_(0, self.dest, x[: self.rows])
+
+    def unpad(self, y: torch.Tensor, total_rows: int) -> torch.Tensor:
+        """[sum(padded), ...] -> [total_rows, ...]; rows past the groups are zero."""
+        rows = y if self.dest is None else y.index_select(0, self.dest)
+        if total_rows == self.rows:
+            return rows
+        return torch.cat([rows, rows.new_zeros(total_rows - self.rows, *rows.shape[1:])])
+
+
+def _segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offsets.tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def reference_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Forward y = x @ w[e]^T per expert row group: x quantized 1x128, w 128x128, dequantized, FP32 matmul."""
+    xd, wd = dequantize_1x128(quantize_1x128(x)), dequantize_128x128(quantize_128x128(weight))
+    out = x.new_zeros(x.shape[0], weight.shape[1], dtype=torch.float32)
+    for e, (start, end) in enumerate(_segments(offsets)):
+        out[start:end] = xd[start:end] @ wd[e].T
+    return out
+
+
+def reference_grouped_dgrad(grad_y: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grad_x = grad_y @ w[e] per group: grad_y 1x128 along N, w 128x128 (a block of w^T is a block of w)."""
+    gd, wd = dequantize_1x128(quantize_1x128(grad_y)), dequantize_128x128(quantize_128x128(weight))
+    out = grad_y.new_zeros(grad_y.shape[0], weight.shape[2], dtype=torch.float32)
+    for e, (start, end) in enumerate(_segments(offsets)):
+        out[start:end] = gd[start:end] @ wd[e]
+    return out
+
+
+def reference_grouped_wgrad(grad_y: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grad_w[e] = grad_y_e^T @ x_e: both quantized in 1x128 tiles along the tokens of each group."""
+    out = x.new_zeros(offsets.numel(), grad_y.shape[1], x.shape[1], dtype=torch.float32)
+    for e, (start, end) in enumerate(_segments(offsets)):
+        gd = dequantize_1x128(quantize_1x128(grad_y[start:end].T))
+        xd = dequantize_1x128(quantize_1x128(x[start:end].T))
+        out[e] = gd @ xd.T
+    return out

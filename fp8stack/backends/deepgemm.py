@@ -1,0 +1,91 @@
+"""DeepGEMM adapter for the blockwise expert GEMMs. Optional: DeepGEMM is built from source
+(github.com/deepseek-ai/DeepGEMM), so its absence is a reason string, never an import error.
+
+It calls the functions torchao 0.18's blockwise MoE training calls (torchao/prototype/
+blockwise_fp8_training/deepgemm_grouped_kernels.py), with FP32 scales (the Hopper kernels):
+- forward and dgrad: m_grouped_fp8_gemm_nt_contiguous over expert-sorted rows, each expert's rows
+  padded to the contiguous-layout alignment and labelled by `m_indices`;
+- wgrad: k_grouped_fp8_gemm_nt_contiguous, the Hopper K-grouped FP8 kernel (DeepGEMM's
+  k_grouped_fp8_gemm_tn_contiguous is the Blackwell one, with UE8M0 scales), whose operands are
+  each expert's [dim, tokens] block stored K-major and flattened, scales [dim, token_blocks].
+DeepGEMM moves the FP32 scales into its TMA-aligned layout itself (transform_sf_into_required_layout).
+"""
+
+import importlib
+import math
+from types import ModuleType
+
+import torch
+
+from fp8stack.backends.base import BackendUnavailable
+from fp8stack.backends.blockwise import BLOCK, Fp8Tensor
+
+REQUIRED = ("m_grouped_fp8_gemm_nt_contiguous", "k_grouped_fp8_gemm_nt_contiguous")
+"""DeepGEMM functions the adapter calls."""
+
+
+def load() -> tuple[ModuleType | None, str]:
+    """(deep_gemm, '') or (None, why it cannot be used)."""
+    try:
+        library = importlib.import_module("deep_gemm")
+    except Exception as err:  # ImportError, or an OSError / ABI error from its extension
+        return None, (f"deep_gemm is not importable ({type(err).__name__}: {err}); build DeepGEMM from "
+                      "github.com/deepseek-ai/DeepGEMM against this torch, or use the torch kernels")
+    missing = [name for name in REQUIRED if not hasattr(library, name)]
+    if missing:
+        return None, (f"the installed deep_gemm lacks {', '.join(missing)}: install a DeepGEMM with "
+                      "Hopper K-grouped FP8 GEMMs, or use the torch kernels")
+    return library, ""
+
+
+def m_indices(counts: list[int] | tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 [sum(counts)]: the expert of each row of an expert-sorted, padded row buffer."""
+    experts = torch.arange(len(counts), dtype=torch.int32, device=device)
+    return experts.repeat_interleave(torch.tensor(counts, device=device), output_size=sum(counts))
+
+
+def flatten_k_grouped(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """[dim, tokens] -> 1-D: expert by expert, its [dim, expert_tokens] block, K (tokens) innermost."""
+    blocks, start = [], 0
+    for count in counts:
+        blocks.append(data[:, start:start + count].contiguous().view(-1))
+        start += count
+    return torch.cat(blocks)
+
+
+class DeepGemmKernels:
+    """The two grouped GEMMs of grouped_fp8's blockwise recipe, on DeepGEMM (sm90)."""
+
+    name = "DeepGEMM"
+
+    def __init__(self, library: ModuleType | None = None):
+        if library is None:
+            library, why = load()
+            if library is None:
+                raise BackendUnavailable(why)
+        # Keep the functions, not the module: a module attribute would make the model impossible to deepcopy.
+        self.m_grouped_gemm = library.m_grouped_fp8_gemm_nt_contiguous
+        self.k_grouped_gemm = library.k_grouped_fp8_gemm_nt_contiguous
+        alignment = getattr(library, "get_mk_alignment_for_contiguous_layout", None) or \
+            library.get_m_alignment_for_contiguous_layout
+        self.row_alignment = math.lcm(BLOCK, int(alignment()))
+        """Rows per expert group are padded to this: DeepGEMM's block_m, and whole 128-token tiles for wgrad."""
+
+    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """Row group e of a [R, K] (1x128 scales) times b[e]^T, b [E, N, K] (128x128 scales) -> [R, N] BF16."""
+        out = torch.empty(a.data.shape[0], b.data.shape[1], dtype=torch.bfloat16, device=a.data.device)
+        # No recipe: DeepGEMM infers 1x128 / 128x128 from the FP32 scale shapes (its legacy recipe).
+        self.m_grouped_gemm(
+            (a.data, a.scale), (b.data, b.scale), out, m_indices(counts, a.data.device), disable_ue8m0_cast=True)
+        return out
+
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32."""
+        out = torch.empty(len(counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
+        # The Hopper kernel computes d = c + a @ b^T and needs c and d to be distinct buffers.
+        accumulator = torch.zeros_like(out)
+        ks = list(counts)
+        self.k_grouped_gemm(
+            (flatten_k_grouped(a.data, ks), a.scale), (flatten_k_grouped(b.data, ks), b.scale), out, ks,
+            torch.tensor(ks, dtype=torch.int32, device=a.data.device), accumulator, recipe=(1, 1, BLOCK))
+        return out

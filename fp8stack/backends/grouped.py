@@ -1,0 +1,401 @@
+"""grouped_fp8: MoE expert GEMMs (GroupedExperts.w13 / w2) in FP8, forward, dgrad and wgrad.
+
+Recipes the plan may give an expert GEMM:
+- blockwise (DeepSeek-V3): activations and gradients in 1x128 tiles along the reduction dim, weights
+  in 128x128 blocks, FP32 scales and accumulation; each expert's rows padded to 128. Kernels: DeepGEMM
+  when importable, else torch.nn.functional.scaled_mm per expert (cuBLASLt, sm90 only).
+- rowwise: one scale per row (tokens) / output channel (weights), torch._scaled_grouped_mm (sm90, sm100)
+  for all three GEMMs; wgrad scales per expert and channel over the expert's tokens.
+- rowwise_gw_hp: rowwise, with the weight-gradient GEMM in BF16 (torch._grouped_mm).
+Every operand is E4M3 whatever the plan's fp8_format: these kernels take no E5M2 (DeepSeek-V3 runs
+gradients in E4M3 too; the fine-grained scales keep their range). The conversion record says so.
+
+Memory traffic per GEMM (x [T, K], w [E, N, K], grad [T, N], all BF16; bytes read + written; quantizers
+fused by inductor on CUDA (fp8_quant.py), which may read the input twice (amax kernel, cast kernel); an
+eager quantizer costs ~7 FP32 passes of its input instead):
+- forward: w -> FP8 + scales once (2ENK + ENK), saved for dgrad; x -> 1x128 along K and, when w needs a
+  gradient, along T transposed, from one read (2TK + 2TK), the transposed copy saved for wgrad instead of
+  x (TK bytes of FP8, not 2TK of BF16). Rowwise gathers x into its 16-aligned groups inside the same kernel.
+- backward: grad -> along N and along T transposed from one read (2TN + 2TN); blockwise dgrad transposes
+  the saved FP8 weight (2ENK); rowwise re-quantizes w per K column (2ENK + ENK).
+- GEMMs: FP8 operands (1 byte/element) and BF16 outputs; blockwise per-expert slices copy the output
+  once (2 x 2TN) and wgrad operands once (T(N + K)).
+- host syncs: blockwise reads the group sizes once per forward (.tolist()), reused by backward; rowwise none.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8stack.backends import deepgemm, fp8_quant
+from fp8stack.backends.base import BackendUnavailable, ConversionRecord
+from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, GroupLayout
+from fp8stack.backends.fp8_quant import TOKEN_CHUNK, gather_rows
+from fp8stack.models.moe import GroupedExperts
+from fp8stack.plan import Decision, Plan, PlanError
+
+RECIPE_ALIGNMENT = {"blockwise": BLOCK, "rowwise": TOKEN_CHUNK, "rowwise_gw_hp": TOKEN_CHUNK}
+"""Expert recipes this backend runs, and what both weight dims (and expert row groups) must be multiples of:
+128-blocks for blockwise; 16 bytes of FP8 for the rowwise kernels' TMA loads (token groups included, as
+the wgrad GEMM reduces over them)."""
+KERNEL_CHOICES = ("auto", "torch", "deepgemm")
+
+
+def _activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the BF16 GEMM would return: the autocast dtype if autocast is on, else x's dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
+    """[M, K/128] scales with strides (1, M): cuBLASLt's layout for 1x128 (VEC128) scales."""
+    return scale.t().contiguous().t()
+
+
+def rhs_block_scale(scale: torch.Tensor) -> torch.Tensor:
+    """128x128 scales [N/128, K/128] of a weight w [N, K], for scaled_mm(a, w.t()): shape
+    [round_up(K/128, 4), N/128], strides (1, round_up(K/128, 4)). cuBLASLt reads the K-block dim
+    padded to a multiple of 4 (pytorch#166752: unpadded scales gave wrong results when K/128 % 4 != 0)."""
+    k_blocks = scale.shape[1]
+    return F.pad(scale, (0, -k_blocks % 4), value=1.0).t()
+
+
+class TorchBlockwiseKernels:
+    """The blockwise recipe's grouped GEMMs as one torch scaled_mm per expert (cuBLASLt, sm90 only)."""
+
+    name = "torch scaled_mm per expert"
+    row_alignment = BLOCK
+    """Rows per expert are padded to whole 128-token tiles (the wgrad GEMM reduces over them)."""
+
+    def __init__(self, scaled_mm=F.scaled_mm):
+        self.scaled_mm = scaled_mm
+
+    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """Row group e of a [R, K] (1x128 scales) times b[e]^T, b [E, N, K] (128x128 scales) -> [R, N] BF16."""
+        out = a.data.new_zeros(a.data.shape[0], b.data.shape[1], dtype=torch.bfloat16)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                out[rows] = self.scaled_mm(
+                    a.data[rows], b.data[e].t(),
+                    outer_dim_major(a.scale[rows]), F.ScalingType.BlockWise1x128,
+                    rhs_block_scale(b.scale[e]), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+            start += count
+        return out
+
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32."""
+        out = a.data.new_zeros(len(counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                tokens, tiles = slice(start, start + count), slice(start // BLOCK, (start + count) // BLOCK)
+                out[e] = self.scaled_mm(
+                    a.data[:, tokens].contiguous(), b.data[:, tokens].contiguous().t(),
+                    outer_dim_major(a.scale[:, tiles]), F.ScalingType.BlockWise1x128,
+                    outer_dim_major(b.scale[:, tiles]), F.ScalingType.BlockWise1x128, output_dtype=torch.bfloat16)
+            start += count
+        return out
+
+
+class TorchRowwiseKernels:
+    """The rowwise recipes' grouped GEMMs on torch._scaled_grouped_mm (sm90, sm100)."""
+
+    name = "torch _scaled_grouped_mm"
+
+    def __init__(self, scaled_grouped_mm=torch._scaled_grouped_mm):
+        self.scaled_grouped_mm = scaled_grouped_mm
+
+    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Row group e of a [R, K] (scale [R]) times b[e]^T, b [E, N, K] (scale [E, N]) -> [R, N] BF16."""
+        return self.scaled_grouped_mm(a.data, b.data.transpose(-2, -1), a.scale, b.scale, offs=offsets,
+                                      out_dtype=torch.bfloat16)
+
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """out[e] = a_e @ b_e^T over token group e: a [M, T], b [N, T], scales [E * M], [E * N] -> [E, M, N] BF16."""
+        return self.scaled_grouped_mm(a.data, b.data.t(), a.scale, b.scale, offs=offsets, out_dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TokenGroupPadding:
+    """Token groups moved to start on multiples of an alignment, without a host sync: the padded
+    buffer has the static size T + E * (alignment - 1) rows, rounded up to the alignment; padding rows are zero.
+    Both directions are row gathers (`gather_rows`), so they fuse into the quantizer or cast that consumes them."""
+
+    offsets: torch.Tensor
+    """int32 [E] end row of each padded group."""
+    source: torch.Tensor
+    """[rows] token of each buffer row; -1 for padding rows."""
+    unpad_source: torch.Tensor
+    """[T] buffer row of each token; -1 for tokens past the last group (their output is zero)."""
+    rows: int
+    """Buffer rows."""
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor, num_tokens: int, alignment: int) -> "TokenGroupPadding":
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        padded_counts = (counts + alignment - 1) // alignment * alignment
+        padded_ends = padded_counts.cumsum(0)
+        tokens = torch.arange(num_tokens, device=offsets.device)
+        group = torch.searchsorted(offsets, tokens.to(offsets.dtype), right=True)
+        inside = group < offsets.numel()
+        shift = ((padded_ends - padded_counts) - (offsets - counts))[group.clamp(max=offsets.numel() - 1)]
+        # The GEMMs also need the buffer's row count (a stride when transposed) aligned.
+        rows = -(-(num_tokens + offsets.numel() * (alignment - 1)) // alignment) * alignment
+        dest = torch.where(inside, tokens + shift, rows)  # tokens past the groups go to a scratch row
+        source = torch.full((rows + 1,), -1, dtype=torch.long, device=offsets.device).index_copy_(0, dest, tokens)
+        return cls(padded_ends.to(offsets.dtype), source[:rows], torch.where(inside, dest, -1), rows)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, C] -> [rows, C]."""
+        return gather_rows(x, self.source)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
+        return gather_rows(y, self.unpad_source)
+
+
+def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """An expert without tokens gets a zero weight gradient, whatever the kernel leaves there."""
+    empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
+    return torch.where(empty[:, None, None], 0, grad_w)
+
+
+class BlockwiseGroupedMM(torch.autograd.Function):
+    """y = x @ w[e]^T per expert row group, with forward, dgrad and wgrad block-scaled FP8 GEMMs.
+    Each operand is quantized once, whole (1x128 tiles never cross a 128-aligned expert group)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, kernels):
+        layout = GroupLayout.build(offsets, kernels.row_alignment)  # the step's one host sync
+        x_padded = layout.pad(x)
+        weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
+        if ctx.needs_input_grad[1]:
+            # The wgrad operand x^T (1x128 tiles along the tokens) comes from the same read of x.
+            x_fp8, x_t = fp8_quant.quantize_both_1x128(x_padded)
+            ctx.save_for_backward(weight_fp8.data, weight_fp8.scale, x_t.data, x_t.scale)
+        else:
+            x_fp8 = fp8_quant.quantize_rows_1x128(x_padded)
+            ctx.save_for_backward(weight_fp8.data, weight_fp8.scale)
+        y = kernels.m_grouped(x_fp8, weight_fp8, layout.padded)
+        ctx.layout, ctx.kernels, ctx.rows = layout, kernels, x.shape[0]
+        ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
+        return layout.unpad(y, x.shape[0]).to(_activation_dtype(x))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight_data, weight_scale, *x_t = ctx.saved_tensors
+        layout, kernels = ctx.layout, ctx.kernels
+        grad_padded = layout.pad(grad_y)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if need_x and need_w:
+            grad_fp8, grad_t = fp8_quant.quantize_both_1x128(grad_padded)
+        elif need_x:
+            grad_fp8 = fp8_quant.quantize_rows_1x128(grad_padded)
+        elif need_w:
+            grad_t = fp8_quant.quantize_cols_1x128(grad_padded)
+        grad_x = grad_w = None
+        if need_x:
+            # A 128x128 block of w^T is the transpose of a block of w: the forward's quantization, transposed.
+            weight_t = Fp8Tensor(weight_data.transpose(1, 2).contiguous(), weight_scale.transpose(1, 2).contiguous())
+            grad_x = kernels.m_grouped(grad_fp8, weight_t, layout.padded)
+            grad_x = layout.unpad(grad_x, ctx.rows).to(ctx.x_dtype)
+        if need_w:
+            grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), layout.padded).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None
+
+
+class RowwiseGroupedMM(torch.autograd.Function):
+    """y = x @ w[e]^T per expert row group with rowwise-scaled FP8 grouped GEMMs; wgrad optionally in BF16.
+    Token groups are padded to 16 rows for every GEMM, as torch's FP8 grouped GEMM is used and tested;
+    the padding is a row gather fused into each quantizer, and nothing syncs with the host."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, kernels, high_precision_wgrad):
+        padding = TokenGroupPadding.build(offsets, x.shape[0], RECIPE_ALIGNMENT["rowwise"])
+        if ctx.needs_input_grad[1] and not high_precision_wgrad:
+            # The wgrad operand (x^T scaled per token group and column) from the same read of x, saved
+            # in FP8 instead of x.
+            x_fp8, x_groups = fp8_quant.gather_quantize_rowwise_and_groups(x, padding.source, padding.offsets)
+            saved = (x_groups.data, x_groups.scale)
+        else:
+            x_fp8 = fp8_quant.gather_quantize_rowwise(x, padding.source)
+            saved = (x,) if ctx.needs_input_grad[1] else ()
+        y = kernels.m_grouped(x_fp8, fp8_quant.quantize_rowwise_weight(weight), padding.offsets)
+        ctx.save_for_backward(weight, offsets, *saved)
+        ctx.padding, ctx.kernels, ctx.x_dtype = padding, kernels, x.dtype
+        ctx.high_precision_wgrad = high_precision_wgrad
+        return fp8_quant.gather_rows_fused(y, padding.unpad_source).to(_activation_dtype(x))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight, offsets, *saved = ctx.saved_tensors
+        padding, kernels, high_precision = ctx.padding, ctx.kernels, ctx.high_precision_wgrad
+        need_x, need_w = ctx.needs_input_grad[:2]
+        fp8_wgrad = need_w and not high_precision
+        if need_x and fp8_wgrad:
+            grad_fp8, grad_groups = fp8_quant.gather_quantize_rowwise_and_groups(grad_y, padding.source,
+                                                                                 padding.offsets)
+        elif need_x:
+            grad_fp8 = fp8_quant.gather_quantize_rowwise(grad_y, padding.source)
+        elif fp8_wgrad:
+            grad_groups = fp8_quant.gather_quantize_token_groups(grad_y, padding.source, padding.offsets)
+        grad_x = grad_w = None
+        if need_x:
+            # dgrad reduces over N: w^T [E, K, N] scaled per row.
+            grad_x = kernels.m_grouped(grad_fp8, fp8_quant.quantize_rowwise_transposed(weight), padding.offsets)
+            grad_x = fp8_quant.gather_rows_fused(grad_x, padding.unpad_source).to(ctx.x_dtype)
+        if need_w:
+            if high_precision:
+                grad_padded = fp8_quant.gather_rows_fused(grad_y.to(torch.bfloat16), padding.source)
+                x_padded = fp8_quant.gather_rows_fused(saved[0].to(torch.bfloat16), padding.source)
+                grad_w = torch._grouped_mm(grad_padded.t(), x_padded, offs=padding.offsets)
+            else:
+                grad_w = kernels.k_grouped(grad_groups, Fp8Tensor(*saved), padding.offsets)
+            grad_w = _zero_empty_experts(grad_w, offsets).to(weight.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+class Float8GroupedExperts(GroupedExperts):
+    """GroupedExperts whose planned GEMMs run in FP8; the same Parameter objects as the module it replaces.
+    A GEMM with no recipe (the plan keeps it BF16) runs GroupedExperts' torch._grouped_mm."""
+
+    def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        recipe = self.recipes.get("w13" if weight is self.w13 else "w2")
+        if recipe is None:
+            return super().grouped_mm(x, weight, offsets)
+        if recipe == "blockwise":
+            return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels)
+        return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp")
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, recipes: dict[str, str], blockwise_kernels,
+                     rowwise_kernels) -> "Float8GroupedExperts":
+        """Wrap `experts`' parameters; `recipes` maps 'w13' / 'w2' to an expert recipe."""
+        with torch.device("meta"):
+            new = cls(experts.w13.shape[2], experts.w2.shape[2], experts.num_experts)
+        new.w13, new.w2 = experts.w13, experts.w2
+        new.recipes = dict(recipes)
+        new.blockwise_kernels, new.rowwise_kernels = blockwise_kernels, rowwise_kernels
+        new.group_alignment = max([experts.group_alignment, *(
+            blockwise_kernels.row_alignment if r == "blockwise" else RECIPE_ALIGNMENT[r] for r in recipes.values())])
+        new.train(experts.training)
+        return new
+
+    def extra_repr(self) -> str:
+        kernels = {r: (self.blockwise_kernels if r == "blockwise" else self.rowwise_kernels).name
+                   for r in self.recipes.values()}
+        return f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}"
+
+
+@dataclass
+class GroupedFP8Backend:
+    """Swaps the GroupedExperts a plan assigns to grouped_fp8 for Float8GroupedExperts."""
+
+    kernels: str = "auto"
+    """Blockwise GEMM kernels: auto (DeepGEMM when importable, else torch), torch, or deepgemm."""
+
+    name = "grouped_fp8"
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"grouped_fp8 kernels={self.kernels!r}: use one of {', '.join(KERNEL_CHOICES)}")
+
+    def available(self) -> tuple[bool, str]:
+        if not torch.cuda.is_available():
+            return False, ("no CUDA GPU: grouped_fp8 runs torch's FP8 grouped GEMMs (sm90/sm100) and block-scaled "
+                           "GEMMs (sm90); run on a Hopper GPU, or plan the experts in BF16 (--recipe bf16)")
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) not in ((9, 0), (10, 0)):
+            return False, (f"GPU is sm{major}{minor}: torch's FP8 grouped GEMMs run on sm90 and sm100 only; "
+                           "plan the experts in BF16 on this GPU")
+        if self.kernels == "deepgemm":
+            library, why = deepgemm.load()
+            if library is None:
+                return False, why
+        return True, ""
+
+    def convert(self, model: nn.Module, decisions: list[Decision], plan: Plan) -> tuple[nn.Module, ConversionRecord]:
+        recipes: dict[str, dict[str, str]] = {}
+        for d in decisions:
+            module_fqn, gemms = _expert_gemms(model, d)
+            for gemm in gemms:
+                recipes.setdefault(module_fqn, {})[gemm] = d.recipe
+        for module_fqn, gemm_recipes in recipes.items():  # all checks before the first swap
+            _check_shapes(module_fqn, model.get_submodule(module_fqn), gemm_recipes)
+        used = {r for per_module in recipes.values() for r in per_module.values()}
+        blockwise_kernels = self._blockwise_kernels() if "blockwise" in used else None
+        rowwise_kernels = TorchRowwiseKernels() if used - {"blockwise"} else None
+        for module_fqn, gemm_recipes in recipes.items():
+            new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
+                                                    blockwise_kernels, rowwise_kernels)
+            model = _replace(model, module_fqn, new)
+        record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
+                                  converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
+                                  notes=_notes(plan, blockwise_kernels, rowwise_kernels) if used else [])
+        return model, record
+
+    def _blockwise_kernels(self):
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+            raise BackendUnavailable("the blockwise recipe's grouped GEMMs (torch's DeepSeek-style scaled_mm and "
+                                     "DeepGEMM with FP32 scales) run on sm90 only; use recipe mxfp8 on sm100")
+        if self.kernels == "torch" or (self.kernels == "auto" and deepgemm.load()[0] is None):
+            return TorchBlockwiseKernels()
+        return deepgemm.DeepGemmKernels()
+
+
+def _expert_gemms(model: nn.Module, d: Decision) -> tuple[str, tuple[str, ...]]:
+    """(fqn of the GroupedExperts, which of its GEMMs) a grouped_fp8 decision names."""
+    if d.recipe not in RECIPE_ALIGNMENT:
+        raise PlanError(f"plan gives {d.fqn} recipe {d.recipe!r} on grouped_fp8, which runs only "
+                        f"{', '.join(RECIPE_ALIGNMENT)}: regenerate the plan")
+    parent, _, leaf = d.fqn.rpartition(".")
+    candidates = [(parent, (leaf,))] if leaf in ("w13", "w2") else []
+    for module_fqn, gemms in [*candidates, (d.fqn, ("w13", "w2"))]:
+        try:
+            module = model.get_submodule(module_fqn)
+        except AttributeError:
+            continue
+        if isinstance(module, Float8GroupedExperts):
+            raise PlanError(f"{module_fqn} is already a Float8GroupedExperts: convert each model once")
+        if isinstance(module, GroupedExperts):
+            return module_fqn, gemms
+        raise PlanError(f"plan assigns {d.fqn} to grouped_fp8, but the model's {module_fqn or 'root'} is a "
+                        f"{type(module).__name__}, not a GroupedExperts: grouped_fp8 runs only grouped expert "
+                        "GEMMs, so give this component another backend (or fix the model description)")
+    raise PlanError(f"plan assigns {d.fqn} to grouped_fp8, but the model has no such module or parameter: "
+                    "the model description does not match the model")
+
+
+def _check_shapes(module_fqn: str, experts: GroupedExperts, recipes: dict[str, str]) -> None:
+    for gemm, recipe in recipes.items():
+        n, k = getattr(experts, gemm).shape[1:]
+        need = RECIPE_ALIGNMENT[recipe]
+        if n % need or k % need:
+            raise PlanError(f"{module_fqn}.{gemm} is {n}x{k}; {recipe} grouped FP8 GEMMs need both dims divisible "
+                            f"by {need}: keep it BF16 in the plan")
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    if not fqn:
+        return new
+    parent, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def _notes(plan: Plan, blockwise_kernels, rowwise_kernels) -> list[str]:
+    notes = []
+    if blockwise_kernels is not None:
+        notes.append(f"blockwise expert GEMMs run on {blockwise_kernels.name}; each step reads the expert "
+                     "group sizes on the host (no CUDA graphs around the experts)")
+    if rowwise_kernels is not None:
+        notes.append(f"rowwise expert GEMMs run on {rowwise_kernels.name}")
+    if plan.fp8_format != "e4m3":
+        notes.append(f"plan asks fp8_format {plan.fp8_format}, but grouped_fp8 runs gradients in E4M3 too: "
+                     "its kernels take no E5M2 operands (as in DeepSeek-V3, fine-grained scales keep the range)")
+    return notes

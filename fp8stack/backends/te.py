@@ -1,0 +1,282 @@
+"""TransformerEngine backend: each planned nn.Linear becomes a te.pytorch.Linear, each planned
+GroupedExperts two te.pytorch.GroupedLinear, and (with fuse_norm) an RMSNorm + Linear pair of an
+fp8stack Llama block one te.pytorch.LayerNormLinear. Every converted module runs its forward under
+its own te.pytorch.autocast (see te_modules.py), so the BF16 parts of the model never enter one.
+
+TransformerEngine and CUDA are looked up only when asked for: importing this module needs neither.
+"""
+
+import importlib.util
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from fp8stack.backends.base import BackendUnavailable, ConversionRecord
+from fp8stack.plan import Decision, Plan, PlanError
+from fp8stack.plan.recipes import FP8_FORMATS
+
+INSTALL_HINT = "pip install 'fp8stack[gpu]' on a CUDA machine"
+"""The fix for a machine without TransformerEngine."""
+
+TE_RECIPES = {
+    "delayed": "DelayedScaling",
+    "tensorwise": "Float8CurrentScaling",
+    "blockwise": "Float8BlockScaling",
+    "mxfp8": "MXFP8BlockScaling",
+}
+"""fp8stack recipe name -> transformer_engine.common.recipe class."""
+
+_SUPPORT_CHECKS = {
+    "delayed": "is_fp8_available",
+    "tensorwise": "is_fp8_available",
+    "blockwise": "is_fp8_block_scaling_available",
+    "mxfp8": "is_mxfp8_available",
+}
+"""fp8stack recipe name -> the transformer_engine.pytorch function that says whether this GPU runs it."""
+
+DELAYED_AMAX_HISTORY_LEN = 1
+DELAYED_AMAX_COMPUTE_ALGO = "most_recent"
+"""megatron-core's defaults (TransformerConfig.fp8_amax_history_len / fp8_amax_compute_algo), not
+TE's (1024, 'max'). They also keep per-module autocast exact: TE updates the amax history and scale
+of every delayed-scaling module at each autocast exit, so with N modules a longer history would
+receive N entries per step (N - 1 of them zero) and 'max' would see only len / N steps. With one
+entry and 'most_recent', a module that did not run since its last update has amax 0, which TE
+treats as "keep the scale", so each scale moves once per step, as under one model-wide autocast."""
+
+FUSED_NORMS = {".attention.wqkv": ".attention_norm", ".feed_forward.w13": ".ffn_norm"}
+"""fuse_norm: Linear fqn suffix -> the RMSNorm feeding only it in an fp8stack.models.llama block."""
+
+
+def te_recipe(recipe_name: str, fp8_format: str):
+    """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed)."""
+    _check_recipe_name(recipe_name)
+    if fp8_format not in FP8_FORMATS:
+        raise PlanError(f"FP8 format {fp8_format!r} is not one TransformerEngine trains with: use "
+                        f"{' or '.join(FP8_FORMATS)} (pure E5M2 training is not supported)")
+    reason = _import_problem()
+    if reason:
+        raise BackendUnavailable(f"recipe {recipe_name!r} needs TransformerEngine: {reason}")
+    from transformer_engine.common import recipe as te_recipes
+
+    # TE 2.20 accepts E4M3 and HYBRID for all four recipes (each __post_init__ rejects only E5M2).
+    fmt = {"e4m3": te_recipes.Format.E4M3, "hybrid": te_recipes.Format.HYBRID}[fp8_format]
+    if recipe_name == "delayed":
+        return te_recipes.DelayedScaling(fp8_format=fmt, margin=0, amax_history_len=DELAYED_AMAX_HISTORY_LEN,
+                                         amax_compute_algo=DELAYED_AMAX_COMPUTE_ALGO)
+    return getattr(te_recipes, TE_RECIPES[recipe_name])(fp8_format=fmt)
+
+
+@dataclass
+class TEBackend:
+    """TransformerEngine modules for the components a plan assigns to `te`."""
+
+    fuse_norm: bool = False
+    """Fuse attention_norm + attention.wqkv and ffn_norm + feed_forward.w13 of fp8stack Llama blocks
+    into te.pytorch.LayerNormLinear(normalization='RMSNorm'): one kernel normalizes and casts to FP8,
+    saving a BF16 round trip of the activations. The norm is replaced by nn.Identity."""
+
+    name: ClassVar[str] = "te"
+
+    def available(self, recipes: tuple[str, ...] | list[str] = ()) -> tuple[bool, str]:
+        """(True, '') when TE runs FP8 here, and every recipe in `recipes` on this GPU; else why."""
+        reason = _import_problem()
+        if reason:
+            return False, reason
+        import transformer_engine.pytorch as te
+
+        for recipe in recipes or ("tensorwise",):
+            _check_recipe_name(recipe)
+            ok, why = getattr(te, _SUPPORT_CHECKS[recipe])(return_reason=True)
+            if not ok:
+                return False, f"TransformerEngine cannot run recipe {recipe!r} on this GPU: {why}"
+        return True, ""
+
+    def convert(self, model: nn.Module, decisions: list[Decision], plan: Plan) -> tuple[nn.Module, ConversionRecord]:
+        """Swap each planned Linear / GroupedExperts for its TE module, weights copied bit-exactly.
+        Everything is checked before the first swap, so a refused plan leaves the model untouched."""
+        record = ConversionRecord(backend=self.name)
+        if not decisions:
+            return model, record
+        linears, expert_pairs, recipes = _validated(decisions, plan)
+        ok, reason = self.available(recipes)
+        if not ok:
+            raise BackendUnavailable(f"the plan for {plan.model} runs {len(decisions)} component(s) on "
+                                     f"TransformerEngine, but {reason}")
+        from fp8stack.backends import te_modules
+
+        te_recipes = {name: te_recipe(name, plan.fp8_format) for name in recipes}
+        shared = _shared_parameters(model)
+        swaps = []  # (fqn to swap, factory of its new module, plan fqns it then runs)
+        for d in linears:
+            linear = _checked(_linear_at(model, d), d.fqn, shared)
+            norm_fqn = _fusable_norm(model, d.fqn) if self.fuse_norm else None
+            if norm_fqn:
+                norm = _checked(model.get_submodule(norm_fqn), norm_fqn, shared)
+                # The norm's weight moves into the LayerNormLinear; the norm itself becomes a no-op.
+                swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
+                swaps.append((d.fqn, partial(te_modules.layernorm_linear_from, norm, linear, te_recipes[d.recipe],
+                                             name=d.fqn), (d.fqn,)))
+            else:
+                swaps.append((d.fqn, partial(te_modules.linear_from, linear, te_recipes[d.recipe], name=d.fqn),
+                              (d.fqn,)))
+        for module_fqn, (w13, w2) in expert_pairs.items():
+            grouped = _checked(_grouped_experts_at(model, module_fqn, w13, w2), module_fqn, shared)
+            swaps.append((module_fqn, partial(te_modules.grouped_experts_from, grouped, te_recipes[w13.recipe],
+                                              name=module_fqn), (w13.fqn, w2.fqn)))
+        # Build every module before swapping any: a module refused while built leaves the model as it was.
+        built = [(fqn, factory(), runs) for fqn, factory, runs in swaps]
+        for fqn, new, runs in built:
+            model = _swap(model, fqn, new)
+            record.converted.update(dict.fromkeys(runs, type(new).__name__))
+        record.recipe = ", ".join(recipes)
+        if "delayed" in recipes:
+            record.notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
+                                f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), so one FP8 autocast per "
+                                "module updates each scale once per step, as one model-wide autocast would")
+        fused = [fqn for fqn, cls in record.converted.items() if cls == "Identity"]
+        if fused:
+            record.notes.append(f"fuse_norm: {len(fused)} RMSNorm(s) folded into te LayerNormLinear "
+                                f"(e.g. {fused[0]}); their fqns now run nn.Identity")
+        return model, record
+
+
+def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], dict, list[str]]:
+    """(linear decisions, GroupedExperts fqn -> (w13, w2) decisions, recipe names), or PlanError."""
+    strays = [d.fqn for d in decisions if d.backend != "te"]
+    if strays:
+        raise ValueError(f"TEBackend.convert got decisions planned for other backends: {strays[:3]}")
+    others = [d for d in decisions if d.component.kind not in ("linear", "expert")]
+    if others:
+        raise PlanError(f"{others[0].fqn}: the te backend converts linear and expert components, "
+                        f"not kind {others[0].component.kind!r}: run it in bf16")
+    recipes = sorted({d.recipe for d in decisions})
+    for recipe in recipes:
+        _check_recipe_name(recipe)
+    linears = [d for d in decisions if d.component.kind == "linear"]
+    return linears, _expert_pairs([d for d in decisions if d.component.kind == "expert"], plan), recipes
+
+
+def _import_problem() -> str:
+    """'' when transformer_engine.pytorch imports and CUDA is visible, else the reason and the fix."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return f"TransformerEngine is not installed: {INSTALL_HINT}"
+    if not torch.cuda.is_available():
+        return "TransformerEngine needs CUDA, and torch.cuda.is_available() is False: run on a GPU machine"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # a native-library load failure surfaces as OSError, RuntimeError, ...
+        return (f"TransformerEngine is installed but fails to import ({type(err).__name__}: {err}): "
+                f"reinstall it for torch {torch.__version__} with {INSTALL_HINT}")
+    return ""
+
+
+def _check_recipe_name(recipe_name: str) -> None:
+    if recipe_name not in TE_RECIPES:
+        raise PlanError(f"recipe {recipe_name!r} has no TransformerEngine implementation: use one of "
+                        f"{', '.join(TE_RECIPES)}, or run it with --backend torchao")
+
+
+def _module_at(model: nn.Module, fqn: str) -> nn.Module:
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        raise PlanError(f"the plan names {fqn!r}, which is not a module of this {type(model).__name__}: "
+                        "derive the plan from this model (or fix the model description)") from None
+
+
+def _linear_at(model: nn.Module, d: Decision) -> nn.Linear:
+    module = _module_at(model, d.fqn)
+    if type(module) is not nn.Linear:
+        raise PlanError(f"{d.fqn} is a {type(module).__name__}, and the te backend converts plain nn.Linear "
+                        "only (a subclass may change what forward does): run it in bf16 or make it nn.Linear")
+    c = d.component
+    if (module.out_features, module.in_features) != (c.n, c.k):
+        raise PlanError(f"{d.fqn}: the plan says n x k = {c.n} x {c.k} but the module is "
+                        f"{module.out_features} x {module.in_features}: derive the plan from this model")
+    _check_device(module.weight, d.fqn)
+    return module
+
+
+def _grouped_experts_at(model: nn.Module, fqn: str, w13: Decision, w2: Decision) -> nn.Module:
+    from fp8stack.models.moe import GroupedExperts
+
+    module = _module_at(model, fqn)
+    if not isinstance(module, GroupedExperts):
+        raise PlanError(f"{fqn} is a {type(module).__name__}; the te backend converts "
+                        "fp8stack.models.moe.GroupedExperts (w13 [E, 2F, D], w2 [E, D, F]) only")
+    experts, two_hidden, dim = module.w13.shape
+    want = {"w13": (w13.component.experts, w13.component.n, w13.component.k),
+            "w2": (w2.component.experts, w2.component.n, w2.component.k)}
+    have = {"w13": (experts, two_hidden, dim), "w2": tuple(module.w2.shape)}
+    for name in ("w13", "w2"):
+        if want[name] != have[name]:
+            raise PlanError(f"{fqn}.{name}: the plan says experts x n x k = {want[name]} but the parameter is "
+                            f"{have[name]}: derive the plan from this model")
+    _check_device(module.w13, fqn)
+    return module
+
+
+def _expert_pairs(experts: list[Decision], plan: Plan) -> dict[str, tuple[Decision, Decision]]:
+    """GroupedExperts fqn -> (w13, w2) decisions; both halves must be te with one recipe."""
+    halves: dict[str, dict[str, Decision]] = defaultdict(dict)
+    for d in experts:
+        module_fqn, _, half = d.fqn.rpartition(".")
+        if half not in ("w13", "w2"):
+            raise PlanError(f"{d.fqn}: expert components are named <experts module>.w13 / .w2")
+        halves[module_fqn][half] = d
+    pairs = {}
+    for module_fqn, found in halves.items():
+        ends = {half: found.get(half) or plan.decision(f"{module_fqn}.{half}") for half in ("w13", "w2")}
+        w13, w2 = ends["w13"], ends["w2"]
+        if (w13.backend, w13.recipe) != (w2.backend, w2.recipe):
+            raise PlanError(f"{module_fqn}: w13 runs on {w13.backend}/{w13.recipe} but w2 on {w2.backend}/{w2.recipe}; "
+                            f"the experts convert as one module: give both one backend and recipe "
+                            f"(an override with fqn '{module_fqn}.*')")
+        pairs[module_fqn] = (w13, w2)
+    return pairs
+
+
+def _fusable_norm(model: nn.Module, fqn: str) -> str | None:
+    """The fqn of the RMSNorm that fuse_norm folds into the Linear at `fqn`, if it is one of FUSED_NORMS."""
+    for suffix, norm_suffix in FUSED_NORMS.items():
+        if fqn.endswith(suffix):
+            norm_fqn = fqn.removesuffix(suffix) + norm_suffix
+            try:
+                model.get_submodule(norm_fqn)
+            except AttributeError:
+                raise PlanError(f"fuse_norm folds {norm_fqn} into {fqn} (fp8stack.models.llama blocks), but this "
+                                f"{type(model).__name__} has no {norm_fqn}: turn fuse_norm off") from None
+            return norm_fqn
+    return None
+
+
+def _check_device(weight: torch.Tensor, fqn: str) -> None:
+    if weight.device.type not in ("cuda", "meta"):
+        raise BackendUnavailable(f"{fqn} has its weights on {weight.device}; TransformerEngine modules live on "
+                                 "CUDA: move the model to the GPU (or build it on 'meta') before converting")
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {pid for pid, n in counts.items() if n > 1}
+
+
+def _checked(module: nn.Module, fqn: str, shared: set[int]) -> nn.Module:
+    """`module`, unless one of its parameters is also another module's (tied weights)."""
+    if any(id(p) in shared for p in module.parameters()):
+        raise PlanError(f"{fqn} shares a parameter with another module (tied weights); converting it would "
+                        "untie them: keep it in bf16 with an override")
+    return module
+
+
+def _swap(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    """Put `new` at `fqn`; returns the model (`new` itself when fqn is the root)."""
+    if not fqn:
+        return new
+    parent, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model

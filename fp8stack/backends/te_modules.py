@@ -1,0 +1,149 @@
+"""TransformerEngine modules that run their forward under their own te.pytorch.autocast.
+
+Imports TransformerEngine at the top: fp8stack.backends.te imports this module only once it knows
+TE loads. One autocast region per module forward keeps the BF16 parts of the model out of FP8. What
+it costs: TE reduces and updates delayed-scaling amaxes at every region exit (forward) and at the
+end of every region's first module's backward, over all delayed-scaling modules registered with
+the same recipe; so a model with N such modules launches N fused update kernels per forward and
+N per backward instead of one each, and, when torch.distributed is initialized, N small amax
+all-reduces each. Current-scaling and block-scaling recipes keep no amax state: no such cost.
+Recompute these modules with te.pytorch.distributed.checkpoint: it accepts autocast regions opened
+inside the checkpointed function and replays delayed-scaling scales exactly (torch's checkpoint
+would recompute with the already-updated scales).
+"""
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+import transformer_engine.pytorch as te
+from torch import nn
+from transformer_engine.common.recipe import Recipe
+from transformer_engine.pytorch.quantization import get_align_size_for_quantization
+
+from fp8stack.plan import PlanError
+
+
+class _OwnAutocast:
+    """Mixin: forward runs under an FP8 autocast with this module's recipe."""
+
+    autocast_recipe: Recipe
+
+    def forward(self, *args, **kwargs):
+        with te.autocast(enabled=True, recipe=self.autocast_recipe):
+            return super().forward(*args, **kwargs)
+
+
+class TELinear(_OwnAutocast, te.Linear):
+    """te.pytorch.Linear in its own FP8 autocast."""
+
+
+class TELayerNormLinear(_OwnAutocast, te.LayerNormLinear):
+    """te.pytorch.LayerNormLinear (RMSNorm fused with the FP8 cast and GEMM) in its own FP8 autocast."""
+
+
+class TEGroupedExperts(nn.Module):
+    """fp8stack GroupedExperts on two te.pytorch.GroupedLinear: fc1 E x (D -> 2F) gate and up,
+    fc2 E x (F -> D) down, SwiGLU between; the same forward(x_sorted [R, D], offsets [E]) -> [R, D]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, *, recipe: Recipe, params_dtype: torch.dtype,
+                 device: str, name: str) -> None:
+        super().__init__()
+        self.autocast_recipe = recipe
+        self.group_alignment = get_align_size_for_quantization(recipe)
+        """MoE pads each expert's rows to this (FP8 GEMMs need 16 rows, MXFP8 32), read by MoE.forward."""
+        self.fc1 = te.GroupedLinear(num_experts, dim, 2 * hidden, bias=False, params_dtype=params_dtype,
+                                    device=device, name=f"{name}.fc1")
+        self.fc2 = te.GroupedLinear(num_experts, hidden, dim, bias=False, params_dtype=params_dtype,
+                                    device=device, name=f"{name}.fc2")
+        # For callers whose groups are not aligned yet (a no-op after MoE's own padding), as Megatron does.
+        self.pad = te.Fp8Padding(num_experts)
+        self.unpad = te.Fp8Unpadding(num_experts)
+
+    def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """offsets: int32 end row of each expert's group; rows past offsets[-1] are padding (output zero)."""
+        # TE splits the rows on the host: one device-to-host copy of the E counts per call.
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+        rows = sum(counts)
+        with te.autocast(enabled=True, recipe=self.autocast_recipe):
+            x, splits = self.pad(x_sorted[:rows], counts)
+            gate, up = self.fc1(x, splits).chunk(2, dim=-1)
+            out = self.unpad(self.fc2(F.silu(gate) * up, splits), counts)
+        padding = x_sorted.shape[0] - rows
+        return F.pad(out, (0, 0, 0, padding)) if padding else out
+
+    def init_weights(self, init_std: float) -> None:
+        """GroupedExperts.init_weights in this layout (the model's init_weights after building on 'meta')."""
+        for e in range(self.fc1.num_gemms):
+            nn.init.trunc_normal_(getattr(self.fc1, f"weight{e}"), std=0.02)
+            nn.init.trunc_normal_(getattr(self.fc2, f"weight{e}"), std=init_std)
+
+
+def linear_from(linear: nn.Linear, recipe: Recipe, name: str) -> TELinear:
+    """A TELinear with `linear`'s shape, dtype, device and (bit-exact) weights."""
+    weight = linear.weight
+    with _rng_kept(weight.device):
+        new = TELinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                       params_dtype=weight.dtype, device=str(weight.device), name=name)
+    new.autocast_recipe = recipe
+    _copy(new.weight, weight)
+    if linear.bias is not None:
+        _copy(new.bias, linear.bias)
+    return new.train(linear.training)
+
+
+def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, name: str) -> TELayerNormLinear:
+    """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly."""
+    weight = linear.weight
+    norm_weight = getattr(norm, "weight", None)
+    if (not isinstance(norm_weight, torch.Tensor) or not hasattr(norm, "eps")
+            or getattr(norm, "bias", None) is not None or tuple(norm_weight.shape) != (linear.in_features,)):
+        raise PlanError(f"fuse_norm: the norm before {name} is a {type(norm).__name__}, not an RMSNorm with a "
+                        f"weight of {linear.in_features}: turn fuse_norm off for this model")
+    if weight.device.type == "meta":
+        raise PlanError(f"fuse_norm replaces the norm before {name} by nn.Identity, so the model's init_weights "
+                        "could not reset it later: convert after initialising the weights (not on 'meta'), "
+                        "or turn fuse_norm off")
+    if norm_weight.dtype != weight.dtype:
+        raise PlanError(f"fuse_norm: the norm before {name} holds {norm_weight.dtype} and the linear {weight.dtype}; "
+                        "LayerNormLinear keeps one dtype: cast the model to one dtype or turn fuse_norm off")
+    # torch.nn.RMSNorm(eps=None) uses the input dtype's machine epsilon.
+    eps = norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
+    with _rng_kept(weight.device):
+        new = TELayerNormLinear(linear.in_features, linear.out_features, eps=eps, bias=linear.bias is not None,
+                                normalization="RMSNorm", params_dtype=weight.dtype, device=str(weight.device),
+                                name=name)
+    new.autocast_recipe = recipe
+    _copy(new.layer_norm_weight, norm_weight)
+    _copy(new.weight, weight)
+    if linear.bias is not None:
+        _copy(new.bias, linear.bias)
+    return new.train(linear.training)
+
+
+def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str) -> TEGroupedExperts:
+    """A TEGroupedExperts holding `experts`' w13 [E, 2F, D] and w2 [E, D, F] one expert per GEMM, bit-exactly."""
+    w13, w2 = experts.w13, experts.w2
+    num_experts, two_hidden, dim = w13.shape
+    with _rng_kept(w13.device):
+        new = TEGroupedExperts(num_experts, dim, two_hidden // 2, recipe=recipe, params_dtype=w13.dtype,
+                               device=str(w13.device), name=name)
+    for e in range(num_experts):
+        _copy(getattr(new.fc1, f"weight{e}"), w13[e])
+        _copy(getattr(new.fc2, f"weight{e}"), w2[e])
+    return new.train(experts.training)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():
+        dst.copy_(src)
+    dst.requires_grad_(src.requires_grad)
+
+
+def _rng_kept(device: torch.device) -> AbstractContextManager:
+    """TE modules initialise their weights randomly before we overwrite them; fork the RNG so that
+    converting does not shift the random stream (a BF16 and an FP8 run from one seed stay comparable)."""
+    if device.type != "cuda":
+        return nullcontext()  # 'meta': TE defers initialisation, nothing is drawn
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.random.fork_rng(devices=[index], device_type="cuda")

@@ -1,0 +1,98 @@
+"""Evidence files: every GPU claim is written by the code that measured it, with where and how.
+
+write_evidence() puts a JSON file (payload + environment + date + exact command) and a Markdown
+file (a header naming the same, then the caller's table) under profiles/, and a copy of both
+under $OUT when set (the folder a lent GPU machine sends back).
+"""
+
+import json
+import os
+import re
+import shlex
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+PACKAGES = {
+    "transformer_engine": ("transformer-engine", "transformer-engine-torch"),
+    "torchao": ("torchao",),
+    "megatron_core": ("megatron-core",),
+    "deep_gemm": ("deep-gemm",),
+    "triton": ("triton",),
+}
+"""Reported name -> installed distribution names tried in order (read from metadata: importing TE
+without CUDA fails, and metadata is what pip installed)."""
+
+
+def _installed(distributions: tuple[str, ...]) -> str | None:
+    for dist in distributions:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def environment() -> dict:
+    """Device, compute capability and the versions of the FP8 stack (None when not installed)."""
+    cuda = torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability() if cuda else None
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "compute_capability": f"{capability[0]}.{capability[1]}" if capability else None,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        **{name: _installed(dists) for name, dists in PACKAGES.items()},
+    }
+
+
+def device_slug(device: str | None = None) -> str:
+    """A short file-name tag for the device: 'NVIDIA H100 80GB HBM3' -> 'h100', no GPU -> 'cpu'."""
+    name = (device if device is not None else environment()["device"]).removeprefix("NVIDIA ")
+    model = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name)
+    return (model.group(1) if model else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown").lower()
+
+
+def command_line() -> str:
+    """How this process was started, as a shell line: `python -m pkg.mod args` when run with -m,
+    prefixed with PYTHONPATH when set (the GPU machines load the FP8 stack from it)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        argv = [sys.executable, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    else:
+        argv = [sys.executable, *sys.argv]
+    path = os.environ.get("PYTHONPATH")
+    return (f"PYTHONPATH={shlex.quote(path)} " if path else "") + shlex.join(argv)
+
+
+def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path = "profiles") -> tuple[Path, Path]:
+    """Write <out_dir>/<stem>.json and .md (and copies under $OUT); returns the two paths."""
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
+            "environment": environment()}
+    clash = set(meta) & set(payload)
+    if clash:
+        raise ValueError(f"payload keys {sorted(clash)} are reserved for the evidence header: rename them")
+    record = {**meta, **payload}
+    env = meta["environment"]
+    versions = ", ".join(f"{k} {v or 'not installed'}" for k, v in env.items()
+                         if k not in ("device", "compute_capability"))
+    header = (f"# {stem}\n\n"
+              f"- device: {env['device']} (compute capability {env['compute_capability'] or '-'})\n"
+              f"- versions: {versions}\n- date: {meta['date']}\n- command: `{meta['command']}`\n\n")
+    text_json, text_md = json.dumps(record, indent=2, default=str) + "\n", header + markdown.rstrip() + "\n"
+    for folder in [Path(out_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{stem}.json").write_text(text_json)
+        (folder / f"{stem}.md").write_text(text_md)
+    return Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.md"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

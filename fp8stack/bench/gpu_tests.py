@@ -1,0 +1,76 @@
+"""Run the GPU test suite (`pytest -m gpu`) and write its outcome as evidence.
+
+    python -m fp8stack.bench.gpu_tests [pytest args]
+
+Writes profiles/gpu-tests-<device>.json/.md (every test's outcome and duration, failure tails)
+and exits with pytest's exit code.
+"""
+
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+
+FAILURE_LINES = 15
+"""Lines kept from the end of a failure's report: the assertion and the line that raised."""
+
+
+class OutcomeCollector:
+    """pytest plugin: one record per test; a failing setup or teardown shows as an error of that phase."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        entry = self.results.setdefault(report.nodeid, {"nodeid": report.nodeid, "outcome": "", "duration_s": 0.0})
+        entry["duration_s"] = round(entry["duration_s"] + report.duration, 4)
+        if report.failed:
+            entry["outcome"] = "failed" if report.when == "call" else f"error in {report.when}"
+            entry["failure"] = "\n".join(str(report.longrepr).splitlines()[-FAILURE_LINES:])
+        elif report.when == "call" or report.skipped:
+            entry["outcome"] = report.outcome
+            if hasattr(report, "wasxfail"):
+                entry["outcome"] = "xfailed" if report.skipped else "xpassed"
+            if report.skipped and isinstance(report.longrepr, tuple):
+                entry["reason"] = report.longrepr[2]
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        """A module that fails to import, or skips itself whole (no CUDA), has no tests to report."""
+        if report.failed:
+            self.results[report.nodeid] = {"nodeid": report.nodeid, "outcome": "collection error", "duration_s": 0.0,
+                                           "failure": "\n".join(str(report.longrepr).splitlines()[-FAILURE_LINES:])}
+        elif report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.results[report.nodeid] = {"nodeid": report.nodeid, "outcome": "skipped", "duration_s": 0.0,
+                                           "reason": reason}
+
+
+def _note(result: dict) -> str:
+    """A skip's reason or a failure's last line, for one table cell."""
+    lines = (result.get("reason") or result.get("failure") or "").strip().splitlines()
+    return (lines[-1] if lines else "").replace("|", "\\|")[:160]
+
+
+def run(args: list[str], out_dir: str = "profiles") -> int:
+    """pytest -m gpu <args> in this process; write the evidence; return pytest's exit code."""
+    collector = OutcomeCollector()
+    pytest_args = ["-m", "gpu", *args]
+    start = time.perf_counter()
+    code = int(pytest.main(list(pytest_args), plugins=[collector]))  # pytest.main edits the list it gets
+    results = list(collector.results.values())
+    counts = dict(Counter(r["outcome"] for r in results))
+    payload = {"pytest_args": pytest_args, "exit_code": code, "wall_s": round(time.perf_counter() - start, 2),
+               "counts": counts, "tests": results}
+    rows = [[f"`{r['nodeid']}`", r["outcome"], f"{r['duration_s']:.2f}", _note(r)] for r in results]
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests collected"
+    markdown = f"pytest exit code {code}: {summary}\n\n" + markdown_table(["test", "outcome", "s", "note"], rows)
+    json_path, _ = write_evidence(f"gpu-tests-{device_slug()}", payload, markdown, out_dir)
+    print(f"evidence: {json_path} ({summary})")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

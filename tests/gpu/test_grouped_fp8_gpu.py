@@ -1,0 +1,173 @@
+"""grouped_fp8 on a Hopper GPU: the real kernels against the FP32 reference, and a converted MoE Llama
+training. Run with `pytest -m gpu tests/gpu/test_grouped_fp8_gpu.py`.
+
+Bounds per GEMM: against the dequantized FP32 reference (same quantized operands) only the accumulation
+order and the BF16 output rounding differ (KERNEL_TOLERANCE); against an FP32 GEMM of the unquantized
+operands the E4M3 rounding of both operands adds ~4% (FP8_TOLERANCE).
+"""
+
+import pytest
+import torch
+
+from fp8stack.backends import deepgemm
+from fp8stack.backends.blockwise import (quantize_1x128, quantize_128x128, reference_grouped_dgrad,
+                                         reference_grouped_gemm, reference_grouped_wgrad)
+from fp8stack.backends.grouped import (BlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
+                                       RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels)
+from fp8stack.backends.fp8_quant import quantize_rowwise
+from fp8stack.models import Llama, LlamaConfig
+from fp8stack.plan import PolicyConfig, load_description, make_plan
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(f"needs an sm90 (Hopper) GPU: torch's DeepSeek-style scaled_mm is sm90-only, this is "
+                f"sm{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)
+
+FP8_TOLERANCE = 6e-2
+KERNEL_TOLERANCE = 1e-2
+DEVICE = torch.device("cuda")
+UNEVEN = [130, 0, 7, 300]
+"""Rows per expert: unaligned groups, an empty expert."""
+
+KERNELS = {"torch": TorchBlockwiseKernels}
+if deepgemm.load()[0] is not None:
+    KERNELS["deepgemm"] = deepgemm.DeepGemmKernels
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def offsets_of(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def spans(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offsets.tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def exact_grouped(x, w, grad_y, offsets):
+    """FP32 GEMMs of the unquantized operands: (y, grad_x, grad_w)."""
+    x, w, grad_y = x.float(), w.float(), grad_y.float()
+    return (torch.cat([x[s:e] @ w[i].T for i, (s, e) in enumerate(spans(offsets))]),
+            torch.cat([grad_y[s:e] @ w[i] for i, (s, e) in enumerate(spans(offsets))]),
+            torch.stack([grad_y[s:e].T @ x[s:e] for s, e in spans(offsets)]))
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
+@pytest.mark.parametrize("counts", [UNEVEN, [128, 0, 256, 384]], ids=["uneven", "aligned"])
+@pytest.mark.parametrize("k", [640, 1024], ids=["k640", "k1024"])
+def test_blockwise_fwd_dgrad_wgrad_match_the_reference(kernels, counts, k):
+    """K = 640 and N = 384 make K/128 and N/128 not multiples of 4 (pytorch#166752 gave silently wrong
+    blockwise results there): forward and dgrad both reduce over such a dim."""
+    torch.manual_seed(0)
+    n = 384
+    offsets = offsets_of(counts)
+    x = torch.randn(sum(counts), k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(len(counts), n, k, device=DEVICE) * 0.05).requires_grad_(True)
+    y = BlockwiseGroupedMM.apply(x, w, offsets, KERNELS[kernels]())
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    exact_y, exact_dgrad, exact_wgrad = exact_grouped(x.detach(), w.detach(), grad_y, offsets)
+    assert rel_err(y, reference_grouped_gemm(x.detach(), w.detach(), offsets)) < KERNEL_TOLERANCE
+    assert rel_err(x.grad, reference_grouped_dgrad(grad_y, w.detach(), offsets)) < KERNEL_TOLERANCE
+    assert rel_err(w.grad, reference_grouped_wgrad(grad_y, x.detach(), offsets)) < KERNEL_TOLERANCE
+    assert rel_err(y, exact_y) < FP8_TOLERANCE
+    assert rel_err(x.grad, exact_dgrad) < FP8_TOLERANCE
+    assert rel_err(w.grad, exact_wgrad) < FP8_TOLERANCE
+    if 0 in counts:
+        assert (w.grad[counts.index(0)] == 0).all()
+
+
+@pytest.mark.parametrize("k", [384, 640, 896, 1152])
+def test_torch_blockwise_scaled_mm_when_k_blocks_are_not_a_multiple_of_4(k):
+    """One GEMM straight through the native kernel, K/128 = 3, 5, 7, 9."""
+    torch.manual_seed(0)
+    a, b = torch.randn(256, k, device=DEVICE), torch.randn(1, 256, k, device=DEVICE)
+    out = TorchBlockwiseKernels().m_grouped(quantize_1x128(a), quantize_128x128(b), (256,))
+    reference = reference_grouped_gemm(a, b, offsets_of([256]))
+    assert rel_err(out, reference) < KERNEL_TOLERANCE
+
+
+def _rowwise_reference(x, w, offsets):
+    xq, wq = quantize_rowwise(x), quantize_rowwise(w)
+    xd, wd = xq.data.float() * xq.scale[:, None], wq.data.float() * wq.scale[..., None]
+    return torch.cat([xd[s:e] @ wd[i].T for i, (s, e) in enumerate(spans(offsets))])
+
+
+@pytest.mark.parametrize("high_precision_wgrad", [False, True], ids=["rowwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("counts", [[20, 0, 45, 64], [32, 0, 48, 64]], ids=["uneven", "aligned16"])
+def test_rowwise_grouped_vs_bf16(high_precision_wgrad, counts):
+    torch.manual_seed(0)
+    offsets = offsets_of(counts)
+    x = torch.randn(sum(counts), 512, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(len(counts), 256, 512, device=DEVICE) * 0.05).requires_grad_(True)
+    y = RowwiseGroupedMM.apply(x, w, offsets, TorchRowwiseKernels(), high_precision_wgrad)
+    bf16 = torch._grouped_mm(x.detach(), w.detach().bfloat16().transpose(-2, -1), offs=offsets)
+    assert rel_err(y, bf16) < FP8_TOLERANCE
+    assert rel_err(y, _rowwise_reference(x.detach(), w.detach(), offsets)) < KERNEL_TOLERANCE
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    _, exact_dgrad, exact_wgrad = exact_grouped(x.detach(), w.detach(), grad_y, offsets)
+    assert rel_err(x.grad, exact_dgrad) < FP8_TOLERANCE
+    assert rel_err(w.grad, exact_wgrad) < (KERNEL_TOLERANCE if high_precision_wgrad else FP8_TOLERANCE)
+    assert (w.grad[1] == 0).all()
+
+
+def test_available_on_hopper():
+    assert GroupedFP8Backend().available() == (True, "")
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "rowwise_gw_hp"])
+def test_converted_moe_llama_trains(recipe):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny_moe()).to(DEVICE)
+    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format="e4m3"))
+    tokens = torch.randint(0, 256, (4, 129), device=DEVICE)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16_loss = Llama.loss(model(inputs), targets).item()
+    decisions = plan.for_backend("grouped_fp8")
+    assert {d.recipe for d in decisions} == {recipe} and len(decisions) == 6
+    model, record = GroupedFP8Backend(kernels="torch").convert(model, decisions, plan)
+    assert all(isinstance(model.layers[i].moe.experts, Float8GroupedExperts) for i in (1, 2, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(5):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = Llama.loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert abs(losses[0] - bf16_loss) < 0.02 * bf16_loss
+    assert losses[-1] < losses[0]
+
+
+def test_fused_quantizers_match_the_eager_references_on_cuda():
+    """The compiled (inductor/Triton) quantizers against the same Python run eagerly: scales bit for bit,
+    FP8 codes at most 1 apart (Triton's division is div_rn like eager, so they should be equal too)."""
+    from fp8stack.backends import fp8_quant
+    from fp8stack.backends.grouped import TokenGroupPadding
+
+    torch.manual_seed(0)
+    x = torch.randn(640, 1024, device=DEVICE, dtype=torch.bfloat16) * torch.logspace(
+        -3, 3, 1024, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(4, 384, 640, device=DEVICE)
+    padding = TokenGroupPadding.build(offsets_of([20, 0, 45, 64]), num_tokens=200, alignment=16)
+    cases = [(fp8_quant.quantize_both_1x128, (x,)), (fp8_quant.quantize_blocks_128x128, (w,)),
+             (fp8_quant.quantize_rowwise_transposed, (w,)),
+             (fp8_quant.gather_quantize_rowwise_and_groups, (x[:200], padding.source, padding.offsets))]
+    for fn, args in cases:
+        fast, eager = fn(*args), fn.eager(*args)
+        pairs = zip(fast, eager) if isinstance(fast[0], tuple) else [(fast, eager)]
+        for a, b in pairs:
+            assert torch.equal(a.scale, b.scale), fn.__name__
+            assert a.data.stride() == b.data.stride(), fn.__name__
+            codes = (a.data.view(torch.uint8).int() - b.data.view(torch.uint8).int()).abs()
+            assert codes.max() <= 1, fn.__name__

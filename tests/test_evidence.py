@@ -1,0 +1,141 @@
+"""Evidence tooling on CPU: environment, evidence files, the GPU-test collector, the benchmark's guards."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp8stack.bench import backends as bench
+from fp8stack.bench.evidence import device_slug, environment, write_evidence
+from fp8stack.bench import gpu_tests
+from fp8stack.bench.gpu_tests import OutcomeCollector
+from fp8stack.plan import PlanError
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+
+
+@cpu_only
+def test_environment_on_cpu():
+    env = environment()
+    assert env["device"] == "cpu" and env["compute_capability"] is None
+    assert env["torch"] == torch.__version__
+    for name in ("cuda", "transformer_engine", "torchao", "megatron_core", "deep_gemm"):
+        assert name in env  # a version string, or None when not installed
+    assert device_slug() == "cpu"
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090")])
+def test_device_slug(name, slug):
+    assert device_slug(name) == slug
+
+
+def test_write_evidence_writes_json_and_markdown(tmp_path, monkeypatch):
+    out = tmp_path / "device-out"
+    monkeypatch.setenv("OUT", str(out))
+    json_path, md_path = write_evidence("demo-cpu", {"timings_ms": [1.0, 2.0]}, "| a |\n|---|\n| 1 |",
+                                        tmp_path / "profiles")
+    record = json.loads(json_path.read_text())
+    assert {"date", "command", "environment", "timings_ms"} <= set(record)
+    assert record["timings_ms"] == [1.0, 2.0] and record["environment"]["device"] == environment()["device"]
+    markdown = md_path.read_text()
+    for needle in ("# demo-cpu", "- device:", "- versions:", "- date:", "- command:", "| 1 |"):
+        assert needle in markdown
+    assert (out / "demo-cpu.json").read_text() == json_path.read_text()
+    assert (out / "demo-cpu.md").read_text() == markdown
+
+
+def test_write_evidence_refuses_reserved_keys(tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        write_evidence("x", {"date": "yesterday"}, "", tmp_path)
+
+
+def test_collector_records_each_outcome(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='no GPU here')\n"
+        "def test_skip(): pass\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('fixture broke')\n"
+        "def test_error(broken): pass\n")
+    (tmp_path / "test_no_gpu_module.py").write_text(
+        "import pytest\npytest.skip('needs a CUDA GPU', allow_module_level=True)\n")
+    collector = OutcomeCollector()
+    code = pytest.main([str(tmp_path), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-o", "addopts=",
+                        "--import-mode=importlib"], plugins=[collector])
+    assert code == pytest.ExitCode.TESTS_FAILED
+    by_name = {nodeid.split("::")[-1]: r for nodeid, r in collector.results.items()}
+    assert by_name["test_ok"]["outcome"] == "passed"
+    assert by_name["test_bad"]["outcome"] == "failed" and "one is not two" in by_name["test_bad"]["failure"]
+    assert by_name["test_skip"]["outcome"] == "skipped" and by_name["test_skip"]["reason"].endswith("no GPU here")
+    assert by_name["test_error"]["outcome"] == "error in setup" and "fixture broke" in by_name["test_error"]["failure"]
+    assert by_name["test_no_gpu_module.py"]["outcome"] == "skipped"
+    assert "needs a CUDA GPU" in by_name["test_no_gpu_module.py"]["reason"]
+    assert all(r["duration_s"] >= 0 for r in collector.results.values())
+
+
+def test_gpu_tests_runs_only_gpu_tests_and_writes_evidence(tmp_path):
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.gpu\n"
+        "def test_on_gpu(): pass\n"
+        "def test_on_cpu(): pass\n")
+    code = gpu_tests.run([str(tmp_path), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-o", "addopts=",
+                          "--import-mode=importlib", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+                         out_dir=tmp_path / "profiles")
+    assert code == pytest.ExitCode.OK
+    (json_path,) = (tmp_path / "profiles").glob("gpu-tests-*.json")
+    record = json.loads(json_path.read_text())
+    assert record["exit_code"] == 0 and record["counts"] == {"passed": 1}
+    assert [t["nodeid"].split("::")[-1] for t in record["tests"]] == ["test_on_gpu"]
+    assert "test_on_gpu" in json_path.with_suffix(".md").read_text()
+
+
+def test_one_component_plan_targets_the_requested_backend():
+    plan, decisions = bench.linear_plan(4096, 14336, "rowwise", "torchao")
+    assert len(decisions) == 1 and len(plan.decisions) == 1
+    (d,) = decisions
+    assert (d.backend, d.recipe, d.component.n, d.component.k) == ("torchao", "rowwise", 4096, 14336)
+    _, (te_decision,) = bench.linear_plan(4096, 4096, "delayed", "te")
+    assert (te_decision.backend, te_decision.recipe) == ("te", "delayed")
+    _, experts = bench.expert_plan(8, 7168, 2048, "blockwise", "auto")
+    assert [(d.backend, d.recipe, d.fqn) for d in experts] == [
+        ("grouped_fp8", "blockwise", "layers.0.experts.w13"), ("grouped_fp8", "blockwise", "layers.0.experts.w2")]
+    _, te_experts = bench.expert_plan(8, 7168, 2048, "tensorwise", "te")
+    assert {d.backend for d in te_experts} == {"te"}
+    with pytest.raises(PlanError, match="not divisible"):
+        bench.linear_plan(576, 7168, "blockwise", "te")  # DeepSeek-V3's wkv_a: the policy keeps it BF16
+
+
+def test_benchmark_shapes():
+    linears = bench.linear_shapes(["llama-1b-like"])
+    assert [(s["n"], s["k"]) for s in linears] == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    experts = bench.expert_shapes(["llama-1b-like", "deepseek-v3-like-moe"], tokens=8192, local_experts=32)
+    assert [(s["source"], s["experts"], s["dim"], s["hidden"], s["tokens_per_expert"]) for s in experts] == [
+        ("deepseek-v3-like-moe", 32, 7168, 2048, 256),  # 8192 tokens x top-8 over 256 experts
+        ("issue-7", 8, 7168, 2048, 4096)]
+
+
+def test_speedups_compare_like_with_like_and_failures_stay_visible():
+    results = [{"n": 1, "recipe": "bf16", "compiled": False, "median_ms": 2.0},
+               {"n": 1, "recipe": "rowwise", "compiled": False, "median_ms": 1.0},
+               {"n": 1, "recipe": "bf16", "compiled": True, "median_ms": 1.0},
+               {"n": 1, "recipe": "rowwise", "compiled": True, "median_ms": 0.5},
+               {"n": 1, "recipe": "blockwise", "compiled": False, "error": "RuntimeError: boom"}]
+    bench._speedups(results, lambda r: (r["n"], r["compiled"]))
+    assert [r.get("speedup_vs_bf16") for r in results] == [1.0, 2.0, 1.0, 2.0, None]
+    assert bench._cell(results[4], "median_ms") == "error: RuntimeError: boom"
+
+
+@cpu_only
+def test_benchmark_refuses_cpu(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "fp8stack.bench.backends", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "needs a CUDA GPU" in result.stderr
+    assert not list(tmp_path.iterdir())

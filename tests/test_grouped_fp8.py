@@ -1,0 +1,528 @@
+"""grouped_fp8 on CPU: block quantization, the FP32 reference, padding and the kernels' data layouts,
+the autograd functions, and the converter.
+
+The GPU kernels cannot run here. Their data contracts can: `ContractScaledMM`, `ContractScaledGroupedMM`
+and `ContractDeepGemm` check the shapes and strides that torch's C++ checks and DeepGEMM's documented
+layout demand, then compute what the contract says in FP32. Passing them to the shipped kernel classes
+tests our layout code (scale padding, strides, m_indices, flattening) against the reference on CPU.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8stack.backends import get_backend
+from fp8stack.backends.blockwise import (BLOCK, FP8_MAX, Fp8Tensor, GroupLayout, dequantize_1x128,
+                                         dequantize_128x128, quantize_1x128, quantize_128x128,
+                                         reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
+from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices
+from fp8stack.backends.grouped import (BlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
+                                       RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels,
+                                       TokenGroupPadding, rhs_block_scale)
+from fp8stack.backends import fp8_quant
+from fp8stack.backends.fp8_quant import quantize_rowwise, quantize_token_groups
+from fp8stack.models.llama import Llama, LlamaConfig
+from fp8stack.models.moe import GroupedExperts
+from fp8stack.plan import Component, Decision, Plan, PlanError, PolicyConfig, load_description, make_plan
+
+FP8_TOLERANCE = 6e-2
+"""Relative (Frobenius) error of an FP8 GEMM vs FP32 on unquantized N(0,1) data. E4M3 keeps 3 mantissa bits:
+rounding errors up to 2^-4 per element, ~2.7% RMS; two quantized operands give ~4% on the product."""
+KERNEL_TOLERANCE = 1e-2
+"""A kernel vs the dequantized FP32 reference: only accumulation order and the BF16 output rounding (2^-9)."""
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
+
+
+def offsets_of(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+# ---- data contracts of the GPU kernels, interpreted in FP32 -------------------------------------------
+
+class ContractScaledMM:
+    """torch.nn.functional.scaled_mm with DeepSeek-style scales: the checks of torch's
+    _scaled_block1x128_block128x128 / _scaled_block1x128_block1x128 (ScaledBlas.cpp) and sm90's
+    row-major A x column-major B, then the product in FP32."""
+
+    def __call__(self, a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16):
+        (m, k), n = a.shape, b.shape[1]
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == 1 and b.stride(0) == 1
+        kb = -(-k // BLOCK)
+        assert recipe_a == F.ScalingType.BlockWise1x128
+        assert scale_a.shape == (m, kb) and scale_a.stride(0) == 1 and (kb == 1 or scale_a.stride(1) == m)
+        a_deq = a.float() * scale_a.repeat_interleave(BLOCK, 1)[:, :k]
+        if recipe_b == F.ScalingType.BlockWise128x128:
+            k4 = -(-kb // 4) * 4
+            assert scale_b.shape == (k4, -(-n // BLOCK)) and scale_b.stride(0) == 1
+            assert scale_b.shape[1] == 1 or scale_b.stride(1) == k4
+            expanded = scale_b[:kb].repeat_interleave(BLOCK, 0)[:k].repeat_interleave(BLOCK, 1)[:, :n]
+        else:
+            assert recipe_b == F.ScalingType.BlockWise1x128
+            assert scale_b.shape == (n, kb) and scale_b.stride(0) == 1 and (kb == 1 or scale_b.stride(1) == n)
+            expanded = scale_b.t().repeat_interleave(BLOCK, 0)[:k]
+        return (a_deq @ (b.float() * expanded)).to(output_dtype)
+
+
+class ContractScaledGroupedMM:
+    """torch._scaled_grouped_mm with rowwise scales: the checks of GroupedBlas.cpp (2d-3d and 2d-2d,
+    A row-major, B column-major, E4M3 only, BF16 out), 16-row aligned token groups for 2d-2d."""
+
+    def __call__(self, a, b, scale_a, scale_b, offs, out_dtype):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and offs.dtype == torch.int32
+        assert a.stride(-1) == 1 and b.stride(-2) == 1 and a.shape[-1] % 16 == 0
+        assert a.stride(-2) % 16 == 0 and b.stride(-1) % 16 == 0  # 16-byte aligned strides
+        ends = offs.tolist()
+        starts = [0, *ends[:-1]]
+        assert all(x % 16 == 0 for x in ends)  # torch only uses (and tests) 16-row aligned groups
+        if b.dim() == 3:
+            assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+            out = torch.zeros(a.shape[0], b.shape[2])
+            for e, (s, t) in enumerate(zip(starts, ends)):
+                out[s:t] = (a[s:t].float() * scale_a[s:t, None]) @ (b[e].float() * scale_b[e])
+            return out.to(out_dtype)
+        groups, m, n = len(ends), a.shape[0], b.shape[1]
+        assert scale_a.shape == (groups * m,) and scale_b.shape == (groups * n,)
+        out = torch.zeros(groups, m, n)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            out[e] = (a[:, s:t].float() * scale_a[e * m:(e + 1) * m, None]) @ (b[s:t].float() * scale_b[e * n:(e + 1) * n])
+        return out.to(out_dtype)
+
+
+class ContractDeepGemm:
+    """DeepGEMM's Hopper m-grouped contiguous and K-grouped (nt, flat K-major) FP8 GEMMs with FP32
+    scales, per its tests/generators.py and csrc/apis/gemm.hpp, computed in FP32."""
+
+    @staticmethod
+    def get_mk_alignment_for_contiguous_layout() -> int:
+        return 128
+
+    @staticmethod
+    def m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, disable_ue8m0_cast=False):
+        assert recipe is None and disable_ue8m0_cast  # 1x128 / 128x128 inferred from FP32 scale shapes
+        (a_data, a_scale), (b_data, b_scale) = a, b
+        assert a_data.is_contiguous() and b_data.is_contiguous() and grouped_layout.dtype == torch.int32
+        assert grouped_layout.shape == (a_data.shape[0],) and d.dtype == torch.bfloat16
+        (m, k), (_, n, _) = a_data.shape, b_data.shape
+        assert a_scale.shape == (m, k // 128) and b_scale.shape == (b_data.shape[0], n // 128, k // 128)
+        # Each 128-row block belongs to one expert (or is padding, -1).
+        assert all(len(set(block.tolist())) == 1 for block in grouped_layout.split(128))
+        a_deq = dequantize_1x128(Fp8Tensor(a_data, a_scale))
+        b_deq = dequantize_128x128(Fp8Tensor(b_data, b_scale))
+        for row, expert in enumerate(grouped_layout.tolist()):
+            if expert >= 0:
+                d[row] = (a_deq[row] @ b_deq[expert].T).to(d.dtype)
+
+    @staticmethod
+    def k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks, ks_tensor, c, recipe):
+        assert recipe == (1, 1, 128) and c is not d and d.dtype == c.dtype == torch.float32
+        assert ks_tensor.tolist() == ks and all(k % 128 == 0 for k in ks)
+        (a_flat, a_scale), (b_flat, b_scale) = a, b
+        m, n = d.shape[1:]
+        assert a_flat.dim() == b_flat.dim() == 1 and a_scale.shape == (m, sum(ks) // 128)
+        start = 0
+        for e, k in enumerate(ks):
+            tiles = slice(start // 128, (start + k) // 128)
+            a_e = dequantize_1x128(Fp8Tensor(a_flat[start * m:(start + k) * m].view(m, k), a_scale[:, tiles]))
+            b_e = dequantize_1x128(Fp8Tensor(b_flat[start * n:(start + k) * n].view(n, k), b_scale[:, tiles]))
+            d[e] = c[e] + a_e @ b_e.T
+            start += k
+
+
+BLOCKWISE_KERNELS = {
+    "torch": lambda: TorchBlockwiseKernels(ContractScaledMM()),
+    "deepgemm": lambda: DeepGemmKernels(ContractDeepGemm()),
+}
+
+
+# ---- quantization ---------------------------------------------------------------------------------------
+
+def test_1x128_round_trip_error_bound_and_scale_shapes():
+    torch.manual_seed(0)
+    x = torch.randn(6, 300) * torch.logspace(-3, 3, 300)  # a partial last tile (300 = 2*128 + 44)
+    q = quantize_1x128(x)
+    assert q.data.shape == (6, 300) and q.data.dtype == torch.float8_e4m3fn and q.scale.shape == (6, 3)
+    assert q.scale.dtype == torch.float32
+    scale = q.scale.repeat_interleave(BLOCK, 1)[:, :300]
+    # Round to nearest with 3 mantissa bits: 2^-4 relative, or half the subnormal step 2^-9 in scaled units.
+    assert ((dequantize_1x128(q) - x).abs() <= x.abs() * 2**-4 + scale * 2**-10).all()
+    assert quantize_1x128(torch.randn(2, 3, 256)).scale.shape == (2, 3, 2)
+
+
+def test_128x128_round_trip_error_bound_and_scale_shapes():
+    torch.manual_seed(0)
+    w = torch.randn(2, 256, 384)
+    q = quantize_128x128(w)
+    assert q.data.shape == w.shape and q.scale.shape == (2, 2, 3)
+    scale = q.scale.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    assert ((dequantize_128x128(q) - w).abs() <= w.abs() * 2**-4 + scale * 2**-10).all()
+    # Every block has its own scale: a block's amax sets it.
+    assert torch.allclose(q.scale[1, 0, 2], w[1, :128, 256:].abs().max() / FP8_MAX)
+    with pytest.raises(ValueError, match="divisible by 128"):
+        quantize_128x128(torch.randn(100, 128))
+
+
+def test_amax_maps_exactly_to_the_fp8_maximum():
+    torch.manual_seed(0)
+    x = torch.randn(4, 512)
+    q = quantize_1x128(x)
+    tiles = q.data.float().abs().unflatten(-1, (4, BLOCK)).amax(-1)
+    assert (tiles == FP8_MAX).all()
+    amax = x.abs().unflatten(-1, (4, BLOCK)).amax(-1)
+    assert torch.allclose(q.scale * FP8_MAX, amax, rtol=1e-6, atol=0)
+    w = quantize_128x128(torch.randn(256, 256))
+    assert (w.data.float().abs().unflatten(1, (2, BLOCK)).unflatten(0, (2, BLOCK)).amax(dim=(1, 3)) == FP8_MAX).all()
+
+
+def test_zero_and_tiny_blocks_stay_finite():
+    x = torch.zeros(2, 256)
+    x[1, 128:] = 1e-42  # bf16/fp32 subnormals: amax / 448 underflows
+    q = quantize_1x128(x)
+    assert q.scale[0].tolist() == [1.0, 1.0] and (q.data[0].float() == 0).all()
+    assert torch.isfinite(q.scale).all() and torch.isfinite(dequantize_1x128(q)).all()
+    assert (dequantize_1x128(q)[0] == 0).all()
+    w = quantize_128x128(torch.zeros(128, 256))
+    assert (w.scale == 1).all() and (dequantize_128x128(w) == 0).all()
+
+
+# ---- the FP32 reference vs BF16 and FP32 ------------------------------------------------------------------
+
+UNEVEN = [130, 0, 7, 300]
+"""Rows per expert: unaligned, an empty expert, a tiny and a large group."""
+
+
+def _problem(counts=UNEVEN, n=256, k=640, extra_rows=0, seed=0):
+    torch.manual_seed(seed)
+    rows = sum(counts) + extra_rows
+    return torch.randn(rows, k), torch.randn(len(counts), n, k) * 0.05, offsets_of(counts)
+
+
+def _exact(x, w, offsets):
+    out = torch.zeros(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ w[e].T
+        start = end
+    return out
+
+
+def test_reference_matches_bf16_grouped_mm_within_fp8_tolerance():
+    x, w, offsets = _problem()
+    reference = reference_grouped_gemm(x, w, offsets)
+    bf16 = torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offsets)
+    assert rel_err(reference, _exact(x, w, offsets)) < FP8_TOLERANCE
+    assert rel_err(reference, bf16) < FP8_TOLERANCE
+    assert (reference[130:130] == 0).all() and reference.shape == (437, 256)
+
+
+def test_reference_backward_within_fp8_tolerance():
+    x, w, offsets = _problem()
+    grad_y = torch.randn(x.shape[0], w.shape[1])
+    ends = offsets.tolist()
+    exact_dgrad = torch.cat([grad_y[s:e] @ w[i] for i, (s, e) in enumerate(zip([0, *ends[:-1]], ends))])
+    exact_wgrad = torch.stack([grad_y[s:e].T @ x[s:e] for s, e in zip([0, *ends[:-1]], ends)])
+    assert rel_err(reference_grouped_dgrad(grad_y, w, offsets), exact_dgrad) < FP8_TOLERANCE
+    wgrad = reference_grouped_wgrad(grad_y, x, offsets)
+    assert rel_err(wgrad, exact_wgrad) < FP8_TOLERANCE and (wgrad[1] == 0).all()
+
+
+# ---- padding and layouts ---------------------------------------------------------------------------------
+
+def test_group_layout_pads_each_expert_to_the_alignment_and_back():
+    x = torch.arange(10.0).unsqueeze(1)
+    layout = GroupLayout.build(offsets_of([3, 0, 5]), alignment=4)
+    assert layout.counts == (3, 0, 5) and layout.padded == (4, 0, 8)
+    padded = layout.pad(torch.cat([x[:8], torch.full((2, 1), 99.0)]))  # 2 rows past the groups
+    assert padded.squeeze(1).tolist() == [0, 1, 2, 0, 3, 4, 5, 6, 7, 0, 0, 0]
+    assert layout.unpad(padded, 10).squeeze(1).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 0]
+    aligned = GroupLayout.build(offsets_of([4, 8]), alignment=4)
+    assert aligned.dest is None and aligned.pad(torch.zeros(14, 1)).shape == (12, 1)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        GroupLayout.build(torch.tensor([4, 2], dtype=torch.int32), alignment=4)
+
+
+def test_token_group_padding_without_host_sync():
+    x = torch.arange(1.0, 12.0).unsqueeze(1)  # 11 rows: groups 3, 0, 5, then 3 rows past the groups
+    padding = TokenGroupPadding.build(offsets_of([3, 0, 5]), num_tokens=11, alignment=4)
+    assert padding.offsets.tolist() == [4, 4, 12] and padding.offsets.dtype == torch.int32
+    padded = padding.pad(x)
+    assert padded.shape == (20, 1)  # 11 + 3 * 3, rounded up to 4
+    assert padded[:12].squeeze(1).tolist() == [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]
+    assert (padded[12:] == 0).all()
+    assert padding.unpad(padded)[:8].squeeze(1).tolist() == list(range(1, 9))
+
+
+def test_rhs_block_scale_pads_k_blocks_to_a_multiple_of_four():
+    scale = torch.rand(2, 5) + 1  # N/128 = 2, K/128 = 5 (K = 640)
+    laid_out = rhs_block_scale(scale)
+    assert laid_out.shape == (8, 2) and laid_out.stride() == (1, 8)
+    assert torch.equal(laid_out[:5], scale.t()) and (laid_out[5:] == 1).all()
+    assert rhs_block_scale(torch.rand(3, 4)).shape == (4, 3)
+
+
+def test_deepgemm_m_indices_and_k_grouped_flattening():
+    assert m_indices([2, 0, 3], torch.device("cpu")).tolist() == [0, 0, 2, 2, 2]
+    assert m_indices([2, 0, 3], torch.device("cpu")).dtype == torch.int32
+    data = torch.arange(2 * 5).view(2, 5)  # [dim 2, tokens 5], experts own 2, 0, 3 tokens
+    assert flatten_k_grouped(data, [2, 0, 3]).tolist() == [0, 1, 5, 6, 2, 3, 4, 7, 8, 9]
+
+
+# ---- the autograd functions on the kernels' contracts ---------------------------------------------------
+
+@pytest.mark.parametrize("kernels", list(BLOCKWISE_KERNELS))
+@pytest.mark.parametrize("counts", [UNEVEN, [128, 0, 256, 128]], ids=["uneven", "aligned"])
+def test_blockwise_fwd_dgrad_wgrad_match_the_reference(kernels, counts):
+    x, w, offsets = _problem(counts, extra_rows=5)  # K = 640: K/128 = 5 is not a multiple of 4
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    y = BlockwiseGroupedMM.apply(x, w, offsets, BLOCKWISE_KERNELS[kernels]())
+    rows = sum(counts)
+    assert rel_err(y[:rows], reference_grouped_gemm(x.detach(), w.detach(), offsets)[:rows]) < KERNEL_TOLERANCE
+    assert (y[rows:] == 0).all()
+    grad_y = torch.randn_like(y)
+    grad_y[rows:] = 0
+    y.backward(grad_y)
+    assert rel_err(x.grad[:rows], reference_grouped_dgrad(grad_y, w.detach(), offsets)[:rows]) < KERNEL_TOLERANCE
+    assert (x.grad[rows:] == 0).all()
+    assert rel_err(w.grad, reference_grouped_wgrad(grad_y, x.detach(), offsets)) < KERNEL_TOLERANCE
+    if 0 in counts:
+        assert (w.grad[counts.index(0)] == 0).all()
+
+
+def test_blockwise_keeps_dtypes_and_follows_autocast():
+    x, w, offsets = _problem([128, 128], n=128, k=128)
+    x = x.bfloat16().requires_grad_(True)
+    w.requires_grad_(True)
+    y = BlockwiseGroupedMM.apply(x, w, offsets, BLOCKWISE_KERNELS["torch"]())
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert BlockwiseGroupedMM.apply(x.float(), w, offsets, BLOCKWISE_KERNELS["torch"]()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("trained", ["x", "w"])
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "rowwise_gw_hp"])
+def test_only_the_needed_gradient_is_computed(recipe, trained):
+    """Frozen weights (or inputs) skip their operand's second quantization; the other gradient is unchanged."""
+    x, w, offsets = _problem([128, 0, 256], n=128, k=256)
+    if recipe == "blockwise":
+        def apply(a, b):
+            return BlockwiseGroupedMM.apply(a, b, offsets, BLOCKWISE_KERNELS["torch"]())
+    else:
+        def apply(a, b):
+            kernels = TorchRowwiseKernels(ContractScaledGroupedMM())
+            return RowwiseGroupedMM.apply(a, b, offsets, kernels, recipe == "rowwise_gw_hp")
+    grad_y = torch.randn(x.shape[0], 128)
+    both = (x.clone().requires_grad_(True), w.clone().requires_grad_(True))
+    apply(*both).backward(grad_y)
+    one = (x.clone().requires_grad_(trained == "x"), w.clone().requires_grad_(trained == "w"))
+    apply(*one).backward(grad_y)
+    index = 0 if trained == "x" else 1
+    assert torch.equal(one[index].grad, both[index].grad) and one[1 - index].grad is None
+
+
+def _rowwise_reference(x, w, offsets):
+    xd = quantize_rowwise(x)
+    wd = quantize_rowwise(w)
+    return _exact(xd.data.float() * xd.scale[:, None], wd.data.float() * wd.scale[..., None], offsets)
+
+
+@pytest.mark.parametrize("high_precision_wgrad", [False, True], ids=["rowwise", "rowwise_gw_hp"])
+def test_rowwise_fwd_dgrad_wgrad(high_precision_wgrad):
+    counts = [20, 0, 45, 64]  # token groups not multiples of 16: the wgrad pads them
+    x, w, offsets = _problem(counts, n=128, k=256, extra_rows=5)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    kernels = TorchRowwiseKernels(ContractScaledGroupedMM())
+    y = RowwiseGroupedMM.apply(x, w, offsets, kernels, high_precision_wgrad)
+    rows = sum(counts)
+    assert rel_err(y[:rows], _rowwise_reference(x.detach(), w.detach(), offsets)[:rows]) < KERNEL_TOLERANCE
+    assert (y[rows:] == 0).all()
+    exact = _exact(x.detach(), w.detach(), offsets)
+    assert rel_err(y[:rows], exact[:rows]) < FP8_TOLERANCE
+    grad_y = torch.randn_like(y)
+    grad_y[rows:] = 0
+    y.backward(grad_y)
+    ends = offsets.tolist()
+    spans = list(zip([0, *ends[:-1]], ends))
+    exact_dgrad = torch.cat([grad_y[s:e] @ w.detach()[i] for i, (s, e) in enumerate(spans)])
+    exact_wgrad = torch.stack([grad_y[s:e].T @ x.detach()[s:e] for s, e in spans])
+    assert rel_err(x.grad[:rows], exact_dgrad) < FP8_TOLERANCE and (x.grad[rows:] == 0).all()
+    assert rel_err(w.grad, exact_wgrad) < (1e-2 if high_precision_wgrad else FP8_TOLERANCE)
+    assert (w.grad[1] == 0).all()
+
+
+# ---- the converter -----------------------------------------------------------------------------------------
+
+def _tiny_moe_and_plan(recipe="blockwise", fp8_format="hybrid"):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny_moe())
+    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format=fp8_format))
+    return model, plan
+
+
+def test_convert_swaps_exactly_the_planned_experts_with_the_same_parameters():
+    model, plan = _tiny_moe_and_plan()
+    decisions = [d for d in plan.for_backend("grouped_fp8") if d.component.layer != 3]
+    before = {name: p for name, p in model.named_parameters()}
+    values = {name: p.detach().clone() for name, p in before.items()}
+    converted, record = GroupedFP8Backend(kernels="torch").convert(model, decisions, plan)
+    assert converted is model
+    assert type(model.layers[1].moe.experts) is Float8GroupedExperts
+    assert type(model.layers[2].moe.experts) is Float8GroupedExperts
+    assert type(model.layers[3].moe.experts) is GroupedExperts  # not in the decisions handed over
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+    assert all(torch.equal(after[n], values[n]) for n in values)
+    experts = model.layers[1].moe.experts
+    assert experts.recipes == {"w13": "blockwise", "w2": "blockwise"} and experts.group_alignment == 128
+    assert record.backend == "grouped_fp8" and record.recipe == "blockwise"
+    assert record.converted == {d.fqn: "Float8GroupedExperts" for d in decisions}
+    assert any("E4M3" in note for note in record.notes)  # the plan asked for hybrid
+    assert "blockwise" in repr(experts)
+    experts.blockwise_kernels = BLOCKWISE_KERNELS["deepgemm"]()
+    assert type(copy.deepcopy(model).layers[1].moe.experts) is Float8GroupedExperts
+
+
+def test_convert_runs_an_unplanned_gemm_of_the_same_module_in_bf16():
+    model, plan = _tiny_moe_and_plan(recipe="rowwise", fp8_format="e4m3")
+    decisions = [plan.decision("layers.1.moe.experts.w13")]
+    _, record = GroupedFP8Backend().convert(model, decisions, plan)
+    experts = model.layers[1].moe.experts
+    assert experts.recipes == {"w13": "rowwise"} and experts.group_alignment == 16
+    assert not any("E4M3" in note for note in record.notes)
+    # w2 has no recipe: it runs GroupedExperts' BF16 torch._grouped_mm, on CPU too.
+    x = torch.randn(32, 256)
+    offsets = offsets_of([16, 0, 16, 0, 0, 0, 0, 0])
+    expected = torch._grouped_mm(x, experts.w2.transpose(-2, -1), offs=offsets)
+    assert torch.equal(experts.grouped_mm(x, experts.w2, offsets), expected)
+
+
+def test_converted_moe_layer_trains_on_the_kernel_contracts():
+    model, plan = _tiny_moe_and_plan()
+    moe = model.layers[1].moe
+    GroupedFP8Backend(kernels="torch").convert(model, [plan.decision("layers.1.moe.experts.w13"),
+                                                       plan.decision("layers.1.moe.experts.w2")], plan)
+    moe.experts.blockwise_kernels = BLOCKWISE_KERNELS["torch"]()  # the GPU kernels' contract, in FP32 on CPU
+    reference = GroupedExperts(256, 256, 8)
+    reference.load_state_dict(moe.experts.state_dict())
+    x = torch.randn(2, 16, 256)
+    y = moe(x)
+    baseline_experts, moe.experts = moe.experts, reference
+    baseline = moe(x)
+    moe.experts = baseline_experts
+    assert rel_err(y, baseline) < FP8_TOLERANCE
+    optimizer = torch.optim.SGD(moe.parameters(), lr=0.1, foreach=False)
+    losses = []
+    for _ in range(3):
+        loss = moe(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert moe.experts.w13.grad is not None and torch.isfinite(moe.experts.w13.grad).all()
+
+
+def _decision(fqn, recipe="blockwise", n=256, k=256):
+    return Decision(Component(fqn=fqn, kind="expert", n=n, k=k), "grouped_fp8", recipe, "test")
+
+
+def test_convert_refuses_decisions_it_cannot_honour():
+    model, plan = _tiny_moe_and_plan()
+    backend = GroupedFP8Backend(kernels="torch")
+    with pytest.raises(PlanError, match="FeedForward, not a GroupedExperts"):
+        backend.convert(model, [_decision("layers.0.feed_forward.w13")], plan)
+    with pytest.raises(PlanError, match="Linear, not a GroupedExperts"):
+        backend.convert(model, [_decision("layers.1.attention.wo")], plan)
+    with pytest.raises(PlanError, match="no such module"):
+        backend.convert(model, [_decision("layers.9.moe.experts.w13")], plan)
+    with pytest.raises(PlanError, match="runs only blockwise, rowwise, rowwise_gw_hp"):
+        backend.convert(model, [_decision("layers.1.moe.experts.w13", recipe="tensorwise")], plan)
+    backend.convert(model, [_decision("layers.1.moe.experts.w13")], plan)
+    with pytest.raises(PlanError, match="already a Float8GroupedExperts"):
+        backend.convert(model, [_decision("layers.1.moe.experts.w2")], plan)
+
+
+def test_convert_refuses_shapes_the_kernels_cannot_take():
+    experts = GroupedExperts(dim=200, hidden_dim=128, num_experts=2)
+    plan = Plan(model="odd", recipe="blockwise", fp8_format="e4m3", arch=90, decisions=())
+    with pytest.raises(PlanError, match="divisible by 128"):
+        GroupedFP8Backend(kernels="torch").convert(experts, [_decision("w13")], plan)
+    root, record = GroupedFP8Backend(kernels="torch").convert(
+        GroupedExperts(dim=256, hidden_dim=128, num_experts=2), [_decision("w2")], plan)
+    assert type(root) is Float8GroupedExperts and record.converted == {"w2": "Float8GroupedExperts"}
+
+
+def test_available_gives_a_reason_without_a_gpu():
+    backend = get_backend("grouped_fp8")
+    assert isinstance(backend, GroupedFP8Backend) and backend.name == "grouped_fp8"
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    ok, reason = backend.available()
+    assert not ok and "no CUDA GPU" in reason
+    with pytest.raises(ValueError, match="kernels='cutlass'"):
+        GroupedFP8Backend(kernels="cutlass")
+
+
+# ---- the fused quantizers (fp8_quant) against the eager references --------------------------------------
+
+def _bits(t):
+    """Tensors (or nested tuples of them) as comparable bit patterns."""
+    if isinstance(t, tuple):
+        return [_bits(u) for u in t]
+    values = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return t.dtype, tuple(t.shape), t.stride(), values.tolist()
+
+
+def test_whole_buffer_quantization_equals_the_per_expert_reference():
+    """1x128 tiles along the tokens of a 128-aligned buffer never cross an expert group: one call over the
+    buffer is the per-expert quantization of the reference wgrad."""
+    layout = GroupLayout.build(offsets_of([130, 0, 7, 300]), BLOCK)
+    x = layout.pad(torch.randn(437, 256))
+    rows, cols = fp8_quant.quantize_both_1x128.eager(x)
+    assert _bits(rows) == _bits(quantize_1x128(x))
+    start = 0
+    for count in layout.padded:
+        tokens, tiles = slice(start, start + count), slice(start // BLOCK, (start + count) // BLOCK)
+        if count:
+            whole = Fp8Tensor(cols.data[:, tokens].contiguous(), cols.scale[:, tiles].contiguous())
+            assert _bits(whole) == _bits(quantize_1x128(x[tokens].T))
+        start += count
+
+
+def test_aligned_token_group_quantization_equals_the_reference():
+    padding = TokenGroupPadding.build(offsets_of([20, 0, 45, 64]), num_tokens=134, alignment=16)
+    x = padding.pad(torch.randn(134, 96) * torch.logspace(-2, 2, 96))
+    assert _bits(fp8_quant.quantize_token_groups_aligned(x, padding.offsets)) == \
+        _bits(quantize_token_groups(x, padding.offsets))
+
+
+def test_compiled_quantizers_equal_eager_bit_for_bit_without_recompiling():
+    """What runs on CUDA is the same Python compiled by inductor; here on CPU. Max and abs are exact and
+    inductor keeps x / scale a correctly rounded division (div_rn in Triton), so the FP8 bits match.
+    A second row count reuses the compiled graph (the token dim is dynamic)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    w = torch.randn(2, 256, 384) * torch.logspace(-3, 3, 384)
+    padding = TokenGroupPadding.build(offsets_of([20, 0, 45, 64]), num_tokens=134, alignment=16)
+    for fn, weight_like in [(fp8_quant.quantize_blocks_128x128, True), (fp8_quant.quantize_rowwise_transposed, True),
+                            (fp8_quant.quantize_both_1x128, False),
+                            (fp8_quant.gather_quantize_rowwise_and_groups, False)]:
+        graphs = counters["stats"]["unique_graphs"]
+        for rows in (256, 384):
+            x = (torch.randn(rows, 640) * torch.logspace(-3, 3, 640)).bfloat16()
+            x[:128, :128] = 0  # an all-zero tile
+            args = (w,) if weight_like else (x,) if fn is fp8_quant.quantize_both_1x128 else (
+                x[:134], padding.source, padding.offsets)
+            assert _bits(fn.compiled(*args)) == _bits(fn.eager(*args)), fn.__name__
+        assert counters["stats"]["unique_graphs"] - graphs == 1, fn.__name__
+    source = padding.unpad_source
+    y = torch.randn(padding.rows, 32)
+    assert torch.equal(fp8_quant.gather_rows_fused.compiled(y, source), padding.unpad(y))

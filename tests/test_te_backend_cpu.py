@@ -1,0 +1,93 @@
+"""The te backend on a machine without TransformerEngine (or without CUDA): it imports, says why it
+cannot run, refuses plans that need it with the fix, and checks plans before looking for TE."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from fp8stack.backends import BackendUnavailable, get_backend
+from fp8stack.backends.te import INSTALL_HINT, TEBackend, te_recipe
+from fp8stack.models import Llama, LlamaConfig
+from fp8stack.plan import Override, PlanError, PolicyConfig, load_description, make_plan
+
+TE_RUNS_HERE = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+needs_no_te = pytest.mark.skipif(TE_RUNS_HERE, reason="TransformerEngine runs here; tests/gpu covers this machine")
+
+
+def te_plan(model: str = "tiny", **policy):
+    return make_plan(load_description(model), PolicyConfig(recipe="delayed", small_gemm_filter="off", **policy))
+
+
+def meta_llama(config: LlamaConfig) -> Llama:
+    with torch.device("meta"):
+        return Llama(config)
+
+
+@needs_no_te
+def test_unavailable_with_reason():
+    ok, reason = TEBackend().available()
+    assert not ok
+    assert "TransformerEngine" in reason
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert INSTALL_HINT in reason
+    else:
+        assert "CUDA" in reason
+
+
+@needs_no_te
+def test_te_recipe_without_te_names_the_fix():
+    with pytest.raises(BackendUnavailable, match="fp8stack\\[gpu\\]|CUDA"):
+        te_recipe("delayed", "hybrid")
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "bf16", "nope"])
+def test_te_recipe_rejects_recipes_te_does_not_have(recipe):
+    with pytest.raises(PlanError, match="no TransformerEngine implementation.*--backend torchao"):
+        te_recipe(recipe, "hybrid")
+
+
+def test_te_recipe_rejects_formats_te_does_not_train_with():
+    with pytest.raises(PlanError, match="e5m2.*use e4m3 or hybrid"):
+        te_recipe("tensorwise", "e5m2")
+
+
+@needs_no_te
+def test_convert_refuses_te_decisions_with_the_fix():
+    plan = te_plan()
+    decisions = plan.for_backend("te")
+    assert decisions, "the tiny delayed plan should put its linears on te"
+    model = meta_llama(LlamaConfig.tiny())
+    before = {name: type(m) for name, m in model.named_modules()}
+    with pytest.raises(BackendUnavailable, match=f"runs {len(decisions)} component\\(s\\) on TransformerEngine"):
+        get_backend("te").convert(model, decisions, plan)
+    assert {name: type(m) for name, m in model.named_modules()} == before
+
+
+def test_convert_without_decisions_needs_nothing():
+    model = meta_llama(LlamaConfig.tiny())
+    plan = make_plan(load_description("tiny"), PolicyConfig(recipe="bf16"))
+    converted, record = TEBackend().convert(model, plan.for_backend("te"), plan)
+    assert converted is model
+    assert record.backend == "te" and record.converted == {}
+
+
+def test_get_backend_passes_options():
+    backend = get_backend("te", fuse_norm=True)
+    assert isinstance(backend, TEBackend) and backend.fuse_norm and backend.name == "te"
+    assert not TEBackend().fuse_norm, "fuse_norm is a performance lever: off unless asked for"
+
+
+def test_experts_split_across_backends_are_refused_before_looking_for_te():
+    override = Override(fqn="layers.*.moe.experts.w2", backend="bf16", reason="test")
+    plan = te_plan("tiny-moe", overrides=(override,))
+    decisions = plan.for_backend("te")
+    assert any(d.fqn.endswith("experts.w13") for d in decisions)
+    with pytest.raises(PlanError, match="w13 runs on te/delayed but w2 on bf16/bf16.*experts\\.\\*"):
+        TEBackend().convert(meta_llama(LlamaConfig.tiny_moe()), decisions, plan)
+
+
+def test_decisions_for_another_backend_are_a_caller_error():
+    plan = te_plan()
+    with pytest.raises(ValueError, match="other backends"):
+        TEBackend().convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("bf16"), plan)
