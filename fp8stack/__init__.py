@@ -2,4 +2,17 @@
 
 from fp8stack.plan import Decision, ModelDescription, Plan, PlanError, PolicyConfig, load_description, make_plan
 
-__all__ = ["Decision", "ModelDescription", "Plan", "PlanError", "PolicyConfig", "load_description", "make_plan"]
+_ASSEMBLY = ("OrderingError", "assemble")
+"""Loaded on first use: the assembly imports torch, and `fp8stack plan` should not have to."""
+
+
+def __getattr__(name: str):
+    if name in _ASSEMBLY:
+        from fp8stack import assembly
+
+        return getattr(assembly, name)
+    raise AttributeError(f"module 'fp8stack' has no attribute {name!r}")
+
+
+__all__ = ["Decision", "ModelDescription", "OrderingError", "Plan", "PlanError", "PolicyConfig", "assemble",
+           "load_description", "make_plan"]

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--fp8-recipe", dest="recipe", choices=(BF16, *RECIPES),
                       help="FP8 recipe; may be omitted when the recipe file sets `recipe`")
     plan.add_argument("--fp8-format", choices=FP8_FORMATS,
-                      help="e4m3, or hybrid: E4M3 forward, E5M2 gradients (default: hybrid)")
+                      help="e4m3, or hybrid: E4M3 forward, E5M2 gradients (default: the recipe's library default: "
+                           "hybrid for delayed/tensorwise, e4m3 for rowwise/blockwise/mxfp8)")
     plan.add_argument("--backend", choices=BACKEND_PREFERENCES,
                       help="backend for dense linears; auto takes the recipe's first (default: auto)")
     plan.add_argument("--first-last-layers-bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -163,7 +163,7 @@ def test_json_output_shape(capsys):
 def test_markdown_output(capsys):
     out = _plan(capsys, "--model", "llama-1b-like", "--fp8-recipe", "blockwise", "--arch", "sm90", "--format", "markdown")
     lines = out.splitlines()
-    assert lines[0] == "### llama-1b-like: recipe blockwise (hybrid), sm90"
+    assert lines[0] == "### llama-1b-like: recipe blockwise (e4m3), sm90"
     assert "| layers | component | kind | shape | backend | recipe | reason |" in lines
     assert any(line.startswith("| 0-3 | dense: attention.wqkv | linear | 6144x4096 | te | blockwise |") for line in lines)
     assert sum(line.startswith("| 0-3 |") for line in lines) == len(LLAMA_DENSE)

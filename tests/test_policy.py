@@ -518,3 +518,13 @@ def test_expert_only_override_with_torchao_backend():
     everything_blockwise = Override(recipe="blockwise", source="r.yaml")
     with pytest.raises(PlanError, match="layers.0.wo.*blockwise.*te"):
         make_plan(desc, PolicyConfig(recipe="rowwise", backend="torchao", overrides=(everything_blockwise,)))
+
+
+@pytest.mark.parametrize("recipe,expected", [("delayed", "hybrid"), ("tensorwise", "hybrid"), ("rowwise", "e4m3"),
+                                             ("rowwise_gw_hp", "e4m3"), ("blockwise", "e4m3")])
+def test_unset_fp8_format_takes_the_recipes_library_default(recipe, expected):
+    from fp8stack.plan import description_from_dict
+    desc = description_from_dict({"name": "m", "seq_len": 128, "layers": [{"block": "d"}],
+                                  "blocks": {"d": [{"name": "w", "kind": "linear", "n": 4096, "k": 4096}]}})
+    assert make_plan(desc, PolicyConfig(recipe=recipe)).fp8_format == expected
+    assert make_plan(desc, PolicyConfig(recipe=recipe, fp8_format="hybrid")).fp8_format == "hybrid"

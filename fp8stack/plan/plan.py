@@ -56,7 +56,7 @@ class Plan:
     recipe: str
     """Requested recipe ('bf16' for a plan without FP8)."""
     fp8_format: str
-    """e4m3 or hybrid."""
+    """e4m3 or hybrid (resolved: the recipe's default when the user named none)."""
     arch: int
     """Target SM version (90 = Hopper)."""
     decisions: tuple[Decision, ...]

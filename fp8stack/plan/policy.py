@@ -61,8 +61,9 @@ class PolicyConfig:
 
     recipe: str
     """FP8 recipe for GEMMs the rules leave in FP8, or 'bf16' for no FP8 at all."""
-    fp8_format: str = "hybrid"
-    """e4m3, or hybrid (E4M3 forward, E5M2 gradients)."""
+    fp8_format: str | None = None
+    """e4m3, or hybrid (E4M3 forward, E5M2 gradients); None takes the recipe's library default
+    (hybrid for delayed and tensorwise, e4m3 for rowwise, blockwise and mxfp8)."""
     backend: str = "auto"
     """Preferred backend for dense linears: auto | te | torchao."""
     arch: int = 90
@@ -79,15 +80,17 @@ class PolicyConfig:
     """Per-block / per-fqn rules; the last matching one wins."""
 
     def __post_init__(self) -> None:
-        for name in ("recipe", "fp8_format", "backend", "small_gemm_filter"):
+        for name in ("recipe", "backend", "small_gemm_filter"):
             _require_name(getattr(self, name), name)
+        if self.fp8_format is not None:
+            _require_name(self.fp8_format, "fp8_format")
         if not isinstance(self.first_last_layers_bf16, bool):
             raise PlanError(f"first_last_layers_bf16 must be true or false, got {self.first_last_layers_bf16!r}")
         for o in self.overrides:
             for name in ("recipe", "backend"):
                 if getattr(o, name) is not None:
                     _require_name(getattr(o, name), f"{o.source}: override {name}")
-        if self.fp8_format not in FP8_FORMATS:
+        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
             raise PlanError(f"unknown FP8 format {self.fp8_format!r}: use e4m3 or hybrid")
         if self.backend not in BACKEND_PREFERENCES:
             raise PlanError(f"unknown backend {self.backend!r}: use one of {', '.join(BACKEND_PREFERENCES)}")
@@ -206,7 +209,8 @@ def make_plan(model: ModelDescription, cfg: PolicyConfig) -> Plan:
             if decision is not None:
                 decisions.append(decision)
                 break
-    return Plan(model=model.name, recipe=cfg.recipe, fp8_format=cfg.fp8_format, arch=cfg.arch,
+    fp8_format = cfg.fp8_format or (get_recipe(cfg.recipe).default_format if cfg.recipe != BF16 else "e4m3")
+    return Plan(model=model.name, recipe=cfg.recipe, fp8_format=fp8_format, arch=cfg.arch,
                 decisions=tuple(decisions))
 
 

@@ -35,23 +35,25 @@ class Recipe:
     """Lowest SM version (89 = Ada/Hopper FP8, 100 = Blackwell)."""
     summary: str
     """What the recipe does, for the reason column."""
+    default_format: str
+    """FP8 format when the user names none: the implementing library's own default for the recipe."""
 
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe("delayed", ("te",), "te", "delayed", 16, 89,
-               "per-tensor scales from an amax history (TE DelayedScaling)"),
+               "per-tensor scales from an amax history (TE DelayedScaling)", "hybrid"),
         Recipe("tensorwise", ("torchao", "te"), "grouped_fp8", "rowwise", 16, 89,
-               "per-tensor dynamic scales"),
+               "per-tensor dynamic scales", "hybrid"),
         Recipe("rowwise", ("torchao",), "grouped_fp8", "rowwise", 16, 89,
-               "per-row dynamic scales (torchao rowwise)"),
+               "per-row dynamic scales (torchao rowwise)", "e4m3"),
         Recipe("rowwise_gw_hp", ("torchao",), "grouped_fp8", "rowwise_gw_hp", 16, 89,
-               "per-row scales, weight gradient GEMM kept in BF16 (torchao rowwise_with_gw_hp)"),
+               "per-row scales, weight gradient GEMM kept in BF16 (torchao rowwise_with_gw_hp)", "e4m3"),
         Recipe("blockwise", ("te",), "grouped_fp8", "blockwise", 128, 90,
-               "DeepSeek-style 1x128 activation / 128x128 weight block scales"),
+               "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3"),
         Recipe("mxfp8", ("te",), "te", "mxfp8", 32, 100,
-               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)"),
+               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3"),
     )
 }
 

@@ -1,0 +1,390 @@
+"""assemble(model, plan): the stages that turn a model and a precision plan into a training model,
+in the only order that works:
+
+    convert_fp8 -> tensor_parallel -> recompute -> compile -> fully_shard
+
+Conversion swaps modules, so it must see plain ones: after tensor parallelism their weights are
+DTensors sharded for nn.Linear, after recompute they sit inside checkpoint wrappers, after compile
+the graphs were traced from the old modules, after fully_shard the weights are already grouped and
+sharded where torchao's float8 weight wrapper cannot go. Each stage is a
+helper that may be called alone (apply_fp8, apply_tp, apply_ac, apply_compile, apply_fsdp) and
+stamps the model (`assembly_state(model)`), so a stage run late, or twice, raises OrderingError
+instead of producing a model that trains in the wrong precision. Stages also look at the model
+itself (DTensor parameters, compiled, checkpoint-wrapped or FSDP modules), so a model prepared by
+hand is held to the same order.
+"""
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+from torchao.float8.config import ScalingGranularity
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                  PrepareFloat8ModuleInput)
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+from fp8stack.backends import BackendUnavailable, ConversionRecord, get_backend
+from fp8stack.plan import Plan
+from fp8stack.plan.recipes import BF16
+from fp8stack.runtime.recompute import CheckpointWrapper, checkpoint_module, has_te_modules
+
+__all__ = ["STAGES", "AssemblyState", "AssemblyWarning", "OrderingError", "apply_ac", "apply_compile", "apply_fp8",
+           "apply_fsdp", "apply_tp", "assemble", "assembly_state", "post_optimizer_step_hook"]
+
+log = logging.getLogger(__name__)
+
+STAGES = ("convert_fp8", "tensor_parallel", "recompute", "compile", "fully_shard")
+"""The stages, in the order they must run. Any may be skipped; none may run after a later one."""
+
+_FIX = ("call assemble(model, plan, ...) on a freshly built model: it runs the stages in order "
+        f"({' -> '.join(STAGES)})")
+
+
+class OrderingError(RuntimeError):
+    """Assembly stages run out of order, twice, or in a combination that would silently train wrong."""
+
+
+class AssemblyWarning(UserWarning):
+    """Something asked of the assembly will have no effect on this model."""
+
+
+@dataclass
+class AssemblyState:
+    """What the assembly has done to a model; kept on it, read with assembly_state(model)."""
+
+    stages: list[str] = field(default_factory=list)
+    """Stages applied so far, in order."""
+    conversions: list[ConversionRecord] = field(default_factory=list)
+    """One record per backend from convert_fp8: fqn -> the class that now runs it."""
+    precompute_fp8_scales: bool = False
+    """post_optimizer_step_hook precomputes torchao's FP8 weight scales (requested and applicable)."""
+
+
+_STATE_ATTR = "_fp8stack_assembly"
+
+
+def assembly_state(model: nn.Module) -> AssemblyState:
+    """The stamps on `model` (an empty state for a model no stage has touched)."""
+    return model.__dict__.get(_STATE_ATTR) or AssemblyState()
+
+
+def assemble(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    tp_mesh: DeviceMesh | None = None,
+    recompute: Sequence[int] | Literal["all"] | None = None,
+    compile: bool = False,
+    fsdp_mesh: DeviceMesh | None = None,
+    fsdp_float8_all_gather: bool = False,
+    precompute_fp8_scales: bool = False,
+    fsdp_mp_policy: MixedPrecisionPolicy | None = None,
+    backend_options: dict[str, dict] | None = None,
+) -> nn.Module:
+    """Apply `plan` and the parallelisms to `model`; returns the model to train (a new object only
+    when the plan swapped the root module itself).
+
+    tp_mesh: tensor-parallel mesh, or None. recompute: block indices of model.layers to checkpoint,
+    or 'all'. compile: torch.compile each block. fsdp_mesh: FSDP2 mesh, or None.
+    fsdp_float8_all_gather: all-gather torchao tensorwise weights in FP8 (needs fsdp_mesh).
+    precompute_fp8_scales: let post_optimizer_step_hook compute those weights' scales in one
+    all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
+    backend_options: backend name -> constructor options.
+    """
+    _check_combination(plan, compile=compile, fsdp_mesh=fsdp_mesh, fsdp_float8_all_gather=fsdp_float8_all_gather)
+    model = apply_fp8(model, plan, fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=backend_options)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    if recompute is not None:
+        apply_ac(model, recompute)
+    if compile:
+        apply_compile(model)
+    if fsdp_mesh is not None:
+        apply_fsdp(model, fsdp_mesh, mp_policy=fsdp_mp_policy, precompute_fp8_scales=precompute_fp8_scales)
+    elif precompute_fp8_scales:
+        _record_precompute(model, requested=True)
+    return model
+
+
+def _check_combination(plan: Plan, *, compile: bool, fsdp_mesh: DeviceMesh | None,
+                       fsdp_float8_all_gather: bool) -> None:
+    """Refuse, before anything is touched, the combinations no stage order can make right."""
+    if compile:
+        delayed = [d.fqn for d in plan.decisions if d.backend == "te" and d.recipe == "delayed"]
+        if delayed:
+            raise OrderingError(
+                f"TE DelayedScaling ({len(delayed)} layers, e.g. {delayed[0]!r}) cannot be combined with "
+                "torch.compile: "
+                "its amax history and scales are updated as side effects the compiled graph does not capture. "
+                "Use a current-scaling recipe (--fp8-recipe tensorwise, blockwise or mxfp8) or compile=False")
+    if fsdp_float8_all_gather:
+        _check_fp8_all_gather_recipes(plan)
+        if fsdp_mesh is None:
+            raise OrderingError("fsdp_float8_all_gather=True needs fully_shard: pass fsdp_mesh=..., "
+                                "or turn fsdp_float8_all_gather off")
+
+
+def _check_fp8_all_gather_recipes(plan: Plan) -> None:
+    torchao = plan.for_backend("torchao")
+    if not torchao:
+        raise OrderingError("fsdp_float8_all_gather=True but the plan has no torchao Float8Linear layers to gather "
+                            "in FP8: plan some layers for torchao tensorwise (--backend torchao "
+                            "--fp8-recipe tensorwise), or turn fsdp_float8_all_gather off")
+    other = sorted({d.recipe for d in torchao if d.recipe != "tensorwise"})
+    if other:
+        raise OrderingError(f"fsdp_float8_all_gather=True needs tensorwise weight scales, but the plan has torchao "
+                            f"layers with {', '.join(other)}: use --fp8-recipe tensorwise, or turn "
+                            "fsdp_float8_all_gather off (the weights are then all-gathered in BF16)")
+
+
+# --- stage 1: FP8 conversion -------------------------------------------------------------------
+
+def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = False,
+              backend_options: dict[str, dict] | None = None) -> nn.Module:
+    """Hand each backend its decisions; returns the model (new only if the root was swapped)."""
+    state = _begin(model, "convert_fp8")
+    if fsdp_float8_all_gather:
+        _check_fp8_all_gather_recipes(plan)
+    options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
+    if fsdp_float8_all_gather:
+        options.setdefault("torchao", {})["enable_fsdp_float8_all_gather"] = True
+    names = list(dict.fromkeys(d.backend for d in plan.decisions))
+    unused = sorted(set(options) - set(names))
+    if unused:
+        raise ValueError(f"backend options for {', '.join(unused)}, which the plan does not use "
+                         f"(it uses {', '.join(names)}): drop them or fix the plan")
+    backends = [get_backend(name, **options.get(name, {})) for name in names]
+    for backend in backends:  # all checked before any module is touched
+        ok, why = backend.available()
+        if not ok:
+            raise BackendUnavailable(
+                f"the plan runs {len(plan.for_backend(backend.name))} component(s) on {backend.name}: {why}")
+    for backend in backends:
+        model, record = backend.convert(model, plan.for_backend(backend.name), plan)
+        state.conversions.append(record)
+        log.info("convert_fp8: %s ran %d component(s) (%s)", record.backend, len(record.converted), record.recipe)
+    _stamp(model, state, "convert_fp8")
+    return model
+
+
+# --- stage 2: tensor parallelism ---------------------------------------------------------------
+
+_FUSED = {"attention.wqkv": "q, k and v", "feed_forward.w13": "gate and up"}
+"""Fused projections: a colwise shard of the fused weight would hand one rank all of q (or gate)."""
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """torchtitan's Llama TP plan with sequence parallelism: embeddings rowwise, output colwise,
+    per block wq/wk/wv/w1/w3 colwise and wo/w2 rowwise. Tensorwise Float8Linear layers get torchao's
+    Float8 styles, and an attention or MLP whose linears are all such layers gathers its input in FP8
+    (PrepareFloat8ModuleInput); other layers get torch's styles and move BF16.
+
+    The blocks must take their local head count from the projection outputs (view(..., -1, head_dim))
+    and the sequence length must divide by the TP degree (sequence parallelism shards it).
+    Fused wqkv / w13 are refused: sharding them colwise needs q/k/v (gate/up) split per rank first.
+    TE modules shard themselves: use the Megatron path for those."""
+    state = _begin(model, "tensor_parallel")
+    if has_te_modules(model):
+        raise NotImplementedError("apply_tp cannot shard TransformerEngine modules: TE does tensor parallelism "
+                                  "itself (tp_group, sequence_parallel). Build the model with the Megatron "
+                                  "factory (fp8stack.megatron) and --tensor-model-parallel-size instead")
+    blocks = dict(_blocks(model))
+    for index, block in blocks.items():
+        submodules = dict(block.named_modules())
+        fused = [f"layers.{index}.{name} (fused {what})" for name, what in _FUSED.items() if name in submodules]
+        if fused or "moe" in submodules:
+            found = ", ".join(fused) or f"layers.{index}.moe (experts)"
+            raise NotImplementedError(
+                f"apply_tp does not shard {found}: a colwise shard of a fused projection would give one rank all "
+                "of q (or gate) and the other k and v (or up), and experts need expert parallelism. Use unfused "
+                "projections (attention.wq/wk/wv, feed_forward.w1/w3) and a dense MLP, or no tensor parallelism")
+
+    def colwise(module: nn.Module, **kw):
+        return (Float8ColwiseParallel if _is_tensorwise_float8(module) else ColwiseParallel)(**kw)
+
+    def rowwise(module: nn.Module, **kw):
+        return (Float8RowwiseParallel if _is_tensorwise_float8(module) else RowwiseParallel)(**kw)
+
+    def prepare_input(module: nn.Module, **kw):
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        return (PrepareFloat8ModuleInput if all(map(_is_tensorwise_float8, linears)) else PrepareModuleInput)(**kw)
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": colwise(model.output, input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in blocks.values():
+        sub = block.get_submodule
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": prepare_input(sub("attention"), input_layouts=(Shard(1), None),
+                                       desired_input_layouts=(Replicate(), None)),
+            **{f"attention.{n}": colwise(sub(f"attention.{n}")) for n in ("wq", "wk", "wv")},
+            "attention.wo": rowwise(sub("attention.wo"), output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": prepare_input(sub("feed_forward"), input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+            **{f"feed_forward.{n}": colwise(sub(f"feed_forward.{n}")) for n in ("w1", "w3")},
+            "feed_forward.w2": rowwise(sub("feed_forward.w2"), output_layouts=Shard(1)),
+        })
+    _stamp(model, state, "tensor_parallel")
+
+
+def _is_tensorwise_float8(module: nn.Module) -> bool:
+    """torchao's Float8 TP styles cast with per-tensor scales, so they suit tensorwise layers only."""
+    return (isinstance(module, Float8Linear)
+            and module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
+
+
+# --- stage 3: activation recompute -------------------------------------------------------------
+
+def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all") -> None:
+    """Checkpoint whole blocks of model.layers: the given indices, or 'all'. A block runs its recompute
+    through TE's checkpoint when convert_fp8 put TE FP8 layers in it (see checkpoint_module).
+    checkpoint_module takes any module, so choosing submodules by type (attention, MLP, ... as
+    Megatron's --recompute-modules) needs only a different selection here."""
+    state = _begin(model, "recompute")
+    children = dict(_blocks(model))
+    chosen = list(children) if blocks == "all" else [str(i) for i in blocks]
+    missing = [i for i in chosen if i not in children]
+    if missing:
+        raise ValueError(f"recompute names block(s) {', '.join(missing)} but model.layers has {', '.join(children)}: "
+                         "pass indices of existing blocks or 'all'")
+    fp8_fqns = [fqn for r in state.conversions if r.backend != BF16 for fqn in r.converted]
+    for index in chosen:
+        prefix = f"layers.{index}."
+        fp8_active = any(fqn.startswith(prefix) for fqn in fp8_fqns)
+        model.layers.register_module(index, checkpoint_module(children[index], fp8_active=fp8_active))
+    log.info("recompute: checkpointing blocks %s", ", ".join(chosen))
+    _stamp(model, state, "recompute")
+
+
+# --- stage 4: compile --------------------------------------------------------------------------
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (Module.compile: names and state dict keys stay the same).
+    Repeated blocks compile once and are reused."""
+    state = _begin(model, "compile")
+    delayed = [r for r in state.conversions if r.backend == "te" and "delayed" in r.recipe]
+    if delayed:
+        raise OrderingError("TE DelayedScaling layers cannot be compiled: their amax history and scales are "
+                            "updated as side effects the compiled graph does not capture. Use a current-scaling "
+                            "recipe (--fp8-recipe tensorwise, blockwise or mxfp8) or skip compile")
+    for _, block in _blocks(model):
+        block.compile()
+    log.info("compile: compiling each of %d blocks", len(model.layers))
+    _stamp(model, state, "compile")
+
+
+# --- stage 5: FSDP2 ----------------------------------------------------------------------------
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
+               precompute_fp8_scales: bool = False) -> None:
+    """fully_shard every block, then the root (embeddings, final norm and head go with the root).
+
+    mp_policy defaults to BF16 parameters for compute and FP32 gradient reduction.
+    precompute_fp8_scales: see post_optimizer_step_hook."""
+    state = _begin(model, "fully_shard")
+    mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for _, block in _blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    log.info("fully_shard: %d blocks and the root over %d ranks", len(model.layers), mesh.size())
+    _stamp(model, state, "fully_shard")
+    _record_precompute(model, precompute_fp8_scales)
+
+
+def post_optimizer_step_hook(model: nn.Module) -> Callable[..., None]:
+    """The function to run after every optimizer step. With torchao tensorwise layers all-gathered
+    in FP8 under FSDP and precompute_fp8_scales requested, it computes all their weight scales in one
+    all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp); otherwise it does nothing.
+    Register it with optimizer.register_step_post_hook(hook), or call hook() after optimizer.step()."""
+    if not assembly_state(model).precompute_fp8_scales:
+        return _do_nothing
+
+    def precompute_fp8_scales(*_optimizer_hook_args) -> None:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+    return precompute_fp8_scales
+
+
+def _do_nothing(*_optimizer_hook_args) -> None:
+    """The post-step hook of a model with no FP8 weight scales to precompute."""
+
+
+def _record_precompute(model: nn.Module, requested: bool) -> None:
+    """Turn the precompute on when some weight uses it; say so loudly when it was asked in vain."""
+    applies = any(isinstance(m, Float8Linear) and isinstance(m.weight, DTensor)
+                  and isinstance(m.weight.to_local(), WeightWithDynamicFloat8CastTensor) for m in model.modules())
+    if requested and not applies:
+        message = ("precompute_fp8_scales=True has no effect: no weight is a torchao tensorwise Float8Linear weight "
+                   "all-gathered in FP8 by FSDP. It needs fsdp_mesh, fsdp_float8_all_gather=True and torchao "
+                   "tensorwise layers in the plan; otherwise drop precompute_fp8_scales")
+        log.warning(message)
+        warnings.warn(message, AssemblyWarning, stacklevel=3)
+    state = assembly_state(model)
+    state.precompute_fp8_scales = requested and applies
+    model.__dict__[_STATE_ATTR] = state
+
+
+# --- stamps and traces -------------------------------------------------------------------------
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
+        raise TypeError(f"{type(model).__name__} has no `layers` ModuleList/ModuleDict of blocks, which the "
+                        "per-block stages (tensor_parallel, recompute, compile, fully_shard) work on")
+    return list(layers.named_children())
+
+
+def _traces(model: nn.Module) -> dict[str, str]:
+    """Stage -> evidence that it was applied, read from the model itself (not from the stamps)."""
+    found: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        name = repr(fqn or "<root>")
+        if isinstance(module, FSDPModule):
+            found.setdefault("fully_shard", f"{name} is wrapped by fully_shard (FSDPModule)")
+        if isinstance(module, OptimizedModule) or module._compiled_call_impl is not None:
+            found.setdefault("compile", f"{name} is compiled")
+        if isinstance(module, CheckpointWrapper):
+            found.setdefault("recompute", f"{name} is wrapped for activation checkpointing")
+    if "fully_shard" not in found:
+        for fqn, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                found["tensor_parallel"] = f"parameter {fqn!r} is already a DTensor"
+                break
+    return found
+
+
+def _begin(model: nn.Module, stage: str) -> AssemblyState:
+    """Check `stage` may run now; return the state to stamp when it is done."""
+    state = assembly_state(model)
+    traces = _traces(model)
+    if stage in state.stages or stage in traces:
+        evidence = f" ({traces[stage]})" if stage in traces else ""
+        raise OrderingError(f"{stage} has already been applied to this model{evidence}: each stage runs once; "
+                            f"{_FIX}")
+    applied = {s: "stamped by fp8stack" for s in state.stages} | traces
+    later = [s for s in STAGES[STAGES.index(stage) + 1:] if s in applied]
+    if later:
+        raise OrderingError(f"{stage} must run before {later[0]}, but {later[0]} has already been applied "
+                            f"({applied[later[0]]}): {_FIX}")
+    return state
+
+
+def _stamp(model: nn.Module, state: AssemblyState, stage: str) -> None:
+    state.stages.append(stage)
+    model.__dict__[_STATE_ATTR] = state

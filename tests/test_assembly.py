@@ -1,0 +1,312 @@
+"""assemble(): stages in order, stamps, OrderingError for every order or combination that would train
+wrong, the precompute warning and the post-optimizer-step hook. CPU; FSDP and DTensor on a 1-rank
+gloo group."""
+
+import copy
+import re
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torchao.float8.float8_linear import Float8Linear
+
+import fp8stack
+from fp8stack import OrderingError, PolicyConfig, assemble, load_description, make_plan
+from fp8stack.assembly import (AssemblyState, AssemblyWarning, apply_ac, apply_compile, apply_fp8, apply_fsdp,
+                               apply_tp, assembly_state, post_optimizer_step_hook)
+from fp8stack.backends import BackendUnavailable, ConversionRecord
+from fp8stack.backends.bf16 import BF16Backend
+from fp8stack.models import Llama, LlamaConfig
+from fp8stack.plan import Component, Decision, Plan
+from fp8stack.runtime import checkpoint_module
+from fp8stack.runtime.recompute import CheckpointWrapper
+
+FIX = re.escape("call assemble(model, plan, ...) on a freshly built model")
+
+
+def tiny_plan(recipe: str = "tensorwise", model: str = "tiny"):
+    return make_plan(load_description(model), PolicyConfig(recipe=recipe, small_gemm_filter="off"))
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A 1-rank gloo group: enough for fully_shard and DTensor, no second process. Reuses one an
+    earlier test module left behind."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/init", rank=0,
+                                world_size=1)
+    assert dist.get_world_size() == 1
+    yield init_device_mesh("cpu", (1,))
+    if owned:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def model() -> Llama:
+    return Llama(LlamaConfig.tiny())
+
+
+@pytest.fixture(scope="module")
+def batch() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
+
+
+def test_exported_from_the_package():
+    assert fp8stack.OrderingError is OrderingError and fp8stack.assemble is assemble
+
+
+# --- the stamps ----------------------------------------------------------------------------------
+
+def test_assemble_runs_and_stamps_the_stages_in_order(model, mesh):
+    out = assemble(model, tiny_plan(), recompute=[1, 3], compile=True, fsdp_mesh=mesh)
+    state = assembly_state(out)
+    assert out is model
+    assert state.stages == ["convert_fp8", "recompute", "compile", "fully_shard"]
+    assert [r.backend for r in state.conversions] == ["bf16", "torchao"]
+    assert state.conversions[1].converted["layers.0.attention.wqkv"] == "Float8Linear"
+    assert [isinstance(block, CheckpointWrapper) for block in out.layers] == [False, True, False, True]
+    assert all(block._compiled_call_impl is not None and isinstance(block, FSDPModule) for block in out.layers)
+    assert isinstance(out, FSDPModule)
+    assert "layers.1.attention.wqkv.weight" in out.state_dict()  # recompute and compile keep the names
+
+
+def test_each_stage_can_run_alone(model):
+    model = apply_fp8(model, tiny_plan())
+    apply_compile(model)
+    assert assembly_state(model).stages == ["convert_fp8", "compile"]
+
+
+def test_a_swapped_root_carries_the_stamps():
+    root = nn.Linear(64, 32)
+    decision = Decision(Component("", "linear", 32, 64), "torchao", "tensorwise", "test")
+    out = assemble(root, Plan(model="linear", recipe="tensorwise", fp8_format="hybrid", arch=90, decisions=(decision,)))
+    assert isinstance(out, Float8Linear) and out.weight is root.weight
+    assert assembly_state(out).stages == ["convert_fp8"] and assembly_state(root).stages == []
+
+
+def test_an_untouched_model_has_no_stamps(model):
+    assert assembly_state(model) == AssemblyState()
+
+
+def test_recompute_keeps_the_numbers_bit_exact(model, batch):
+    """torchao's dynamic scales are recomputed from the same inputs: checkpointing changes nothing."""
+    plain = apply_fp8(copy.deepcopy(model), tiny_plan())
+    recomputed = assemble(model, tiny_plan(), recompute="all")
+    for m in (plain, recomputed):
+        Llama.loss(m(batch[:, :-1]), batch[:, 1:]).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_recompute_rejects_unknown_blocks(model):
+    with pytest.raises(ValueError, match="recompute names block"):
+        apply_ac(model, [7])
+
+
+def test_checkpoint_module_uses_torch_checkpoint_without_te():
+    wrapped = checkpoint_module(nn.Linear(4, 4), fp8_active=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert isinstance(wrapped, CheckpointWrapper) and x.grad is not None
+
+
+# --- OrderingError: stages out of order ----------------------------------------------------------
+
+def _stage_calls(mesh):
+    plan = tiny_plan()
+    return {
+        "convert_fp8": lambda m: apply_fp8(m, plan),
+        "tensor_parallel": lambda m: apply_tp(m, mesh),
+        "recompute": lambda m: apply_ac(m, "all"),
+        "compile": apply_compile,
+        "fully_shard": lambda m: apply_fsdp(m, mesh),
+    }
+
+
+@pytest.mark.parametrize(("first", "then"), [
+    ("recompute", "convert_fp8"),
+    ("compile", "convert_fp8"),
+    ("fully_shard", "convert_fp8"),
+    ("compile", "recompute"),
+    ("fully_shard", "recompute"),
+    ("fully_shard", "compile"),
+    ("compile", "tensor_parallel"),
+    ("fully_shard", "tensor_parallel"),
+])
+def test_a_stage_after_a_later_one_raises(first, then, model, mesh):
+    calls = _stage_calls(mesh)
+    calls[first](model)
+    with pytest.raises(OrderingError, match=f"{then} must run before {first}, but {first} has already been applied"
+                                            f".*{FIX}"):
+        calls[then](model)
+
+
+@pytest.mark.parametrize("stage", ["convert_fp8", "recompute", "compile", "fully_shard"])
+def test_a_stage_twice_raises(stage, model, mesh):
+    call = _stage_calls(mesh)[stage]
+    call(model)
+    with pytest.raises(OrderingError, match=f"{stage} has already been applied to this model.*each stage runs once"):
+        call(model)
+
+
+def test_assemble_twice_raises(model):
+    model = assemble(model, tiny_plan())
+    with pytest.raises(OrderingError, match="convert_fp8 has already been applied"):
+        assemble(model, tiny_plan())
+
+
+# --- OrderingError: conversion meets a model changed by hand (no stamps) -------------------------
+
+def _compile_in_place(model):
+    model.layers[0].compile()
+
+
+def _compile_wrapped(model):
+    model.layers.register_module("0", torch.compile(model.layers[0]))
+
+
+def _checkpoint_by_hand(model):
+    model.layers.register_module("2", checkpoint_module(model.layers[2], fp8_active=False))
+
+
+@pytest.mark.parametrize(("change", "stage", "evidence"), [
+    (_compile_in_place, "compile", "'layers.0' is compiled"),
+    (_compile_wrapped, "compile", "'layers.0' is compiled"),
+    (_checkpoint_by_hand, "recompute", "'layers.2' is wrapped for activation checkpointing"),
+])
+def test_conversion_after_hand_made_changes_raises(change, stage, evidence, model):
+    change(model)
+    with pytest.raises(OrderingError, match=f"convert_fp8 must run before {stage}.*{evidence}"):
+        apply_fp8(model, tiny_plan())
+
+
+def test_conversion_after_fully_shard_by_hand_raises(model, mesh):
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(OrderingError, match="convert_fp8 must run before fully_shard.*FSDPModule"):
+        apply_fp8(model, tiny_plan())
+
+
+def test_conversion_after_tensor_parallel_by_hand_raises(model, mesh):
+    parallelize_module(model, mesh, {"layers.0.attention.wqkv": ColwiseParallel()})
+    with pytest.raises(OrderingError, match="convert_fp8 must run before tensor_parallel.*"
+                                            "'layers.0.attention.wqkv.weight' is already a DTensor"):
+        apply_fp8(model, tiny_plan())
+
+
+# --- OrderingError: combinations no order makes right --------------------------------------------
+
+def test_fp8_all_gather_with_rowwise_raises(model, mesh):
+    with pytest.raises(OrderingError, match="needs tensorwise weight scales.*rowwise.*--fp8-recipe tensorwise"):
+        assemble(model, tiny_plan("rowwise"), fsdp_mesh=mesh, fsdp_float8_all_gather=True)
+    assert assembly_state(model).stages == []
+
+
+def test_fp8_all_gather_without_fsdp_raises(model):
+    with pytest.raises(OrderingError, match="fsdp_float8_all_gather=True needs fully_shard: pass fsdp_mesh"):
+        assemble(model, tiny_plan(), fsdp_float8_all_gather=True)
+
+
+def test_fp8_all_gather_without_float8_layers_raises(model, mesh):
+    with pytest.raises(OrderingError, match="no torchao Float8Linear layers"):
+        assemble(model, tiny_plan("bf16"), fsdp_mesh=mesh, fsdp_float8_all_gather=True)
+
+
+def test_delayed_scaling_with_compile_raises_before_touching_te(model):
+    plan = tiny_plan("delayed")
+    assert {d.backend for d in plan.decisions} == {"te", "bf16"}
+    with pytest.raises(OrderingError, match="TE DelayedScaling .* cannot be combined with torch.compile.*"
+                                            "--fp8-recipe tensorwise"):
+        assemble(model, plan, compile=True)
+    assert assembly_state(model).stages == []
+
+
+def test_compile_after_delayed_conversion_raises(model):
+    model.__dict__["_fp8stack_assembly"] = AssemblyState(
+        stages=["convert_fp8"], conversions=[ConversionRecord("te", {"layers.0.attention.wo": "Linear"}, "delayed")])
+    with pytest.raises(OrderingError, match="TE DelayedScaling layers cannot be compiled"):
+        apply_compile(model)
+
+
+def test_tp_refuses_fused_projections(model, mesh):
+    with pytest.raises(NotImplementedError, match=r"layers\.0\.attention\.wqkv \(fused q, k and v\)"):
+        apply_tp(model, mesh)
+    assert assembly_state(model).stages == [] and not isinstance(model.output.weight, torch.distributed.tensor.DTensor)
+
+
+# --- conversion stage: backends ------------------------------------------------------------------
+
+def test_conversion_never_falls_back_to_bf16(model):
+    with pytest.raises(BackendUnavailable, match="on te: TransformerEngine"):
+        apply_fp8(model, tiny_plan("delayed"))
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def test_options_for_a_backend_the_plan_does_not_use_raise(model):
+    with pytest.raises(ValueError, match="backend options for te, which the plan does not use"):
+        apply_fp8(model, tiny_plan(), backend_options={"te": {"fuse_norm": True}})
+
+
+def test_bf16_backend_changes_nothing_and_records_every_component():
+    model = Llama(LlamaConfig.tiny_moe())
+    plan = tiny_plan("bf16", model="tiny-moe")
+    before = dict(model.named_modules())
+    out, record = BF16Backend().convert(model, list(plan.decisions), plan)
+    assert out is model and dict(model.named_modules()) == before
+    assert record.converted.keys() == {d.fqn for d in plan.decisions}
+    assert record.converted["layers.0.attention.core"] == "Attention"
+    assert record.converted["layers.1.moe.experts.w13"] == "GroupedExperts.w13"
+    assert record.converted["output"] == "Linear"
+
+
+def test_bf16_backend_refuses_a_plan_for_another_model():
+    plan = tiny_plan("bf16")
+    with pytest.raises(ValueError, match="the plan names 'tok_embeddings' but Sequential has no such module"):
+        BF16Backend().convert(nn.Sequential(nn.Linear(4, 4)), list(plan.decisions), plan)
+
+
+# --- precompute warning and the post-optimizer-step hook -----------------------------------------
+
+def test_precompute_without_fsdp_warns_loudly(model, caplog):
+    with pytest.warns(AssemblyWarning, match="precompute_fp8_scales=True has no effect"):
+        with caplog.at_level(logging.WARNING, logger="fp8stack.assembly"):
+            model = assemble(model, tiny_plan(), precompute_fp8_scales=True)
+    assert "precompute_fp8_scales=True has no effect" in caplog.text
+    assert post_optimizer_step_hook(model).__name__ == "_do_nothing"
+
+
+def test_precompute_without_fp8_all_gather_warns(model, mesh):
+    with pytest.warns(AssemblyWarning, match="fsdp_float8_all_gather=True"):
+        assemble(model, tiny_plan(), fsdp_mesh=mesh, precompute_fp8_scales=True)
+
+
+def _float8_weights(model):
+    return [m.weight._local_tensor for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+def test_the_hook_precomputes_scales_when_it_applies(model, mesh):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AssemblyWarning)
+        model = assemble(model, tiny_plan(), fsdp_mesh=mesh, fsdp_float8_all_gather=True, precompute_fp8_scales=True)
+    weights = _float8_weights(model)
+    assert len(weights) == 16 and all(w._precomputed_scale is None for w in weights)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(post_optimizer_step_hook(model))
+    optimizer.step()
+    for w in weights:
+        expected = torch.finfo(torch.float8_e4m3fn).max / w._tensor.abs().max().double()
+        torch.testing.assert_close(w._precomputed_scale, expected.float())
+
+
+def test_the_hook_does_nothing_when_precompute_is_not_asked(model, mesh):
+    model = assemble(model, tiny_plan(), fsdp_mesh=mesh, fsdp_float8_all_gather=True)
+    hook = post_optimizer_step_hook(model)
+    hook()
+    assert hook.__name__ == "_do_nothing"
+    assert all(w._precomputed_scale is None for w in _float8_weights(model))
