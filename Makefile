@@ -10,13 +10,13 @@ $(STAMP): pyproject.toml scripts/find-python.sh
 	  echo "creating $(VENV) with $$PYBIN"; \
 	  $$PYBIN -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,plot]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/fp8stack plan --model tiny --fp8-recipe tensorwise --small-gemm-filter off
+	$(VENV)/bin/fp8stack ab --model tiny
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from fp8stack.ab import add_ab_parser
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan, parse_arch
 from fp8stack.plan.policy import SMALL_GEMM_FILTERS
 from fp8stack.plan.recipe_file import SETTINGS
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="YAML with settings and per-block / per-fqn overrides (a path or a name in configs/recipes)")
     plan.add_argument("--format", choices=tuple(RENDERERS), default="table", help="output format (default: table)")
     plan.set_defaults(run=run_plan)
+    add_ab_parser(commands)
     return parser
 
 

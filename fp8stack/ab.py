@@ -1,0 +1,408 @@
+"""`fp8stack ab`: train the same model with the same seed and data under several recipes, each in a
+fresh process, and say per FP8 arm whether to ship it or roll back, with the numbers behind it.
+
+An arm ships only if it is faster than the bf16 arm by more than the measured noise AND its final
+loss is within the tolerance of the bf16 arm's. The bf16 arm runs twice, first and last, so the
+noise is run-to-run: the larger of the two bf16 runs' step-time difference and each compared arm's
+step-time spread after warm-up (interquartile range / median). A machine whose speed changes
+during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
+loss is the mean over the last 10% of steps.
+Writes profiles/ab-<model>-<device>.json and .md (and .png with matplotlib installed).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fp8stack.plan import PlanError
+from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES, dense_backend, get_recipe
+from fp8stack.train.timing import relative_spread, steady_state
+
+CPU_RECIPES = (BF16, "tensorwise", "rowwise", "rowwise_gw_hp")
+"""The default arms: torchao recipes, which also run on a CPU."""
+DEFAULT_STEPS = 40
+"""Sized so the four default arms on the tiny model finish in under 3 minutes on 2 CPU cores."""
+GPU_LOSS_TOLERANCE = 0.0025
+"""Largest relative final-loss gap to bf16 that still ships on a GPU: 0.25%."""
+CPU_LOSS_TOLERANCE = 0.02
+"""On a CPU the default run is a few dozen steps of the tiny model, where the loss is still falling
+fast and step-to-step batch noise is ~1% of it; 2% flags a broken recipe without failing sound ones."""
+NOISE_METHOD = ("the largest of: the step-time difference between the two bf16 runs (first and last), and the "
+                "step-time interquartile range / median after warm-up of the arm and of bf16")
+NOISE_METHOD_SINGLE = ("step-time interquartile range / median after warm-up, the larger of the arm's and "
+                       "bf16's (bf16 ran once: --no-repeat-baseline)")
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast stays off in every arm (as launch/env.sh does): on a shared multi-GPU host a
+program using it can take the host's GPUs out of service for everyone."""
+LAST_FRACTION = 0.10
+"""Final loss = mean over this share of the last steps (at least one)."""
+
+DENSE_PEAK_TFLOPS = {
+    # (name marker, variant marker or '') -> {precision: dense TFLOP/s}, NVIDIA datasheets (no sparsity).
+    ("H100", "PCIe"): {"bf16": 756.0, "fp8": 1513.0},
+    ("H100", "NVL"): {"bf16": 835.0, "fp8": 1671.0},
+    ("H100", ""): {"bf16": 989.4, "fp8": 1978.9},
+    ("H800", ""): {"bf16": 989.4, "fp8": 1978.9},
+    ("H200", ""): {"bf16": 989.4, "fp8": 1978.9},
+}
+"""Checked in order; the first whose markers are both in the device name wins."""
+
+
+@dataclass
+class Arm:
+    """One recipe's run, as the JSON reports it (None where the arm did not run or the device has no value)."""
+
+    recipe: str
+    """Plan recipe; bf16 is the baseline without FP8."""
+    backend: str
+    """FP8 backend(s) the plan used ('torchao', 'te', 'torchao+grouped_fp8'), bf16 for the baseline."""
+    step_ms: float | None = None
+    """Median steady-state step time."""
+    tokens_per_s: float | None = None
+    """Tokens per second over all processes."""
+    tflops: float | None = None
+    """Model TFLOP/s per process (GPU): 3 x forward GEMM FLOPs per token, attention included."""
+    mfu: float | None = None
+    """tflops over the GPU's dense peak blended by the FP8 FLOP share; None on a CPU or an unlisted GPU."""
+    peak_mem_gib: float | None = None
+    """CUDA peak allocated memory, or the process's max RSS on a CPU (see memory_kind)."""
+    final_loss: float | None = None
+    """Mean training loss over the last 10% of steps."""
+    rel_loss_gap: float | None = None
+    """final_loss / bf16's final_loss - 1."""
+    noise: float | None = None
+    """Step-time interquartile range / median of this arm."""
+    verdict: str = "rollback"
+    """baseline | ship | rollback | error (the baseline failed)."""
+    reason: str = ""
+    """Why, with the numbers."""
+    val_loss: float | None = None
+    """Validation loss after the last step."""
+    memory_kind: str | None = None
+    """cuda_peak_allocated | process_max_rss."""
+    fp8_flops_share: float | None = None
+    """Share of forward GEMM FLOPs the plan runs in FP8."""
+    loss_curve: list[float] | None = None
+    """Training loss per step."""
+
+
+def peak_tflops(device: str) -> dict[str, float] | None:
+    """Dense BF16 and FP8 peaks of a GPU by name, or None when it is not in the table (or a CPU)."""
+    for (model, variant), peaks in DENSE_PEAK_TFLOPS.items():
+        if model in device and variant in device:
+            return peaks
+    return None
+
+
+def blended_peak(peaks: dict[str, float], fp8_share: float) -> float:
+    """The peak a run reaches if each GEMM FLOP ran at the peak of its precision: FP8 GEMMs at the FP8
+    peak, the rest (attention core, head, BF16 layers) at the BF16 peak. Harmonic, as times add."""
+    return 1.0 / (fp8_share / peaks["fp8"] + (1.0 - fp8_share) / peaks["bf16"])
+
+
+def final_loss(losses: list[float]) -> float:
+    """Mean over the last LAST_FRACTION of the steps (at least one step)."""
+    tail = max(1, round(len(losses) * LAST_FRACTION))
+    return statistics.fmean(losses[-tail:])
+
+
+def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolerance: float) -> tuple[str, str]:
+    """('ship' | 'rollback', reason): ship only if faster than bf16 by more than `noise` (relative) and
+    the relative loss gap is at most `tolerance`."""
+    speedup = base_ms / arm_ms - 1.0
+    problems = []
+    if speedup <= noise:
+        problems.append(f"not faster than bf16 by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})")
+    if loss_gap > tolerance:
+        problems.append(f"loss {loss_gap:+.2%} vs bf16 exceeds the {tolerance:.2%} tolerance")
+    if problems:
+        return "rollback", "; ".join(problems)
+    return "ship", f"{speedup:+.1%} faster than bf16 (noise {noise:.1%}), loss {loss_gap:+.2%} within {tolerance:.2%}"
+
+
+def add_ab_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `ab` subcommand to an argparse subparsers object; it runs run_ab(args)."""
+    parser = subparsers.add_parser(
+        "ab", help="A/B FP8 recipes against bf16: throughput, loss, ship or rollback",
+        description=__doc__.split("\n\n")[0].replace("\n", " "))
+    _add_arguments(parser)
+    parser.set_defaults(run=run_ab)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="tiny | tiny-moe | llama-1b-like (default: tiny)")
+    parser.add_argument("--recipes", default=",".join(CPU_RECIPES),
+                        help=f"comma-separated arms; bf16 is added first if missing (default: {','.join(CPU_RECIPES)})")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"steps per arm (default: {DEFAULT_STEPS})")
+    parser.add_argument("--backend", choices=BACKEND_PREFERENCES, default="auto",
+                        help="backend for dense linears in FP8 arms (default: auto, the recipe's first)")
+    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                        help="e4m3 or hybrid (default: each recipe's library default)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per step (default: TrainConfig's)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0, help="same weights and batches in every arm (default: 0)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks in every arm")
+    parser.add_argument("--loss-tolerance", type=float,
+                        help=f"largest relative final-loss gap that ships (default: {GPU_LOSS_TOLERANCE} on a GPU, "
+                             f"{CPU_LOSS_TOLERANCE} on a CPU)")
+    parser.add_argument("--no-repeat-baseline", dest="repeat_baseline", action="store_false",
+                        help="run bf16 once, not first and last: faster, but the noise is then only step-time spread")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone with FSDP2")
+    parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
+
+
+def run_ab(args: argparse.Namespace) -> int:
+    """Run every arm, judge them, write and print the evidence. 0 when the bf16 arm ran, else 1."""
+    import torch  # after argument parsing: --help stays fast
+
+    from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
+    from fp8stack.train.loop import TrainConfig, TrainConfigError
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    tolerance = args.loss_tolerance if args.loss_tolerance is not None else (
+        GPU_LOSS_TOLERANCE if on_gpu else CPU_LOSS_TOLERANCE)
+    env = environment()
+    peaks = peak_tflops(env["device"]) if on_gpu else None
+    overrides = {"model": args.model, "steps": args.steps, "backend": args.backend, "fp8_format": args.fp8_format,
+                 "seed": args.seed, "device": args.device, "dtype": args.dtype, "compile": args.compile,
+                 **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
+                 **({"seq_len": args.seq_len} if args.seq_len else {})}
+    try:
+        recipes = _recipes(args.recipes)
+        configs = [TrainConfig(**overrides, recipe=recipe, log_interval=max(1, args.steps // 4)) for recipe in recipes]
+    except (TrainConfigError, PlanError) as err:
+        print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+
+    results: dict[str, dict | str] = {}
+    backends: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
+        for index, cfg in enumerate(configs, 1):
+            print(f"[{index}/{len(configs)}] {cfg.model} {cfg.recipe} ({cfg.steps} steps, fresh process)", flush=True)
+            try:
+                backends[cfg.recipe] = _planned_backend(cfg.recipe, args.backend)
+            except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
+                backends[cfg.recipe] = args.backend
+                results[cfg.recipe] = " ".join(str(err).split())
+                print(f"    skipped: {results[cfg.recipe]}", flush=True)
+                continue
+            results[cfg.recipe] = _run_arm(cfg, Path(scratch), args.nproc)
+        repeat = None
+        if args.repeat_baseline and isinstance(results[BF16], dict):
+            print(f"[{len(configs) + 1}/{len(configs) + 1}] {args.model} bf16 again (run-to-run noise)", flush=True)
+            repeat = _run_arm(configs[0], Path(scratch), args.nproc)
+
+    arms, repeat_record = _judge(results, backends, tolerance, peaks, repeat)
+    dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
+    payload = {
+        "device": env["device"],
+        "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
+        "model": args.model, "steps": args.steps, "nproc": args.nproc,
+        "train_config": {k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
+        "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
+        "baseline_repeat": repeat_record,
+        "activation_dtype": dtype,
+        "loss_tolerance": tolerance,
+        "mfu_basis": (None if peaks is None else
+                      f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
+                      f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
+        "arms": [asdict(arm) for arm in arms],
+    }
+    stem = f"ab-{args.model}-{device_slug(env['device'])}"
+    table = _table(arms)
+    notes = (f"\nSame seed and data in every arm, each arm a fresh process; activations in {dtype} (the bf16 "
+             f"arm is the plan without FP8). Noise: {payload['noise_method']}"
+             f"{_repeat_note(repeat_record)}. Loss tolerance: {tolerance:.2%} relative "
+             f"(final loss = mean of the last "
+             f"{LAST_FRACTION:.0%} of steps). MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
+    markdown = markdown_table(*table)
+    json_path, md_path = write_evidence(stem, payload, markdown + notes, out_dir=args.out_dir)
+    png = _plot(arms, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
+    _print_table(table, markdown)
+    print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
+    return 0 if arms[0].verdict == "baseline" else 1
+
+
+def _recipes(text: str) -> list[str]:
+    """The arms in order, bf16 first (added when missing: every verdict compares with it)."""
+    names = list(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))
+    unknown = [r for r in names if r != BF16 and r not in RECIPES]
+    if unknown:
+        raise PlanError(f"unknown recipe(s) {', '.join(unknown)} in --recipes: use {', '.join([BF16, *RECIPES])}")
+    return [BF16] + [r for r in names if r != BF16]
+
+
+def _planned_backend(recipe: str, preference: str) -> str:
+    """The backend the plan gives dense linears under `recipe` (bf16 for the bf16 arm)."""
+    return BF16 if recipe == BF16 else dense_backend(get_recipe(recipe), preference)
+
+
+def _run_arm(cfg, scratch: Path, nproc: int) -> dict | str:
+    """The TrainResult dict of fresh `python -m fp8stack.train` process(es), or the error they ended with."""
+    config_path, result_path = scratch / f"{cfg.recipe}.config.json", scratch / f"{cfg.recipe}.result.json"
+    config_path.write_text(json.dumps(asdict(cfg)))
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    command = [sys.executable, *launcher, "-m", "fp8stack.train", "--config", str(config_path),
+               "--result-json", str(result_path)]
+    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, env={**os.environ, **NO_MULTICAST_ENV})
+    if done.returncode != 0 or not result_path.is_file():
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()]
+        why = (errors or lines or [f"exit code {done.returncode}"])[-1]
+        print(f"    failed: {why}", flush=True)
+        return why.removeprefix("python -m fp8stack.train: error: ")
+    return json.loads(result_path.read_text())
+
+
+def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
+           repeat: dict | str | None = None) -> tuple[list[Arm], dict | None]:
+    """The arms with their measurements and verdicts, and what the second bf16 run (`repeat`, when
+    given) measured. results[bf16] is the baseline; a str in place of a result is the error a run hit."""
+    arms = [_measure(recipe, result, backends[recipe], peaks) for recipe, result in results.items()]
+    baseline = arms[0]
+    if isinstance(results[BF16], str):
+        baseline.verdict, baseline.reason = "error", f"bf16 baseline failed: {results[BF16]}"
+        for arm in arms[1:]:
+            arm.verdict, arm.reason = "rollback", "no bf16 baseline to compare with"
+        return arms, None
+    baseline.verdict, baseline.reason, baseline.rel_loss_gap = "baseline", "the reference arm", 0.0
+    run_to_run, record = 0.0, None
+    if isinstance(repeat, str):
+        record = {"error": repeat}
+    elif repeat is not None:
+        again = _measure(BF16, repeat, BF16, peaks)
+        run_to_run = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
+        record = {"step_ms": again.step_ms, "final_loss": again.final_loss, "run_to_run_noise": run_to_run,
+                  "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0}
+    for arm, result in zip(arms[1:], list(results.values())[1:]):
+        if isinstance(result, str):
+            arm.verdict, arm.reason = "rollback", f"failed: {result}"
+            continue
+        noise = max(run_to_run, baseline.noise, arm.noise)
+        arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
+        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance)
+    return arms, record
+
+
+def _repeat_note(record: dict | None) -> str:
+    if not record:
+        return ""
+    if "error" in record:
+        return f" (the second bf16 run failed: {record['error']})"
+    return (f" (bf16 run-to-run: {record['run_to_run_noise']:.1%} in step time, {record['rel_loss_gap']:+.3%} "
+            "in final loss)")
+
+
+def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None) -> Arm:
+    """Throughput, FLOPs, memory and final loss of one arm's TrainResult. `backend` names the planned
+    dense backend; a run reports every FP8 backend its plan used (torchao+grouped_fp8 for MoE)."""
+    if isinstance(result, str):
+        return Arm(recipe=recipe, backend=backend)
+    summary = result["plan_summary"]
+    fp8_share = summary["flops_share_by_precision"].get("fp8", 0.0)
+    backends = sorted(b for b in summary["flops_share_by_backend"] if b != BF16) or [BF16]
+    steady = steady_state(result["step_ms"])
+    step_ms = statistics.median(steady)
+    tokens_per_s = result["tokens_per_step"] / step_ms * 1000
+    tflops = 3 * summary["gemm_flops_per_token"] * tokens_per_s / result["world_size"] / 1e12
+    on_cuda = result["peak_mem_gib"] is not None
+    return Arm(
+        recipe=recipe, backend="+".join(backends), step_ms=step_ms, noise=relative_spread(steady),
+        tokens_per_s=tokens_per_s, tflops=tflops,
+        mfu=tflops / blended_peak(peaks, fp8_share) if peaks else None,
+        peak_mem_gib=result["peak_mem_gib"] if on_cuda else result["max_rss_gib"],
+        memory_kind="cuda_peak_allocated" if on_cuda else "process_max_rss",
+        final_loss=final_loss(result["losses"]), val_loss=result["val_loss"], fp8_flops_share=fp8_share,
+        loss_curve=result["losses"])
+
+
+def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:
+    header = ["recipe", "backend", "step ms", "tokens/s", "TFLOP/s", "MFU", "mem GiB", "final loss", "loss gap",
+              "verdict", "reason"]
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    rows = [[a.recipe, a.backend, fmt(a.step_ms, ".1f"), fmt(a.tokens_per_s, ",.0f"), fmt(a.tflops, ".3g"),
+             fmt(a.mfu, ".1%"), fmt(a.peak_mem_gib, ".2f"), fmt(a.final_loss, ".4f"), fmt(a.rel_loss_gap, "+.2%"),
+             a.verdict, a.reason] for a in arms]
+    return header, rows
+
+
+def _print_table(table: tuple[list[str], list[list]], markdown: str) -> None:
+    """A rich table on a terminal; the Markdown table elsewhere (logs keep every column whole)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        print(markdown, end="")
+        return
+    header, rows = table
+    view = Table(*header)
+    for column in view.columns[:-1]:
+        column.no_wrap = True
+    for row in rows:
+        view.add_row(*map(str, row))
+    console.print(view)
+
+
+def _plot(arms: list[Arm], path: Path, title: str) -> Path | None:
+    """Loss curves, loss relative to bf16 per step (same batches in every arm, so the ratio is
+    meaningful step by step) and throughput bars; None (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: skipping {path} (pip install matplotlib for the plot)")
+        return None
+    colours = {"baseline": "tab:gray", "ship": "tab:green", "rollback": "tab:red", "error": "black"}
+    ran = [a for a in arms if a.loss_curve]
+    base = arms[0].loss_curve
+    fig, (losses, gaps, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for index, arm in enumerate(ran):
+        steps, line = range(1, len(arm.loss_curve) + 1), {"label": arm.recipe, "color": f"C{index}", "linewidth": 1.2}
+        losses.plot(steps, arm.loss_curve, **line)
+        if base and arm is not arms[0]:
+            gaps.plot(steps, [100 * (a / b - 1) for a, b in zip(arm.loss_curve, base)], **line)
+    losses.set(xlabel="step", ylabel="training loss", title="loss")
+    losses.legend()
+    gaps.axhline(0, color="tab:gray", linewidth=0.8)
+    gaps.set(xlabel="step", ylabel="% vs bf16", title="loss relative to bf16 (same batches)")
+    if len(ran) > 1:
+        gaps.legend()
+    speed.bar([a.recipe for a in ran], [a.tokens_per_s for a in ran], color=[colours[a.verdict] for a in ran])
+    speed.set(ylabel="tokens/s", title="throughput (green ship, red rollback, grey bf16)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    targets = [path] + ([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else [])
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m fp8stack.ab ...`: the same as `fp8stack ab ...`."""
+    parser = argparse.ArgumentParser(prog="python -m fp8stack.ab", description=__doc__.split("\n\n")[0])
+    _add_arguments(parser)
+    return run_ab(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

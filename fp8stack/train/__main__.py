@@ -1,0 +1,138 @@
+"""`python -m fp8stack.train`: train with Megatron-style flags (launch/train.sh wraps it in torchrun).
+
+Flags map onto TrainConfig fields; --config reads a JSON of TrainConfig fields first (how
+`fp8stack ab` hands each arm its settings) and the flags given override it. Mistakes in the input
+end with exit code 2 and one line 'python -m fp8stack.train: error: <problem and fix>'.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from fp8stack.plan import PlanError
+from fp8stack.plan.policy import SMALL_GEMM_FILTERS
+from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES
+
+PROG = "python -m fp8stack.train"
+USAGE_ERROR = 2
+
+# (flag, TrainConfig field, argparse options). Megatron's names where Megatron has the option.
+FLAGS: tuple[tuple[str, str, dict], ...] = (
+    ("--model", "model", {"help": "tiny | tiny-moe | llama-1b-like"}),
+    ("--fp8-recipe", "recipe", {"choices": (BF16, *RECIPES), "help": "FP8 recipe, or bf16 for none"}),
+    ("--fp8-format", "fp8_format", {"choices": FP8_FORMATS, "help": "e4m3, or hybrid (E5M2 gradients)"}),
+    ("--backend", "backend", {"choices": BACKEND_PREFERENCES, "help": "backend for dense linears"}),
+    ("--first-last-layers-bf16", "first_last_layers_bf16", {"action": argparse.BooleanOptionalAction,
+                                                            "help": "keep the first and last layers BF16"}),
+    ("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16", {"type": int, "metavar": "N"}),
+    ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16", {"type": int, "metavar": "N"}),
+    ("--small-gemm-filter", "small_gemm_filter", {"choices": ("auto", *SMALL_GEMM_FILTERS)}),
+    ("--train-iters", "steps", {"type": int, "metavar": "N", "help": "optimizer steps"}),
+    ("--lr-warmup-iters", "warmup", {"type": int, "metavar": "N"}),
+    ("--lr", "lr", {"type": float}),
+    ("--min-lr", "min_lr", {"type": float}),
+    ("--weight-decay", "weight_decay", {"type": float}),
+    ("--clip-grad", "grad_clip", {"type": float, "help": "global gradient-norm clip; 0 disables"}),
+    ("--micro-batch-size", "micro_batch", {"type": int, "metavar": "N"}),
+    ("--seq-length", "seq_len", {"type": int, "metavar": "N", "help": "default: the model's"}),
+    ("--seed", "seed", {"type": int}),
+    ("--dtype", "dtype", {"choices": ("auto", "bf16", "fp32"), "help": "activation dtype (auto: bf16 on CUDA)"}),
+    ("--device", "device", {"choices": ("auto", "cuda", "cpu")}),
+    ("--compile", "compile", {"action": argparse.BooleanOptionalAction, "help": "torch.compile each block"}),
+    ("--recompute-layers", "recompute", {"metavar": "all|I,J", "help": "blocks to recompute in backward"}),
+    ("--tensor-model-parallel-size", "tensor_parallel", {"type": int, "metavar": "N"}),
+    ("--fsdp-float8-all-gather", "fsdp_float8_all_gather", {"action": argparse.BooleanOptionalAction}),
+    ("--precompute-fp8-scales", "precompute_fp8_scales", {"action": argparse.BooleanOptionalAction}),
+    ("--eval-iters", "eval_batches", {"type": int, "metavar": "N", "help": "validation batches after training"}),
+    ("--tensorboard-dir", "log_dir", {"metavar": "DIR", "help": "train.jsonl and TensorBoard scalars"}),
+    ("--log-interval", "log_interval", {"type": int, "metavar": "N"}),
+    ("--save", "checkpoint_dir", {"metavar": "DIR", "help": "checkpoint folder"}),
+    ("--save-interval", "checkpoint_interval", {"type": int, "metavar": "N"}),
+    ("--load", "resume", {"metavar": "PATH", "help": "resume: a step-* checkpoint, a folder of them (newest), "
+                                                     "or 'latest' under --save"}),
+    ("--progress", "progress", {"action": argparse.BooleanOptionalAction, "help": "progress bar / log lines"}),
+)
+
+MEGATRON_SELECTIVE_DEFAULT = ("core_attn",)
+"""What Megatron recomputes under --recompute-granularity selective without --recompute-modules."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    for flag, field, options in FLAGS:
+        parser.add_argument(flag, dest=field, **options)
+    parser.add_argument("--steps", dest="steps", type=int, metavar="N", help="alias of --train-iters")
+    parser.add_argument("--recompute-granularity", choices=("full", "selective"),
+                        help="full: recompute whole blocks; selective: the --recompute-modules parts (default "
+                             "core_attn); in every block unless --recompute-layers names some")
+    parser.add_argument("--recompute-modules", nargs="+", metavar="MODULE",
+                        help="core_attn attn mlp moe moe_act shared_experts layernorm (implies selective)")
+    parser.add_argument("--config", metavar="JSON", help="TrainConfig fields as JSON; flags override them")
+    parser.add_argument("--result-json", metavar="PATH", help="write the TrainResult here (rank 0)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace):
+    """TrainConfig from --config (if any) overlaid with the flags that were given."""
+    from fp8stack.train.loop import TrainConfig, TrainConfigError
+
+    given = vars(args)
+    try:
+        values = json.loads(Path(given["config"]).read_text()) if "config" in given else {}
+    except (OSError, json.JSONDecodeError) as err:
+        raise TrainConfigError(f"cannot read --config {given['config']}: {err}; pass a JSON file of TrainConfig "
+                               "fields") from None
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise TrainConfigError(f"--config {given['config']} has unknown field(s) {sorted(unknown)}; "
+                               f"TrainConfig has {sorted(known)}")
+    values.update({k: v for k, v in given.items() if k in known})
+    granularity = given.get("recompute_granularity", "selective" if "recompute_modules" in given else None)
+    if granularity == "full" and "recompute_modules" in given:
+        raise TrainConfigError("--recompute-modules applies to --recompute-granularity selective, not full: "
+                               "drop one of them")
+    if granularity is not None:
+        values.setdefault("recompute", "all")
+        values["recompute_modules"] = (("block",) if granularity == "full"
+                                       else tuple(given.get("recompute_modules", MEGATRON_SELECTIVE_DEFAULT)))
+    return TrainConfig(**values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 0
+    from fp8stack.assembly import OrderingError
+    from fp8stack.backends import BackendUnavailable
+    from fp8stack.train.checkpoint import CheckpointError
+    from fp8stack.train.loop import TrainConfigError, train
+
+    try:
+        cfg = config_from_args(args)
+        result = train(cfg)
+    except (PlanError, TrainConfigError, CheckpointError, BackendUnavailable, OrderingError,
+            NotImplementedError) as err:
+        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return USAGE_ERROR
+    if "result_json" in vars(args) and _is_rank_zero():
+        Path(args.result_json).write_text(json.dumps(asdict(result)) + "\n")
+    return 0
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

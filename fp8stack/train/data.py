@@ -1,0 +1,103 @@
+"""Real text with no download: the running interpreter's own standard-library .py sources, as bytes.
+
+Byte-level tokens (ids 0..255) fit any model with vocab_size >= 256. Files go to the train or the
+validation split by a hash of their path relative to the stdlib folder, so the split is the same
+on every machine with the same Python. Batch i of a given (seed, split, rank) is a pure function
+of those four numbers: every A/B arm and every process sees the same tokens, and a resumed run
+continues from `position` alone.
+"""
+
+import hashlib
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+SPLITS = ("train", "validation")
+VALIDATION_PERCENT = 10
+"""Share of files (by path hash) that form the validation split."""
+DEFAULT_MAX_BYTES = 8 << 20
+"""Read at most this much text, in sorted file order: start-up stays well under a second."""
+FILE_SEPARATOR = b"\n\n"
+"""Between concatenated files, so no window glues two files' lines together."""
+
+
+def stdlib_root() -> Path:
+    """The folder of the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def split_of(relative_path: str) -> str:
+    """'train' or 'validation' for a file, from a hash of its relative path (stable across runs)."""
+    bucket = int.from_bytes(hashlib.sha256(relative_path.encode()).digest()[:4], "big") % 100
+    return "validation" if bucket < VALIDATION_PERCENT else "train"
+
+
+def source_files(root: Path) -> list[Path]:
+    """Every .py file under `root` in sorted order, without third-party packages."""
+    return sorted(p for p in root.rglob("*.py")
+                  if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+
+
+def load_split(split: str, max_bytes: int = DEFAULT_MAX_BYTES, root: Path | None = None) -> torch.Tensor:
+    """The split's text as a 1-D uint8 tensor: its files in sorted order, until `max_bytes` of the
+    stdlib (both splits together) have been read."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+    root = root or stdlib_root()
+    chunks, read = [], 0
+    for path in source_files(root):
+        if read >= max_bytes:
+            break
+        text = path.read_bytes()
+        read += len(text)
+        if split_of(path.relative_to(root).as_posix()) == split:
+            chunks += [text, FILE_SEPARATOR]
+    data = b"".join(chunks)
+    if not data:
+        raise RuntimeError(f"no Python sources for the {split} split under {root} (first {max_bytes} bytes): "
+                           "raise max_bytes or check that the interpreter ships its standard library")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class TextData:
+    """Batches of (tokens, targets) [micro_batch, seq_len] int64 CPU tensors, targets shifted by one.
+
+    Windows start at random offsets drawn from a generator seeded by (seed, split, rank, batch index).
+    """
+
+    def __init__(self, seq_len: int, micro_batch: int, seed: int, split: str = "train", *,
+                 rank: int = 0, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.seed = seed
+        self.split = split
+        self.rank = rank
+        self.text = load_split(split, max_bytes)
+        if self.text.numel() <= seq_len + 1:
+            raise ValueError(f"the {split} split holds {self.text.numel()} bytes, too few for seq_len={seq_len}: "
+                             "raise max_bytes or lower seq_len")
+        self.position = 0
+        """Index of the next batch; save it to resume."""
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch number `index`, independent of what was drawn before."""
+        generator = torch.Generator().manual_seed(_mix(self.seed, SPLITS.index(self.split), self.rank, index))
+        starts = torch.randint(0, self.text.numel() - self.seq_len - 1, (self.micro_batch,), generator=generator)
+        windows = torch.stack([self.text[s: s + self.seq_len + 1] for s in starts.tolist()]).long()
+        return windows[:, :-1], windows[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens_targets = self.batch(self.position)
+        self.position += 1
+        return tokens_targets
+
+
+def _mix(*numbers: int) -> int:
+    """One 63-bit generator seed from several integers (a hash, so nearby inputs give unrelated streams)."""
+    digest = hashlib.sha256(",".join(map(str, numbers)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1

@@ -1,0 +1,480 @@
+"""The training loop: plain-torch model -> plan -> assemble -> AdamW steps on stdlib text.
+
+Precision, as the plan's FP32 list says: parameters (master weights) and AdamW moments are FP32;
+activations run in `dtype` (bf16 through torch.autocast, or fp32); FP8 modules cast their own
+inputs; loss, gradient norm and clipping are FP32.
+"""
+
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from contextlib import ExitStack, nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fp8stack.models import Llama, LlamaConfig
+from fp8stack.plan import Plan, PolicyConfig, make_plan
+from fp8stack.plan.from_module import describe_module
+from fp8stack.runtime.recompute import RECOMPUTE_MODULES
+from fp8stack.train import checkpoint
+from fp8stack.train.data import DEFAULT_MAX_BYTES, TextData
+from fp8stack.train.timing import steady_state
+
+MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-like": LlamaConfig.llama_1b_like}
+"""Model name -> its LlamaConfig."""
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CPU_ARCH = 90
+"""On a CPU the plan targets Hopper: torch's CPU scaled GEMMs emulate its FP8 recipes."""
+
+
+class TrainConfigError(ValueError):
+    """A training option that cannot work; the message names the fix."""
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Defaults suit the tiny model on a CPU."""
+
+    model: str = "tiny"
+    """Model name: tiny | tiny-moe | llama-1b-like."""
+    recipe: str = "bf16"
+    """FP8 recipe (delayed, tensorwise, rowwise, rowwise_gw_hp, blockwise, mxfp8) or bf16 for none."""
+    backend: str = "auto"
+    """Backend for dense linears: auto | te | torchao."""
+    fp8_format: str | None = None
+    """e4m3, or hybrid (E4M3 forward, E5M2 gradients); None takes the recipe's library default."""
+    first_last_layers_bf16: bool = False
+    """Keep the first and last layers in BF16 (Megatron's --first-last-layers-bf16)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Layers kept BF16 at the start with first_last_layers_bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Layers kept BF16 at the end with first_last_layers_bf16."""
+    small_gemm_filter: str = "auto"
+    """rowwise | tensorwise | off; auto is off on a CPU (the filter's thresholds are H100 timings and
+    the CPU run exists to exercise FP8 numerics) and the policy's default on a GPU."""
+    steps: int = 40
+    """Optimizer steps."""
+    warmup: int = 4
+    """Steps of linear LR warm-up from 0 to lr."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, on matrices only (not norms)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (computed in FP32) to this; 0 disables clipping."""
+    micro_batch: int = 8
+    """Sequences per step and data-parallel rank."""
+    seq_len: int | None = None
+    """Tokens per sequence; None takes the model's seq_len."""
+    seed: int = 0
+    """Seeds weights and data: the same seed gives the same run in every arm and process."""
+    dtype: str = "auto"
+    """Activation dtype: bf16 (torch.autocast) | fp32; auto is bf16 on CUDA, fp32 on a CPU."""
+    device: str = "auto"
+    """cuda | cpu | auto (cuda when available; under torchrun, cuda:LOCAL_RANK)."""
+    compile: bool = False
+    """torch.compile the blocks (assembly stage 4)."""
+    recompute: str | None = None
+    """Blocks whose activations are recomputed in the backward: 'all', comma-separated indices ('0,2'), or None."""
+    recompute_modules: tuple[str, ...] = ("block",)
+    """What is recomputed in those blocks: 'block' (all of it) or Megatron's --recompute-modules names
+    (core_attn, attn, mlp, moe, moe_act, shared_experts, layernorm)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree; the remaining ranks shard data and parameters with FSDP2."""
+    fsdp_float8_all_gather: bool = False
+    """All-gather FSDP2 weights in FP8 (torchao tensorwise only)."""
+    precompute_fp8_scales: bool = False
+    """With fsdp_float8_all_gather: compute all weight scales in one op after each optimizer step."""
+    eval_batches: int = 4
+    """Validation batches evaluated after the last step (0 skips validation)."""
+    max_data_bytes: int = DEFAULT_MAX_BYTES
+    """Read at most this much stdlib source text."""
+    log_dir: str | None = None
+    """Folder for train.jsonl and TensorBoard scalars; None logs nothing to disk."""
+    log_interval: int = 10
+    """Steps between plain log lines when no progress bar is shown (not a TTY)."""
+    checkpoint_dir: str | None = None
+    """Folder for checkpoints (step-<N>); None saves none."""
+    checkpoint_interval: int = 0
+    """Save every this many steps (and after the last); 0 saves only after the last step."""
+    resume: str | None = None
+    """'latest' (newest under checkpoint_dir) or a checkpoint folder to continue from; None starts fresh."""
+    progress: bool = True
+    """Show a rich progress bar when stdout is a terminal."""
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise TrainConfigError(f"unknown model {self.model!r}: use one of {', '.join(MODELS)}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise TrainConfigError(f"unknown dtype {self.dtype!r}: use auto, {' or '.join(DTYPES)}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise TrainConfigError(f"unknown device {self.device!r}: use auto, cuda or cpu")
+        for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):
+            if getattr(self, name) < 1:
+                raise TrainConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise TrainConfigError(f"warmup must be non-negative, got {self.warmup}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise TrainConfigError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise TrainConfigError(f"seq_len must be at least 2, got {self.seq_len}")
+        if self.resume == "latest" and not self.checkpoint_dir:
+            raise TrainConfigError("resume='latest' needs checkpoint_dir: pass --save DIR (or --load a checkpoint)")
+        _recompute_blocks(self.recompute)
+        self.recompute_modules = tuple(self.recompute_modules)  # a JSON --config gives a list
+        unknown = [name for name in self.recompute_modules if name not in RECOMPUTE_MODULES]
+        if unknown:
+            raise TrainConfigError(f"unknown recompute module(s) {', '.join(unknown)}: "
+                                   f"use {', '.join(RECOMPUTE_MODULES)}")
+        if self.recompute is None and self.recompute_modules != ("block",):
+            raise TrainConfigError(f"recompute_modules {list(self.recompute_modules)} need recompute: pass "
+                                   "--recompute-granularity selective (all blocks) or --recompute-layers I,J")
+
+
+@dataclass
+class TrainResult:
+    """What one run measured (rank 0's view; losses are averaged over data-parallel ranks)."""
+
+    config: dict
+    """The TrainConfig, as a dict."""
+    device: str
+    """Device name ('cpu' or the GPU's name)."""
+    dtype: str
+    """Activation dtype used."""
+    world_size: int
+    """Processes in the run."""
+    tokens_per_step: int
+    """Tokens in one optimizer step over all data-parallel ranks."""
+    plan_summary: dict
+    """Plan.summary(): FLOPs per token and FP8 share."""
+    first_step: int
+    """Index of the first step this run took (non-zero after a resume)."""
+    losses: list[float] = field(default_factory=list)
+    """Training loss per step."""
+    step_ms: list[float] = field(default_factory=list)
+    """Wall time per step in milliseconds."""
+    lrs: list[float] = field(default_factory=list)
+    """Learning rate used per step."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Global gradient norm per step, before clipping."""
+    tokens_per_s: float = 0.0
+    """Throughput over the steady-state steps (see steady_state)."""
+    val_loss: float | None = None
+    """Mean validation loss after the last step."""
+    peak_mem_gib: float | None = None
+    """CUDA peak allocated memory (None on a CPU)."""
+    max_rss_gib: float = 0.0
+    """Peak resident memory of the process."""
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr over cfg.warmup steps, then cosine decay to cfg.min_lr at cfg.steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> Llama:
+    """The plain-torch model, initialised from cfg.seed directly on `device`."""
+    config = MODELS[cfg.model]()
+    if cfg.seq_len is not None:
+        config = replace(config, seq_len=cfg.seq_len)
+    with torch.device(device):
+        model = Llama(config)
+    model.init_weights(seed=cfg.seed)
+    return model
+
+
+def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
+    """The plan for this model as built (its seq_len), under the config's recipe and policy options."""
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = 10 * major + minor
+    else:
+        arch = CPU_ARCH
+    options = {"small_gemm_filter": ("off" if not on_gpu else None) if cfg.small_gemm_filter == "auto"
+               else cfg.small_gemm_filter}
+    policy = PolicyConfig(recipe=cfg.recipe, fp8_format=cfg.fp8_format, backend=cfg.backend, arch=arch,
+                          first_last_layers_bf16=cfg.first_last_layers_bf16,
+                          num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
+                          num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
+                          **{k: v for k, v in options.items() if v is not None})
+    description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
+    return make_plan(description, policy)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run cfg.steps optimizer steps (from the resumed step, if any) and return what was measured."""
+    from fp8stack.assembly import assemble, post_optimizer_step_hook  # the assembly pulls in every backend
+
+    with _Distributed(cfg) as env:
+        device, dtype = env.device, _activation_dtype(cfg, env.device)
+        model = build_model(cfg, device)
+        seq_len = model.config.seq_len
+        plan = build_plan(cfg, model, device)
+        _check_cpu_support(cfg, plan, device, dtype)
+        model = assemble(model, plan, tp_mesh=env.tp_mesh, recompute=_recompute_blocks(cfg.recompute),
+                         recompute_modules=cfg.recompute_modules, compile=cfg.compile, fsdp_mesh=env.fsdp_mesh,
+                         fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
+                         precompute_fp8_scales=cfg.precompute_fp8_scales,
+                         fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+        after_optimizer_step = post_optimizer_step_hook(model)
+        optimizer = _adamw(model, cfg, device)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+        data = TextData(seq_len, cfg.micro_batch, cfg.seed, "train", rank=env.dp_rank, max_bytes=cfg.max_data_bytes)
+
+        start = 0
+        if cfg.resume:
+            resumed = checkpoint.load(_resume_path(cfg), model, optimizer, scheduler)
+            start, data.position = resumed.step, resumed.data_position
+        if start >= cfg.steps and env.rank == 0:
+            print(f"the checkpoint is at step {start} and steps={cfg.steps}: nothing left to train "
+                  "(raise --train-iters to continue)", file=sys.stderr)
+        result = TrainResult(config=asdict(cfg), device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
+                             world_size=env.world_size, tokens_per_step=cfg.micro_batch * seq_len * env.dp_size,
+                             plan_summary=plan.summary(), first_step=start)
+        autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        with _Logger(cfg, env.rank == 0, start) as log:
+            for step in range(start, cfg.steps):
+                began = time.perf_counter()
+                tokens, targets = (t.to(device, non_blocking=True) for t in next(data))
+                with autocast():
+                    logits = model(tokens)
+                loss = Llama.loss(logits, targets)
+                loss.backward()
+                grad_norm = _clip(model, cfg.grad_clip)
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                after_optimizer_step()
+                loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)  # the step's only host sync
+                elapsed_ms = (time.perf_counter() - began) * 1000
+
+                result.losses.append(loss_value)
+                result.step_ms.append(elapsed_ms)
+                result.lrs.append(lr)
+                result.grad_norms.append(grad_norm)
+                log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
+                                "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
+                if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg):
+                    checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, scheduler, data.position)
+
+        if result.step_ms:
+            result.tokens_per_s = result.tokens_per_step / statistics.median(steady_state(result.step_ms)) * 1000
+        if cfg.eval_batches:
+            result.val_loss = _validate(model, cfg, seq_len, env, autocast)
+        if device.type == "cuda":
+            result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+        return result
+
+
+def _recompute_blocks(spec: str | None) -> list[int] | str | None:
+    """'all' | '0,2' | None -> what assemble(recompute=...) takes."""
+    if spec is None or spec == "all":
+        return spec
+    try:
+        return [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise TrainConfigError(f"recompute={spec!r}: write 'all' or comma-separated block indices like '0,2'") from None
+
+
+def _activation_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[cfg.dtype]
+
+
+def _check_cpu_support(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
+    """torchao's Float8Linear applies only CUDA autocast to its inputs, so under CPU bf16 autocast the
+    high-precision weight-gradient GEMM of rowwise_gw_hp meets FP32 and BF16 operands and fails."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and any(d.recipe == "rowwise_gw_hp" for d in plan.decisions):
+        raise TrainConfigError("recipe rowwise_gw_hp cannot run under bf16 autocast on a CPU (torchao casts inputs "
+                               "for CUDA autocast only): use --dtype fp32 on a CPU")
+
+
+def _adamw(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the FP32 parameters, so its moments are FP32 too; no decay on norm weights."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    wrong = {p.dtype for p in params} - {torch.float32}
+    if wrong:
+        raise RuntimeError(f"parameters must stay FP32 master weights, found {sorted(map(str, wrong))}: "
+                           "keep the model FP32 and let autocast / FP8 modules cast activations")
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def _clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm in FP32 (reduced over ranks under FSDP/TP), clipping to max_norm if > 0.
+    Returned as a device tensor: reading it on the host here would stall the step."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _checkpoint_due(done: int, cfg: TrainConfig) -> bool:
+    return done == cfg.steps or (cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0)
+
+
+def _resume_path(cfg: TrainConfig) -> Path:
+    """cfg.resume as a checkpoint folder: 'latest' under checkpoint_dir, the newest step-* inside a
+    folder of checkpoints, or the folder itself."""
+    folder = Path(cfg.checkpoint_dir if cfg.resume == "latest" else cfg.resume)
+    if not folder.is_dir():
+        raise TrainConfigError(f"checkpoint {folder} does not exist: point --load at a step-* folder or a "
+                               "folder of them")
+    found = checkpoint.latest(folder)
+    if found is None and cfg.resume == "latest":
+        raise TrainConfigError(f"no step-* checkpoint under {folder} to resume from: drop the resume option")
+    return found or folder
+
+
+@torch.no_grad()
+def _validate(model: torch.nn.Module, cfg: TrainConfig, seq_len: int, env: "_Distributed", autocast) -> float:
+    data = TextData(seq_len, cfg.micro_batch, cfg.seed, "validation", rank=env.dp_rank, max_bytes=cfg.max_data_bytes)
+    losses = []
+    for index in range(cfg.eval_batches):
+        tokens, targets = (t.to(env.device) for t in data.batch(index))
+        with autocast():
+            logits = model(tokens)
+        losses.append(env.mean(Llama.loss(logits, targets)))
+    return statistics.fmean(losses)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+class _Distributed:
+    """Single process, or torchrun's WORLD_SIZE processes on a (dp, tp) mesh: NCCL on GPUs, gloo on CPUs.
+    Sets up the process group on entry (if torchrun started us and nobody did yet) and ends it on exit."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        wants_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        if wants_cuda and not torch.cuda.is_available():
+            raise TrainConfigError("device cuda requested but torch sees no CUDA GPU: pass --device cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device("cuda", local_rank) if wants_cuda else torch.device("cpu")
+        if self.world_size % cfg.tensor_parallel:
+            raise TrainConfigError(f"tensor_parallel={cfg.tensor_parallel} must divide the {self.world_size} processes")
+        self.tp_size = cfg.tensor_parallel
+        self.dp_size = self.world_size // self.tp_size
+        self.dp_rank = self.rank // self.tp_size
+        self.tp_mesh = self.fsdp_mesh = None
+        self._owns_group = False
+
+    def __enter__(self) -> "_Distributed":
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+                self._owns_group = True
+            mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
+            self.tp_mesh = mesh["tp"] if self.tp_size > 1 else None
+            self.fsdp_mesh = mesh["dp"] if self.dp_size > 1 else None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owns_group:
+            dist.destroy_process_group()
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean of a scalar over all ranks (gloo has no AVG, hence SUM / world)."""
+        if self.world_size > 1:
+            value = value.detach().float().clone()
+            dist.all_reduce(value)
+            value /= self.world_size
+        return float(value)
+
+
+class _Logger:
+    """Per-step metrics to a rich progress bar (TTY) or plain lines, train.jsonl and TensorBoard."""
+
+    def __init__(self, cfg: TrainConfig, active: bool, start: int):
+        self.cfg, self.active, self.start = cfg, active, start
+        self.stack = ExitStack()
+        self.jsonl = self.tensorboard = self.progress = None
+
+    def __enter__(self) -> "_Logger":
+        if not self.active:
+            return self
+        cfg = self.cfg
+        if cfg.log_dir:
+            folder = Path(cfg.log_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            # A resumed run continues the file; a fresh one starts it anew.
+            self.jsonl = self.stack.enter_context(open(folder / "train.jsonl", "a" if self.start else "w"))
+            self.tensorboard = _tensorboard_writer(folder)
+            if self.tensorboard is not None:
+                self.stack.callback(self.tensorboard.close)
+        console = Console()
+        if cfg.progress and console.is_terminal:
+            self.progress = self.stack.enter_context(Progress(
+                TextColumn(f"{cfg.model} {cfg.recipe}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
+                console=console))
+            self.task = self.progress.add_task("train", total=cfg.steps, completed=self.start, loss=float("nan"),
+                                               tps=0.0)
+        return self
+
+    def step(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                self.tensorboard.add_scalar(f"train/{name}", value, step)
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, loss=metrics["loss"], tps=metrics["tokens_per_s"])
+        elif self.cfg.progress and ((step + 1) % self.cfg.log_interval == 0 or step + 1 == self.cfg.steps):
+            print(f"step {step + 1}/{self.cfg.steps}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
+                  f"{metrics['step_ms']:.0f} ms  {metrics['tokens_per_s']:,.0f} tok/s", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+
+_TENSORBOARD_NOTE = "tensorboard is not installed: TensorBoard scalars are skipped (pip install tensorboard)"
+_noted_tensorboard = False
+
+
+def _tensorboard_writer(folder: Path):
+    """A SummaryWriter in `folder`, or None (saying so once per process) when tensorboard is missing."""
+    global _noted_tensorboard
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if not _noted_tensorboard:
+            print(_TENSORBOARD_NOTE, file=sys.stderr)
+            _noted_tensorboard = True
+        return None
+    return SummaryWriter(log_dir=str(folder))

@@ -1,0 +1,18 @@
+"""Step-time statistics shared by the loop and the A/B harness (pure Python: no torch import)."""
+
+import statistics
+
+
+def steady_state(step_ms: list[float]) -> list[float]:
+    """Per-step times without the warm-up steps (allocator growth, kernel selection, compilation):
+    the first 10% (at least 2) are dropped while 3 or more steps remain."""
+    skip = max(2, len(step_ms) // 10)
+    return step_ms[skip:] if len(step_ms) - skip >= 3 else step_ms
+
+
+def relative_spread(step_ms: list[float]) -> float:
+    """Interquartile range / median: how much step times vary, as a share of the typical step."""
+    if len(step_ms) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(step_ms, n=4)
+    return (q3 - q1) / statistics.median(step_ms)

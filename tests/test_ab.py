@@ -1,0 +1,116 @@
+"""The A/B harness: verdict rules on synthetic numbers, and a real two-arm run on the CPU."""
+
+import argparse
+import json
+
+import pytest
+
+from fp8stack.ab import _judge, add_ab_parser, blended_peak, final_loss, main, peak_tflops, run_ab, verdict
+from fp8stack.train.timing import relative_spread, steady_state
+
+ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
+            "rel_loss_gap", "verdict", "reason"}
+
+
+def test_ship_needs_speed_beyond_noise_and_loss_within_tolerance():
+    assert verdict(80.0, 100.0, noise=0.05, loss_gap=0.001, tolerance=0.0025)[0] == "ship"
+    decision, reason = verdict(97.0, 100.0, noise=0.05, loss_gap=0.001, tolerance=0.0025)
+    assert decision == "rollback" and "not faster than bf16 by more than the noise (+3.1% speed-up" in reason
+    decision, reason = verdict(120.0, 100.0, noise=0.05, loss_gap=0.001, tolerance=0.0025)
+    assert decision == "rollback" and "(-16.7% speed-up, noise 5.0%)" in reason
+    decision, reason = verdict(80.0, 100.0, noise=0.05, loss_gap=0.004, tolerance=0.0025)
+    assert decision == "rollback" and "exceeds the 0.25% tolerance" in reason
+    decision, reason = verdict(120.0, 100.0, noise=0.05, loss_gap=0.004, tolerance=0.0025)
+    assert reason.count(";") == 1  # both problems named
+    assert verdict(80.0, 100.0, noise=0.05, loss_gap=-0.01, tolerance=0.0025)[0] == "ship"  # lower loss is fine
+
+
+def test_statistics():
+    assert final_loss([5.0] * 90 + [2.0] * 10) == 2.0
+    assert final_loss([3.0, 1.0]) == 1.0  # at least one step
+    assert steady_state(list(range(30))) == list(range(3, 30))
+    assert steady_state([9.0, 1.0, 1.0]) == [9.0, 1.0, 1.0]  # too short to drop anything
+    assert relative_spread([10.0] * 8) == 0.0
+    assert relative_spread([8.0, 9.0, 10.0, 11.0, 12.0]) == pytest.approx(0.3)
+
+
+def test_peaks_and_mfu_basis():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == {"bf16": 989.4, "fp8": 1978.9}
+    assert peak_tflops("NVIDIA H100 PCIe")["bf16"] == 756.0
+    assert peak_tflops("NVIDIA H200")["fp8"] == 1978.9
+    assert peak_tflops("cpu") is None
+    peaks = {"bf16": 1000.0, "fp8": 2000.0}
+    assert blended_peak(peaks, 0.0) == 1000.0 and blended_peak(peaks, 1.0) == 2000.0
+    assert blended_peak(peaks, 0.5) == pytest.approx(1000.0 / 0.75)
+
+
+def _result(step_ms: float, loss: float, fp8_share: float) -> dict:
+    """A TrainResult dict as the worker writes it."""
+    by_backend = {"bf16": 1 - fp8_share, **({"torchao": fp8_share} if fp8_share else {})}
+    return {"step_ms": [step_ms] * 20, "losses": [loss] * 20, "tokens_per_step": 1000, "peak_mem_gib": 10.0,
+            "max_rss_gib": 2.0, "val_loss": loss, "dtype": "bfloat16", "world_size": 1,
+            "plan_summary": {"gemm_flops_per_token": 10**9, "flops_share_by_precision": {"fp8": fp8_share},
+                             "flops_share_by_backend": by_backend}}
+
+
+def test_judge_compares_every_arm_with_bf16():
+    results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(70.0, 2.002, 0.8),
+               "rowwise": _result(90.0, 2.1, 0.8), "blockwise": "TransformerEngine is not installed"}
+    backends = {"bf16": "bf16", "tensorwise": "torchao", "rowwise": "torchao", "blockwise": "te"}
+    judged, repeat = _judge(results, backends, tolerance=0.0025, peaks=peak_tflops("H100"))
+    arms = {a.recipe: a for a in judged}
+    assert repeat is None
+    assert arms["bf16"].verdict == "baseline" and arms["bf16"].rel_loss_gap == 0.0
+    assert arms["tensorwise"].verdict == "ship" and arms["tensorwise"].rel_loss_gap == pytest.approx(0.001)
+    assert arms["tensorwise"].tflops == pytest.approx(3 * 10**9 * 1000 / 0.07 / 1e12)
+    assert arms["tensorwise"].mfu == pytest.approx(arms["tensorwise"].tflops / blended_peak(peak_tflops("H100"), 0.8))
+    assert arms["rowwise"].verdict == "rollback" and "tolerance" in arms["rowwise"].reason
+    assert arms["blockwise"].verdict == "rollback" and arms["blockwise"].reason == (
+        "failed: TransformerEngine is not installed")
+    assert arms["bf16"].peak_mem_gib == 10.0
+
+
+def test_judge_without_a_baseline_ships_nothing():
+    arms, _ = _judge({"bf16": "out of memory", "tensorwise": _result(50.0, 2.0, 0.8)},
+                     {"bf16": "bf16", "tensorwise": "torchao"}, tolerance=0.0025, peaks=None)
+    assert [a.verdict for a in arms] == ["error", "rollback"]
+
+
+def test_second_bf16_run_sets_the_noise():
+    results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(80.0, 2.0, 0.8)}
+    backends = {"bf16": "bf16", "tensorwise": "torchao"}
+    steady, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeat=_result(101.0, 2.0, 0.0))
+    assert steady[1].verdict == "ship"
+    drifting, repeat = _judge(results, backends, tolerance=0.0025, peaks=None, repeat=_result(130.0, 2.0, 0.0))
+    assert repeat["run_to_run_noise"] == pytest.approx(0.3) and repeat["rel_loss_gap"] == 0.0
+    assert drifting[1].verdict == "rollback" and "noise 30.0%" in drifting[1].reason
+
+
+def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
+    code = main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2",
+                 "--seq-len", "64", "--device", "cpu", "--out-dir", str(tmp_path)])
+    assert code == 0
+    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    assert {"device", "versions", "date", "command", "model", "steps", "arms"} <= set(record)
+    assert [arm["recipe"] for arm in record["arms"]] == ["bf16", "tensorwise"]  # bf16 added first
+    for arm in record["arms"]:
+        assert ARM_KEYS <= set(arm)
+        assert arm["verdict"] in ("baseline", "ship", "rollback") and arm["reason"]
+        assert arm["mfu"] is None and arm["step_ms"] > 0 and arm["final_loss"] > 0
+    assert record["arms"][1]["backend"] == "torchao"
+    assert record["baseline_repeat"]["rel_loss_gap"] == 0.0  # same seed and data, deterministic CPU kernels
+    assert record["baseline_repeat"]["run_to_run_noise"] >= 0
+    assert (tmp_path / "ab-tiny-cpu.md").read_text().count("| tensorwise |") == 1
+    assert "| tensorwise |" in capsys.readouterr().out
+
+
+def test_ab_subcommand_plugs_into_a_parser():
+    parser = argparse.ArgumentParser(prog="fp8stack")
+    add_ab_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["ab", "--model", "tiny", "--recipes", "bf16,rowwise", "--steps", "7"])
+    assert (args.run, args.recipes, args.steps, args.backend, args.nproc) == (run_ab, "bf16,rowwise", 7, "auto", 1)
+
+
+def test_ab_rejects_unknown_recipes(capsys):
+    assert main(["--recipes", "bf16,fp4", "--out-dir", "unused"]) == 2
+    assert "unknown recipe(s) fp4" in capsys.readouterr().err

@@ -1,0 +1,161 @@
+"""The trainer on a CPU: stdlib-text data, LR schedule, short runs in bf16 and FP8, bit-identical resume."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fp8stack.train import checkpoint
+from fp8stack.train.__main__ import build_parser, config_from_args
+from fp8stack.train.__main__ import main as train_main
+from fp8stack.train.data import SPLITS, TextData, load_split, source_files, split_of, stdlib_root
+from fp8stack.train.loop import TrainConfig, TrainConfigError, lr_at, train
+
+SMALL_DATA = 1 << 20
+"""1 MiB of stdlib source: plenty for a few short steps, quick to read."""
+FAST = dict(micro_batch=2, seq_len=64, eval_batches=1, max_data_bytes=SMALL_DATA, progress=False)
+"""Settings that keep a tiny-model run to a fraction of a second per step on 2 cores."""
+
+
+def test_batches_depend_only_on_seed_split_rank_and_index():
+    a = TextData(64, 3, seed=7, max_bytes=SMALL_DATA)
+    b = TextData(64, 3, seed=7, max_bytes=SMALL_DATA)
+    first = [next(a) for _ in range(3)]
+    assert all(torch.equal(x, y) for pair in zip(first, [next(b) for _ in range(3)]) for x, y in zip(*pair))
+    assert torch.equal(a.batch(1)[0], first[1][0])  # random access = sequential order: resume needs only position
+    tokens, targets = first[0]
+    assert tokens.shape == targets.shape == (3, 64) and tokens.dtype == torch.int64
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])  # targets are the next bytes
+    assert int(tokens.max()) < 256
+    other_seed = TextData(64, 3, seed=8, max_bytes=SMALL_DATA).batch(0)[0]
+    other_rank = TextData(64, 3, seed=7, rank=1, max_bytes=SMALL_DATA).batch(0)[0]
+    assert not torch.equal(other_seed, first[0][0]) and not torch.equal(other_rank, first[0][0])
+
+
+def test_split_is_by_file_and_stable(tmp_path):
+    files = {f"pkg/mod{i}.py": f"# module {i}\nx = {i}\n".encode() for i in range(40)}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(text)
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "third_party.py").write_text("not stdlib\n")
+    assert "site-packages" not in {p.parts[-2] for p in source_files(tmp_path)}
+    texts = {split: bytes(load_split(split, root=tmp_path).tolist()) for split in SPLITS}
+    for name, text in files.items():
+        home = split_of(name)
+        assert split_of(name) == home and text in texts[home]
+        assert text not in texts[next(s for s in SPLITS if s != home)]
+    assert 0 < sum(split_of(name) == "validation" for name in files) < len(files)
+
+
+def test_real_stdlib_has_both_splits():
+    assert source_files(stdlib_root())
+    assert load_split("train", SMALL_DATA).numel() > load_split("validation", SMALL_DATA).numel() > 0
+
+
+def test_lr_warms_up_then_decays_to_min_lr():
+    cfg = TrainConfig(steps=20, warmup=4, lr=1e-3, min_lr=1e-4)
+    lrs = [lr_at(step, cfg) for step in range(cfg.steps + 1)]
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert lrs[4] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
+    assert all(later <= earlier for earlier, later in zip(lrs[4:], lrs[5:]))
+    assert lrs[12] == pytest.approx(1e-4 + 0.5 * 9e-4)  # half-way through the cosine
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
+def test_short_run_trains(recipe, tmp_path):
+    result = train(TrainConfig(recipe=recipe, steps=5, warmup=1, log_dir=str(tmp_path), **FAST))
+    assert len(result.losses) == len(result.step_ms) == 5
+    assert all(math.isfinite(loss) for loss in result.losses) and math.isfinite(result.val_loss)
+    assert result.losses[-1] < result.losses[0]
+    assert result.tokens_per_s > 0 and result.max_rss_gib > 0 and result.peak_mem_gib is None
+    assert (result.plan_summary["fp8_gemms"] > 0) == (recipe != "bf16")
+    assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
+def test_resume_continues_bit_identically(recipe, tmp_path):
+    settings = dict(recipe=recipe, steps=4, warmup=1, **FAST)
+    uninterrupted = train(TrainConfig(**settings))
+    train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), checkpoint_interval=2))
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["step-00000002", "step-00000004"]
+    resumed = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), resume=str(tmp_path / "step-00000002")))
+    assert resumed.first_step == 2
+    assert resumed.losses == uninterrupted.losses[2:]  # exact equality, not approx
+
+
+class _ScalingState(nn.Module):
+    """A module keeping state in get_extra_state, as TE modules keep their FP8 amax history and scales
+    (a pickled byte tensor whose size changes once FP8 has run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.history = [0.0]
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(self.history, dtype=torch.float64)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.history = state.tolist()
+
+
+def test_checkpoint_keeps_module_extra_state(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), _ScalingState())
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model[1].history = [3.0, 1.5, 2.0]  # longer than a fresh module's: DCP could not load it in place
+    path = checkpoint.save(tmp_path, 3, model, optimizer, scheduler, data_position=5)
+    fresh = nn.Sequential(nn.Linear(4, 4), _ScalingState())
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    resumed = checkpoint.load(path, fresh, fresh_optimizer, torch.optim.lr_scheduler.LambdaLR(fresh_optimizer,
+                                                                                            lambda step: 1.0))
+    assert (resumed.step, resumed.data_position) == (3, 5)
+    assert fresh[1].history == [3.0, 1.5, 2.0]
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    assert checkpoint.latest(tmp_path) == path
+
+
+@pytest.mark.parametrize("flags, recompute, modules", [
+    ([], None, ("block",)),
+    (["--recompute-granularity", "full"], "all", ("block",)),
+    (["--recompute-granularity", "selective"], "all", ("core_attn",)),  # Megatron's default
+    (["--recompute-modules", "mlp", "layernorm"], "all", ("mlp", "layernorm")),
+    (["--recompute-modules", "mlp", "--recompute-layers", "0,2"], "0,2", ("mlp",)),
+])
+def test_megatron_recompute_flags(flags, recompute, modules):
+    cfg = config_from_args(build_parser().parse_args(flags))
+    assert (cfg.recompute, cfg.recompute_modules) == (recompute, modules)
+
+
+def test_selective_recompute_trains():
+    result = train(TrainConfig(recipe="tensorwise", steps=2, recompute="all", recompute_modules=("mlp", "core_attn"),
+                               **FAST))
+    assert all(math.isfinite(loss) for loss in result.losses)
+
+
+def test_config_errors_name_the_fix(capsys):
+    with pytest.raises(TrainConfigError, match="use one of tiny"):
+        TrainConfig(model="gpt5")
+    with pytest.raises(TrainConfigError, match="needs checkpoint_dir"):
+        TrainConfig(resume="latest")
+    assert train_main(["--recompute-granularity", "full", "--recompute-modules", "mlp"]) == 2
+    assert "drop one of them" in capsys.readouterr().err
+    assert train_main(["--fp8-recipe", "rowwise_gw_hp", "--dtype", "bf16", "--device", "cpu", "--train-iters", "1",
+                       "--no-progress"]) == 2
+    assert "use --dtype fp32 on a CPU" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    def parts(model):
+        optimizer = torch.optim.AdamW(model.parameters())
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    model, optimizer, scheduler = parts(nn.Linear(4, 4))
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    path = checkpoint.save(tmp_path, 1, model, optimizer, scheduler, data_position=1)
+    with pytest.raises(checkpoint.CheckpointError, match="Missing key in checkpoint state_dict: model.0.weight"):
+        checkpoint.load(path, *parts(nn.Sequential(nn.Linear(4, 4))))
+    with pytest.raises(checkpoint.CheckpointError, match="not a complete fp8stack checkpoint"):
+        checkpoint.load(tmp_path, *parts(nn.Linear(4, 4)))
