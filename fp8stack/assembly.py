@@ -38,7 +38,8 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 from fp8stack.backends import BackendUnavailable, ConversionRecord, get_backend
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import BF16
-from fp8stack.runtime.recompute import CheckpointWrapper, checkpoint_module, has_te_modules
+from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, has_te_modules,
+                                        recompute_regions)
 
 __all__ = ["STAGES", "AssemblyState", "AssemblyWarning", "OrderingError", "apply_ac", "apply_compile", "apply_fp8",
            "apply_fsdp", "apply_tp", "assemble", "assembly_state", "post_optimizer_step_hook"]
@@ -86,6 +87,7 @@ def assemble(
     *,
     tp_mesh: DeviceMesh | None = None,
     recompute: Sequence[int] | Literal["all"] | None = None,
+    recompute_modules: Sequence[str] = ("block",),
     compile: bool = False,
     fsdp_mesh: DeviceMesh | None = None,
     fsdp_float8_all_gather: bool = False,
@@ -97,18 +99,22 @@ def assemble(
     when the plan swapped the root module itself).
 
     tp_mesh: tensor-parallel mesh, or None. recompute: block indices of model.layers to checkpoint,
-    or 'all'. compile: torch.compile each block. fsdp_mesh: FSDP2 mesh, or None.
+    or 'all'. recompute_modules: what to checkpoint in those blocks (RECOMPUTE_MODULES names; the
+    whole block by default). compile: torch.compile each block. fsdp_mesh: FSDP2 mesh, or None.
     fsdp_float8_all_gather: all-gather torchao tensorwise weights in FP8 (needs fsdp_mesh).
     precompute_fp8_scales: let post_optimizer_step_hook compute those weights' scales in one
     all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
     backend_options: backend name -> constructor options.
     """
     _check_combination(plan, compile=compile, fsdp_mesh=fsdp_mesh, fsdp_float8_all_gather=fsdp_float8_all_gather)
+    if recompute is None and tuple(recompute_modules) != ("block",):
+        raise ValueError(f"recompute_modules={list(recompute_modules)} has no effect without recompute: pass "
+                         "recompute='all' (or block indices) too")
     model = apply_fp8(model, plan, fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=backend_options)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     if recompute is not None:
-        apply_ac(model, recompute)
+        apply_ac(model, recompute, recompute_modules)
     if compile:
         apply_compile(model)
     if fsdp_mesh is not None:
@@ -251,11 +257,13 @@ def _is_tensorwise_float8(module: nn.Module) -> bool:
 
 # --- stage 3: activation recompute -------------------------------------------------------------
 
-def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all") -> None:
-    """Checkpoint whole blocks of model.layers: the given indices, or 'all'. A block runs its recompute
-    through TE's checkpoint when convert_fp8 put TE FP8 layers in it (see checkpoint_module).
-    checkpoint_module takes any module, so choosing submodules by type (attention, MLP, ... as
-    Megatron's --recompute-modules) needs only a different selection here."""
+def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
+             modules: Sequence[str] = ("block",)) -> None:
+    """Checkpoint, in the given blocks of model.layers (indices, or 'all'), the regions `modules`
+    names (RECOMPUTE_MODULES: 'block' is the whole block; 'mlp', 'attn', 'core_attn', 'moe',
+    'moe_act', 'shared_experts', 'layernorm' its parts, as Megatron's --recompute-modules). A region
+    runs its recompute through TE's checkpoint when convert_fp8 put TE FP8 layers in it (see
+    checkpoint_module). A name no chosen block has, or regions nested in one another, raise ValueError."""
     state = _begin(model, "recompute")
     children = dict(_blocks(model))
     chosen = list(children) if blocks == "all" else [str(i) for i in blocks]
@@ -263,12 +271,29 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all") -
     if missing:
         raise ValueError(f"recompute names block(s) {', '.join(missing)} but model.layers has {', '.join(children)}: "
                          "pass indices of existing blocks or 'all'")
+    regions = {index: recompute_regions(children[index], modules) for index in chosen}
+    absent = [n for n in modules if not any(found[n] for found in regions.values())]
+    if absent:
+        raise ValueError(f"recompute_modules {', '.join(map(repr, absent))}: none of blocks {', '.join(chosen)} has "
+                         f"{' or '.join(p for n in absent for p in RECOMPUTE_MODULES[n])} (e.g. 'moe' in a dense "
+                         "block, 'moe_act' on TE experts, which fuse it): drop the name or pick other blocks")
     fp8_fqns = [fqn for r in state.conversions if r.backend != BF16 for fqn in r.converted]
+    wrapped = []
     for index in chosen:
-        prefix = f"layers.{index}."
-        fp8_active = any(fqn.startswith(prefix) for fqn in fp8_fqns)
-        model.layers.register_module(index, checkpoint_module(children[index], fp8_active=fp8_active))
-    log.info("recompute: checkpointing blocks %s", ", ".join(chosen))
+        paths = sorted(p for found in regions[index].values() for p in found)
+        for outer, inner in zip(paths, paths[1:]):
+            if outer == "" or inner.startswith(f"{outer}."):
+                raise ValueError(f"recompute_modules would checkpoint layers.{index}.{inner} inside "
+                                 f"layers.{index}{'.' + outer if outer else ''}: recomputing a region twice saves "
+                                 "nothing; keep only the outer name")
+        for path in paths:
+            fqn = f"layers.{index}" + (f".{path}" if path else "")
+            fp8_active = any(f.startswith(f"{fqn}.") for f in fp8_fqns)
+            parent_fqn, _, name = fqn.rpartition(".")
+            parent = model.get_submodule(parent_fqn)
+            parent.register_module(name, checkpoint_module(parent.get_submodule(name), fp8_active=fp8_active))
+            wrapped.append(fqn)
+    log.info("recompute: checkpointing %s", ", ".join(wrapped))
     _stamp(model, state, "recompute")
 
 

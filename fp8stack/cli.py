@@ -16,6 +16,7 @@ from fp8stack.plan.policy import SMALL_GEMM_FILTERS
 from fp8stack.plan.recipe_file import SETTINGS
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES
 from fp8stack.plan.render import RENDERERS, render_table
+from fp8stack.profile import add_profile_parser
 
 PROG = "fp8stack"
 USAGE_ERROR = 2
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=tuple(RENDERERS), default="table", help="output format (default: table)")
     plan.set_defaults(run=run_plan)
     add_ab_parser(commands)
+    add_profile_parser(commands)
     return parser
 
 

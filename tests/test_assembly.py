@@ -260,7 +260,7 @@ def test_bf16_backend_changes_nothing_and_records_every_component():
     out, record = BF16Backend().convert(model, list(plan.decisions), plan)
     assert out is model and dict(model.named_modules()) == before
     assert record.converted.keys() == {d.fqn for d in plan.decisions}
-    assert record.converted["layers.0.attention.core"] == "Attention"
+    assert record.converted["layers.0.attention.core"] == "AttentionCore"
     assert record.converted["layers.1.moe.experts.w13"] == "GroupedExperts.w13"
     assert record.converted["output"] == "Linear"
 

@@ -89,8 +89,21 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rope[:, None, :]).flatten(-2).type_as(x)
 
 
+class AttentionCore(nn.Module):
+    """softmax(QK^T)V, causal, by SDPA (flash on GPU). A module of its own, without weights, so that
+    it can be recomputed alone (Megatron's core_attn) and found by name (the plan's attention.core)."""
+
+    def __init__(self, gqa: bool):
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S, head_dim], k and v [B, H_kv, S, head_dim] -> [B, H, S, head_dim]."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention: fused wqkv, RoPE, SDPA (flash on GPU), wo."""
+    """Causal grouped-query attention: fused wqkv, RoPE, the core (SDPA), wo."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -98,6 +111,7 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
+        self.core = AttentionCore(gqa=self.n_kv_heads != self.n_heads)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -107,8 +121,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(batch, seq, -1, self.head_dim), rope)
         k = apply_rope(k.view(batch, seq, -1, self.head_dim), rope)
         v = v.view(batch, seq, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -77,6 +77,15 @@ class Router(nn.Module):
         return weights, experts
 
 
+class SwiGLU(nn.Module):
+    """silu(gate) * up of a fused [..., 2F] projection. A module, without weights, so that the
+    experts' activation can be recomputed alone (Megatron's moe_act)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class GroupedExperts(nn.Module):
     """All routed experts' SwiGLUs as two grouped GEMMs over expert-sorted tokens.
 
@@ -95,13 +104,13 @@ class GroupedExperts(nn.Module):
         """Fused gate and up projections, [E, 2F, D] (nn.Linear layout per expert)."""
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         """Down projections, [E, D, F]."""
+        self.act = SwiGLU()
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x_sorted [R, D]: rows grouped by expert; offsets int32 [E]: end row of each group
         (cumulative counts, each a multiple of group_alignment). Rows past offsets[-1] are
         padding: their output is unspecified (torch._grouped_mm leaves them uninitialised)."""
-        gate, up = self.grouped_mm(x_sorted, self.w13, offsets).chunk(2, dim=-1)
-        return self.grouped_mm(F.silu(gate) * up, self.w2, offsets)
+        return self.grouped_mm(self.act(self.grouped_mm(x_sorted, self.w13, offsets)), self.w2, offsets)
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Row group g of x times weight[g]^T (weight in nn.Linear layout [E, N, K])."""

@@ -1,6 +1,16 @@
-"""What runs around the model during training: activation recompute (more to come: activation
-compression, CUDA-graph guards, numerics guards)."""
+"""What runs around the model during training: activation recompute (recompute.py), FP8 compression
+of saved activations (compress.py), CUDA-graph guards (graphs.py), numerics guards (numerics.py).
+Imports point downward only (plan, backends); TransformerEngine is imported lazily where needed."""
 
-from fp8stack.runtime.recompute import checkpoint_module, has_te_modules
+from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
+from fp8stack.runtime.graphs import (CaptureReport, branchless_clamp, capture_check, is_graph_capturing, no_host_sync,
+                                     te_graphed)
+from fp8stack.runtime.numerics import (NonFiniteLossError, check_finite, fp8_stats, load_pin, rng_states,
+                                       track_fp8_stats, watch_layers)
+from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, PrecisionProbe, checkpoint_module, has_te_modules,
+                                        precision_context)
 
-__all__ = ["checkpoint_module", "has_te_modules"]
+__all__ = ["RECOMPUTE_MODULES", "ActivationCompressor", "CaptureReport", "NonFiniteLossError", "PrecisionProbe",
+           "branchless_clamp", "capture_check", "check_finite", "checkpoint_module", "compress_saved_activations",
+           "fp8_stats", "has_te_modules", "is_graph_capturing", "load_pin", "no_host_sync", "precision_context",
+           "rng_states", "te_graphed", "track_fp8_stats", "watch_layers"]

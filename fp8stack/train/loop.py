@@ -12,7 +12,8 @@ import resource
 import statistics
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -217,8 +218,53 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
     return make_plan(description, policy)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run cfg.steps optimizer steps (from the resumed step, if any) and return what was measured."""
+@dataclass
+class Session:
+    """What the steps of one run need, built from a TrainConfig the same way for train() and `fp8stack profile`."""
+
+    env: "_Distributed"
+    """Processes, ranks, device and meshes."""
+    model: torch.nn.Module
+    """The assembled model."""
+    plan: Plan
+    """The plan it was assembled under."""
+    optimizer: torch.optim.AdamW
+    """AdamW over the FP32 master weights."""
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    """Warm-up then cosine decay (lr_at)."""
+    data: TextData
+    """Training batches of this data-parallel rank."""
+    seq_len: int
+    """Tokens per sequence."""
+    dtype: torch.dtype
+    """Activation dtype."""
+    after_optimizer_step: Callable[[], None]
+    """The assembly's hook to run after each optimizer step."""
+
+    def autocast(self):
+        """The activation-dtype context for a forward pass."""
+        return torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
+
+    def step(self, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step on the next batch: (loss, gradient norm) as device tensors (no host sync)
+        and the learning rate it used."""
+        tokens, targets = (t.to(self.env.device, non_blocking=True) for t in next(self.data))
+        with self.autocast():
+            logits = self.model(tokens)
+        loss = Llama.loss(logits, targets)
+        loss.backward()
+        grad_norm = _clip(self.model, grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.after_optimizer_step()
+        return loss, grad_norm, lr
+
+
+@contextmanager
+def session(cfg: TrainConfig) -> Iterator[Session]:
+    """Set up the processes, then build model, plan, assembly, optimizer and data; ends the processes on exit."""
     from fp8stack.assembly import assemble, post_optimizer_step_hook  # the assembly pulls in every backend
 
     with _Distributed(cfg) as env:
@@ -232,10 +278,19 @@ def train(cfg: TrainConfig) -> TrainResult:
                          fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
                          precompute_fp8_scales=cfg.precompute_fp8_scales,
                          fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
-        after_optimizer_step = post_optimizer_step_hook(model)
         optimizer = _adamw(model, cfg, device)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
-        data = TextData(seq_len, cfg.micro_batch, cfg.seed, "train", rank=env.dp_rank, max_bytes=cfg.max_data_bytes)
+        yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
+                      scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
+                      data=TextData(seq_len, cfg.micro_batch, cfg.seed, "train", rank=env.dp_rank,
+                                    max_bytes=cfg.max_data_bytes),
+                      seq_len=seq_len, dtype=dtype, after_optimizer_step=post_optimizer_step_hook(model))
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run cfg.steps optimizer steps (from the resumed step, if any) and return what was measured."""
+    with session(cfg) as run:
+        env, device, dtype, seq_len = run.env, run.env.device, run.dtype, run.seq_len
+        model, optimizer, scheduler, data = run.model, run.optimizer, run.scheduler, run.data
 
         start = 0
         if cfg.resume:
@@ -246,25 +301,14 @@ def train(cfg: TrainConfig) -> TrainResult:
                   "(raise --train-iters to continue)", file=sys.stderr)
         result = TrainResult(config=asdict(cfg), device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
                              world_size=env.world_size, tokens_per_step=cfg.micro_batch * seq_len * env.dp_size,
-                             plan_summary=plan.summary(), first_step=start)
-        autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext
+                             plan_summary=run.plan.summary(), first_step=start)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
         with _Logger(cfg, env.rank == 0, start) as log:
             for step in range(start, cfg.steps):
                 began = time.perf_counter()
-                tokens, targets = (t.to(device, non_blocking=True) for t in next(data))
-                with autocast():
-                    logits = model(tokens)
-                loss = Llama.loss(logits, targets)
-                loss.backward()
-                grad_norm = _clip(model, cfg.grad_clip)
-                lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                after_optimizer_step()
+                loss, grad_norm, lr = run.step(cfg.grad_clip)
                 loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)  # the step's only host sync
                 elapsed_ms = (time.perf_counter() - began) * 1000
 
@@ -280,7 +324,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         if result.step_ms:
             result.tokens_per_s = result.tokens_per_step / statistics.median(steady_state(result.step_ms)) * 1000
         if cfg.eval_batches:
-            result.val_loss = _validate(model, cfg, seq_len, env, autocast)
+            result.val_loss = _validate(model, cfg, seq_len, env, run.autocast)
         if device.type == "cuda":
             result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
         result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB

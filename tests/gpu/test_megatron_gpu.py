@@ -35,11 +35,15 @@ def megatron():
 
 def fp8_seen(model) -> dict[str, bool]:
     """fqn -> whether FP8 was on when each TE GEMM module of the decoder last ran forward."""
-    seen, handles = {}, []
+    # Read inside TE's forward (prepare_forward), not in a forward pre-hook: a pre-hook runs before a
+    # plan-precision module enters its own autocast and would report the enclosing layer's state.
+    seen = {}
     for fqn, module in model.decoder.named_modules():
         if isinstance(module, (te.Linear, te.LayerNormLinear, te.GroupedLinear)):
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, fqn=fqn: seen.__setitem__(fqn, FP8GlobalStateManager.is_fp8_enabled())))
+            def recording(*args, fqn=fqn, prepare=module.prepare_forward, **kwargs):
+                seen[fqn] = FP8GlobalStateManager.is_fp8_enabled()
+                return prepare(*args, **kwargs)
+            module.prepare_forward = recording
     return seen
 
 

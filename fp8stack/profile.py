@@ -1,0 +1,309 @@
+"""`fp8stack profile`: where a training step's time goes, and how much FP8 can gain at most.
+
+Runs a few trainer steps under torch.profiler (CUDA kernels on a GPU, CPU ops on a CPU), sorts each
+kernel's time into a category by its name (CLASSIFIER) and bounds the plan's FP8 gain by Amdahl's
+law: with GEMMs at share s of the bf16 step's time, FP8 GEMMs `r` times faster and the plan's FP8
+share f of the GEMM FLOPs, a step gets at most 1 / (1 - s*f + s*f/r) faster. s comes from a bf16
+profile of the same model (profiled first for an FP8 recipe: in the FP8 run the GEMMs are already the
+faster ones). Also reports quantize/scale time over GEMM time in the FP8 run (target: at most 10%),
+and the measured gain when `fp8stack ab` evidence for the same model and device exists.
+Writes profiles/profile-<model>-<device>.json and .md.
+"""
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fp8stack.plan import Plan, PlanError
+from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES
+
+CLASSIFIER: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
+                       "reducescatter", "all_to_all", "alltoall", "c10d::", "gloo")),
+    # Before gemm: flash/cuDNN/cutlass attention kernels also name wgmma or cutlass.
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    # Before quantize: FP8 GEMMs name their e4m3/float8 operand types.
+    ("gemm", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "wgmma", "scaled_mm", "grouped_mm", "aten::mm",
+              "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")),
+    # Before norm and elementwise: a cast to FP8 is an elementwise kernel on Float8 types, and a compiled
+    # norm fused with its amax counts here (the overhead issue 7 bounds).
+    ("quantize", ("quantize", "cast_transpose", "compute_scale", "scale_update", "amax", "fp8", "float8",
+                  "e4m3", "e5m2")),
+    ("norm", ("rms_norm", "rmsnorm", "layer_norm", "layernorm", "rsqrt")),
+    ("elementwise", ("elementwise", "triton_poi", "multi_tensor_apply", "foreach", "silu", "gelu", "swiglu",
+                     "act_lu", "aten::add", "aten::mul", "aten::sub", "aten::div", "aten::neg", "aten::copy_",
+                     "aten::_to_copy", "aten::to", "aten::fill_", "aten::zero_", "aten::clamp", "aten::pow",
+                     "aten::sqrt", "aten::exp", "aten::abs", "aten::reciprocal", "aten::where", "aten::lerp",
+                     "aten::addc", "aten::cat")),
+)
+"""(category, lower-case name substrings), first match wins; a name matching none is 'other'."""
+CATEGORIES = tuple(category for category, _ in CLASSIFIER) + ("other",)
+DEFAULT_GEMM_SPEEDUP = 2.0
+"""FP8 over BF16 GEMM throughput: the dense tensor-core peaks' ratio on Hopper."""
+QUANTIZE_TARGET = 0.10
+"""Issue 7: quantize/scale time at most this share of GEMM time."""
+TOP_KERNELS = 30
+"""Kernels listed in the evidence, by time."""
+NAME_WIDTH = 110
+"""Kernel names longer than this are cut in the Markdown table (the JSON keeps them whole)."""
+
+
+def classify(name: str) -> str:
+    """The CLASSIFIER category of a kernel or op name."""
+    lowered = name.lower()
+    for category, markers in CLASSIFIER:
+        if any(marker in lowered for marker in markers):
+            return category
+    return "other"
+
+
+def amdahl_bound(gemm_share: float, fp8_share: float, speedup: float) -> float:
+    """Largest step speed-up when the share `fp8_share` of GEMM time, itself `gemm_share` of the step,
+    runs `speedup` times faster and nothing else changes."""
+    sped_up = gemm_share * fp8_share
+    return 1.0 / (1.0 - sped_up + sped_up / speedup)
+
+
+@dataclass
+class Kernel:
+    """One kernel (GPU) or op (CPU), summed over the profiled steps."""
+
+    name: str
+    """Kernel or op name as the profiler reports it."""
+    category: str
+    """classify(name)."""
+    ms_per_step: float
+    """Self time per profiled step."""
+    share: float
+    """Of the run's total profiled time."""
+    calls_per_step: float
+    """Launches per profiled step."""
+
+
+@dataclass
+class RunProfile:
+    """Where one recipe's steps spend their time."""
+
+    recipe: str
+    """Plan recipe, bf16 for none."""
+    time_basis: str
+    """What the times are: summed CUDA kernel time, or CPU self time of profiled ops."""
+    wall_ms_per_step: float
+    """Wall time per profiled step (the profiler's overhead included)."""
+    busy_ms_per_step: float
+    """Sum of all kernels' (ops') times per step: the share's denominator."""
+    categories: dict[str, dict[str, float]]
+    """category -> {'ms_per_step', 'share'}, in CATEGORIES order."""
+    top_kernels: list[Kernel]
+    """The TOP_KERNELS longest, longest first."""
+
+    def share(self, category: str) -> float:
+        return self.categories[category]["share"]
+
+
+def fp8_matmul_share(plan: Plan) -> float:
+    """Share of the plan's weight-GEMM FLOPs run in FP8. The attention core is left out, as its kernels
+    classify as attention, not GEMM (Plan.summary()'s share counts it)."""
+    from fp8stack.plan.description import GEMM_KINDS
+
+    gemms = [d for d in plan.decisions if d.component.kind in GEMM_KINDS and d.component.kind != "attn_core"]
+    total = sum(d.component.flops_per_token for d in gemms)
+    return sum(d.component.flops_per_token for d in gemms if d.precision == "fp8") / total if total else 0.0
+
+
+def summarize(times_us: dict[str, float], calls: dict[str, int], steps: int, recipe: str, time_basis: str,
+              wall_ms_per_step: float) -> RunProfile:
+    """A RunProfile from per-name self times (microseconds) and call counts over `steps` steps."""
+    busy_us = sum(times_us.values()) or 1.0
+    per_category: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+    for name, us in times_us.items():
+        per_category[classify(name)] += us
+    ranked = sorted(times_us, key=times_us.get, reverse=True)[:TOP_KERNELS]
+    return RunProfile(
+        recipe=recipe, time_basis=time_basis, wall_ms_per_step=wall_ms_per_step,
+        busy_ms_per_step=busy_us / steps / 1000,
+        categories={c: {"ms_per_step": us / steps / 1000, "share": us / busy_us} for c, us in per_category.items()},
+        top_kernels=[Kernel(name=n, category=classify(n), ms_per_step=times_us[n] / steps / 1000,
+                            share=times_us[n] / busy_us, calls_per_step=calls[n] / steps) for n in ranked])
+
+
+def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
+    """Profile `steps` steps of cfg's run after `warmup` unprofiled ones (and one profiler warm-up
+    step); returns the profile and the run's plan."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from fp8stack.train.loop import session
+
+    with session(cfg) as run:
+        on_gpu = run.env.device.type == "cuda"
+        for _ in range(warmup):
+            float(run.step(cfg.grad_clip)[0].detach())
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        cycles = []  # the profiler clears its events when the cycle ends: keep them as it ends
+        with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                     on_trace_ready=lambda done: cycles.append(done.key_averages())) as profiler:
+            step_ms = []
+            for _ in range(1 + steps):
+                began = time.perf_counter()
+                float(run.step(cfg.grad_clip)[0].detach())  # a host sync per step, as in train()
+                step_ms.append((time.perf_counter() - began) * 1000)
+                profiler.step()  # not timed: the last one stops the profiler and collects its events
+        wall_ms = sum(step_ms[1:]) / steps
+        kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
+        times: dict[str, float] = defaultdict(float)
+        calls: dict[str, int] = defaultdict(int)
+        for event in cycles[0]:
+            if event.device_type != kind:
+                continue
+            name = re.sub(r"#\d+$", "", event.key)  # ProfilerStep#3 -> ProfilerStep
+            times[name] += event.self_device_time_total if on_gpu else event.self_cpu_time_total
+            calls[name] += event.count
+        basis = ("CUDA kernel time, summed over streams" if on_gpu else
+                 "CPU self time of the profiled ops (the main thread's view; intra-op threads inside)")
+        return summarize(times, calls, steps, cfg.recipe, basis, wall_ms), run.plan
+
+
+def measured_gain(ab_path: Path, recipe: str) -> float | None:
+    """tokens/s of `recipe`'s arm over the bf16 arm in an `fp8stack ab` JSON; None when absent."""
+    if not ab_path.is_file():
+        return None
+    arms = {arm["recipe"]: arm for arm in json.loads(ab_path.read_text()).get("arms", [])}
+    base, arm = arms.get(BF16, {}).get("tokens_per_s"), arms.get(recipe, {}).get("tokens_per_s")
+    return arm / base if base and arm else None
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `profile` subcommand to an argparse subparsers object; it runs run_profile(args)."""
+    parser = subparsers.add_parser(
+        "profile", help="profile training steps: time per kernel category and the Amdahl bound on FP8's gain",
+        description=__doc__.split("\n\n")[0])
+    _add_arguments(parser)
+    parser.set_defaults(run=run_profile)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="tiny | tiny-moe | llama-1b-like (default: tiny)")
+    parser.add_argument("--fp8-recipe", dest="recipe", required=True, choices=(BF16, *RECIPES),
+                        help="FP8 recipe to profile (a bf16 profile runs first for the GEMM share), or bf16")
+    parser.add_argument("--backend", choices=BACKEND_PREFERENCES, default="auto",
+                        help="backend for dense linears (default: auto, the recipe's first)")
+    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                        help="e4m3 or hybrid (default: the recipe's library default)")
+    parser.add_argument("--steps", type=int, default=5, help="profiled steps per run (default: 5)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="unprofiled steps first: allocator, kernel selection, compilation (default: 3)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per step (default: TrainConfig's)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
+    parser.add_argument("--gemm-speedup", type=float, default=DEFAULT_GEMM_SPEEDUP, metavar="R",
+                        help=f"assumed FP8 over BF16 GEMM speed for the bound (default: {DEFAULT_GEMM_SPEEDUP})")
+    parser.add_argument("--out-dir", default="profiles",
+                        help="where the evidence goes and the A/B evidence is read from (default: profiles)")
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
+    from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
+    from fp8stack.train.loop import TrainConfig, TrainConfigError
+
+    try:
+        if args.steps < 1 or args.warmup < 0 or args.gemm_speedup <= 0:
+            raise TrainConfigError(f"need --steps >= 1, --warmup >= 0 and --gemm-speedup > 0, got {args.steps}, "
+                                   f"{args.warmup} and {args.gemm_speedup}")
+        overrides = {"model": args.model, "backend": args.backend, "fp8_format": args.fp8_format,
+                     "device": args.device, "dtype": args.dtype, "compile": args.compile,
+                     "steps": args.warmup + 1 + args.steps, "progress": False,
+                     **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
+                     **({"seq_len": args.seq_len} if args.seq_len else {})}
+        configs = [TrainConfig(**overrides, recipe=recipe) for recipe in dict.fromkeys((BF16, args.recipe))]
+        runs, plan = {}, None
+        for cfg in configs:
+            print(f"profiling {cfg.model} {cfg.recipe}: {args.warmup} + 1 warm-up and {args.steps} profiled steps",
+                  flush=True)
+            runs[cfg.recipe], plan = profile_run(cfg, args.warmup, args.steps)
+    except (TrainConfigError, PlanError) as err:
+        print(f"fp8stack profile: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+
+    env = environment()
+    stem = f"profile-{args.model}-{device_slug(env['device'])}"
+    ab_path = Path(args.out_dir) / f"ab-{args.model}-{device_slug(env['device'])}.json"
+    profiled, baseline = runs[args.recipe], runs[BF16]
+    gemm_share, fp8_share = baseline.share("gemm"), fp8_matmul_share(plan)
+    gemm_ms = profiled.categories["gemm"]["ms_per_step"]
+    payload = {
+        "model": args.model, "recipe": args.recipe, "steps": args.steps, "warmup": args.warmup,
+        "train_config": {k: v for k, v in asdict(configs[-1]).items() if k != "steps"},
+        "plan_summary": plan.summary(),
+        "fp8_share_of_gemm_flops": fp8_share,
+        "gemm_share": gemm_share,
+        "gemm_speedup": args.gemm_speedup,
+        "amdahl_bound": amdahl_bound(gemm_share, fp8_share, args.gemm_speedup),
+        "quantize_over_gemm": profiled.categories["quantize"]["ms_per_step"] / gemm_ms if gemm_ms else None,
+        "quantize_target": QUANTIZE_TARGET,
+        "measured_gain": measured_gain(ab_path, args.recipe) if args.recipe != BF16 else None,
+        "ab_evidence": str(ab_path) if ab_path.is_file() else None,
+        "classifier": [{"category": c, "substrings": list(m)} for c, m in CLASSIFIER],
+        "runs": {recipe: asdict(run) for recipe, run in runs.items()},
+    }
+    markdown = _markdown(payload, runs, markdown_table)
+    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir)
+    print(markdown, end="")
+    print(f"wrote {json_path}, {md_path}")
+    return 0
+
+
+def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str:
+    recipe, profiled = payload["recipe"], runs[payload["recipe"]]
+    header = ["category"] + [f"{r} ms/step" for r in runs] + [f"{r} share" for r in runs]
+    rows = [[c] + [f"{run.categories[c]['ms_per_step']:.3f}" for run in runs.values()]
+            + [f"{run.share(c):.1%}" for run in runs.values()] for c in CATEGORIES]
+    rows.append(["total (busy)"] + [f"{run.busy_ms_per_step:.3f}" for run in runs.values()] + ["100%"] * len(runs))
+    rows.append(["wall"] + [f"{run.wall_ms_per_step:.3f}" for run in runs.values()] + [""] * len(runs))
+    s, f, r = payload["gemm_share"], payload["fp8_share_of_gemm_flops"], payload["gemm_speedup"]
+    gain = payload["measured_gain"]
+    ratio = payload["quantize_over_gemm"]
+    lines = [
+        f"Times: {profiled.time_basis}.",
+        f"GEMM share of the bf16 step s = {s:.1%}; FP8 share of the plan's GEMM FLOPs f = {f:.1%}; "
+        f"assumed FP8 GEMM speed-up r = {r:g}.",
+        f"Amdahl bound on {recipe}'s gain: 1 / (1 - s*f + s*f/r) = {payload['amdahl_bound']:.2f}x; measured (A/B "
+        f"tokens/s over bf16): " + (f"{gain:.2f}x" if gain is not None else
+                                    f"none (no {recipe} and bf16 arms in {payload['ab_evidence'] or 'an A/B JSON'}: "
+                                    f"run `fp8stack ab --model {payload['model']} --recipes {recipe}`)") + ".",
+        f"Quantize/scale time over GEMM time in {recipe}: "
+        + (f"{ratio:.1%}" if ratio is not None else "- (no GEMM time)") + f" (target <= {QUANTIZE_TARGET:.0%}).",
+    ]
+    kernels = markdown_table(
+        ["kernel", "category", "ms/step", "share", "calls/step"],
+        [[_cut(k.name), k.category, f"{k.ms_per_step:.3f}", f"{k.share:.1%}", f"{k.calls_per_step:g}"]
+         for k in profiled.top_kernels])
+    return (markdown_table(header, rows) + "\n" + "\n\n".join(lines) + "\n\n"
+            + f"Top {len(profiled.top_kernels)} in {recipe}:\n\n" + kernels)
+
+
+def _cut(name: str) -> str:
+    name = name.replace("|", "\\|")
+    return name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 3] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m fp8stack.profile ...`: the same as `fp8stack profile ...`."""
+    parser = argparse.ArgumentParser(prog="python -m fp8stack.profile", description=__doc__.split("\n\n")[0])
+    _add_arguments(parser)
+    return run_profile(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

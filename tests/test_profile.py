@@ -1,0 +1,123 @@
+"""`fp8stack profile`: the kernel classifier on real kernel names, the Amdahl bound, and a CPU run."""
+
+import json
+
+import pytest
+
+from fp8stack.cli import build_parser
+from fp8stack.profile import CATEGORIES, amdahl_bound, classify, main, measured_gain, run_profile
+
+KERNELS = {
+    # cuBLAS / cuBLASLt / CUTLASS GEMMs, FP8 ones included (their operand types must not make them 'quantize')
+    "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_"
+    "execute_segment_k_off_kernel__5x_cublas": "gemm",
+    "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_"
+    "execute_segment_k_off_kernel__5x_cublas": "gemm",
+    "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn": "gemm",
+    "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int, int>, "
+    "cutlass::float_e4m3_t, cutlass::float_e4m3_t> >(...)": "gemm",
+    "void deep_gemm::fp8_gemm_kernel<128u, 128u>(__nv_bfloat16*, float*, int*, unsigned int)": "gemm",
+    "aten::mm": "gemm",
+    "aten::addmm": "gemm",
+    "aten::_scaled_mm": "gemm",
+    "aten::_grouped_mm": "gemm",
+    # attention: flash, PyTorch's flash and memory-efficient kernels, cuDNN SDPA, CPU SDPA
+    "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t> >":
+        "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128> >(...)":
+        "attention",
+    "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t>::Params)":
+        "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x64x128_4x1x1_kernel0_0": "attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    # FP8 casts and scales: TE, torchao (compiled and eager), MXFP8
+    "void transformer_engine::detail::cast_transpose_kernel<8ul, 4ul, float, __nv_bfloat16, "
+    "__nv_fp8_e4m3>(...)": "quantize",
+    "void transformer_engine::delayed_scaling_recipe::kernel::amax_and_scale_update_kernel(...)": "quantize",
+    "void transformer_engine::dispatch::mxfp8::quantize_kernel<false, false, false, float, __nv_bfloat16>(...)":
+        "quantize",
+    "triton_red_fused_abs_amax_0": "quantize",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+    "::{lambda(float)#1}, c10::Float8_e4m3fn>(...)": "quantize",
+    "_ToFloat8ConstrFunc": "quantize",
+    # norms, elementwise, communication, the rest
+    "void transformer_engine::normalization::rmsnorm_fwd_tuned_kernel<...>(...)": "norm",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norm",
+    "aten::_fused_rms_norm": "norm",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+    "at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, at::detail::Array<char*, 3>)":
+        "elementwise",
+    "triton_poi_fused_mul_silu_2": "elementwise",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "elementwise",
+    "aten::copy_": "elementwise",
+    "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+    "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(...)": "communication",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::Epilogue>":
+        "other",
+    "Memcpy HtoD (Pageable -> Device)": "other",
+    "aten::embedding_dense_backward": "other",
+}
+
+
+@pytest.mark.parametrize(("name", "category"), KERNELS.items(), ids=[n[:40] for n in KERNELS])
+def test_classifier_on_real_kernel_names(name, category):
+    assert classify(name) == category
+
+
+def test_amdahl_bound():
+    assert amdahl_bound(0.30, 1.0, 2.0) == pytest.approx(1.18, abs=0.005)  # GEMMs at 30% -> at most 1.18x
+    assert amdahl_bound(0.30, 1.0, 2.0) == pytest.approx(1 / 0.85)
+    assert amdahl_bound(1.0, 1.0, 2.0) == pytest.approx(2.0)  # all GEMM: the GEMM speed-up itself
+    assert amdahl_bound(0.6, 0.0, 2.0) == 1.0  # nothing in FP8: no gain
+    assert amdahl_bound(0.6, 0.5, 2.0) == pytest.approx(1 / (1 - 0.3 + 0.15))
+
+
+def _ab_json(path, arms):
+    path.write_text(json.dumps({"arms": [{"recipe": r, "tokens_per_s": t} for r, t in arms.items()]}))
+
+
+def test_measured_gain_reads_the_ab_evidence(tmp_path):
+    ab = tmp_path / "ab-tiny-cpu.json"
+    assert measured_gain(ab, "tensorwise") is None  # no A/B yet
+    _ab_json(ab, {"bf16": 1000.0, "tensorwise": 1250.0, "rowwise": None})
+    assert measured_gain(ab, "tensorwise") == pytest.approx(1.25)
+    assert measured_gain(ab, "rowwise") is None  # the arm failed
+    assert measured_gain(ab, "blockwise") is None  # not an arm
+
+
+def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
+    _ab_json(tmp_path / "ab-tiny-cpu.json", {"bf16": 1000.0, "tensorwise": 900.0})
+    code = main(["--model", "tiny", "--fp8-recipe", "tensorwise", "--steps", "2", "--warmup", "1",
+                 "--micro-batch", "2", "--seq-len", "64", "--device", "cpu", "--out-dir", str(tmp_path)])
+    assert code == 0
+    record = json.loads((tmp_path / "profile-tiny-cpu.json").read_text())
+    assert {"date", "command", "environment", "runs", "amdahl_bound", "gemm_share"} <= set(record)
+    assert list(record["runs"]) == ["bf16", "tensorwise"]  # the bf16 profile gives the GEMM share
+    for run in record["runs"].values():
+        assert list(run["categories"]) == list(CATEGORIES)
+        assert sum(c["share"] for c in run["categories"].values()) == pytest.approx(1.0)
+        assert run["categories"]["gemm"]["share"] > 0.05 and run["wall_ms_per_step"] > 0
+        assert 0 < len(run["top_kernels"]) <= 30
+        times = [k["ms_per_step"] for k in run["top_kernels"]]
+        assert times == sorted(times, reverse=True)
+    kernels = {k["name"]: k["category"] for k in record["runs"]["tensorwise"]["top_kernels"]}
+    assert kernels["aten::mm"] == "gemm"
+    assert record["runs"]["bf16"]["categories"]["quantize"]["share"] == 0.0
+    assert record["runs"]["tensorwise"]["categories"]["quantize"]["share"] > 0  # torchao's casts and scales
+    s, f = record["gemm_share"], record["fp8_share_of_gemm_flops"]
+    assert s == record["runs"]["bf16"]["categories"]["gemm"]["share"] and 0.9 < f <= 1.0
+    assert record["amdahl_bound"] == pytest.approx(amdahl_bound(s, f, 2.0)) and record["amdahl_bound"] > 1.0
+    assert record["quantize_over_gemm"] > 0
+    assert record["measured_gain"] == pytest.approx(0.9)
+    out = capsys.readouterr().out
+    assert "Amdahl bound on tensorwise's gain" in out and "measured (A/B tokens/s over bf16): 0.90x" in out
+    assert (tmp_path / "profile-tiny-cpu.md").read_text().count("| aten::mm | gemm |") == 1
+
+
+def test_profile_subcommand_is_wired_into_the_cli(capsys):
+    args = build_parser().parse_args(["profile", "--model", "tiny", "--fp8-recipe", "rowwise", "--compile"])
+    assert (args.run, args.recipe, args.steps, args.warmup, args.gemm_speedup, args.compile) == (
+        run_profile, "rowwise", 5, 3, 2.0, True)
+    assert main(["--fp8-recipe", "tensorwise", "--steps", "0", "--out-dir", "unused"]) == 2
+    assert "need --steps >= 1" in capsys.readouterr().err
