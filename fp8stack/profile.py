@@ -160,7 +160,7 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
         times: dict[str, float] = defaultdict(float)
         calls: dict[str, int] = defaultdict(int)
         for event in cycles[0]:
-            if event.device_type != kind:
+            if event.device_type != kind or _is_annotation(event):
                 continue
             name = re.sub(r"#\d+$", "", event.key)  # ProfilerStep#3 -> ProfilerStep
             times[name] += event.self_device_time_total if on_gpu else event.self_cpu_time_total
@@ -168,6 +168,12 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
         basis = ("CUDA kernel time, summed over streams" if on_gpu else
                  "CPU self time of the profiled ops (the main thread's view; intra-op threads inside)")
         return summarize(times, calls, steps, cfg.recipe, basis, wall_ms), run.plan
+
+
+def _is_annotation(event) -> bool:
+    """A record_function range (ProfilerStep#N, Optimizer.step#AdamW.step) rather than a kernel: on
+    CUDA its device time spans the kernels inside it, so counting it would count them twice."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.key.startswith("ProfilerStep")
 
 
 def measured_gain(ab_path: Path, recipe: str) -> float | None:

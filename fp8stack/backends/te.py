@@ -7,7 +7,6 @@ TransformerEngine and CUDA are looked up only when asked for: importing this mod
 """
 
 import importlib.util
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import partial
@@ -161,31 +160,25 @@ def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], d
     return linears, _expert_pairs([d for d in decisions if d.component.kind == "expert"], plan), recipes
 
 
+def import_before_cudnn() -> None:
+    """Import TE now, when installed and CUDA is visible, in a process that may use it later. TE
+    prefers the system cuDNN and fails to load it (undefined cuDNN symbols, seen on an H200) once torch
+    has loaded its own copy for a BF16 SDPA call. A failure is reported later by available()."""
+    _import_problem()
+
+
 def _import_problem() -> str:
     """'' when transformer_engine.pytorch imports and CUDA is visible, else the reason and the fix."""
     if importlib.util.find_spec("transformer_engine") is None:
         return f"TransformerEngine is not installed: {INSTALL_HINT}"
     if not torch.cuda.is_available():
         return "TransformerEngine needs CUDA, and torch.cuda.is_available() is False: run on a GPU machine"
-    _use_loaded_cudnn()
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # a native-library load failure surfaces as OSError, RuntimeError, ...
         return (f"TransformerEngine is installed but fails to import ({type(err).__name__}: {err}): "
                 f"reinstall it for torch {torch.__version__} with {INSTALL_HINT}")
     return ""
-
-
-def _use_loaded_cudnn() -> None:
-    """Point TE at the cuDNN this process already mapped, if any. TE prefers the system cuDNN; when
-    torch has loaded its own copy first (an SDPA or conv call before TE's import), mixing the two
-    fails with undefined cuDNN symbols (seen on an H200: libcudnn_cnn.so.9 vs torch's libcudnn_graph)."""
-    if os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH") or not os.path.exists("/proc/self/maps"):
-        return
-    with open("/proc/self/maps") as maps:
-        loaded = [line.split()[-1] for line in maps if "libcudnn_graph.so" in line]
-    if loaded:
-        os.environ["CUDNN_PATH"] = os.path.dirname(os.path.dirname(loaded[0]))
 
 
 def _check_recipe_name(recipe_name: str) -> None:

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fp8stack.backends.te import import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan, PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
@@ -269,6 +270,8 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
 
     with _Distributed(cfg) as env:
         device, dtype = env.device, _activation_dtype(cfg, env.device)
+        if device.type == "cuda":
+            import_before_cudnn()  # a later session in this process (fp8stack profile) may run TE
         model = build_model(cfg, device)
         seq_len = model.config.seq_len
         plan = build_plan(cfg, model, device)
