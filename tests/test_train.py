@@ -72,6 +72,11 @@ def test_short_run_trains(recipe, tmp_path):
     assert result.tokens_per_s > 0 and result.max_rss_gib > 0 and result.peak_mem_gib is None
     assert (result.plan_summary["fp8_gemms"] > 0) == (recipe != "bf16")
     assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 5
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(5))
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(result.losses, rel=1e-6)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])

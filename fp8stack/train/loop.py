@@ -22,6 +22,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.tensorboard import SummaryWriter
 
 from fp8stack.backends.te import import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
@@ -478,9 +479,8 @@ class _Logger:
             folder.mkdir(parents=True, exist_ok=True)
             # A resumed run continues the file; a fresh one starts it anew.
             self.jsonl = self.stack.enter_context(open(folder / "train.jsonl", "a" if self.start else "w"))
-            self.tensorboard = _tensorboard_writer(folder)
-            if self.tensorboard is not None:
-                self.stack.callback(self.tensorboard.close)
+            self.tensorboard = SummaryWriter(log_dir=str(folder))
+            self.stack.callback(self.tensorboard.close)
         console = Console()
         if cfg.progress and console.is_terminal:
             self.progress = self.stack.enter_context(Progress(
@@ -508,20 +508,3 @@ class _Logger:
 
     def __exit__(self, *exc) -> None:
         self.stack.close()
-
-
-_TENSORBOARD_NOTE = "tensorboard is not installed: TensorBoard scalars are skipped (pip install tensorboard)"
-_noted_tensorboard = False
-
-
-def _tensorboard_writer(folder: Path):
-    """A SummaryWriter in `folder`, or None (saying so once per process) when tensorboard is missing."""
-    global _noted_tensorboard
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if not _noted_tensorboard:
-            print(_TENSORBOARD_NOTE, file=sys.stderr)
-            _noted_tensorboard = True
-        return None
-    return SummaryWriter(log_dir=str(folder))
