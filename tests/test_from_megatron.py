@@ -11,7 +11,6 @@ import torch
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan
 from fp8stack.plan.from_megatron import describe_transformer_config
 
-from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.identity_op import IdentityOp
@@ -24,16 +23,6 @@ pytestmark = pytest.mark.filterwarnings(  # megatron's construction-time notices
 VOCAB, SEQ = 96, 32
 SMALL = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, gated_linear_unit=True,
              normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True)
-
-
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory):
-    """A one-rank gloo group and megatron's model-parallel state, as GPTModel needs them."""
-    if not torch.distributed.is_initialized():
-        store = tmp_path_factory.mktemp("dist") / "store"
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
 
 
 def build_gpt(config, monkeypatch) -> torch.nn.Module:

@@ -22,7 +22,7 @@ from fp8stack.megatron.precision import PlanPrecision, with_precision
 from fp8stack.plan import PlanError, PolicyConfig, make_plan
 from fp8stack.plan.from_megatron import describe_transformer_config
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.enums import Fp8Recipe
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -146,15 +146,6 @@ def test_bad_flags(flags, message):
 
 
 # --- specs and models on CPU (megatron's local modules, BF16 plans) ----------------------------------
-
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory):
-    if not torch.distributed.is_initialized():
-        store = tmp_path_factory.mktemp("dist") / "store"
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-
 
 @pytest.fixture
 def cpu_megatron(monkeypatch, model_parallel):
