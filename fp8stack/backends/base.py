@@ -8,6 +8,15 @@ from torch import nn
 from fp8stack.plan import Decision, Plan
 
 
+def swap_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    """Put `new` at `fqn`; returns the model (`new` itself when fqn is the root)."""
+    if not fqn:
+        return new
+    parent, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+    return model
+
+
 class BackendUnavailable(RuntimeError):
     """A plan assigns modules to a backend this machine cannot run; the message says why and what to do."""
 

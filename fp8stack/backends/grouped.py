@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8stack.backends import deepgemm, fp8_quant
-from fp8stack.backends.base import BackendUnavailable, ConversionRecord
+from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_module
 from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, GroupLayout
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK, gather_rows
 from fp8stack.models.moe import GroupedExperts
@@ -333,7 +333,7 @@ class GroupedFP8Backend:
         for module_fqn, gemm_recipes in recipes.items():
             new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
                                                     blockwise_kernels, rowwise_kernels)
-            model = _replace(model, module_fqn, new)
+            model = swap_module(model, module_fqn, new)
         record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
                                   converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
                                   notes=_notes(plan, blockwise_kernels, rowwise_kernels) if used else [])
@@ -380,12 +380,6 @@ def _check_shapes(module_fqn: str, experts: GroupedExperts, recipes: dict[str, s
                             f"by {need}: keep it BF16 in the plan")
 
 
-def _replace(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
-    if not fqn:
-        return new
-    parent, _, child = fqn.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
-    return model
 
 
 def _notes(plan: Plan, blockwise_kernels, rowwise_kernels) -> list[str]:

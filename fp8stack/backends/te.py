@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from fp8stack.backends.base import BackendUnavailable, ConversionRecord
+from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_module
 from fp8stack.plan import Decision, Plan, PlanError
 from fp8stack.plan.recipes import FP8_FORMATS
 
@@ -130,7 +130,7 @@ class TEBackend:
         # Build every module before swapping any: a module refused while built leaves the model as it was.
         built = [(fqn, factory(), runs) for fqn, factory, runs in swaps]
         for fqn, new, runs in built:
-            model = _swap(model, fqn, new)
+            model = swap_module(model, fqn, new)
             record.converted.update(dict.fromkeys(runs, type(new).__name__))
         record.recipe = ", ".join(recipes)
         if "delayed" in recipes:
@@ -278,12 +278,3 @@ def _checked(module: nn.Module, fqn: str, shared: set[int]) -> nn.Module:
         raise PlanError(f"{fqn} shares a parameter with another module (tied weights); converting it would "
                         "untie them: keep it in bf16 with an override")
     return module
-
-
-def _swap(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
-    """Put `new` at `fqn`; returns the model (`new` itself when fqn is the root)."""
-    if not fqn:
-        return new
-    parent, _, child = fqn.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-    return model
