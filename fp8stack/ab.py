@@ -153,6 +153,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks in every arm")
+    parser.add_argument("--sdpa-backend", default="auto",
+                        help="attention kernel on a GPU in every arm: auto | cudnn | flash | efficient (default: auto)")
+    parser.add_argument("--fuse-norm", action="store_true",
+                        help="FP8 arms fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
     parser.add_argument("--loss-tolerance", type=float,
                         help=f"largest relative final-loss gap that ships (default: {GPU_LOSS_TOLERANCE} on a GPU, "
                              f"{CPU_LOSS_TOLERANCE} on a CPU)")
@@ -177,11 +181,13 @@ def run_ab(args: argparse.Namespace) -> int:
     peaks = peak_tflops(env["device"]) if on_gpu else None
     overrides = {"model": args.model, "steps": args.steps, "backend": args.backend, "fp8_format": args.fp8_format,
                  "seed": args.seed, "device": args.device, "dtype": args.dtype, "compile": args.compile,
+                 "sdpa_backend": args.sdpa_backend,
                  **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
                  **({"seq_len": args.seq_len} if args.seq_len else {})}
     try:
         recipes = _recipes(args.recipes)
-        configs = [TrainConfig(**overrides, recipe=recipe, log_interval=max(1, args.steps // 4)) for recipe in recipes]
+        configs = [TrainConfig(**overrides, recipe=recipe, fuse_norm=args.fuse_norm and recipe != BF16,
+                               log_interval=max(1, args.steps // 4)) for recipe in recipes]
     except (TrainConfigError, PlanError) as err:
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -210,7 +216,8 @@ def run_ab(args: argparse.Namespace) -> int:
         "device": env["device"],
         "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
         "model": args.model, "steps": args.steps, "nproc": args.nproc,
-        "train_config": {k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
+        "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
+                         "fuse_norm": args.fuse_norm},  # FP8 arms only
         "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
         "baseline_repeat": repeat_record,
         "activation_dtype": dtype,

@@ -28,6 +28,7 @@ from fp8stack.backends.te import import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan, PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
+from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train import checkpoint
 from fp8stack.train.data import DEFAULT_MAX_BYTES, TextData
@@ -89,6 +90,10 @@ class TrainConfig:
     """cuda | cpu | auto (cuda when available; under torchrun, cuda:LOCAL_RANK)."""
     compile: bool = False
     """torch.compile the blocks (assembly stage 4)."""
+    sdpa_backend: str = "auto"
+    """Attention kernel on a GPU: auto (torch's choice) | cudnn | flash | efficient (fp8stack.runtime.attention)."""
+    fuse_norm: bool = False
+    """Fold each block's RMSNorms into the TE LayerNormLinear they feed (needs TE layers in the plan)."""
     recompute: str | None = None
     """Blocks whose activations are recomputed in the backward: 'all', comma-separated indices ('0,2'), or None."""
     recompute_modules: tuple[str, ...] = ("block",)
@@ -124,6 +129,8 @@ class TrainConfig:
             raise TrainConfigError(f"unknown dtype {self.dtype!r}: use auto, {' or '.join(DTYPES)}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise TrainConfigError(f"unknown device {self.device!r}: use auto, cuda or cpu")
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise TrainConfigError(f"unknown sdpa_backend {self.sdpa_backend!r}: use {', '.join(SDPA_BACKENDS)}")
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -269,7 +276,7 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
     """Set up the processes, then build model, plan, assembly, optimizer and data; ends the processes on exit."""
     from fp8stack.assembly import assemble, post_optimizer_step_hook  # the assembly pulls in every backend
 
-    with _Distributed(cfg) as env:
+    with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device):
         device, dtype = env.device, _activation_dtype(cfg, env.device)
         if device.type == "cuda":
             import_before_cudnn()  # a later session in this process (fp8stack profile) may run TE
@@ -281,7 +288,8 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
                          recompute_modules=cfg.recompute_modules, compile=cfg.compile, fsdp_mesh=env.fsdp_mesh,
                          fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
                          precompute_fp8_scales=cfg.precompute_fp8_scales,
-                         fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+                         fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                         backend_options=_backend_options(cfg, plan))
         optimizer = _adamw(model, cfg, device)
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
@@ -333,6 +341,25 @@ def train(cfg: TrainConfig) -> TrainResult:
             result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
         result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
         return result
+
+
+def _sdpa_backend(cfg: TrainConfig, device: torch.device):
+    """The attention-kernel context for the whole run (a named kernel needs a GPU)."""
+    if cfg.sdpa_backend != "auto" and device.type != "cuda":
+        raise TrainConfigError(f"sdpa_backend {cfg.sdpa_backend!r} is a CUDA attention kernel, but this run is "
+                               f"on {device.type}: leave --sdpa-backend at auto off the GPU")
+    return sdpa_backend(cfg.sdpa_backend, device)
+
+
+def _backend_options(cfg: TrainConfig, plan: Plan) -> dict[str, dict] | None:
+    """Constructor options for the plan's backends: fuse_norm goes to TE, which must be in the plan."""
+    if not cfg.fuse_norm:
+        return None
+    if not plan.for_backend("te"):
+        raise TrainConfigError("fuse_norm folds RMSNorms into TransformerEngine LayerNormLinear modules, but "
+                               f"the plan for recipe {cfg.recipe!r} has no TE layers: use --backend te with an FP8 "
+                               "recipe, or drop --fuse-norm")
+    return {"te": {"fuse_norm": True}}
 
 
 def _recompute_blocks(spec: str | None) -> list[int] | str | None:
