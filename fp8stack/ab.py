@@ -7,7 +7,9 @@ noise is run-to-run: the larger of the two bf16 runs' step-time difference and e
 step-time spread after warm-up (interquartile range / median). A machine whose speed changes
 during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
 loss is the mean over the last 10% of steps.
-Writes profiles/ab-<model>-<device>.json and .md (and .png with matplotlib installed).
+Writes profiles/ab-<model>-<device>.json and .md after every arm ("complete": false and the pending
+arms until the last one has run, so a killed run keeps what it measured), and a .png at the end
+(with matplotlib installed).
 """
 
 import argparse
@@ -43,6 +45,8 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 program using it can take the host's GPUs out of service for everyone."""
 LAST_FRACTION = 0.10
 """Final loss = mean over this share of the last steps (at least one)."""
+REPEAT_ARM = "bf16 (repeat)"
+"""The second bf16 run, as a partial evidence file lists it among the pending arms."""
 
 DENSE_PEAK_TFLOPS = {
     # (name marker, variant marker or '') -> {precision: dense TFLOP/s}, NVIDIA datasheets (no sparsity).
@@ -192,8 +196,54 @@ def run_ab(args: argparse.Namespace) -> int:
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
+    stem = f"ab-{args.model}-{device_slug(env['device'])}"
     results: dict[str, dict | str] = {}
     backends: dict[str, str] = {}
+    repeat = None
+
+    def pending() -> list[str]:
+        """The arms still to run, in order (the second bf16 run only once the first one worked)."""
+        todo = [cfg.recipe for cfg in configs if cfg.recipe not in results]
+        if args.repeat_baseline and repeat is None and isinstance(results.get(BF16, {}), dict):
+            todo.append(REPEAT_ARM)
+        return todo
+
+    def record() -> tuple[list[Arm], tuple[list[str], list[list]], str, Path, Path]:
+        """Judge the arms run so far and write the evidence: after every arm, so a run killed later (a
+        call's time limit) keeps what it measured, marked partial until nothing is pending."""
+        todo = pending()
+        arms, repeat_record = _judge(results, backends, tolerance, peaks, repeat)
+        dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
+        payload = {
+            "complete": not todo,
+            "pending_arms": todo,
+            "device": env["device"],
+            "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
+            "model": args.model, "steps": args.steps, "nproc": args.nproc,
+            "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
+                             "fuse_norm": args.fuse_norm},  # FP8 arms only
+            "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
+            "baseline_repeat": repeat_record,
+            "activation_dtype": dtype,
+            "loss_tolerance": tolerance,
+            "mfu_basis": (None if peaks is None else
+                          f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
+                          f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
+            "arms": [asdict(arm) for arm in arms],
+        }
+        table = _table(arms)
+        notes = (f"\nSame seed and data in every arm, each arm a fresh process; activations in {dtype} (the bf16 "
+                 f"arm is the plan without FP8). Noise: {payload['noise_method']}"
+                 f"{_repeat_note(repeat_record)}. Loss tolerance: {tolerance:.2%} relative "
+                 f"(final loss = mean of the last "
+                 f"{LAST_FRACTION:.0%} of steps). MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
+        markdown = markdown_table(*table)
+        banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
+                  f"{', '.join(todo)}. Verdicts may change once they have run (the second bf16 run sets the "
+                  "noise).\n\n") if todo else ""
+        json_path, md_path = write_evidence(stem, payload, banner + markdown + notes, out_dir=args.out_dir)
+        return arms, table, markdown, json_path, md_path
+
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
         for index, cfg in enumerate(configs, 1):
             print(f"[{index}/{len(configs)}] {cfg.model} {cfg.recipe} ({cfg.steps} steps, fresh process)", flush=True)
@@ -203,39 +253,15 @@ def run_ab(args: argparse.Namespace) -> int:
                 backends[cfg.recipe] = args.backend
                 results[cfg.recipe] = " ".join(str(err).split())
                 print(f"    skipped: {results[cfg.recipe]}", flush=True)
-                continue
-            results[cfg.recipe] = _run_arm(cfg, Path(scratch), args.nproc)
-        repeat = None
-        if args.repeat_baseline and isinstance(results[BF16], dict):
+            else:
+                results[cfg.recipe] = _run_arm(cfg, Path(scratch), args.nproc)
+            if pending():
+                record()
+        if pending():
             print(f"[{len(configs) + 1}/{len(configs) + 1}] {args.model} bf16 again (run-to-run noise)", flush=True)
             repeat = _run_arm(configs[0], Path(scratch), args.nproc)
 
-    arms, repeat_record = _judge(results, backends, tolerance, peaks, repeat)
-    dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
-    payload = {
-        "device": env["device"],
-        "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
-        "model": args.model, "steps": args.steps, "nproc": args.nproc,
-        "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
-                         "fuse_norm": args.fuse_norm},  # FP8 arms only
-        "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
-        "baseline_repeat": repeat_record,
-        "activation_dtype": dtype,
-        "loss_tolerance": tolerance,
-        "mfu_basis": (None if peaks is None else
-                      f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
-                      f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
-        "arms": [asdict(arm) for arm in arms],
-    }
-    stem = f"ab-{args.model}-{device_slug(env['device'])}"
-    table = _table(arms)
-    notes = (f"\nSame seed and data in every arm, each arm a fresh process; activations in {dtype} (the bf16 "
-             f"arm is the plan without FP8). Noise: {payload['noise_method']}"
-             f"{_repeat_note(repeat_record)}. Loss tolerance: {tolerance:.2%} relative "
-             f"(final loss = mean of the last "
-             f"{LAST_FRACTION:.0%} of steps). MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
-    markdown = markdown_table(*table)
-    json_path, md_path = write_evidence(stem, payload, markdown + notes, out_dir=args.out_dir)
+    arms, table, markdown, json_path, md_path = record()
     png = _plot(arms, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))

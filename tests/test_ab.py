@@ -2,6 +2,10 @@
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -92,6 +96,8 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert code == 0
     record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
     assert {"device", "versions", "date", "command", "model", "steps", "arms"} <= set(record)
+    assert record["complete"] is True and record["pending_arms"] == []
+    assert "Partial" not in (tmp_path / "ab-tiny-cpu.md").read_text()
     assert [arm["recipe"] for arm in record["arms"]] == ["bf16", "tensorwise"]  # bf16 added first
     for arm in record["arms"]:
         assert ARM_KEYS <= set(arm)
@@ -102,6 +108,28 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert record["baseline_repeat"]["run_to_run_noise"] >= 0
     assert (tmp_path / "ab-tiny-cpu.md").read_text().count("| tensorwise |") == 1
     assert "| tensorwise |" in capsys.readouterr().out
+
+
+def test_a_killed_ab_keeps_the_arms_it_measured(tmp_path):
+    """Killed while its second arm runs (as a GPU call's time limit kills it), the A/B has already
+    written the first arm's evidence, marked partial, with the arms still to run."""
+    command = [sys.executable, "-m", "fp8stack.ab", "--model", "tiny", "--recipes", "tensorwise", "--steps", "3",
+               "--micro-batch", "2", "--seq-len", "64", "--device", "cpu", "--out-dir", str(tmp_path)]
+    ab = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                          env={k: v for k, v in os.environ.items() if k != "OUT"})
+    try:
+        # "[2/2] ..." is printed when the second arm starts, after the first arm's evidence is written.
+        started = next((line for line in ab.stdout if line.startswith("[2/")), None)
+    finally:
+        os.killpg(ab.pid, signal.SIGKILL)  # the harness and the arm's training process with it
+        ab.wait()
+    assert started, "the A/B ended before its second arm started"
+    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    assert record["complete"] is False and record["pending_arms"] == ["tensorwise", "bf16 (repeat)"]
+    assert [arm["recipe"] for arm in record["arms"]] == ["bf16"]
+    assert record["arms"][0]["verdict"] == "baseline" and len(record["arms"][0]["loss_curve"]) == 3
+    markdown = (tmp_path / "ab-tiny-cpu.md").read_text()
+    assert "**Partial: the run has not finished.** Measured: bf16; pending: tensorwise, bf16 (repeat)." in markdown
 
 
 def test_ab_subcommand_plugs_into_a_parser():

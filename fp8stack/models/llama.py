@@ -1,7 +1,8 @@
 """A small plain-torch Llama (torchtitan's layout): RMSNorm, RoPE, GQA attention, SwiGLU, optional MoE.
 
 Module names are the ones configs/models/*.yaml use (fused wqkv and w13), so the plan derived from
-a built model equals the plan read from its YAML file.
+a built model equals the plan read from its YAML file. With fused_projections=False the blocks have
+separate wq/wk/wv and w1/w3 instead (torchtitan's names), which tensor parallelism can shard.
 """
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8stack.models.moe import FeedForward, MoE, MoEConfig
+from fp8stack.models.moe import FeedForward, MoE, MoEConfig, trunc_normal_as_fused_
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class LlamaConfig:
     """Mixture-of-experts shape; None for an all-dense model."""
     first_moe_layer: int = 0
     """With moe set: layers before this index keep a dense FeedForward (DeepSeek-V3 keeps 3)."""
+    fused_projections: bool = True
+    """One GEMM for q/k/v (wqkv) and one for gate/up (w13); False: wq/wk/wv and w1/w3, which TP can shard."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -103,21 +106,34 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention: fused wqkv, RoPE, the core (SDPA), wo."""
+    """Causal grouped-query attention: fused wqkv (or wq, wk, wv), RoPE, the core (SDPA), wo.
+
+    Head counts are read from the projection outputs, so a rank holding a tensor-parallel shard of
+    wq/wk/wv (and wo) computes its own heads."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
-        self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
+        self.fused = config.fused_projections
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.fused:
+            self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=False)
+        else:
+            self.wq = nn.Linear(config.dim, q_size, bias=False)
+            self.wk = nn.Linear(config.dim, kv_size, bias=False)
+            self.wv = nn.Linear(config.dim, kv_size, bias=False)
         self.core = AttentionCore(gqa=self.n_kv_heads != self.n_heads)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        self.wo = nn.Linear(q_size, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        if self.fused:
+            q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q = apply_rope(q.view(batch, seq, -1, self.head_dim), rope)
         k = apply_rope(k.view(batch, seq, -1, self.head_dim), rope)
         v = v.view(batch, seq, -1, self.head_dim)
@@ -125,7 +141,7 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.wqkv.weight, std=0.02)
+        trunc_normal_as_fused_([self.wqkv] if self.fused else [self.wq, self.wk, self.wv], std=0.02)
         nn.init.trunc_normal_(self.wo.weight, std=init_std)
 
 
@@ -139,9 +155,9 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         if config.is_moe_layer(layer_id):
-            self.moe = MoE(config.dim, config.moe)
+            self.moe = MoE(config.dim, config.moe, fused_projections=config.fused_projections)
         else:
-            self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+            self.feed_forward = FeedForward(config.dim, config.ffn_dim, fused=config.fused_projections)
         # Output projections of deeper layers start smaller so the residual stream stays O(1).
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 

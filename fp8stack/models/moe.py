@@ -41,20 +41,37 @@ class MoEConfig:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP with the gate and up projections fused into one GEMM (w13)."""
+    """SwiGLU MLP: gate and up projections fused into one GEMM (w13), or separate w1 (gate) and w3
+    (up), torchtitan's layout, which tensor parallelism can shard colwise."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, fused: bool = True):
         super().__init__()
-        self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)
+        self.fused = fused
+        if fused:
+            self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)
+        else:
+            self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+            self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate, up = self.w13(x).chunk(2, dim=-1) if self.fused else (self.w1(x), self.w3(x))
         return self.w2(F.silu(gate) * up)
 
     def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w13.weight, std=0.02)
+        trunc_normal_as_fused_([self.w13] if self.fused else [self.w1, self.w3], std=0.02)
         nn.init.trunc_normal_(self.w2.weight, std=init_std)
+
+
+@torch.no_grad()
+def trunc_normal_as_fused_(linears: list[nn.Linear], std: float) -> None:
+    """Initialise the weights of `linears` as one weight stacked along the outputs would be, so that
+    the same seed gives fused and unfused projections the same function."""
+    weights = [linear.weight for linear in linears]
+    fused = nn.init.trunc_normal_(torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1],
+                                              device=weights[0].device, dtype=weights[0].dtype), std=std)
+    for weight, part in zip(weights, fused.split([w.shape[0] for w in weights])):
+        weight.copy_(part)
 
 
 class Router(nn.Module):
@@ -163,13 +180,14 @@ def permute(experts: torch.Tensor, num_experts: int, alignment: int) -> Permutat
 class MoE(nn.Module):
     """Routed experts (top-k of E) plus optional shared experts, replacing a block's FeedForward."""
 
-    def __init__(self, dim: int, config: MoEConfig):
+    def __init__(self, dim: int, config: MoEConfig, fused_projections: bool = True):
         super().__init__()
         self.config = config
         self.top_k = config.top_k
         self.router = Router(dim, config)
         self.experts = GroupedExperts(dim, config.expert_ffn_dim, config.num_experts)
-        self.shared_experts = FeedForward(dim, config.shared_ffn_dim) if config.shared_ffn_dim else None
+        self.shared_experts = (FeedForward(dim, config.shared_ffn_dim, fused=fused_projections)
+                               if config.shared_ffn_dim else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

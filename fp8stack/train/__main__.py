@@ -23,6 +23,9 @@ USAGE_ERROR = 2
 # (flag, TrainConfig field, argparse options). Megatron's names where Megatron has the option.
 FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--model", "model", {"help": "tiny | tiny-moe | llama-1b-like"}),
+    ("--fused-projections", "fused_projections", {"action": argparse.BooleanOptionalAction,
+                                                  "help": "fused wqkv / w13 GEMMs (default); --no-fused-projections "
+                                                          "builds wq/wk/wv and w1/w3 for tensor parallelism"}),
     ("--fp8-recipe", "recipe", {"choices": (BF16, *RECIPES), "help": "FP8 recipe, or bf16 for none"}),
     ("--fp8-format", "fp8_format", {"choices": FP8_FORMATS, "help": "e4m3, or hybrid (E5M2 gradients)"}),
     ("--backend", "backend", {"choices": BACKEND_PREFERENCES, "help": "backend for dense linears"}),

@@ -51,6 +51,8 @@ class TrainConfig:
 
     model: str = "tiny"
     """Model name: tiny | tiny-moe | llama-1b-like."""
+    fused_projections: bool = True
+    """Fused wqkv / w13 GEMMs; False builds wq/wk/wv and w1/w3, which tensor_parallel > 1 needs."""
     recipe: str = "bf16"
     """FP8 recipe (delayed, tensorwise, rowwise, rowwise_gw_hp, blockwise, mxfp8) or bf16 for none."""
     backend: str = "auto"
@@ -199,7 +201,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_model(cfg: TrainConfig, device: torch.device) -> Llama:
     """The plain-torch model, initialised from cfg.seed directly on `device`."""
-    config = MODELS[cfg.model]()
+    config = replace(MODELS[cfg.model](), fused_projections=cfg.fused_projections)
     if cfg.seq_len is not None:
         config = replace(config, seq_len=cfg.seq_len)
     with torch.device(device):
