@@ -1,5 +1,9 @@
 """Fixtures shared by test modules."""
 
+import contextlib
+import functools
+import operator
+
 import pytest
 import torch
 
@@ -14,3 +18,19 @@ def model_parallel(tmp_path_factory):
         torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+
+
+@pytest.fixture
+def cpu_megatron(monkeypatch, model_parallel):
+    """Two test-only shims that let megatron's GPTModel run on CPU, nothing else of megatron replaced:
+    GlobalMemoryBuffer.get_tensor allocates on CPU (megatron asks torch.cuda.current_device()), and the
+    CUDA RNG tracker's fork is a no-op (there is no CUDA RNG state to fork)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(functools.reduce(operator.mul, tensor_shape, 1), dtype=dtype).view(*tensor_shape)
+
+    monkeypatch.setattr(GlobalMemoryBuffer, "get_tensor", get_tensor)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    monkeypatch.setattr(tracker, "fork", lambda *args, **kwargs: contextlib.nullcontext())

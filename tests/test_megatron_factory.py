@@ -2,14 +2,8 @@
 flag mapping, block specs with megatron's local modules, and forward + backward of a tiny GPTModel built
 from them. TE specs and FP8 layers run in tests/gpu/test_megatron_gpu.py.
 
-Two test-only shims let megatron's GPTModel run on CPU (nothing else of megatron is replaced):
-GlobalMemoryBuffer.get_tensor allocates on CPU (megatron asks torch.cuda.current_device()), and the
-CUDA RNG tracker's fork is a no-op (there is no CUDA RNG state to fork).
+The GPTModels run on CPU through the two test-only shims of the conftest fixture cpu_megatron.
 """
-
-import contextlib
-import functools
-import operator
 
 from types import SimpleNamespace
 
@@ -22,14 +16,12 @@ from fp8stack.megatron.precision import PlanPrecision, with_precision
 from fp8stack.plan import PlanError, PolicyConfig, make_plan
 from fp8stack.plan.from_megatron import describe_transformer_config
 
-from megatron.core import tensor_parallel
 from megatron.core.enums import Fp8Recipe
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import GlobalMemoryBuffer
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:full scope is deprecated", "ignore:MLP requires ffn_hidden_size", "ignore:Using a large number of experts",
@@ -146,17 +138,6 @@ def test_bad_flags(flags, message):
 
 
 # --- specs and models on CPU (megatron's local modules, BF16 plans) ----------------------------------
-
-@pytest.fixture
-def cpu_megatron(monkeypatch, model_parallel):
-    """The two CPU shims (see the module docstring)."""
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(functools.reduce(operator.mul, tensor_shape, 1), dtype=dtype).view(*tensor_shape)
-
-    monkeypatch.setattr(GlobalMemoryBuffer, "get_tensor", get_tensor)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    monkeypatch.setattr(tracker, "fork", lambda *args, **kwargs: contextlib.nullcontext())
-
 
 def test_cpu_falls_back_to_local_modules_and_refuses_fp8_plans(model_parallel):
     config = dense(fp8="hybrid", fp8_recipe="tensorwise")

@@ -1,6 +1,7 @@
 """fp8stack.megatron on a GPU with TransformerEngine: factory-spec GPTModels (dense, MoE) run forward and
-backward with exactly the plan's layers and GEMMs in FP8; apply_plan_to_megatron on a built model; and
-each patch in patches/ shown with and without. Run with `pytest -m gpu tests/gpu/test_megatron_gpu.py`."""
+backward with exactly the plan's layers and GEMMs in FP8; apply_plan_to_megatron on a built model; the
+Megatron bench's training step re-quantizing updated weights; and each patch in patches/ shown with and
+without. Run with `pytest -m gpu tests/gpu/test_megatron_gpu.py`."""
 
 import pytest
 import torch
@@ -98,6 +99,25 @@ def test_apply_plan_to_a_megatron_te_model_gives_the_factory_classes():
     factory = bench.build_gpt(config, block_spec(config, plan))
     assert [type(m).__name__ for m in model.decoder.modules()] == [type(m).__name__ for m in factory.decoder.modules()]
     step(model)
+
+
+def test_bench_step_trains_the_weights_the_fp8_gemms_read():
+    # Megatron's TE linears quantize their weights on the first forward after set_is_first_microbatch() and
+    # reuse that FP8 copy until the next call; a bench step that skipped the call would update BF16 weights
+    # that no FP8 GEMM reads (the bench's FP8 arms once trained that way).
+    config = bench.make_config(DENSE, "hybrid", "tensorwise")
+    model = bench.build_gpt(config, bench.fp8stack_spec(config))
+    trainer = bench.Trainer(model, lr=1e-3, warmup_steps=0)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, SEQ), device="cuda")
+    labels, position_ids = torch.roll(tokens, -1, 1), torch.arange(SEQ, device="cuda").expand(2, SEQ)
+    trainer.step(tokens, labels)  # quantizes the initial weights, then updates them
+    with torch.no_grad():
+        stale = model(tokens, position_ids, None, labels=labels).float().mean().item()  # the cached FP8 copy
+        model.set_is_first_microbatch()
+        fresh = model(tokens, position_ids, None, labels=labels).float().mean().item()
+    assert stale != pytest.approx(fresh, rel=1e-4), "TE no longer reuses cached FP8 weights: revisit Trainer.step"
+    assert abs(trainer.step(tokens, labels) - fresh) < 0.1 * abs(stale - fresh)
 
 
 def test_recompute_patch_restores_the_forwards_fp8_autocast():
