@@ -141,6 +141,19 @@ def add_ab_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def add_speed_levers(parser: argparse.ArgumentParser) -> None:
+    """The trainer's speed options that `fp8stack ab` and `fp8stack profile` pass to every run."""
+    parser.add_argument("--sdpa-backend", default="auto",
+                        help="attention kernel on a GPU in every run: auto | cudnn | flash | efficient (default: auto)")
+    parser.add_argument("--fuse-norm", action="store_true",
+                        help="FP8 runs fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
+
+
+def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
+    """TrainConfig fields of add_speed_levers' options for a run of `recipe` (bf16 has no norm to fuse)."""
+    return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16}
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="tiny | tiny-moe | llama-1b-like (default: tiny)")
     parser.add_argument("--recipes", default=",".join(CPU_RECIPES),
@@ -157,10 +170,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks in every arm")
-    parser.add_argument("--sdpa-backend", default="auto",
-                        help="attention kernel on a GPU in every arm: auto | cudnn | flash | efficient (default: auto)")
-    parser.add_argument("--fuse-norm", action="store_true",
-                        help="FP8 arms fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
+    add_speed_levers(parser)
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: TrainConfig's)")
+    parser.add_argument("--warmup", type=int, help="LR warm-up steps (default: TrainConfig's)")
     parser.add_argument("--loss-tolerance", type=float,
                         help=f"largest relative final-loss gap that ships (default: {GPU_LOSS_TOLERANCE} on a GPU, "
                              f"{CPU_LOSS_TOLERANCE} on a CPU)")
@@ -185,12 +197,12 @@ def run_ab(args: argparse.Namespace) -> int:
     peaks = peak_tflops(env["device"]) if on_gpu else None
     overrides = {"model": args.model, "steps": args.steps, "backend": args.backend, "fp8_format": args.fp8_format,
                  "seed": args.seed, "device": args.device, "dtype": args.dtype, "compile": args.compile,
-                 "sdpa_backend": args.sdpa_backend,
+                 **{k: getattr(args, k) for k in ("lr", "warmup") if getattr(args, k) is not None},
                  **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
                  **({"seq_len": args.seq_len} if args.seq_len else {})}
     try:
         recipes = _recipes(args.recipes)
-        configs = [TrainConfig(**overrides, recipe=recipe, fuse_norm=args.fuse_norm and recipe != BF16,
+        configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
                                log_interval=max(1, args.steps // 4)) for recipe in recipes]
     except (TrainConfigError, PlanError) as err:
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fp8stack.ab import add_speed_levers, speed_levers
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES
 
@@ -212,6 +213,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
+    add_speed_levers(parser)
     parser.add_argument("--gemm-speedup", type=float, default=DEFAULT_GEMM_SPEEDUP, metavar="R",
                         help=f"assumed FP8 over BF16 GEMM speed for the bound (default: {DEFAULT_GEMM_SPEEDUP})")
     parser.add_argument("--out-dir", default="profiles",
@@ -232,7 +234,8 @@ def run_profile(args: argparse.Namespace) -> int:
                      "steps": args.warmup + 1 + args.steps, "progress": False,
                      **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
                      **({"seq_len": args.seq_len} if args.seq_len else {})}
-        configs = [TrainConfig(**overrides, recipe=recipe) for recipe in dict.fromkeys((BF16, args.recipe))]
+        configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe))
+                   for recipe in dict.fromkeys((BF16, args.recipe))]
         runs, plan = {}, None
         for cfg in configs:
             print(f"profiling {cfg.model} {cfg.recipe}: {args.warmup} + 1 warm-up and {args.steps} profiled steps",
