@@ -23,6 +23,9 @@ USAGE_ERROR = 2
 # (flag, TrainConfig field, argparse options). Megatron's names where Megatron has the option.
 FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--model", "model", {"help": "tiny | tiny-moe | llama-1b-like"}),
+    ("--model-impl", "model_impl", {"choices": ("torch", "megatron"),
+                                    "help": "torch: the plain Llama through assemble; megatron: a megatron-core "
+                                            "GPTModel through fp8stack's block factory (CUDA, TE)"}),
     ("--fused-projections", "fused_projections", {"action": argparse.BooleanOptionalAction,
                                                   "help": "fused wqkv / w13 GEMMs (default); --no-fused-projections "
                                                           "builds wq/wk/wv and w1/w3 for tensor parallelism"}),

@@ -5,6 +5,7 @@ activations run in `dtype` (bf16 through torch.autocast, or fp32); FP8 modules c
 inputs; loss, gradient norm and clipping are FP32.
 """
 
+import functools
 import json
 import math
 import os
@@ -36,6 +37,8 @@ from fp8stack.train.timing import steady_state
 
 MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-like": LlamaConfig.llama_1b_like}
 """Model name -> its LlamaConfig."""
+MODEL_IMPLS = ("torch", "megatron")
+"""How the model is built: the plain-torch Llama, or a megatron-core GPTModel (TrainConfig.model_impl)."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CPU_ARCH = 90
 """On a CPU the plan targets Hopper: torch's CPU scaled GEMMs emulate its FP8 recipes."""
@@ -51,6 +54,9 @@ class TrainConfig:
 
     model: str = "tiny"
     """Model name: tiny | tiny-moe | llama-1b-like."""
+    model_impl: str = "torch"
+    """torch: the plain-torch model through assemble; megatron: a megatron-core GPTModel of the same shape
+    through fp8stack's block factory, TE FP8, tensor parallel over megatron's parallel_state (megatron_model.py)."""
     fused_projections: bool = True
     """Fused wqkv / w13 GEMMs; False builds wq/wk/wv and w1/w3, which tensor_parallel > 1 needs."""
     recipe: str = "bf16"
@@ -131,6 +137,12 @@ class TrainConfig:
             raise TrainConfigError(f"unknown dtype {self.dtype!r}: use auto, {' or '.join(DTYPES)}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise TrainConfigError(f"unknown device {self.device!r}: use auto, cuda or cpu")
+        if self.model_impl not in MODEL_IMPLS:
+            raise TrainConfigError(f"unknown model_impl {self.model_impl!r}: use {' or '.join(MODEL_IMPLS)}")
+        if self.model_impl == "megatron":
+            from fp8stack.train.megatron_model import check_config  # megatron-core is imported only when built
+
+            check_config(self)
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise TrainConfigError(f"unknown sdpa_backend {self.sdpa_backend!r}: use {', '.join(SDPA_BACKENDS)}")
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):
@@ -199,13 +211,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def model_config(cfg: TrainConfig) -> LlamaConfig:
+    """The model's shape: cfg.model with cfg's projections and sequence length."""
+    config = replace(MODELS[cfg.model](), fused_projections=cfg.fused_projections)
+    return replace(config, seq_len=cfg.seq_len) if cfg.seq_len is not None else config
+
+
 def build_model(cfg: TrainConfig, device: torch.device) -> Llama:
     """The plain-torch model, initialised from cfg.seed directly on `device`."""
-    config = replace(MODELS[cfg.model](), fused_projections=cfg.fused_projections)
-    if cfg.seq_len is not None:
-        config = replace(config, seq_len=cfg.seq_len)
     with torch.device(device):
-        model = Llama(config)
+        model = Llama(model_config(cfg))
     model.init_weights(seed=cfg.seed)
     return model
 
@@ -251,6 +266,10 @@ class Session:
     """Activation dtype."""
     after_optimizer_step: Callable[[], None]
     """The assembly's hook to run after each optimizer step."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(tokens, targets) -> the batch's mean loss, FP32 (forward included; call under autocast())."""
+    clip_fn: Callable[[float], torch.Tensor]
+    """After backward: the global FP32 gradient norm, gradients clipped to the given max norm if > 0."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -261,10 +280,9 @@ class Session:
         and the learning rate it used."""
         tokens, targets = (t.to(self.env.device, non_blocking=True) for t in next(self.data))
         with self.autocast():
-            logits = self.model(tokens)
-        loss = Llama.loss(logits, targets)
+            loss = self.loss_fn(tokens, targets)
         loss.backward()
-        grad_norm = _clip(self.model, grad_clip)
+        grad_norm = self.clip_fn(grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -278,26 +296,35 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
     """Set up the processes, then build model, plan, assembly, optimizer and data; ends the processes on exit."""
     from fp8stack.assembly import assemble, post_optimizer_step_hook  # the assembly pulls in every backend
 
-    with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device):
+    with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device), ExitStack() as stack:
         device, dtype = env.device, _activation_dtype(cfg, env.device)
         if device.type == "cuda":
             import_before_cudnn()  # a later session in this process (fp8stack profile) may run TE
-        model = build_model(cfg, device)
-        seq_len = model.config.seq_len
-        plan = build_plan(cfg, model, device)
-        _check_cpu_support(cfg, plan, device, dtype)
-        model = assemble(model, plan, tp_mesh=env.tp_mesh, recompute=_recompute_blocks(cfg.recompute),
-                         recompute_modules=cfg.recompute_modules, compile=cfg.compile, fsdp_mesh=env.fsdp_mesh,
-                         fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
-                         precompute_fp8_scales=cfg.precompute_fp8_scales,
-                         fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-                         backend_options=_backend_options(cfg, plan))
+        if cfg.model_impl == "megatron":
+            from fp8stack.train import megatron_model
+
+            built = stack.enter_context(megatron_model.build(cfg, env))
+            model, plan, seq_len = built.model, built.plan, built.seq_len
+            loss_fn, clip_fn, after_step = built.loss, built.clip, built.after_optimizer_step
+        else:
+            model = build_model(cfg, device)
+            seq_len = model.config.seq_len
+            plan = build_plan(cfg, model, device)
+            _check_cpu_support(cfg, plan, device, dtype)
+            model = assemble(model, plan, tp_mesh=env.tp_mesh, recompute=_recompute_blocks(cfg.recompute),
+                             recompute_modules=cfg.recompute_modules, compile=cfg.compile, fsdp_mesh=env.fsdp_mesh,
+                             fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
+                             precompute_fp8_scales=cfg.precompute_fp8_scales,
+                             fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                             backend_options=_backend_options(cfg, plan))
+            loss_fn, clip_fn = functools.partial(_llama_loss, model), functools.partial(_clip, model)
+            after_step = post_optimizer_step_hook(model)
         optimizer = _adamw(model, cfg, device)
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
                       data=TextData(seq_len, cfg.micro_batch, cfg.seed, "train", rank=env.dp_rank,
                                     max_bytes=cfg.max_data_bytes),
-                      seq_len=seq_len, dtype=dtype, after_optimizer_step=post_optimizer_step_hook(model))
+                      seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -338,7 +365,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         if result.step_ms:
             result.tokens_per_s = result.tokens_per_step / statistics.median(steady_state(result.step_ms)) * 1000
         if cfg.eval_batches:
-            result.val_loss = _validate(model, cfg, seq_len, env, run.autocast)
+            result.val_loss = _validate(run.loss_fn, cfg, seq_len, env, run.autocast)
         if device.type == "cuda":
             result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
         result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
@@ -400,6 +427,10 @@ def _adamw(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> to
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
+def _llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return Llama.loss(model(tokens), targets)
+
+
 def _clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm in FP32 (reduced over ranks under FSDP/TP), clipping to max_norm if > 0.
     Returned as a device tensor: reading it on the host here would stall the step."""
@@ -429,14 +460,13 @@ def _resume_path(cfg: TrainConfig) -> Path:
 
 
 @torch.no_grad()
-def _validate(model: torch.nn.Module, cfg: TrainConfig, seq_len: int, env: "_Distributed", autocast) -> float:
+def _validate(loss_fn: Callable, cfg: TrainConfig, seq_len: int, env: "_Distributed", autocast) -> float:
     data = TextData(seq_len, cfg.micro_batch, cfg.seed, "validation", rank=env.dp_rank, max_bytes=cfg.max_data_bytes)
     losses = []
     for index in range(cfg.eval_batches):
         tokens, targets = (t.to(env.device) for t in data.batch(index))
         with autocast():
-            logits = model(tokens)
-        losses.append(env.mean(Llama.loss(logits, targets)))
+            losses.append(env.mean(loss_fn(tokens, targets)))
     return statistics.fmean(losses)
 
 

@@ -1,0 +1,195 @@
+"""The trainer's Megatron path (TrainConfig.model_impl = "megatron"): the same model shape as a megatron-core
+GPTModel built through fp8stack's block factory, tensor parallel with sequence parallelism over megatron's
+parallel_state.
+
+Precision is the plain path's: FP32 parameters (the master weights AdamW updates), activations under
+torch.autocast, FP8 inside the TE modules the plan puts in FP8. megatron's use_cpu_initialization draws
+each full weight on the CPU from the seed and keeps this rank's shard (SwiGLU's fc1 with stride 2), so
+every tensor-parallel degree starts from the same weights and TP=2 can be compared with TP=1.
+Without megatron's DDP wrapper, two of its finalize_model_grads duties are done here: the gradients of
+sequence-parallel norm weights are summed over the TP group, and the gradient norm counts each
+TP-replicated parameter once.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fp8stack.models import LlamaConfig
+from fp8stack.plan import Plan
+from fp8stack.plan.recipes import BF16, get_recipe
+from fp8stack.train.loop import TrainConfig, TrainConfigError, model_config
+
+MEGATRON_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""Recipes megatron-core runs through TransformerEngine (fp8stack.megatron.precision.MEGATRON_RECIPES,
+repeated here so that checking a config does not import megatron-core)."""
+DENSE_MODELS = ("tiny", "llama-1b-like")
+"""Trainer models the Megatron path builds (the MoE model is not mapped to megatron's MoE)."""
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """The options the Megatron path can honour; each refusal names the fix."""
+    plain_only = {"compile": "torch.compile of the blocks", "recompute": "fp8stack's recompute",
+                  "fsdp_float8_all_gather": "FSDP2's FP8 all-gather", "precompute_fp8_scales": "FSDP2's scale precompute",
+                  "fuse_norm": "folding norms into TE (megatron's TE spec always does)"}
+    given = [f"{name} ({what})" for name, what in plain_only.items() if getattr(cfg, name)]
+    if given:
+        raise TrainConfigError(f"--model-impl megatron does not take {', '.join(given)}: drop those options or "
+                               "use --model-impl torch")
+    if not cfg.fused_projections:
+        raise TrainConfigError("--no-fused-projections shapes the plain Llama; megatron's GPTModel always fuses "
+                               "q/k/v and gate/up and shards them per rank itself: drop it with --model-impl megatron")
+    if cfg.model not in DENSE_MODELS:
+        raise TrainConfigError(f"--model-impl megatron builds dense models only ({', '.join(DENSE_MODELS)}), not "
+                               f"{cfg.model!r}: pick one of those or use --model-impl torch")
+    if cfg.recipe != BF16 and cfg.recipe not in MEGATRON_RECIPES:
+        raise TrainConfigError(f"recipe {cfg.recipe!r} is a torchao recipe; megatron-core runs FP8 through "
+                               f"TransformerEngine: use one of {', '.join(MEGATRON_RECIPES)} or --model-impl torch")
+    if cfg.backend == "torchao":
+        raise TrainConfigError("--backend torchao: megatron-core's linears are TransformerEngine modules; "
+                               "use --backend te (or auto) with --model-impl megatron")
+    if cfg.small_gemm_filter not in ("auto", "off"):
+        raise TrainConfigError(f"small_gemm_filter={cfg.small_gemm_filter!r}: megatron converts every TE linear "
+                               "whatever its size; leave --small-gemm-filter at auto (or off)")
+    if cfg.sdpa_backend != "auto":
+        raise TrainConfigError(f"sdpa_backend={cfg.sdpa_backend!r}: megatron's attention is TE's "
+                               "DotProductAttention, not torch SDPA; leave --sdpa-backend at auto")
+    if cfg.tensor_parallel > 1 and (cfg.checkpoint_dir or cfg.resume):
+        raise TrainConfigError("checkpoints of a tensor-parallel Megatron model are not supported: the trainer's "
+                               "checkpoints (torch.distributed.checkpoint) see megatron's shards as plain tensors "
+                               "and would keep one rank's; drop --save/--load or use --tensor-model-parallel-size 1")
+
+
+def transformer_config(cfg: TrainConfig, shape: LlamaConfig, fp8_format: str | None):
+    """megatron's TransformerConfig for the plain Llama `shape` under cfg's FP8 and tensor-parallel options."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = cfg.tensor_parallel
+    try:
+        return TransformerConfig(
+            num_layers=shape.n_layers, hidden_size=shape.dim, num_attention_heads=shape.n_heads,
+            num_query_groups=shape.n_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_dim,
+            gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=shape.norm_eps,
+            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            # FP32 master weights, as in the plain path; torch.autocast gives the activations their dtype.
+            params_dtype=torch.float32, bf16=False, use_cpu_initialization=True,
+            tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+            fp8=fp8_format if cfg.recipe != BF16 else None,
+            fp8_recipe=cfg.recipe if cfg.recipe != BF16 else "delayed",
+            first_last_layers_bf16=cfg.first_last_layers_bf16,
+            num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16)
+    except (ValueError, AssertionError) as err:
+        raise TrainConfigError(f"megatron-core refuses this configuration: {err}") from None
+
+
+def fp8_format(cfg: TrainConfig) -> str:
+    """cfg.fp8_format, or the recipe's library default (hybrid for delayed and tensorwise)."""
+    return cfg.fp8_format or (get_recipe(cfg.recipe).default_format if cfg.recipe != BF16 else "hybrid")
+
+
+def build_plan(config, cfg: TrainConfig, shape: LlamaConfig, arch: int) -> Plan:
+    """The plan megatron's own flags give (plan_from_megatron_args), as a Megatron launch would."""
+    from fp8stack.megatron import plan_from_megatron_args
+
+    return plan_from_megatron_args(config, vocab_size=shape.vocab_size, seq_len=shape.seq_len, arch=arch,
+                                   name=cfg.model)
+
+
+def gpt_model(config, plan: Plan, shape: LlamaConfig, seed: int, use_te: bool | None = None):
+    """The GPTModel on the CPU, weights drawn from `seed` (untied embeddings and output, RoPE at the
+    shape's base, like the plain Llama). Megatron's parallel state must be initialised."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from fp8stack.megatron import block_spec
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # use_cpu_initialization draws every full weight from the CPU generator
+        return GPTModel(config=config, transformer_layer_spec=block_spec(config, plan, use_te=use_te),
+                        vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
+                        position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+                        share_embeddings_and_output_weights=False)
+
+
+def finish_grads(params: list[torch.nn.Parameter], max_norm: float, tp_group) -> torch.Tensor:
+    """After backward: sum the sequence-parallel norm weights' gradients over the TP group (each rank saw
+    its part of the sequence), then the global FP32 gradient norm (each TP-replicated parameter counted
+    once), clipping to max_norm if > 0. Returns the norm as a device tensor (no host sync)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    params = [p for p in params if p.grad is not None]
+    for p in params:
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=tp_group)
+    counted = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p)]
+    squared = torch.nn.utils.get_total_norm(counted).square() if counted else torch.zeros((), device=params[0].device)
+    dist.all_reduce(squared, group=tp_group)
+    norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+@dataclass
+class MegatronModel:
+    """A built GPTModel and what the trainer's step needs from it."""
+
+    model: torch.nn.Module
+    """The GPTModel (this rank's shards, FP32 parameters)."""
+    plan: Plan
+    """The plan its layers run."""
+    seq_len: int
+    """Tokens per sequence."""
+    tp_group: object
+    """megatron's tensor-parallel process group."""
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (megatron's vocab-parallel one, FP32) of one batch."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.model(tokens, positions, None, labels=targets).float().mean()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """finish_grads over the model's parameters."""
+        return finish_grads(list(self.model.parameters()), max_norm, self.tp_group)
+
+    def after_optimizer_step(self) -> None:
+        """Nothing to do: TE updates its FP8 scaling state inside its own autocast."""
+
+
+@contextmanager
+def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
+    """Megatron's parallel state over the trainer's processes, then the model on env.device; the state
+    (and a one-rank process group made for it) is torn down on exit."""
+    if env.device.type != "cuda":
+        raise TrainConfigError("the Megatron model needs CUDA: megatron-core's GPTModel allocates its buffers, RoPE "
+                               "and RNG on torch.cuda, and runs FP8 through TransformerEngine. Run it on a GPU, or "
+                               "use --model-impl torch on a CPU")
+    if env.dp_size > 1:
+        raise TrainConfigError(f"--model-impl megatron runs tensor parallelism only, but {env.world_size} processes "
+                               f"at --tensor-model-parallel-size {cfg.tensor_parallel} leave {env.dp_size} data-"
+                               "parallel ranks: launch NPROC equal to the TP size")
+    from megatron.core import parallel_state, tensor_parallel
+
+    from fp8stack.megatron import te_usable
+
+    shape = model_config(cfg)
+    major, minor = torch.cuda.get_device_capability(env.device)
+    config = transformer_config(cfg, shape, fp8_format(cfg))
+    plan = build_plan(config, cfg, shape, arch=10 * major + minor)
+    made_group = not dist.is_initialized()
+    if made_group:  # a single process without torchrun: megatron still needs a (one-rank) group
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=env.device)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=te_usable())
+        model = gpt_model(config, plan, shape, cfg.seed).to(env.device)
+        yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,
+                            tp_group=parallel_state.get_tensor_model_parallel_group())
+    finally:
+        parallel_state.destroy_model_parallel()
+        if made_group:
+            dist.destroy_process_group()

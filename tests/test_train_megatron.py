@@ -1,0 +1,128 @@
+"""The trainer's Megatron path on a CPU: flags -> TrainConfig -> megatron TransformerConfig, the options it
+refuses (and the CPU itself: the trainer needs CUDA for megatron), the GPTModel it builds (the plain
+Llama's shapes, weights from the seed, the same weights at TP=2 as at TP=1) and its gradient finishing
+over two gloo ranks. Training it runs on GPUs (fp8stack.bench.multigpu_tp)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fp8stack.megatron import layer_precisions
+from fp8stack.train.__main__ import build_parser, config_from_args
+from fp8stack.train.__main__ import main as train_main
+from fp8stack.train.loop import TrainConfig, TrainConfigError, build_model, model_config, train
+from fp8stack.train import megatron_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore:.*tp_group is None",
+                                        "ignore:Apex is not installed")
+
+
+def megatron_cfg(*flags: str) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["--model-impl", "megatron", *flags]))
+
+
+def build(cfg: TrainConfig, seed: int = 0):
+    shape = model_config(cfg)
+    config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
+    # megatron's local (torch) norms refuse sequence parallelism without Apex; the weight layout is the same.
+    config.sequence_parallel = False
+    plan = megatron_model.build_plan(config, cfg, shape, arch=90)
+    return megatron_model.gpt_model(config, plan, shape, seed, use_te=False)  # TE needs CUDA: megatron's local modules
+
+
+def test_flags_map_onto_megatrons_transformer_config():
+    cfg = megatron_cfg("--model", "llama-1b-like", "--fp8-recipe", "tensorwise", "--tensor-model-parallel-size", "2",
+                       "--seq-length", "1024", "--first-last-layers-bf16")
+    assert cfg.model_impl == "megatron" and cfg.tensor_parallel == 2
+    shape = model_config(cfg)
+    config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (4, 4096, 14336)
+    assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (32, 8, 128)
+    assert config.gated_linear_unit and config.normalization == "RMSNorm" and not config.add_bias_linear
+    assert (config.fp8, str(config.fp8_recipe)) == ("hybrid", "tensorwise")  # tensorwise's default format
+    assert config.tensor_model_parallel_size == 2 and config.sequence_parallel
+    assert config.params_dtype == torch.float32 and not config.bf16 and config.use_cpu_initialization
+    assert config.first_last_layers_bf16
+    plan = megatron_model.build_plan(config, cfg, shape, arch=90)
+    assert [p.recipe for p in layer_precisions(config, plan)] == [None, "tensorwise", "tensorwise", None]
+
+    one = megatron_model.transformer_config(megatron_cfg(), model_config(megatron_cfg()), "hybrid")
+    assert one.fp8 is None and not one.sequence_parallel  # bf16, TP=1: megatron forbids SP without TP
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--compile"], "compile"),
+    (["--recompute-granularity", "full"], "recompute"),
+    (["--fuse-norm"], "fuse_norm"),
+    (["--model", "tiny-moe"], "dense models only"),
+    (["--fp8-recipe", "rowwise"], "torchao recipe"),
+    (["--backend", "torchao"], "--backend te"),
+    (["--small-gemm-filter", "rowwise"], "small-gemm-filter"),
+    (["--no-fused-projections"], "fused"),
+    (["--tensor-model-parallel-size", "2", "--save", "ckpt"], "--tensor-model-parallel-size 1"),
+])
+def test_options_the_megatron_path_cannot_honour_are_refused(flags, names, capsys):
+    assert train_main(["--model-impl", "megatron", *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("python -m fp8stack.train: error:") and names in error
+
+
+def test_the_trainer_refuses_megatron_on_a_cpu():
+    with pytest.raises(TrainConfigError, match="the Megatron model needs CUDA.*--model-impl torch"):
+        train(TrainConfig(model_impl="megatron", device="cpu", progress=False))
+
+
+def test_gpt_model_has_the_plain_llamas_shapes_and_weights_from_the_seed(model_parallel):
+    cfg = megatron_cfg()
+    model, again, other = build(cfg), build(cfg), build(cfg, seed=1)
+    plain = build_model(TrainConfig(), torch.device("cpu"))
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == tuple(plain.layers[0].attention.wqkv.weight.shape)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == tuple(plain.layers[0].feed_forward.w13.weight.shape)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 master weights
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert not torch.equal(model.output_layer.weight, other.output_layer.weight)
+
+
+def _two_ranks(rank: int, init_file: str, out: str) -> None:
+    """Rank `rank` of 2 on gloo under megatron's TP=2: its GPTModel shards, and finish_grads' results."""
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = build(megatron_cfg("--tensor-model-parallel-size", "2"))
+    shards = {name: (p.detach().clone(), getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
+              for name, p in model.named_parameters()}
+    # Gradients as TP leaves them: a sharded weight's are this rank's own, a replicated weight's are equal
+    # on both ranks, a sequence-parallel norm weight's are this rank's part of the sum over the sequence.
+    sharded = torch.nn.Parameter(torch.zeros(2))
+    sharded.tensor_model_parallel, sharded.grad = True, torch.tensor([3.0, 4.0]) * (rank + 1)
+    replicated = torch.nn.Parameter(torch.zeros(1))
+    replicated.grad = torch.tensor([12.0])
+    norm_weight = torch.nn.Parameter(torch.zeros(1))
+    norm_weight.sequence_parallel, norm_weight.grad = True, torch.tensor([1.0 + rank])
+    total = megatron_model.finish_grads([sharded, replicated, norm_weight], 0.0, parallel_state.get_tensor_model_parallel_group())
+    torch.save({"shards": shards, "norm": float(total), "norm_weight_grad": float(norm_weight.grad)}, f"{out}{rank}")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_start_from_the_tp1_weights_and_finish_gradients_like_megatron(tmp_path, model_parallel):
+    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), str(tmp_path / "rank")), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}", weights_only=False) for rank in (0, 1)]
+    for found in ranks:  # sharded grads count from both ranks, the replicated one once; norm weights sum 1 + 2
+        assert found["norm_weight_grad"] == 3.0
+        assert found["norm"] == pytest.approx((25 + 100 + 144 + 9) ** 0.5)
+    whole = dict(build(megatron_cfg()).named_parameters())
+    for name, (shard0, dim, stride) in ranks[0]["shards"].items():
+        shard1 = ranks[1]["shards"][name][0]
+        if dim is None:  # replicated: both ranks hold the whole weight
+            assert torch.equal(shard0, whole[name]) and torch.equal(shard1, whole[name]), name
+            continue
+        # megatron's layout: the full weight split into 2 * stride pieces, rank r holding pieces r, r + 2, ...
+        pieces0, pieces1 = shard0.chunk(stride, dim), shard1.chunk(stride, dim)
+        joined = torch.cat([piece for pair in zip(pieces0, pieces1) for piece in pair], dim)
+        assert torch.equal(joined, whole[name].detach()), name
