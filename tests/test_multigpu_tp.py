@@ -1,0 +1,34 @@
+"""fp8stack.bench.multigpu_tp on a CPU: every arm's launch flags make a valid TrainConfig at TP=1 and TP=2, the
+gaps are computed as documented, and without two GPUs run_tp says so instead of running. The runs themselves
+need two GPUs (`python -m fp8stack.bench.multigpu_tp`)."""
+
+import pytest
+import torch
+
+from fp8stack.bench import multigpu_tp
+from fp8stack.train.__main__ import build_parser, config_from_args
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("arm", multigpu_tp.ARMS, ids=lambda arm: arm.name)
+def test_every_arms_flags_make_a_valid_train_config(arm, tp, tmp_path):
+    cfg = config_from_args(build_parser().parse_args(multigpu_tp.train_flags(arm, tp, 20, tmp_path)))
+    assert (cfg.model, cfg.tensor_parallel, cfg.steps, cfg.seq_len) == (multigpu_tp.MODEL, tp, 20, multigpu_tp.SEQ)
+    assert cfg.recipe in ("tensorwise", "delayed") and cfg.log_dir == str(tmp_path)
+    assert cfg.model_impl == "megatron" or (not cfg.fused_projections and cfg.backend == "torchao")
+
+
+def test_gaps_compare_tp2_with_tp1():
+    tp1 = {"losses": [10.0, 8.0, 6.0, 4.0], "grad_norms": [2.0, 1.0, 1.0, 1.0]}
+    tp2 = {"losses": [10.0, 8.4, 6.0, 4.2], "grad_norms": [2.1, 1.0, 1.0, 1.0]}
+    gaps = multigpu_tp.compare(tp1, tp2)
+    assert gaps["max_step_rel_gap"] == pytest.approx(0.05)
+    assert gaps["final_window"] == 1 and gaps["final_rel_gap"] == pytest.approx(0.05)
+    assert gaps["first_grad_norm_rel_gap"] == pytest.approx(0.05)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs are visible: run_tp would really run")
+def test_run_tp_without_two_gpus_fails_its_check_without_running(tmp_path):
+    found = multigpu_tp.run_tp(tmp_path, 20)
+    assert found["checks"] == {"two GPUs visible": False} and "run on two" in found["error"]
+    assert not any(tmp_path.iterdir())
