@@ -189,6 +189,8 @@ def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = Fa
 
 _FUSED = {"attention.wqkv": "q, k and v", "feed_forward.w13": "gate and up"}
 """Fused projections: a colwise shard of the fused weight would hand one rank all of q (or gate)."""
+_UNFUSE = ("build the model with separate projections: LlamaConfig(fused_projections=False), or "
+           "--no-fused-projections for python -m fp8stack.train / launch/train.sh")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -200,22 +202,41 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     The blocks must take their local head count from the projection outputs (view(..., -1, head_dim))
     and the sequence length must divide by the TP degree (sequence parallelism shards it).
     Fused wqkv / w13 are refused: sharding them colwise needs q/k/v (gate/up) split per rank first.
-    TE modules shard themselves: use the Megatron path for those."""
+    TE modules shard themselves: use the Megatron path for those. Everything is checked before the
+    first module is sharded."""
     state = _begin(model, "tensor_parallel")
     if has_te_modules(model):
         raise NotImplementedError("apply_tp cannot shard TransformerEngine modules: TE does tensor parallelism "
                                   "itself (tp_group, sequence_parallel). Build the model with the Megatron "
                                   "factory (fp8stack.megatron) and --tensor-model-parallel-size instead")
     blocks = dict(_blocks(model))
+    degree = tp_mesh.size()
     for index, block in blocks.items():
         submodules = dict(block.named_modules())
         fused = [f"layers.{index}.{name} (fused {what})" for name, what in _FUSED.items() if name in submodules]
-        if fused or "moe" in submodules:
-            found = ", ".join(fused) or f"layers.{index}.moe (experts)"
+        if fused:
             raise NotImplementedError(
-                f"apply_tp does not shard {found}: a colwise shard of a fused projection would give one rank all "
-                "of q (or gate) and the other k and v (or up), and experts need expert parallelism. Use unfused "
-                "projections (attention.wq/wk/wv, feed_forward.w1/w3) and a dense MLP, or no tensor parallelism")
+                f"apply_tp does not shard {', '.join(fused)}: a colwise shard of a fused projection would give one "
+                f"rank all of q (or gate) and the other k and v (or up). Fix: {_UNFUSE}")
+        if "moe" in submodules:
+            raise NotImplementedError(f"apply_tp does not shard layers.{index}.moe: experts need expert "
+                                      "parallelism, which fp8stack does not provide. Use a dense model "
+                                      "(--model tiny or llama-1b-like) or no tensor parallelism")
+        attention = submodules.get("attention")
+        heads = {name: getattr(attention, name, None) for name in ("n_heads", "n_kv_heads")}
+        uneven = [f"{name}={count}" for name, count in heads.items() if isinstance(count, int) and count % degree]
+        if uneven:
+            raise ValueError(f"apply_tp over {degree} ranks shards layers.{index}.attention by heads, but "
+                             f"{', '.join(uneven)} does not divide by {degree}: pick a tensor-parallel degree that "
+                             "divides both head counts")
+    float8_styled = [fqn for fqn, m in model.named_modules() if _is_tensorwise_float8(m)]
+    if float8_styled and degree > 1 and tp_mesh.device_type == "cpu":
+        raise NotImplementedError(
+            f"apply_tp would give {len(float8_styled)} torchao tensorwise Float8Linear layer(s) (e.g. "
+            f"{float8_styled[0]!r}) torchao's Float8ColwiseParallel / Float8RowwiseParallel, which all-gather "
+            "float8 tensors, and gloo (the CPU backend) cannot move float8 (RuntimeError: Invalid scalar type). "
+            "Run tensorwise FP8 tensor parallelism on GPUs (NCCL), or on a CPU use --fp8-recipe rowwise or bf16 "
+            "(those layers gather in high precision)")
 
     def colwise(module: nn.Module, **kw):
         return (Float8ColwiseParallel if _is_tensorwise_float8(module) else ColwiseParallel)(**kw)

@@ -6,6 +6,7 @@ import copy
 import re
 import logging
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -234,10 +235,18 @@ def test_compile_after_delayed_conversion_raises(model):
         apply_compile(model)
 
 
-def test_tp_refuses_fused_projections(model, mesh):
-    with pytest.raises(NotImplementedError, match=r"layers\.0\.attention\.wqkv \(fused q, k and v\)"):
+def test_tp_refuses_fused_projections_naming_the_fix(model, mesh):
+    with pytest.raises(NotImplementedError, match=r"layers\.0\.attention\.wqkv \(fused q, k and v\).*Fix: build the "
+                                                  r"model with separate projections: LlamaConfig\(fused_projections="
+                                                  r"False\), or --no-fused-projections"):
         apply_tp(model, mesh)
     assert assembly_state(model).stages == [] and not isinstance(model.output.weight, torch.distributed.tensor.DTensor)
+
+
+def test_tp_refuses_experts(mesh):
+    model = Llama(replace(LlamaConfig.tiny_moe(), fused_projections=False))
+    with pytest.raises(NotImplementedError, match=r"layers\.1\.moe: experts need expert parallelism"):
+        apply_tp(model, mesh)
 
 
 # --- conversion stage: backends ------------------------------------------------------------------

@@ -7,7 +7,8 @@ What each module becomes:
                                                     gate, head if it is the output layer
   a module holding 3-D parameters [E, N, K]      -> one expert component per 3-D parameter
                                                     (per-expert biases ride along with them)
-  a module with n_heads and head_dim             -> adds `<fqn>.core` (attn_core) after its first linear
+  a module with n_heads and head_dim             -> adds `<fqn>.core` (attn_core) before its last linear
+                                                    (the output projection: after wqkv, or after wq/wk/wv)
   a *Mamba* / *SSM* module with d_state          -> adds `<fqn>.scan` (ssm_scan) after its first linear,
                                                     standing for all its parameters but the linears
 A module with parameters that is none of these raises PlanError: nothing is silently left out.
@@ -96,7 +97,7 @@ class _Walker:
 
         if is_attention:
             core = leaf("attn_core", self.seq_len, module.head_dim, active=2 * module.n_heads, at=f"{fqn}.core")
-            found = _after_first_linear(found, replace(core, in_attention=True), fqn)
+            found = _before_last_linear(found, replace(core, in_attention=True), fqn)
         if is_scan:
             found = _after_first_linear(found, leaf("ssm_scan", *_scan_shape(module, fqn), at=f"{fqn}.scan"), fqn)
         return found
@@ -152,12 +153,24 @@ def _scan_shape(module: nn.Module, fqn: str) -> tuple[int, int]:
     return d_inner, d_state
 
 
+def _owned_linears(found: list[_Found], owner: str) -> list[int]:
+    return [i for i, item in enumerate(found)
+            if item.component.kind == "linear" and item.component.fqn.startswith(f"{owner}.")]
+
+
 def _after_first_linear(found: list[_Found], extra: _Found, owner: str) -> list[_Found]:
-    """Insert `extra` right after the first GEMM of `owner` (attention: after wqkv), else at the end."""
-    for i, item in enumerate(found):
-        if item.component.kind == "linear" and item.component.fqn.startswith(f"{owner}."):
-            return [*found[:i + 1], extra, *found[i + 1:]]
-    return [*found, extra]
+    """Insert `extra` right after the first GEMM of `owner` (an SSM mixer: after in_proj), else at the end."""
+    owned = _owned_linears(found, owner)
+    at = owned[0] + 1 if owned else len(found)
+    return [*found[:at], extra, *found[at:]]
+
+
+def _before_last_linear(found: list[_Found], extra: _Found, owner: str) -> list[_Found]:
+    """Insert `extra` right before the last GEMM of `owner` (attention: the core runs between the input
+    projections, fused or not, and the output projection wo); after its only GEMM; else at the end."""
+    owned = _owned_linears(found, owner)
+    at = owned[-1] if len(owned) > 1 else owned[0] + 1 if owned else len(found)
+    return [*found[:at], extra, *found[at:]]
 
 
 def _block_type(items: list[_Found]) -> str:
