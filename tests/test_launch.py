@@ -1,11 +1,15 @@
 """The torchrun wrappers in launch/: two gloo processes on the CPU, and the environment they export."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fp8stack.train.__main__ import build_parser, config_from_args
+from fp8stack.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +26,30 @@ def test_train_sh_runs_two_processes_with_megatron_style_flags(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 2/2" in done.stdout
     assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 2  # rank 0 logs, once per step
+
+
+TP_LOSS_RTOL = 1e-4
+"""Tensor parallel vs one process, per step. torchao rowwise scales each rank's slice of a row on its
+own, so FP8 rounds a little differently (observed 1e-5 after 3 steps); a wrong shard gives O(1)."""
+
+
+@pytest.mark.slow
+def test_train_sh_tensor_parallel_matches_one_process(tmp_path):
+    """--tensor-model-parallel-size 2 over two gloo processes (--no-fused-projections) trains as one
+    process does. FP8 here is rowwise: tensorwise layers get torchao's Float8 TP styles, whose float8
+    all-gathers gloo refuses (tests/test_fsdp_gloo.py; their NCCL run: tests/gpu/test_tp_float8_gpu.py)."""
+    flags = ["--model", "tiny", "--no-fused-projections", "--fp8-recipe", "rowwise", "--device", "cpu",
+             "--train-iters", "3", "--micro-batch-size", "2", "--seq-length", "64", "--eval-iters", "0"]
+    done = subprocess.run(["launch/train.sh", *flags, "--tensor-model-parallel-size", "2",
+                           "--result-json", str(tmp_path / "tp.json")],
+                          cwd=ROOT, env=launch_env(29615), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tp = json.loads((tmp_path / "tp.json").read_text())
+    assert tp["world_size"] == 2 and tp["config"]["tensor_parallel"] == 2
+    one = train(config_from_args(build_parser().parse_args([*flags, "--no-progress"])))
+    assert len(tp["losses"]) == len(one.losses) == 3
+    for step, (a, b) in enumerate(zip(one.losses, tp["losses"])):
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(a), f"step {step}: 1 process {a:.6f} vs TP=2 {b:.6f}"
 
 
 def test_launch_env_keeps_nvlink_multicast_off():
