@@ -157,7 +157,9 @@ class MegatronModel:
         return finish_grads(list(self.model.parameters()), max_norm, self.tp_group)
 
     def after_optimizer_step(self) -> None:
-        """Nothing to do: TE updates its FP8 scaling state inside its own autocast."""
+        """The weights changed: megatron's TE linears cast them to FP8 on the first micro-batch of a step
+        and reuse that copy until told a new step began, as megatron's training loop tells them."""
+        self.model.set_is_first_microbatch()
 
 
 @contextmanager
