@@ -161,10 +161,23 @@ def capture_check(model: nn.Module, batch, loss_fn: Callable[[nn.Module, object]
             pass
 
 
-def te_graphed(module: nn.Module, sample_args: tuple[torch.Tensor, ...], recipe) -> Callable:
-    """TransformerEngine's make_graphed_callables for a region of TE modules, captured under FP8 with
-    `recipe` (a transformer_engine.common.recipe object): forward and backward replay as graphs and
-    TE keeps the FP8 scales and amax updates inside them. TE is imported here, never at import time."""
+def te_graphed(module: nn.Module, sample_args: tuple[torch.Tensor, ...], recipe) -> nn.Module:
+    """`module` (a region of TE modules, in training mode) with its forward and backward captured as
+    CUDA graphs by TransformerEngine's make_graphed_callables under FP8 with `recipe` (a
+    transformer_engine.common.recipe object); returned as the same module, whose calls now replay.
+    The quantize kernels inside the graphs read the scales and write the amaxes; the delayed-scaling
+    update of scales from amax histories runs outside them, at the exit of a te.autocast around the
+    replay and at the end of its backward. So every replay runs under te.autocast(recipe) here: a bare
+    replay would leave DelayedScaling's scales where the capture left them. TE is imported here,
+    never at import time."""
     import transformer_engine.pytorch as te
 
-    return te.make_graphed_callables(module, sample_args, enabled=True, recipe=recipe)
+    graphed = te.make_graphed_callables(module, sample_args, enabled=True, recipe=recipe)
+    replay = graphed.forward
+
+    def forward(*args, **kwargs):
+        with te.autocast(enabled=True, recipe=recipe):
+            return replay(*args, **kwargs)
+
+    graphed.forward = forward
+    return graphed
