@@ -3,7 +3,8 @@
 `compress_saved_activations()` is a torch.autograd.graph.saved_tensors_hooks context: every tensor
 autograd saves for backward inside it is stored as FP8 E4M3 with an FP32 scale (per tensor or per
 row) when it is a BF16/FP16/FP32 activation worth compressing, and restored to its dtype in
-backward. Weights, tensors already in FP8, small and non-floating tensors are kept as they are.
+backward. Weights, tensors already in FP8, small and non-floating tensors are kept as they are
+(TE 2.20's linears save their FP8 inputs as raw uint8 data with an FP32 scale: kept as 'not floating').
 The backward then sees activations rounded to E4M3 (3 mantissa bits): gradients move by about the
 error of an FP8 GEMM input, which FP8 training already accepts.
 """
