@@ -7,10 +7,13 @@ One folder per checkpoint, `<checkpoint_dir>/step-<N>`:
   state. FP8 scaling state lives there: TE DelayedScaling keeps its amax history and scales in
   module extra_state (a pickled byte tensor whose size changes once FP8 has run, which DCP cannot
   load in place, hence torch.save). torchao's dynamic tensorwise/rowwise scaling keeps no state.
+  TransformerEngine 2.20 unpickles DelayedScaling state only with NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1;
+  load() sets it while restoring, as it already unpickles the rank file of the same checkpoint.
 A checkpoint is written under a temporary name and renamed when complete, so `latest()` never
 picks a half-written one.
 """
 
+import os
 import random
 import shutil
 import warnings
@@ -28,6 +31,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 EXTRA_STATE_SUFFIX = nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 """Key suffix of a module's get_extra_state() in its state_dict ('_extra_state')."""
 PREFIX = "step-"
+TE_TRUSTED_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+"""TE's opt-in to unpickle DelayedScaling extra state (amax histories, scales); without it TE refuses
+to load them. Loading a checkpoint trusts it: its rank file is a pickle too."""
 
 
 class CheckpointError(RuntimeError):
@@ -97,8 +103,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if set(saved["extra_state"]) != set(extra_keys):
         raise CheckpointError(f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
                            f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
-    incompatible = set_state_dict(model, optimizer, model_state_dict={**state["model"], **saved["extra_state"]},
-                                  optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
+    with _te_extra_state_trusted():
+        incompatible = set_state_dict(model, optimizer, model_state_dict={**state["model"], **saved["extra_state"]},
+                                      optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
     if incompatible.missing_keys or incompatible.unexpected_keys:
         raise CheckpointError(f"{path} does not fit this model: missing {incompatible.missing_keys}, "
                            f"unexpected {incompatible.unexpected_keys}; resume with the same model and plan")
@@ -125,6 +132,20 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextmanager
+def _te_extra_state_trusted():
+    """TE_TRUSTED_PICKLE_ENV set to 1 inside, as it was outside afterwards."""
+    previous = os.environ.get(TE_TRUSTED_PICKLE_ENV)
+    os.environ[TE_TRUSTED_PICKLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[TE_TRUSTED_PICKLE_ENV]
+        else:
+            os.environ[TE_TRUSTED_PICKLE_ENV] = previous
 
 
 @contextmanager

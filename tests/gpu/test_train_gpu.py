@@ -1,0 +1,97 @@
+"""The trainer on a GPU with TE DelayedScaling: a run resumed from its middle checkpoint continues with
+bit-identical losses, its TE modules' amax histories and scales restored as they were saved, and
+those FP8 states are what makes the next loss come out the same.
+Run with `pytest -m gpu tests/gpu/test_train_gpu.py`."""
+
+import pickle
+
+import pytest
+import torch
+
+from fp8stack.backends.te import TEBackend
+from fp8stack.models import Llama
+from fp8stack.train import checkpoint
+from fp8stack.train.checkpoint import EXTRA_STATE_SUFFIX
+from fp8stack.train.loop import TrainConfig, session, train
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
+_TE_OK, _TE_WHY = TEBackend().available(["delayed"])
+if not _TE_OK:
+    pytest.skip(_TE_WHY, allow_module_level=True)
+
+from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
+
+SETTINGS = dict(model="tiny", recipe="delayed", backend="te", small_gemm_filter="off", device="cuda", steps=6,
+                warmup=1, micro_batch=2, seq_len=128, eval_batches=0, max_data_bytes=1 << 20, progress=False)
+"""Every GEMM of the tiny model on TE delayed scaling; 128-token sequences fit one attention tile, so
+the BF16 attention backward adds in a fixed order and the run repeats bit for bit."""
+MIDDLE = 3
+"""The checkpoint resumed from (checkpoints every MIDDLE steps)."""
+FP8_STATE = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+"""What TE's get_extra_state saves for a DelayedScaling module (the names of its pickled dict)."""
+
+
+@pytest.fixture(autouse=True)
+def fresh_fp8_state():
+    yield
+    FP8GlobalStateManager.reset()
+
+
+def _module_state(module: TransformerEngineBaseModule) -> dict[str, torch.Tensor]:
+    """A TE module's live FP8 scaling state, under the names of FP8_STATE."""
+    meta = module.fp8_meta
+    return {name: getattr(meta[f"scaling_{name.rsplit('_', 1)[1]}"], name.rsplit("_", 1)[0]).cpu()
+            for name in FP8_STATE}
+
+
+def _saved_states(path) -> dict[str, dict[str, torch.Tensor]]:
+    """fqn -> the FP8 scaling state a checkpoint holds for each TE module (as TE pickled it)."""
+    extra = torch.load(path / "rank0.pt", weights_only=False)["extra_state"]
+    states = {key.removesuffix("." + EXTRA_STATE_SUFFIX): pickle.loads(value.numpy().tobytes())
+              for key, value in extra.items() if value.numel()}
+    return {fqn: {name: state[name] for name in FP8_STATE} for fqn, state in states.items()}
+
+
+def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
+    full = train(TrainConfig(**SETTINGS, checkpoint_dir=str(tmp_path), checkpoint_interval=MIDDLE))
+    FP8GlobalStateManager.reset()  # each run starts as a new process would: no other model's FP8 buffers
+    middle = checkpoint.checkpoint_path(tmp_path, MIDDLE)
+    resumed = train(TrainConfig(**SETTINGS, checkpoint_dir=str(tmp_path), resume=str(middle)))
+    FP8GlobalStateManager.reset()
+    assert resumed.first_step == MIDDLE
+    assert resumed.losses == full.losses[MIDDLE:]  # exact equality, not approx
+
+    saved = _saved_states(middle)
+    with session(TrainConfig(**SETTINGS)) as run:
+        te_modules = {fqn: m for fqn, m in run.model.named_modules() if isinstance(m, TransformerEngineBaseModule)}
+        assert len(te_modules) >= 4 * len(run.model.layers), "every linear of every block should be on TE"
+        at = checkpoint.load(middle, run.model, run.optimizer, run.scheduler)
+        assert set(saved) == set(te_modules)
+        for fqn, module in te_modules.items():
+            state = _module_state(module)
+            for name in FP8_STATE:
+                assert torch.equal(state[name], saved[fqn][name]), f"{fqn}: {name} not restored"
+            # With history length 1 the amax row is cleared once it has set the scale: the scales carry it.
+            assert (state["scale_fwd"] != 1).any() and (state["scale_bwd"] != 1).any(), \
+                f"{fqn}: the saved DelayedScaling scales never moved off their initial 1"
+
+        # The restored state is what reproduces the next loss: with it reset, the same step differs.
+        tokens, targets = (t.to(run.env.device) for t in run.data.batch(at.data_position))
+        restored = {fqn: m.get_fp8_meta_tensors() for fqn, m in te_modules.items()}
+
+        def next_loss() -> float:
+            with run.autocast():
+                logits = run.model(tokens)
+            return float(Llama.loss(logits, targets))
+
+        assert next_loss() == full.losses[MIDDLE]
+        for fqn, module in te_modules.items():
+            module.reset_fp8_meta_tensors()  # scales 1, amax histories 0: a fresh module's state
+        assert next_loss() != full.losses[MIDDLE], "the FP8 scaling state made no difference to the loss"
+        for fqn, module in te_modules.items():
+            module.reset_fp8_meta_tensors(restored[fqn])
+        assert next_loss() == full.losses[MIDDLE]
