@@ -29,8 +29,17 @@ def test_batches_depend_only_on_seed_split_rank_and_index():
     assert torch.equal(tokens[:, 1:], targets[:, :-1])  # targets are the next bytes
     assert int(tokens.max()) < 256
     other_seed = TextData(64, 3, seed=8, max_bytes=SMALL_DATA).batch(0)[0]
-    other_rank = TextData(64, 3, seed=7, rank=1, max_bytes=SMALL_DATA).batch(0)[0]
+    other_rank = TextData(64, 3, seed=7, rank=1, ranks=2, max_bytes=SMALL_DATA).batch(0)[0]
     assert not torch.equal(other_seed, first[0][0]) and not torch.equal(other_rank, first[0][0])
+
+
+def test_ranks_slice_the_batches_of_one_process_with_their_micro_batches_together():
+    """2 ranks x micro-batch 3 see exactly the global batch of 1 rank x 6: the 1-GPU reference is sound."""
+    whole = TextData(64, 6, seed=7, max_bytes=SMALL_DATA).batch(4)[0]
+    halves = [TextData(64, 3, seed=7, rank=r, ranks=2, max_bytes=SMALL_DATA).batch(4)[0] for r in (0, 1)]
+    assert torch.equal(torch.cat(halves), whole) and not torch.equal(halves[0], halves[1])
+    with pytest.raises(ValueError, match="rank 2 is not one of the 2"):
+        TextData(64, 3, seed=7, rank=2, ranks=2, max_bytes=SMALL_DATA)
 
 
 def test_split_is_by_file_and_stable(tmp_path):

@@ -57,6 +57,8 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--tensor-model-parallel-size", "tensor_parallel", {"type": int, "metavar": "N"}),
     ("--fsdp-float8-all-gather", "fsdp_float8_all_gather", {"action": argparse.BooleanOptionalAction}),
     ("--precompute-fp8-scales", "precompute_fp8_scales", {"action": argparse.BooleanOptionalAction}),
+    ("--profile-collectives", "profile_collectives", {"type": int, "metavar": "N",
+                                                      "help": "count collectives and bytes over N steps"}),
     ("--eval-iters", "eval_batches", {"type": int, "metavar": "N", "help": "validation batches after training"}),
     ("--tensorboard-dir", "log_dir", {"metavar": "DIR", "help": "train.jsonl and TensorBoard scalars"}),
     ("--log-interval", "log_interval", {"type": int, "metavar": "N"}),

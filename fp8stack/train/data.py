@@ -4,7 +4,8 @@ Byte-level tokens (ids 0..255) fit any model with vocab_size >= 256. Files go to
 validation split by a hash of their path relative to the stdlib folder, so the split is the same
 on every machine with the same Python. Batch i of a given (seed, split, rank) is a pure function
 of those four numbers: every A/B arm and every process sees the same tokens, and a resumed run
-continues from `position` alone.
+continues from `position` alone. Data-parallel ranks take consecutive slices of one global batch, so
+N ranks with micro-batch b train on exactly the batches of 1 rank with micro-batch N*b.
 """
 
 import hashlib
@@ -64,16 +65,20 @@ def load_split(split: str, max_bytes: int = DEFAULT_MAX_BYTES, root: Path | None
 class TextData:
     """Batches of (tokens, targets) [micro_batch, seq_len] int64 CPU tensors, targets shifted by one.
 
-    Windows start at random offsets drawn from a generator seeded by (seed, split, rank, batch index).
+    Batch i of the global batch (micro_batch * ranks windows) starts its windows at random offsets drawn
+    from a generator seeded by (seed, split, batch index); rank r takes windows r*micro_batch onwards.
     """
 
     def __init__(self, seq_len: int, micro_batch: int, seed: int, split: str = "train", *,
-                 rank: int = 0, max_bytes: int = DEFAULT_MAX_BYTES):
+                 rank: int = 0, ranks: int = 1, max_bytes: int = DEFAULT_MAX_BYTES):
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} is not one of the {ranks} data-parallel ranks: pass 0 <= rank < ranks")
         self.seq_len = seq_len
         self.micro_batch = micro_batch
         self.seed = seed
         self.split = split
         self.rank = rank
+        self.ranks = ranks
         self.text = load_split(split, max_bytes)
         if self.text.numel() <= seq_len + 1:
             raise ValueError(f"the {split} split holds {self.text.numel()} bytes, too few for seq_len={seq_len}: "
@@ -82,9 +87,12 @@ class TextData:
         """Index of the next batch; save it to resume."""
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch number `index`, independent of what was drawn before."""
-        generator = torch.Generator().manual_seed(_mix(self.seed, SPLITS.index(self.split), self.rank, index))
-        starts = torch.randint(0, self.text.numel() - self.seq_len - 1, (self.micro_batch,), generator=generator)
+        """This rank's slice of global batch number `index`, independent of what was drawn before."""
+        # The 0 stands where the rank once was: single-process batches stay what they always were.
+        generator = torch.Generator().manual_seed(_mix(self.seed, SPLITS.index(self.split), 0, index))
+        everyone = torch.randint(0, self.text.numel() - self.seq_len - 1, (self.micro_batch * self.ranks,),
+                                 generator=generator)
+        starts = everyone[self.rank * self.micro_batch: (self.rank + 1) * self.micro_batch]
         windows = torch.stack([self.text[s: s + self.seq_len + 1] for s in starts.tolist()]).long()
         return windows[:, :-1], windows[:, 1:]
 

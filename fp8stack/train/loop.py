@@ -31,7 +31,7 @@ from fp8stack.plan import Plan, PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
-from fp8stack.train import checkpoint
+from fp8stack.train import checkpoint, comm_stats, fault
 from fp8stack.train.data import DEFAULT_MAX_BYTES, TextData
 from fp8stack.train.timing import steady_state
 
@@ -113,6 +113,9 @@ class TrainConfig:
     """All-gather FSDP2 weights in FP8 (torchao tensorwise only)."""
     precompute_fp8_scales: bool = False
     """With fsdp_float8_all_gather: compute all weight scales in one op after each optimizer step."""
+    profile_collectives: int = 0
+    """Count the collectives and their bytes over this many steps after the first (comm_stats, torch.profiler);
+    0 counts none. Reported per step in TrainResult.collectives."""
     eval_batches: int = 4
     """Validation batches evaluated after the last step (0 skips validation)."""
     max_data_bytes: int = DEFAULT_MAX_BYTES
@@ -150,6 +153,8 @@ class TrainConfig:
                 raise TrainConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise TrainConfigError(f"warmup must be non-negative, got {self.warmup}")
+        if self.profile_collectives < 0:
+            raise TrainConfigError(f"profile_collectives must be non-negative, got {self.profile_collectives}")
         if not 0 <= self.min_lr <= self.lr:
             raise TrainConfigError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
         if self.seq_len is not None and self.seq_len < 2:
@@ -201,6 +206,8 @@ class TrainResult:
     """CUDA peak allocated memory (None on a CPU)."""
     max_rss_gib: float = 0.0
     """Peak resident memory of the process."""
+    collectives: dict | None = None
+    """Collectives per step (comm_stats.Collectives as a dict) when profile_collectives > 0."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -323,7 +330,7 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
                       data=TextData(seq_len, cfg.micro_batch, cfg.seed, "train", rank=env.dp_rank,
-                                    max_bytes=cfg.max_data_bytes),
+                                    ranks=env.dp_size, max_bytes=cfg.max_data_bytes),
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn)
 
 
@@ -346,8 +353,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-        with _Logger(cfg, env.rank == 0, start) as log:
+        with _Logger(cfg, env.rank == 0, start) as log, comm_stats.CollectiveCounter(cfg.profile_collectives) as comms:
             for step in range(start, cfg.steps):
+                fault.kill_if_due(env.rank, step)  # FP8STACK_KILL_AT: restart tests
                 began = time.perf_counter()
                 loss, grad_norm, lr = run.step(cfg.grad_clip)
                 loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)  # the step's only host sync
@@ -361,6 +369,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                                 "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
                 if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg):
                     checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, scheduler, data.position)
+                comms.step_done()
+        result.collectives = asdict(comms.result) if comms.result else None
 
         if result.step_ms:
             result.tokens_per_s = result.tokens_per_step / statistics.median(steady_state(result.step_ms)) * 1000
@@ -461,7 +471,8 @@ def _resume_path(cfg: TrainConfig) -> Path:
 
 @torch.no_grad()
 def _validate(loss_fn: Callable, cfg: TrainConfig, seq_len: int, env: "_Distributed", autocast) -> float:
-    data = TextData(seq_len, cfg.micro_batch, cfg.seed, "validation", rank=env.dp_rank, max_bytes=cfg.max_data_bytes)
+    data = TextData(seq_len, cfg.micro_batch, cfg.seed, "validation", rank=env.dp_rank, ranks=env.dp_size,
+                    max_bytes=cfg.max_data_bytes)
     losses = []
     for index in range(cfg.eval_batches):
         tokens, targets = (t.to(env.device) for t in data.batch(index))

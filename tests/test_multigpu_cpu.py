@@ -1,0 +1,96 @@
+"""Issue 8's multi-GPU flows on two gloo processes: the collective counts of FSDP2 with FP8 all-gather
+(fp8stack.train.comm_stats) and the kill-a-rank / restart-from-checkpoint part of fp8stack.bench.multigpu.
+
+FP8 all-gather runs over gloo here because FSDP2 moves a parameter group of mixed dtypes (float8
+weights, FP32 norms) as one uint8 buffer, and every transformer block holds norms. What differs on
+GPUs (NCCL, BF16 parameters, timings) is measured by `python -m fp8stack.bench.multigpu`.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from fp8stack.bench.multigpu import restart_plan, run_restart
+from fp8stack.models import Llama, LlamaConfig
+from fp8stack.train.loop import TrainConfig, train
+
+pytestmark = pytest.mark.slow
+
+STEPS, PROFILED = 4, 2
+FP32_BYTES = 4
+
+
+def _train_both(rank: int, world: int, init_file: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # two ranks share two cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {precompute: train(TrainConfig(
+            model="tiny", recipe="tensorwise", backend="torchao", fsdp_float8_all_gather=True,
+            precompute_fp8_scales=precompute, steps=STEPS, micro_batch=1, seq_len=32, eval_batches=0,
+            profile_collectives=PROFILED, device="cpu", progress=False, max_data_bytes=1 << 20))
+            for precompute in (True, False)}
+        if rank == 0:
+            torch.save({k: (r.collectives, r.losses) for k, r in results.items()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory) -> dict:
+    """precompute_fp8_scales -> (collectives per step, losses) of the tiny model on 2 gloo ranks."""
+    tmp = tmp_path_factory.mktemp("counted")
+    mp.spawn(_train_both, args=(2, str(tmp / "init"), str(tmp / "out.pt")), nprocs=2, join=True)
+    return torch.load(tmp / "out.pt")
+
+
+def _expected_all_gather_bytes() -> tuple[dict[str, int], int]:
+    """Group -> bytes all-gathered per step, from the model's parameters: each block twice (forward, and
+    again in backward after resharding), its Linear weights as 1-byte FP8 and its norms in FP32; the
+    root (embeddings, final norm, head; not resharded after forward) once, in FP32."""
+    model = Llama(LlamaConfig.tiny())
+    groups, fp8_weights = {}, 0
+    for index, block in enumerate(model.layers):
+        linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+        fp8_weights += len(linears)
+        fp8 = sum(m.weight.numel() for m in linears)
+        groups[f"layers.{index}"] = 2 * (fp8 + FP32_BYTES * (sum(p.numel() for p in block.parameters()) - fp8))
+    in_blocks = sum(p.numel() for p in model.layers.parameters())
+    groups["root"] = FP32_BYTES * (sum(p.numel() for p in model.parameters()) - in_blocks)
+    return groups, fp8_weights
+
+
+def test_fp8_all_gather_bytes_and_counts_match_the_parameters(counted):
+    collectives, _ = counted[True]
+    groups, _ = _expected_all_gather_bytes()
+    assert collectives["steps"] == PROFILED
+    assert collectives["all_gather_bytes_by_group"] == groups
+    assert collectives["bytes"]["all_gather"] == sum(groups.values())
+    assert collectives["counts"]["all_gather"] == 2 * (len(groups) - 1) + 1  # the blocks twice, the root once
+    assert collectives["counts"]["reduce_scatter"] == len(groups)  # one per group, in backward
+    assert "unsigned char" in collectives["all_gather_dtypes"]  # the blocks: float8 weights + FP32 norms
+
+
+def test_precompute_turns_per_weight_scale_all_reduces_into_one(counted):
+    (with_, losses_with), (without, losses_without) = counted[True], counted[False]
+    _, fp8_weights = _expected_all_gather_bytes()
+    assert without["all_reduces_in_all_gather"] == 2 * fp8_weights  # every weight, every all-gather
+    assert with_["all_reduces_in_all_gather"] == 0
+    others = without["counts"]["all_reduce"] - without["all_reduces_in_all_gather"]  # loss mean, gradient norm
+    assert with_["counts"]["all_reduce"] == others + 1
+    assert losses_with == losses_without  # the same scales, computed in one all-reduce
+
+
+def test_killed_rank_restarts_from_the_checkpoint_with_identical_losses(tmp_path):
+    steps = 6
+    interval, kill_step = restart_plan(steps)
+    part = run_restart(tmp_path, steps, micro_batch=2, extra=("--device", "cpu", "--seq-length", "32"))
+    failed = [name for name, ok in part["checks"].items() if not ok]
+    assert not failed, (failed, {name: run.get("log_tail", "") for name, run in part["runs"].items()})
+    assert part["checkpoints_after_kill"] == [f"step-{interval:08d}"] and part["kill_at_step"] == kill_step
+    assert part["bit_identical"] and part["tolerance"] == 0.0  # CPU kernels and gloo sums are deterministic
+    assert len(part["losses"]["restarted"]) == steps - interval
