@@ -21,6 +21,14 @@ from fp8stack.train import megatron_model  # noqa: E402
 from fp8stack.train.loop import TrainConfig, _Distributed, train  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def no_megatron_state_left_by_other_modules():
+    """The trainer sets up megatron's parallel state itself; other GPU test modules leave theirs behind."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
 def megatron_tensorwise(**kw) -> TrainConfig:
     return TrainConfig(model="tiny", model_impl="megatron", recipe="tensorwise", backend="te", device="cuda",
                        eval_batches=0, progress=False, **kw)
