@@ -93,9 +93,13 @@ class CollectiveCounter:
         if self.done == self.steps:
             self._finish()
 
-    def __exit__(self, *exc) -> None:
-        if self.profiler is not None and self.result is None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.profiler is None or self.result is not None:
+            return
+        if exc_type is None:
             self._finish()  # the run ended before `steps` profiled steps: report the ones it took
+        else:
+            self.profiler.stop()  # the step failed: let its error through
 
     def _finish(self) -> None:
         self.profiler.stop()
