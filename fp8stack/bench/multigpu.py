@@ -44,6 +44,9 @@ TITLES = {"fsdp": "FSDP2 with FP8 all-gather", "tp": "tensor parallel 2", "resta
 KEYS = {"fsdp": "fsdp", "tp": "tensor_parallel", "restart": "restart"}
 """Part -> its key in the evidence."""
 TP_MODULE = "fp8stack.bench.multigpu_tp"
+LR, LR_WARMUP = 3e-4, 10
+"""FSDP arms' peak LR and warm-up: the trainer's defaults (2e-3, 4) suit tiny; llama-1b-like then spikes and
+the 2-rank vs 1-rank loss comparison would measure the instability, not the sharding."""
 PROFILED_STEPS = 2
 """Steps whose collectives are counted: steps 1 and 2 (step 0 initialises lazily); with 30 or more steps the
 step-time median skips them as warm-up (fp8stack.train.timing.steady_state)."""
@@ -141,7 +144,8 @@ def _run_record(run: Run) -> dict:
 def fsdp_arms(steps: int, model: str, micro_batch: int, extra: Sequence[str]) -> dict[str, tuple[int, int, list[str]]]:
     """Arm -> (processes, steps, train flags)."""
     common = ["--model", model, "--fp8-recipe", "tensorwise", "--backend", "torchao", "--small-gemm-filter", "off",
-              "--seed", "0", "--eval-iters", "0", "--log-interval", "10", *extra]
+              "--seed", "0", "--lr", str(LR), "--lr-warmup-iters", str(LR_WARMUP), "--eval-iters", "0",
+              "--log-interval", "10", *extra]
     two = ["--micro-batch-size", str(micro_batch), "--profile-collectives", str(PROFILED_STEPS)]
     short = PROFILED_STEPS + 2  # the counts only: the first step, the profiled ones, one more
     arms = {
