@@ -147,11 +147,15 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="attention kernel on a GPU in every run: auto | cudnn | flash | efficient (default: auto)")
     parser.add_argument("--fuse-norm", action="store_true",
                         help="FP8 runs fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
+    parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
+                        help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
+                             "factory, TE linears (default: torch)")
 
 
 def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
     """TrainConfig fields of add_speed_levers' options for a run of `recipe` (bf16 has no norm to fuse)."""
-    return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16}
+    return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16,
+            "model_impl": args.model_impl}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +212,8 @@ def run_ab(args: argparse.Namespace) -> int:
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
-    stem = f"ab-{args.model}-{device_slug(env['device'])}"
+    impl = "-megatron" if args.model_impl == "megatron" else ""  # the plain path's evidence keeps its name
+    stem = f"ab-{args.model}{impl}-{device_slug(env['device'])}"
     results: dict[str, dict | str] = {}
     backends: dict[str, str] = {}
     repeat = None

@@ -84,6 +84,13 @@ def test_gpt_model_has_the_plain_llamas_shapes_and_weights_from_the_seed(model_p
     assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 master weights
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     assert not torch.equal(model.output_layer.weight, other.output_layer.weight)
+    # Embeddings N(0, 1) as the plain Llama's, not megatron's 0.02 (which spikes the first steps' loss).
+    assert model.embedding.word_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.02)
+    assert plain.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.02)
+    # The output head as the plain Llama's too: truncated N(0, dim^-0.5), not megatron's N(0, 0.02).
+    for head in (model.output_layer.weight, plain.output.weight):
+        assert head.std().item() == pytest.approx(0.987 * plain.config.dim ** -0.5, rel=0.03)  # N truncated at 3 std
+        assert head.abs().max().item() <= 3 * plain.config.dim ** -0.5 + 1e-6
 
 
 def _two_ranks(rank: int, init_file: str, out: str) -> None:

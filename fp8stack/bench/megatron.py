@@ -44,6 +44,13 @@ VOCAB, SEQ, MICRO_BATCH, SEED, LR = 32000, 4096, 2, 1234, 3e-4
 WARMUP_STEPS = 10
 """Linear LR warm-up. Without it the first AdamW step moves every weight by the full LR at once and the
 loss jumps (to ~27 from ~11 in an earlier run), so 50-step curves mostly show how each arm recovers."""
+EMBEDDING_INIT_STD = 1.0
+"""megatron's embedding_init_method_std, its documented guard against loss spikes; the output head is drawn
+as the plain Llama's too (train.megatron_model.init_output_layer_like_llama). With megatron's defaults (both
+N(0, 0.02)) the loss jumped from 10.9 to 14-17 within the first 10 steps, even with the warm-up, and the
+spikes amplified the GPU's unordered reductions into a 1% final-loss gap between two runs of the same
+computation (the bf16 pair, profiles/megatron-h200 at commit d8f377a); with N(0, 1) embeddings alone the
+bf16 pair agreed within 0.04% but the FP8 pairs, still spiking, parted by 0.5-1.6%."""
 SPECS = ("megatron-spec", "fp8stack-spec")
 """The two specs compared per recipe: megatron's get_gpt_decoder_block_spec with TE, and fp8stack's block_spec."""
 GIB = 2 ** 30
@@ -68,7 +75,8 @@ def make_config(shape: dict, fp8: str | None, recipe: str | None):
 
     return TransformerConfig(**shape, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
                              add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0,
-                             attention_dropout=0.0, fp8=fp8, fp8_recipe=recipe or "delayed")
+                             attention_dropout=0.0, fp8=fp8, fp8_recipe=recipe or "delayed",
+                             embedding_init_method_std=EMBEDDING_INIT_STD)
 
 
 def build_gpt(config, spec, seed: int = SEED):
@@ -76,10 +84,14 @@ def build_gpt(config, spec, seed: int = SEED):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from fp8stack.train.megatron_model import init_output_layer_like_llama
+
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=True)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope").cuda()
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type="rope")
+    init_output_layer_like_llama(model, config.hidden_size)
+    return model.cuda()
 
 
 def megatron_spec(config):
@@ -292,7 +304,9 @@ def report(dense: dict[str, list[Arm]], moe: list[Arm], args, data_source: str, 
     notes = (
         f"- data: {data_source}; every arm from seed {SEED}, the same {args.steps} batches\n"
         f"- optimizer: BF16 params, FP32 master + torch AdamW (lr {LR}, linear warm-up over {WARMUP_STEPS} "
-        f"steps), grad clip 1.0; each step calls set_is_first_microbatch() as megatron's schedule does, so TE "
+        f"steps), grad clip 1.0; embeddings drawn N(0, {EMBEDDING_INIT_STD}) (embedding_init_method_std), the "
+        f"output head truncated N(0, hidden^-0.5) as the plain Llama's; each step calls set_is_first_microbatch() "
+        f"as megatron's schedule does, so TE "
         f"re-quantizes the updated weights\n"
         f"- patches: {patch_report}\n"
         f"- timing: {NOISE_METHOD}\n"
@@ -308,6 +322,7 @@ def report(dense: dict[str, list[Arm]], moe: list[Arm], args, data_source: str, 
                 f"## Arms\n\n{arms_table}")
     payload = {"steps": args.steps, "window": args.window, "data": data_source, "patches": patch_report,
                "dense_shape": DENSE, "moe_shape": MOE, "lr": LR, "warmup_steps": WARMUP_STEPS,
+               "embedding_init_method_std": EMBEDDING_INIT_STD,
                "loss_tolerance": LOSS_TOLERANCE, "noise_method": NOISE_METHOD, "final_loss": (
                    f"mean of the last {LAST_FRACTION:.0%} of steps"), "group_peak_mem_gib": peaks,
                "verdicts": verdicts, "passed": passed,

@@ -75,6 +75,10 @@ def transformer_config(cfg: TrainConfig, shape: LlamaConfig, fp8_format: str | N
             num_query_groups=shape.n_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_dim,
             gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=shape.norm_eps,
             add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            # N(0, 1) embeddings as the plain Llama has them, megatron's documented guard against early loss
+            # spikes: at its default (0.02) the first RMSNorm scales the embedding gradient by ~50 and the
+            # first steps at lr 3e-4 jump from 11 to ~18 (step-0 grad norm 73 vs the plain path's 28).
+            embedding_init_method_std=1.0,
             # FP32 master weights, as in the plain path; torch.autocast gives the activations their dtype.
             params_dtype=torch.float32, bf16=False, use_cpu_initialization=True,
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
@@ -102,17 +106,37 @@ def build_plan(config, cfg: TrainConfig, shape: LlamaConfig, arch: int) -> Plan:
 
 def gpt_model(config, plan: Plan, shape: LlamaConfig, seed: int, use_te: bool | None = None):
     """The GPTModel on the CPU, weights drawn from `seed` (untied embeddings and output, RoPE at the
-    shape's base, like the plain Llama). Megatron's parallel state must be initialised."""
+    shape's base, embeddings and output head initialised like the plain Llama's). Megatron's parallel
+    state must be initialised."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from fp8stack.megatron import block_spec
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # use_cpu_initialization draws every full weight from the CPU generator
-        return GPTModel(config=config, transformer_layer_spec=block_spec(config, plan, use_te=use_te),
-                        vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
-                        position_embedding_type="rope", rotary_base=int(shape.rope_theta),
-                        share_embeddings_and_output_weights=False)
+        model = GPTModel(config=config, transformer_layer_spec=block_spec(config, plan, use_te=use_te),
+                         vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
+                         position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+                         share_embeddings_and_output_weights=False)
+        init_output_layer_like_llama(model, shape.dim)
+    return model
+
+
+def init_output_layer_like_llama(model, dim: int) -> None:
+    """Redraw the output head as the plain Llama draws it: truncated N(0, dim^-0.5) at +-3 std, the full
+    [vocab, dim] weight from the CPU generator, this rank keeping its vocab rows. megatron draws it with
+    init_method (N(0, 0.02)); from that start, measured on CPU (2 layers of llama-1b-like, seq 256, the
+    trainer's AdamW at lr 3e-4 warm-up 5), the loss rose 10.9 -> 13.1 -> 16.1 within three steps where
+    this init, the plain Llama's, moved 10.9 -> 11.3 -> 11.5 like the plain model (10.8 -> 10.7 -> 11.3)."""
+    from megatron.core import parallel_state
+
+    weight = model.output_layer.weight
+    std = dim ** -0.5
+    full = torch.nn.init.trunc_normal_(torch.empty(model.vocab_size, dim), std=std, a=-3 * std, b=3 * std)
+    rows = weight.shape[0]
+    start = parallel_state.get_tensor_model_parallel_rank() * rows
+    with torch.no_grad():
+        weight.copy_(full[start:start + rows])
 
 
 def finish_grads(params: list[torch.nn.Parameter], max_norm: float, tp_group) -> torch.Tensor:
