@@ -157,7 +157,7 @@ def test_group_trains_both_specs_interleaved_and_reports_verdicts(cpu_megatron):
            bench.Arm("moe blockwise fp8stack-spec", "blockwise", None,
                      {"arm": "moe blockwise fp8stack-spec", "status": "error", "error": "ValueError: boom"})]
     args = argparse.Namespace(steps=12, window=2)
-    payload, markdown, passed = bench.report({"bf16": arms}, moe, args, "test data", {}, {"bf16": None})
+    payload, markdown, passed = bench.report({"bf16": arms}, moe, args, "test data", {}, {"bf16": None}, None)
     assert not passed  # the MoE arm that errored fails its check
     verdict = payload["verdicts"][0]
     assert verdict["loss_passed"] and verdict["rel_loss_gap"] == 0.0

@@ -270,7 +270,7 @@ def _verdict_cell(passed: bool, reason: str) -> str:
 
 
 def report(dense: dict[str, list[Arm]], moe: list[Arm], args, data_source: str, patch_report: dict,
-           peaks: dict[str, float | None]) -> tuple[dict, str, bool]:
+           peaks: dict[str, float | None], determinism: dict | None) -> tuple[dict, str, bool]:
     """(payload, markdown, every verdict passed) of the finished groups."""
     verdicts = [judge_pair(recipe, arms[0].record, arms[1].record) for recipe, arms in dense.items()]
     dense_bf16 = dense["bf16"][0].record if "bf16" in dense else None
@@ -309,6 +309,7 @@ def report(dense: dict[str, list[Arm]], moe: list[Arm], args, data_source: str, 
         f"as megatron's schedule does, so TE "
         f"re-quantizes the updated weights\n"
         f"- patches: {patch_report}\n"
+        f"- determinism: {'megatron deterministic mode, ' + str(determinism) if determinism else 'off'}\n"
         f"- timing: {NOISE_METHOD}\n"
         f"- loss: final loss = mean of the last {LAST_FRACTION:.0%} of steps; the two specs of a recipe must agree "
         f"within {LOSS_TOLERANCE:.2%} (relative): the same computation from the same weights and batches, parted "
@@ -322,7 +323,7 @@ def report(dense: dict[str, list[Arm]], moe: list[Arm], args, data_source: str, 
                 f"## Arms\n\n{arms_table}")
     payload = {"steps": args.steps, "window": args.window, "data": data_source, "patches": patch_report,
                "dense_shape": DENSE, "moe_shape": MOE, "lr": LR, "warmup_steps": WARMUP_STEPS,
-               "embedding_init_method_std": EMBEDDING_INIT_STD,
+               "embedding_init_method_std": EMBEDDING_INIT_STD, "deterministic": determinism,
                "loss_tolerance": LOSS_TOLERANCE, "noise_method": NOISE_METHOD, "final_loss": (
                    f"mean of the last {LAST_FRACTION:.0%} of steps"), "group_peak_mem_gib": peaks,
                "verdicts": verdicts, "passed": passed,
@@ -336,6 +337,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=5, help="steps per timed window (default: 5)")
     parser.add_argument("--recipes", default="bf16,delayed,tensorwise,blockwise",
                         help="dense recipes, each run on both specs (default: bf16,delayed,tensorwise,blockwise)")
+    parser.add_argument("--no-deterministic", dest="deterministic", action="store_false",
+                        help="let GPU reductions run in no fixed order (faster attention backward; the two specs' "
+                             "losses then part by chance, see deterministic_mode)")
     parser.add_argument("--moe-recipes", default="bf16,tensorwise,blockwise",
                         help="MoE arms, all in one interleaved group (default: bf16,tensorwise,blockwise)")
     args = parser.parse_args(argv)
@@ -350,10 +354,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def deterministic_mode() -> dict:
+    """megatron's --deterministic-mode for this process, before the first cuBLAS or TE kernel: its environment
+    (TE's deterministic attention, a fixed cuBLAS workspace) and torch's deterministic algorithms. Both specs of a
+    recipe are the same computation, so their losses must then agree to the bit and the loss verdict tests the
+    specs, not how far GPU reductions in no fixed order part two runs (at 50 steps the same bf16 computation had
+    parted by 0.04% in one run and by 3.1% in the next). Returns what it set, for the evidence."""
+    from megatron.training.determinism import apply_determinism_env
+
+    apply_determinism_env(os.environ)
+    torch.use_deterministic_algorithms(True)
+    return {name: os.environ[name] for name in ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "CUBLAS_WORKSPACE_CONFIG")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8stack.bench.megatron needs a CUDA GPU with TransformerEngine")
+    determinism = deterministic_mode() if args.deterministic else None
     import patches
 
     patch_report = patches.apply_all()
@@ -364,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     peaks = {recipe: run_group(arms, data, args.window) for recipe, arms in dense.items()}
     if moe:
         peaks["moe"] = run_group(moe, data, args.window)
-    payload, markdown, passed = report(dense, moe, args, data_source, patch_report, peaks)
+    payload, markdown, passed = report(dense, moe, args, data_source, patch_report, peaks, determinism)
     print(markdown)
     write_evidence(f"megatron-{device_slug()}", payload, markdown)
     return 0 if passed else 1
