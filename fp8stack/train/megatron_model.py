@@ -2,10 +2,11 @@
 GPTModel built through fp8stack's block factory, tensor parallel with sequence parallelism over megatron's
 parallel_state.
 
-Precision is the plain path's: FP32 parameters (the master weights AdamW updates), activations under
-torch.autocast, FP8 inside the TE modules the plan puts in FP8. megatron's use_cpu_initialization draws
-each full weight on the CPU from the seed and keeps this rank's shard (SwiGLU's fc1 with stride 2), so
-every tensor-parallel degree starts from the same weights and TP=2 can be compared with TP=1.
+It starts from the plain path's weights: the plain Llama is drawn as --model-impl torch draws it (same seed,
+same device) and copied into megatron's layouts (load_llama_weights), each rank keeping its shard, so the two
+implementations and every tensor-parallel degree start from the same function and TP=2 can be compared with
+TP=1. Precision is the plain path's: FP32 parameters (the master weights AdamW updates), activations under
+torch.autocast, FP8 inside the TE modules the plan puts in FP8.
 Without megatron's DDP wrapper, two of its finalize_model_grads duties are done here: the gradients of
 sequence-parallel norm weights are summed over the TP group, and the gradient norm counts each
 TP-replicated parameter once.
@@ -19,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fp8stack.models import LlamaConfig
+from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import BF16, get_recipe
-from fp8stack.train.loop import TrainConfig, TrainConfigError, model_config
+from fp8stack.train.loop import TrainConfig, TrainConfigError, build_model, model_config
 
 MEGATRON_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 """Recipes megatron-core runs through TransformerEngine (fp8stack.megatron.precision.MEGATRON_RECIPES,
@@ -75,12 +76,9 @@ def transformer_config(cfg: TrainConfig, shape: LlamaConfig, fp8_format: str | N
             num_query_groups=shape.n_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_dim,
             gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=shape.norm_eps,
             add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-            # N(0, 1) embeddings as the plain Llama has them, megatron's documented guard against early loss
-            # spikes: at its default (0.02) the first RMSNorm scales the embedding gradient by ~50 and the
-            # first steps at lr 3e-4 jump from 11 to ~18 (step-0 grad norm 73 vs the plain path's 28).
-            embedding_init_method_std=1.0,
             # FP32 master weights, as in the plain path; torch.autocast gives the activations their dtype.
-            params_dtype=torch.float32, bf16=False, use_cpu_initialization=True,
+            # Built on the CPU without megatron's own draws: gpt_model copies every weight from the plain Llama.
+            params_dtype=torch.float32, bf16=False, use_cpu_initialization=True, perform_initialization=False,
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
             fp8=fp8_format if cfg.recipe != BF16 else None,
             fp8_recipe=cfg.recipe if cfg.recipe != BF16 else "delayed",
@@ -104,30 +102,98 @@ def build_plan(config, cfg: TrainConfig, shape: LlamaConfig, arch: int) -> Plan:
                                    name=cfg.model)
 
 
-def gpt_model(config, plan: Plan, shape: LlamaConfig, seed: int, use_te: bool | None = None):
-    """The GPTModel on the CPU, weights drawn from `seed` (untied embeddings and output, RoPE at the
-    shape's base, embeddings and output head initialised like the plain Llama's). Megatron's parallel
-    state must be initialised."""
+def gpt_model(config, plan: Plan, llama: Llama, use_te: bool | None = None):
+    """The GPTModel of `llama`'s shape on the CPU (untied embeddings and output, RoPE at the shape's base),
+    holding this rank's shards of llama's weights. Megatron's parallel state must be initialised."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from fp8stack.megatron import block_spec
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # use_cpu_initialization draws every full weight from the CPU generator
-        model = GPTModel(config=config, transformer_layer_spec=block_spec(config, plan, use_te=use_te),
-                         vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
-                         position_embedding_type="rope", rotary_base=int(shape.rope_theta),
-                         share_embeddings_and_output_weights=False)
-        init_output_layer_like_llama(model, shape.dim)
+    shape = llama.config
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(config, plan, use_te=use_te),
+                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
+                     position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+                     share_embeddings_and_output_weights=False)
+    load_llama_weights(model, llama)
     return model
 
 
+def load_llama_weights(model, llama: Llama) -> None:
+    """Copy the plain `llama`'s weights into megatron's GPTModel `model`, this rank's shard of each: the
+    tensor-parallel ones (megatron's tensor_model_parallel attribute) split as megatron's CPU init splits
+    them (partition_dim, and partition_stride pieces per rank: fc1 holds [gate_r; up_r]), the rest whole.
+    Names cover megatron's TE spec (input norms inside linear_qkv / linear_fc1) and its local spec."""
+    from megatron.core import parallel_state
+
+    full = megatron_layout(llama)
+    names = [name for name, _ in model.named_parameters()]
+    unknown = [name for name in names if name not in full]
+    if unknown or len(names) != len(list(llama.parameters())):
+        raise ValueError(f"load_llama_weights: the GPTModel's {len(names)} parameters do not map one to one onto "
+                         f"the plain Llama's {len(list(llama.parameters()))} (no source for {unknown}): build it with "
+                         "transformer_config (no biases, untied output, RMSNorm) from the Llama's shape")
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            weight = full[name]
+            if getattr(param, "tensor_model_parallel", False):
+                dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+                pieces = weight.split(param.shape[dim] // stride, dim)
+                weight = torch.cat(pieces[rank::size], dim)
+            if weight.shape != param.shape:
+                raise ValueError(f"load_llama_weights: {name} is {tuple(param.shape)} on this rank but the plain "
+                                 f"Llama's shard is {tuple(weight.shape)}: build both from the same LlamaConfig")
+            param.copy_(weight)
+
+
+def megatron_layout(llama: Llama) -> dict[str, torch.Tensor]:
+    """`llama`'s full (unsharded) weights under the names and layouts of megatron's GPTModel, both specs'."""
+    shape = llama.config
+    if not shape.fused_projections or any(shape.is_moe_layer(i) for i in range(shape.n_layers)):
+        raise ValueError("megatron_layout maps dense Llamas with fused projections (wqkv, w13) only")
+    full = {"embedding.word_embeddings.weight": llama.tok_embeddings.weight,
+            "decoder.final_layernorm.weight": llama.norm.weight, "output_layer.weight": llama.output.weight}
+    for i, block in enumerate(llama.layers):
+        layer = f"decoder.layers.{i}"
+        attention_norm, ffn_norm = block.attention_norm.weight, block.ffn_norm.weight
+        full.update({
+            f"{layer}.input_layernorm.weight": attention_norm,  # local spec
+            f"{layer}.self_attention.linear_qkv.layer_norm_weight": attention_norm,  # TE spec
+            f"{layer}.self_attention.linear_qkv.weight": qkv_layout(block.attention.wqkv.weight, shape),
+            f"{layer}.self_attention.linear_proj.weight": block.attention.wo.weight,
+            f"{layer}.pre_mlp_layernorm.weight": ffn_norm,
+            f"{layer}.mlp.linear_fc1.layer_norm_weight": ffn_norm,
+            # [w1 (gate); w3 (up)]: megatron's GLU applies the activation to the first half as well.
+            f"{layer}.mlp.linear_fc1.weight": block.feed_forward.w13.weight,
+            f"{layer}.mlp.linear_fc2.weight": block.feed_forward.w2.weight,
+        })
+    return full
+
+
+def qkv_layout(wqkv: torch.Tensor, shape: LlamaConfig) -> torch.Tensor:
+    """The plain [Q; K; V] rows in megatron's linear_qkv layout: per query group g, the rows of g's query
+    heads, then k_g, then v_g (SelfAttention.get_query_key_value_tensors; Megatron-LM's Llama checkpoint
+    loader writes the same). The plain Llama rotates adjacent pairs (2i, 2i+1) of each q/k head, megatron's
+    RoPE (rotary_interleaved=False) the halves (i, i + head_dim/2) at the same frequency i, so each q/k head's
+    rows are reordered evens-then-odds (the permutation of Meta's Llama -> Hugging Face's): q.k per head, and
+    so attention, is unchanged."""
+    groups, head_dim = shape.n_kv_heads, shape.head_dim
+    q, k, v = wqkv.split([shape.n_heads * head_dim, groups * head_dim, groups * head_dim])
+
+    def halves(w: torch.Tensor) -> torch.Tensor:
+        heads = w.view(-1, head_dim, w.shape[-1])
+        return torch.cat([heads[:, 0::2], heads[:, 1::2]], dim=1)
+
+    per_group = [halves(q).reshape(groups, -1, wqkv.shape[-1]), halves(k), v.view(groups, head_dim, -1)]
+    return torch.cat(per_group, dim=1).reshape(wqkv.shape)
+
+
 def init_output_layer_like_llama(model, dim: int) -> None:
-    """Redraw the output head as the plain Llama draws it: truncated N(0, dim^-0.5) at +-3 std, the full
-    [vocab, dim] weight from the CPU generator, this rank keeping its vocab rows. megatron draws it with
-    init_method (N(0, 0.02)); from that start, measured on CPU (2 layers of llama-1b-like, seq 256, the
-    trainer's AdamW at lr 3e-4 warm-up 5), the loss rose 10.9 -> 13.1 -> 16.1 within three steps where
-    this init, the plain Llama's, moved 10.9 -> 11.3 -> 11.5 like the plain model (10.8 -> 10.7 -> 11.3)."""
+    """For GPTModels megatron initialises (fp8stack.bench.megatron): redraw the output head as the plain
+    Llama draws it, truncated N(0, dim^-0.5) at +-3 std, the full [vocab, dim] weight from the CPU
+    generator, this rank keeping its vocab rows. From megatron's init (N(0, 0.02)), measured on CPU
+    (2 layers of llama-1b-like, seq 256, the trainer's AdamW at lr 3e-4 warm-up 5), the loss rose
+    10.9 -> 13.1 -> 16.1 within three steps where this init moved 10.9 -> 11.3 -> 11.5."""
     from megatron.core import parallel_state
 
     weight = model.output_layer.weight
@@ -212,7 +278,8 @@ def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=te_usable())
-        model = gpt_model(config, plan, shape, cfg.seed).to(env.device)
+        # The plain Llama as --model-impl torch draws it (cfg.seed, on env.device: CUDA's generator).
+        model = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
         yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,
                             tp_group=parallel_state.get_tensor_model_parallel_group())
     finally:
