@@ -15,8 +15,8 @@ tiny model would also satisfy TE's multiples of 16, but its GEMMs are too small 
 The TP=1 runs of all arms start together (one per GPU, two on one), then the TP=2 runs one after another:
 about 2.5 minutes on two H200s.
 
-Both TP degrees start from the same weights (megatron: use_cpu_initialization; plain Llama: one full init
-that apply_tp shards) and read the same batches. What may differ: TE scales each weight shard by its own
+Both TP degrees start from the same weights (megatron: the plain Llama's, copied shard by shard by
+train.megatron_model.load_llama_weights; plain Llama: one full init that apply_tp shards) and read the same batches. What may differ: TE scales each weight shard by its own
 amax where TP=1 has one scale (torchao's Float8 styles scale the whole DTensor, so not there), and sums run
 in another order. That stays inside the tolerances below over the first steps and in the final mean; a TP
 bug (a missing gradient reduction, a wrong shard layout) moves the gradient norm at the first step and the
