@@ -20,8 +20,8 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
 
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.from_megatron import describe_transformer_config
-from fp8stack.plan.recipes import BF16
-from fp8stack.megatron.precision import MEGATRON_RECIPES, te_usable, with_precision
+from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES
+from fp8stack.megatron.precision import te_usable, with_precision
 
 GEMM_KINDS = ("linear", "expert")
 """Component kinds that are TE modules in a megatron layer (router, norms and attention core are not GEMMs

@@ -11,8 +11,7 @@ import dataclasses
 
 from fp8stack.plan import Plan, PlanError, PolicyConfig, load_recipe_file, make_plan
 from fp8stack.plan.from_megatron import describe_transformer_config
-from fp8stack.plan.recipes import BF16
-from fp8stack.megatron.precision import MEGATRON_RECIPES
+from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES
 
 _UNSET = object()
 

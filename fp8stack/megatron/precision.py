@@ -16,10 +16,7 @@ from functools import cache
 import torch
 
 from fp8stack.plan import PlanError
-from fp8stack.plan.recipes import FP8_FORMATS
-
-MEGATRON_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-"""fp8stack recipes megatron-core runs through TransformerEngine (the --fp8-recipe names)."""
+from fp8stack.plan.recipes import FP8_FORMATS, MEGATRON_RECIPES
 
 
 def te_usable() -> bool:

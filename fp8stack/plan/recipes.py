@@ -64,6 +64,10 @@ BACKEND_LABELS = {
 }
 
 
+MEGATRON_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""fp8stack recipes megatron-core runs through TransformerEngine (its --fp8-recipe names)."""
+
+
 def get_recipe(name: str) -> Recipe:
     """The recipe called `name`, or a PlanError listing the valid names."""
     try:

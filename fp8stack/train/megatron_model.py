@@ -22,12 +22,9 @@ import torch.nn.functional as F
 
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
-from fp8stack.plan.recipes import BF16, get_recipe
+from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES, get_recipe
 from fp8stack.train.loop import TrainConfig, TrainConfigError, build_model, model_config
 
-MEGATRON_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-"""Recipes megatron-core runs through TransformerEngine (fp8stack.megatron.precision.MEGATRON_RECIPES,
-repeated here so that checking a config does not import megatron-core)."""
 DENSE_MODELS = ("tiny", "llama-1b-like")
 """Trainer models the Megatron path builds (the MoE model is not mapped to megatron's MoE)."""
 
