@@ -147,15 +147,17 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="attention kernel on a GPU in every run: auto | cudnn | flash | efficient (default: auto)")
     parser.add_argument("--fuse-norm", action="store_true",
                         help="FP8 runs fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
+    parser.add_argument("--compress-activations", action="store_true",
+                        help="FP8 runs store the activations saved for backward in FP8 (a memory lever)")
     parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
                         help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
                              "factory, TE linears (default: torch)")
 
 
 def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
-    """TrainConfig fields of add_speed_levers' options for a run of `recipe` (bf16 has no norm to fuse)."""
+    """TrainConfig fields of add_speed_levers' options for a run of `recipe` (FP8 levers stay off in bf16)."""
     return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16,
-            "model_impl": args.model_impl}
+            "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,7 +240,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
             "model": args.model, "steps": args.steps, "nproc": args.nproc,
             "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
-                             "fuse_norm": args.fuse_norm},  # FP8 arms only
+                             "fuse_norm": args.fuse_norm,  # FP8 arms only
+                             "compress_activations": args.compress_activations},  # FP8 arms only
             "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
             "baseline_repeat": repeat_record,
             "activation_dtype": dtype,

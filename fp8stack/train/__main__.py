@@ -53,6 +53,8 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
                                          "help": "attention kernel on a GPU: auto | cudnn | flash | efficient"}),
     ("--fuse-norm", "fuse_norm", {"action": argparse.BooleanOptionalAction,
                                   "help": "fold RMSNorms into TE LayerNormLinear (TE layers only)"}),
+    ("--compress-activations", "compress_activations", {"action": argparse.BooleanOptionalAction,
+                                                        "help": "store activations saved for backward in FP8"}),
     ("--recompute-layers", "recompute", {"metavar": "all|I,J", "help": "blocks to recompute in backward"}),
     ("--tensor-model-parallel-size", "tensor_parallel", {"type": int, "metavar": "N"}),
     ("--fsdp-float8-all-gather", "fsdp_float8_all_gather", {"action": argparse.BooleanOptionalAction}),

@@ -30,6 +30,7 @@ from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan, PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
+from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train import checkpoint, comm_stats, fault
 from fp8stack.train.data import DEFAULT_MAX_BYTES, TextData
@@ -102,6 +103,9 @@ class TrainConfig:
     """Attention kernel on a GPU: auto (torch's choice) | cudnn | flash | efficient (fp8stack.runtime.attention)."""
     fuse_norm: bool = False
     """Fold each block's RMSNorms into the TE LayerNormLinear they feed (needs TE layers in the plan)."""
+    compress_activations: bool = False
+    """Store the activations autograd saves for backward as FP8 E4M3 with a per-tensor scale
+    (fp8stack.runtime.compress); weights and tensors already in FP8 are kept as they are."""
     recompute: str | None = None
     """Blocks whose activations are recomputed in the backward: 'all', comma-separated indices ('0,2'), or None."""
     recompute_modules: tuple[str, ...] = ("block",)
@@ -208,6 +212,8 @@ class TrainResult:
     """Peak resident memory of the process."""
     collectives: dict | None = None
     """Collectives per step (comm_stats.Collectives as a dict) when profile_collectives > 0."""
+    activation_bytes_saved_per_step: float | None = None
+    """With compress_activations: bytes the FP8 storage of saved activations saved per step (this rank)."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -277,6 +283,8 @@ class Session:
     """(tokens, targets) -> the batch's mean loss, FP32 (forward included; call under autocast())."""
     clip_fn: Callable[[float], torch.Tensor]
     """After backward: the global FP32 gradient norm, gradients clipped to the given max norm if > 0."""
+    compressor: ActivationCompressor | None = None
+    """Stores each forward's saved activations in FP8 (TrainConfig.compress_activations); counts the bytes."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -286,7 +294,7 @@ class Session:
         """One optimizer step on the next batch: (loss, gradient norm) as device tensors (no host sync)
         and the learning rate it used."""
         tokens, targets = (t.to(self.env.device, non_blocking=True) for t in next(self.data))
-        with self.autocast():
+        with self.autocast(), self.compressor or nullcontext():
             loss = self.loss_fn(tokens, targets)
         loss.backward()
         grad_norm = self.clip_fn(grad_clip)
@@ -331,7 +339,8 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
                       data=TextData(seq_len, cfg.micro_batch, cfg.seed, "train", rank=env.dp_rank,
                                     ranks=env.dp_size, max_bytes=cfg.max_data_bytes),
-                      seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn)
+                      seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
+                      compressor=compress_saved_activations(model) if cfg.compress_activations else None)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -371,6 +380,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                     checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, scheduler, data.position)
                 comms.step_done()
         result.collectives = asdict(comms.result) if comms.result else None
+        if run.compressor and result.losses:
+            result.activation_bytes_saved_per_step = run.compressor.bytes_saved / len(result.losses)
 
         if result.step_ms:
             result.tokens_per_s = result.tokens_per_step / statistics.median(steady_state(result.step_ms)) * 1000
