@@ -51,7 +51,7 @@ def test_trainer_flags_reach_the_config():
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"sdpa_backend": "cudnn"}, "CUDA attention kernel"),
+    ({"sdpa_backend": "cudnn"}, "is a CUDA kernel, but this run is on cpu"),
     ({"fuse_norm": True}, "no TE layers"),
 ])
 def test_trainer_refuses_levers_that_cannot_apply(options, match):

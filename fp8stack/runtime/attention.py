@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["SDPA_BACKENDS", "sdpa_backend"]
+__all__ = ["SDPA_BACKENDS", "check_sdpa_backend", "sdpa_backend"]
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient")
 """auto leaves torch's own priority; the others run that kernel only (no silent fallback: an input it
@@ -22,16 +22,22 @@ _FLAGS = {"cudnn": "cudnn_sdp", "flash": "flash_sdp", "efficient": "mem_efficien
 """Backend name -> the suffix of its torch.backends.cuda enable_* / *_enabled functions."""
 
 
-@contextmanager
-def sdpa_backend(name: str, device: torch.device) -> Iterator[None]:
-    """Inside, SDPA runs only the `name` kernel ('auto': torch's choice, nothing changed); the previous
-    flags are restored on exit. A named kernel needs `device` to be CUDA: the flags are global and
-    CPU attention reads some of them too (it would find no kernel)."""
+def check_sdpa_backend(name: str, device: torch.device) -> None:
+    """Raise ValueError, naming the fix, unless sdpa_backend(name, device) can run. A named kernel needs
+    `device` to be CUDA: the flags are global and CPU attention reads some of them too (it would find no
+    kernel)."""
     if name not in SDPA_BACKENDS:
         raise ValueError(f"unknown SDPA backend {name!r}: use one of {', '.join(SDPA_BACKENDS)}")
     if name != "auto" and device.type != "cuda":
         raise ValueError(f"SDPA backend {name!r} is a CUDA kernel, but this run is on {device.type}: "
                          "use sdpa_backend 'auto' off the GPU")
+
+
+@contextmanager
+def sdpa_backend(name: str, device: torch.device) -> Iterator[None]:
+    """Inside, SDPA runs only the `name` kernel ('auto': torch's choice, nothing changed); the previous
+    flags are restored on exit. check_sdpa_backend says which names a device can take."""
+    check_sdpa_backend(name, device)
     if name == "auto":
         yield
         return

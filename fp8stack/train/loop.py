@@ -29,7 +29,7 @@ from fp8stack.backends.te import import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan, PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
-from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
+from fp8stack.runtime.attention import SDPA_BACKENDS, check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train import checkpoint, comm_stats, fault
@@ -394,10 +394,11 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 def _sdpa_backend(cfg: TrainConfig, device: torch.device):
-    """The attention-kernel context for the whole run (a named kernel needs a GPU)."""
-    if cfg.sdpa_backend != "auto" and device.type != "cuda":
-        raise TrainConfigError(f"sdpa_backend {cfg.sdpa_backend!r} is a CUDA attention kernel, but this run is "
-                               f"on {device.type}: leave --sdpa-backend at auto off the GPU")
+    """The attention-kernel context for the whole run; what the runtime refuses is a config error here."""
+    try:
+        check_sdpa_backend(cfg.sdpa_backend, device)
+    except ValueError as err:
+        raise TrainConfigError(str(err)) from None
     return sdpa_backend(cfg.sdpa_backend, device)
 
 
