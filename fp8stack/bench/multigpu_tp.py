@@ -122,8 +122,8 @@ def compare(tp1: dict, tp2: dict) -> dict:
     window = max(1, len(a) // 4)
     mean1, mean2 = sum(a[-window:]) / window, sum(b[-window:]) / window
     g1, g2 = tp1["grad_norms"][0], tp2["grad_norms"][0]
-    return {"max_step_rel_gap": max(gaps), "early_max_rel_gap": max(gaps[:EARLY_STEPS]), "final_rel_gap": abs(mean2 - mean1) / mean1, "final_window": window,
-            "first_grad_norm_rel_gap": abs(g2 - g1) / g1, "loss_first": a[0], "loss_final_mean_tp1": mean1,
+    return {"max_step_rel_gap": max(gaps), "early_max_rel_gap": max(gaps[:EARLY_STEPS]),
+            "final_rel_gap": abs(mean2 - mean1) / mean1, "final_window": window, "first_grad_norm_rel_gap": abs(g2 - g1) / g1, "loss_first": a[0], "loss_final_mean_tp1": mean1,
             "loss_final_mean_tp2": mean2}
 
 

@@ -185,23 +185,6 @@ def qkv_layout(wqkv: torch.Tensor, shape: LlamaConfig) -> torch.Tensor:
     return torch.cat(per_group, dim=1).reshape(wqkv.shape)
 
 
-def init_output_layer_like_llama(model, dim: int) -> None:
-    """For GPTModels megatron initialises (fp8stack.bench.megatron): redraw the output head as the plain
-    Llama draws it, truncated N(0, dim^-0.5) at +-3 std, the full [vocab, dim] weight from the CPU
-    generator, this rank keeping its vocab rows. From megatron's init (N(0, 0.02)), measured on CPU
-    (2 layers of llama-1b-like, seq 256, the trainer's AdamW at lr 3e-4 warm-up 5), the loss rose
-    10.9 -> 13.1 -> 16.1 within three steps where this init moved 10.9 -> 11.3 -> 11.5."""
-    from megatron.core import parallel_state
-
-    weight = model.output_layer.weight
-    std = dim ** -0.5
-    full = torch.nn.init.trunc_normal_(torch.empty(model.vocab_size, dim), std=std, a=-3 * std, b=3 * std)
-    rows = weight.shape[0]
-    start = parallel_state.get_tensor_model_parallel_rank() * rows
-    with torch.no_grad():
-        weight.copy_(full[start:start + rows])
-
-
 def finish_grads(params: list[torch.nn.Parameter], max_norm: float, tp_group) -> torch.Tensor:
     """After backward: sum the sequence-parallel norm weights' gradients over the TP group (each rank saw
     its part of the sequence), then the global FP32 gradient norm (each TP-replicated parameter counted
