@@ -11,10 +11,10 @@ from fp8stack.train.__main__ import build_parser, config_from_args
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("arm", multigpu_tp.ARMS, ids=lambda arm: arm.name)
-def test_every_arms_flags_make_a_valid_train_config(arm, tp, tmp_path):
-    cfg = config_from_args(build_parser().parse_args(multigpu_tp.train_flags(arm, tp, 20, tmp_path)))
+def test_every_arms_flags_make_a_valid_train_config(arm, tp):
+    cfg = config_from_args(build_parser().parse_args(multigpu_tp.train_flags(arm, tp, 20)))
     assert (cfg.model, cfg.tensor_parallel, cfg.steps, cfg.seq_len) == (multigpu_tp.MODEL, tp, 20, multigpu_tp.SEQ)
-    assert cfg.recipe in ("tensorwise", "delayed") and cfg.log_dir == str(tmp_path)
+    assert cfg.recipe in ("tensorwise", "delayed")
     assert cfg.model_impl == "megatron" or (not cfg.fused_projections and cfg.backend == "torchao")
 
 

@@ -15,11 +15,10 @@ Parts (--parts, default all three):
   uninterrupted run's.
 
 Every part judges itself ("checks"); one evidence file, profiles/multigpu-<gpu>.json + .md, holds all
-parts with the exact launch commands. Exit status 1 when a check fails. About 8 minutes on two H200s.
+parts with the exact launch commands. Exit status 1 when a check fails. About 8.5 minutes on two H200s.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import shlex
@@ -43,7 +42,6 @@ PARTS = ("fsdp", "tp", "restart")
 TITLES = {"fsdp": "FSDP2 with FP8 all-gather", "tp": "tensor parallel 2", "restart": "kill a rank, restart"}
 KEYS = {"fsdp": "fsdp", "tp": "tensor_parallel", "restart": "restart"}
 """Part -> its key in the evidence."""
-TP_MODULE = "fp8stack.bench.multigpu_tp"
 LR, LR_WARMUP = 3e-4, 30
 """FSDP arms' peak LR and warm-up: the trainer's defaults (2e-3, 4) suit tiny; llama-1b-like then spikes and
 the 2-rank vs 1-rank loss comparison would measure the instability, not the sharding."""
@@ -95,31 +93,61 @@ class Run:
     """The end of its output when it failed."""
 
 
-def launch(name: str, workdir: Path, nproc: int, flags: Sequence[str], env: dict | None = None,
-           timeout: float = RUN_TIMEOUT_S) -> Run:
-    """Run launch/train.sh with NPROC=nproc; writes under workdir/name; prints progress."""
+@dataclass
+class Started:
+    """A launch/train.sh subprocess on its way: what wait() needs to collect it."""
+
+    name: str
+    """Label in the results."""
+    command: str
+    """The exact shell line, runnable from the repository root."""
+    process: subprocess.Popen
+    """The torchrun process."""
+    out: Path
+    """Its folder: output.log, result.json, log/train.jsonl."""
+    began: float
+    """time.perf_counter() at its start."""
+    timeout: float
+    """Seconds from its start after which wait() kills it."""
+
+
+def start(name: str, workdir: Path, nproc: int, flags: Sequence[str], env: dict | None = None,
+          timeout: float = RUN_TIMEOUT_S) -> Started:
+    """Start launch/train.sh with NPROC=nproc, writing under workdir/name; runs started together overlap."""
     out = workdir / name
     out.mkdir(parents=True, exist_ok=True)
-    result_path, log_dir = out / "result.json", out / "log"
     settings = {"NPROC": str(nproc), "MASTER_PORT": str(_free_port()),
                 "PYTHON": os.environ.get("PYTHON", sys.executable), **(env or {})}
-    argv = ["launch/train.sh", *flags, "--tensorboard-dir", str(log_dir), "--result-json", str(result_path)]
+    argv = ["launch/train.sh", *flags, "--tensorboard-dir", str(out / "log"), "--result-json", str(out / "result.json")]
     command = " ".join(f"{k}={shlex.quote(v)}" for k, v in settings.items()) + " " + shlex.join(argv)
     print(f"[multigpu] {name}: {command}", flush=True)
-    began = time.perf_counter()
-    with open(out / "output.log", "w") as output:
-        try:
-            returncode = subprocess.run(argv, cwd=ROOT, env={**os.environ, **settings}, stdout=output,
-                                        stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
-    wall = time.perf_counter() - began
+    with open(out / "output.log", "w") as output:  # the child keeps its own handle
+        process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **settings}, stdout=output,
+                                   stderr=subprocess.STDOUT)
+    return Started(name, command, process, out, time.perf_counter(), timeout)
+
+
+def wait(started: Started) -> Run:
+    """Wait for a started run (killed once its timeout from the start has passed) and read what it wrote."""
+    try:
+        returncode = started.process.wait(timeout=max(1.0, started.timeout - (time.perf_counter() - started.began)))
+    except subprocess.TimeoutExpired:
+        started.process.kill()
+        started.process.wait()
+        returncode = None
+    wall = time.perf_counter() - started.began
+    result_path, jsonl = started.out / "result.json", started.out / "log" / "train.jsonl"
     result = json.loads(result_path.read_text()) if result_path.exists() else None
-    jsonl = log_dir / "train.jsonl"
     logged = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
-    tail = "" if returncode == 0 else (out / "output.log").read_text()[-3000:]
-    print(f"[multigpu] {name}: exit {returncode} after {wall:.0f} s", flush=True)
-    return Run(name, command, returncode, round(wall, 1), result, logged, tail)
+    tail = "" if returncode == 0 else (started.out / "output.log").read_text()[-3000:]
+    print(f"[multigpu] {started.name}: exit {returncode} after {wall:.0f} s", flush=True)
+    return Run(started.name, started.command, returncode, round(wall, 1), result, logged, tail)
+
+
+def launch(name: str, workdir: Path, nproc: int, flags: Sequence[str], env: dict | None = None,
+           timeout: float = RUN_TIMEOUT_S) -> Run:
+    """Run launch/train.sh with NPROC=nproc to its end (see start)."""
+    return wait(start(name, workdir, nproc, flags, env, timeout))
 
 
 def _free_port() -> int:
@@ -278,12 +306,12 @@ def _max_rel_gap(a: list[float], b: list[float]) -> float:
 
 # --- part 2 and the evidence ---------------------------------------------------------------------
 
-def run_tp_part(workdir: Path, steps: int) -> dict:
+def run_tp_part(workdir: Path, steps: int | None) -> dict:
     """Part 2 (another module's work): its dict, or its failure recorded as a failed check."""
-    from fp8stack.bench.multigpu_tp import run_tp
+    from fp8stack.bench.multigpu_tp import STEPS, run_tp  # here: multigpu_tp imports this module
 
     try:
-        return run_tp(workdir, steps)
+        return run_tp(workdir, steps or STEPS)
     except Exception:  # keep the other parts' evidence: the error is recorded, not dropped
         return {"checks": {"run_tp finished": False}, "error": traceback.format_exc()[-3000:]}
 
@@ -303,9 +331,6 @@ def render(payload: dict) -> str:
     restart = payload.get("restart")
     if restart:
         sections.append(_render_restart(restart))
-    skipped = payload.get("skipped")
-    if skipped:
-        sections.append("## Not run\n\n" + "".join(f"- {part}: {why}\n" for part, why in skipped.items()))
     commands = "\n".join(payload["commands"]) or "(none)"
     sections.append(f"## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
     return "\n".join(sections)
@@ -374,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8stack.bench.multigpu", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--steps", type=int, default=300, help="steps of the fsdp arms")
-    parser.add_argument("--tp-steps", type=int, default=50, help="steps of each tensor-parallel run")
+    parser.add_argument("--tp-steps", type=int, help="steps of each tensor-parallel run (default multigpu_tp.STEPS)")
     parser.add_argument("--restart-steps", type=int, default=30, help="steps of the restart runs")
     parser.add_argument("--model", default="llama-1b-like", help="model of the fsdp part")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="per rank, fsdp part")
@@ -388,21 +413,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--parts is empty: name some of {','.join(PARTS)}")
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}: use a subset of {','.join(PARTS)}")
-    has_tp = importlib.util.find_spec(TP_MODULE) is not None
-    if "tp" in parts and not has_tp and args.parts != ",".join(PARTS):
-        parser.error(f"--parts names tp, but {TP_MODULE} is not in this checkout: drop tp")
     extra = ("--device", args.device) if args.device else ()
 
     import torch
 
     began = time.perf_counter()
-    payload: dict = {"parts": parts, "gpus": torch.cuda.device_count(), "skipped": {}}
-    if "tp" in parts and not has_tp:
-        payload["skipped"]["tp"] = f"{TP_MODULE} is not in this checkout"
+    payload: dict = {"parts": parts, "gpus": torch.cuda.device_count()}
     steps = {"fsdp": lambda workdir: run_fsdp(workdir, args.steps, args.model, args.micro_batch_size, extra),
              "tp": lambda workdir: run_tp_part(workdir, args.tp_steps),
              "restart": lambda workdir: run_restart(workdir, args.restart_steps, extra=extra)}
-    todo = [part for part in PARTS if part in parts and part not in payload["skipped"]]
+    todo = [part for part in PARTS if part in parts]
     with tempfile.TemporaryDirectory(prefix="fp8stack-multigpu-") as scratch:
         workdir = args.workdir or Path(scratch)
         for index, part in enumerate(todo):
