@@ -6,6 +6,7 @@ weights, FP32 norms) as one uint8 buffer, and every transformer block holds norm
 GPUs (NCCL, BF16 parameters, timings) is measured by `python -m fp8stack.bench.multigpu`.
 """
 
+import json
 import os
 
 import pytest
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from fp8stack.bench.multigpu import restart_plan, run_restart
+from fp8stack.bench.multigpu import earlier_parts, restart_plan, run_restart
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.train.loop import TrainConfig, train
 
@@ -94,3 +95,15 @@ def test_killed_rank_restarts_from_the_checkpoint_with_identical_losses(tmp_path
     assert part["checkpoints_after_kill"] == [f"step-{interval:08d}"] and part["kill_at_step"] == kill_step
     assert part["bit_identical"] and part["tolerance"] == 0.0  # CPU kernels and gloo sums are deterministic
     assert len(part["losses"]["restarted"]) == steps - interval
+
+
+def test_keep_other_parts_takes_the_parts_not_rerun_from_the_same_environments_evidence(tmp_path):
+    from fp8stack.bench.evidence import device_slug, environment
+
+    path = tmp_path / f"multigpu-{device_slug()}.json"
+    path.write_text(json.dumps({"environment": environment(), "fsdp": {"checks": {}}, "restart": {"checks": {}}}))
+    assert set(earlier_parts(["tp", "restart"], str(tmp_path))) == {"fsdp"}
+    assert earlier_parts(["fsdp"], str(tmp_path / "none")) == {}
+    path.write_text(json.dumps({"environment": {**environment(), "torch": "0.0"}, "fsdp": {}}))
+    with pytest.raises(SystemExit, match="rerun every part"):
+        earlier_parts(["tp"], str(tmp_path))

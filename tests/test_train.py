@@ -72,6 +72,11 @@ def test_lr_warms_up_then_decays_to_min_lr():
     assert lrs[12] == pytest.approx(1e-4 + 0.5 * 9e-4)  # half-way through the cosine
 
 
+def test_min_lr_defaults_to_a_tenth_of_the_peak():
+    assert TrainConfig(lr=3e-4).min_lr == pytest.approx(3e-5)
+    assert lr_at(39, TrainConfig(steps=40, warmup=4, lr=3e-4)) < 4e-5
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
 def test_short_run_trains(recipe, tmp_path):
     result = train(TrainConfig(recipe=recipe, steps=5, warmup=1, log_dir=str(tmp_path), **FAST))
@@ -149,15 +154,19 @@ def test_selective_recompute_trains():
 
 
 def test_compressed_activations_train_like_uncompressed_and_save_bytes():
-    settings = dict(recipe="tensorwise", steps=6, warmup=1, **FAST)
+    settings = dict(recipe="tensorwise", steps=6, warmup=1, **{**FAST, "dtype": "bf16"})
     plain = train(TrainConfig(**settings))
     compressed = train(TrainConfig(**settings, compress_activations=True))
     assert plain.activation_bytes_saved_per_step is None
-    # FP32 activations on a CPU: each compressed tensor keeps 1 byte per element of 4.
-    assert compressed.activation_bytes_saved_per_step > 0
+    assert compressed.activation_bytes_saved_per_step > 0  # BF16 activations: 1 byte per element of 2
     assert compressed.losses[0] == plain.losses[0]  # the forward is untouched, only what backward reads
     gaps = [abs(c - p) / p for c, p in zip(compressed.losses, plain.losses)]
     assert 0 < max(gaps) < 0.02, gaps  # E4M3-rounded activations in backward: close, not identical
+
+
+def test_compression_refuses_an_fp32_run_where_it_would_compress_nothing():
+    with pytest.raises(TrainConfigError, match="pass --dtype bf16"):
+        train(TrainConfig(compress_activations=True, **{**FAST, "dtype": "fp32"}))
 
 
 def test_config_errors_name_the_fix(capsys):

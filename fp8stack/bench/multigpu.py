@@ -31,9 +31,10 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import command_line, device_slug, environment, markdown_table, write_evidence
 from fp8stack.train.fault import KILL_AT_ENV
 from fp8stack.train.timing import relative_spread, steady_state
 
@@ -65,6 +66,9 @@ chance as training amplifies rounding differences, FP8 and BF16 all-gather alike
 by 2.4-3.4%, after 100 steps (window 20) by 0.4-0.8% in one run and 0.7-1.1% in the next. Hence 300 steps;
 even there the BF16-all-gather control parted by 2.1% in the first such run (FP8 all-gather: 0.25%), so read
 the check next to the control's gap, which the evidence prints."""
+GRAD_NORM_RTOL = 0.02
+"""Relative gap of the first step's gradient norm, 2 ranks vs 1 (same weights, same global batch: only the
+rounding differs). A missing or doubled gradient reduction moves it by 50% or more."""
 RESTART_RTOL_NONDETERMINISTIC = 1e-3
 """Restart tolerance when the pre-kill steps show that two identical runs already differ (nondeterministic
 GPU kernels); otherwise the restarted losses must be bit-identical. A restart bug (lost Adam moments, a
@@ -169,7 +173,8 @@ def _run_record(run: Run) -> dict:
                       step_ms_spread=relative_spread(ms), tokens_per_s=run.result["tokens_per_s"],
                       peak_mem_gib=run.result["peak_mem_gib"], world_size=run.result["world_size"],
                       device=run.result["device"], collectives=run.result.get("collectives"),
-                      first_step=run.result["first_step"], plan_summary=run.result["plan_summary"])
+                      first_step=run.result["first_step"], plan_summary=run.result["plan_summary"],
+                      grad_norms=run.result["grad_norms"])
     if run.log_tail:
         record["log_tail"] = run.log_tail
     return record
@@ -201,7 +206,8 @@ def run_fsdp(workdir: Path, steps: int, model: str = "llama-1b-like", micro_batc
     arms = {name: _run_record(run) for name, run in runs.items()}
     base = {"model": model, "micro_batch_per_rank": micro_batch, "steps": steps, "profiled_steps": PROFILED_STEPS,
             "arms": arms, "commands": [run.command for run in runs.values()],
-            "tolerances": {"all_gather_ratio": ALL_GATHER_RATIO, "loss_rtol": LOSS_RTOL, "loss_window": LOSS_WINDOW}}
+            "tolerances": {"all_gather_ratio": ALL_GATHER_RATIO, "loss_rtol": LOSS_RTOL, "loss_window": LOSS_WINDOW,
+                           "first_grad_norm_rtol": GRAD_NORM_RTOL}}
     checks = {f"{name} ran {planned[name][1]} steps": bool(run.result) and len(run.result["losses"]) == planned[name][1]
               for name, run in runs.items()}
     if not all(checks.values()):
@@ -227,6 +233,9 @@ def run_fsdp(workdir: Path, steps: int, model: str = "llama-1b-like", micro_batc
         "all_reduces_besides_scales": other_all_reduces,
         "precompute_all_reduces": fp8["counts"]["all_reduce"] - other_all_reduces,
     }
+    first_norm = arms["one_rank"]["grad_norms"][0]
+    grad_norm_gap = {n: abs(arms[n]["grad_norms"][0] - first_norm) / first_norm
+                     for n in ("bf16_all_gather", "fp8_all_gather")}
     reference = _mean_tail(arms["one_rank"]["losses"])
     loss = {"one_rank": reference, **{n: _mean_tail(arms[n]["losses"]) for n in ("bf16_all_gather", "fp8_all_gather")}}
     loss_gap = {n: abs(loss[n] - reference) / reference for n in ("bf16_all_gather", "fp8_all_gather")}
@@ -238,11 +247,13 @@ def run_fsdp(workdir: Path, steps: int, model: str = "llama-1b-like", micro_batc
             precompute["scale_all_reduces_in_all_gathers"]["without"] > 0
             and precompute["scale_all_reduces_in_all_gathers"]["with"] == 0
             and precompute["precompute_all_reduces"] == 1,
+        f"FP8 all-gather first gradient norm vs 1 rank within {GRAD_NORM_RTOL:.0%}":
+            grad_norm_gap["fp8_all_gather"] <= GRAD_NORM_RTOL,
         f"FP8 all-gather loss vs 1 rank within {LOSS_RTOL:.0%}": loss_gap["fp8_all_gather"] <= LOSS_RTOL,
         "loss trains (final mean < first step)": loss["fp8_all_gather"] < arms["fp8_all_gather"]["losses"][0],
     })
     return {**base, "checks": checks, "all_gather": gather, "precompute": precompute, "loss_mean_last": loss,
-            "loss_gap_vs_one_rank": loss_gap, "step_ms": step_ms,
+            "loss_gap_vs_one_rank": loss_gap, "first_grad_norm_gap_vs_one_rank": grad_norm_gap, "step_ms": step_ms,
             "step_time_fp8_over_bf16_all_gather": step_ms["fp8_all_gather"] / step_ms["bf16_all_gather"]}
 
 
@@ -321,19 +332,21 @@ def render(payload: dict) -> str:
     verdict = "PASS" if payload["passed"] else "FAIL"
     pending = f" Partial: not yet run: {', '.join(payload['pending'])}." if payload.get("pending") else ""
     sections = [f"Issue 8 on {payload['gpus']} GPU(s). Overall: **{verdict}**.{pending}\n"]
-    fsdp = payload.get("fsdp")
-    if fsdp:
-        sections.append(_render_fsdp(fsdp))
-    tp = payload.get("tensor_parallel")
-    if tp:
-        sections.append("## Tensor parallel 2 (fp8stack.bench.multigpu_tp)\n\n" + _render_checks(tp) +
-                        "".join(f"\n{k}: {v}" for k, v in tp.items() if isinstance(v, (int, float, str))) + "\n")
-    restart = payload.get("restart")
-    if restart:
-        sections.append(_render_restart(restart))
+    renderers = {"fsdp": _render_fsdp, "tp": _render_tp, "restart": _render_restart}
+    for part in PARTS:
+        found = payload.get(KEYS[part])
+        if found:
+            measured = found.get("measured")
+            sections.append(renderers[part](found) + (
+                f"\nMeasured {measured['date']} by `{measured['command']}`.\n" if measured else ""))
     commands = "\n".join(payload["commands"]) or "(none)"
     sections.append(f"## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
     return "\n".join(sections)
+
+
+def _render_tp(part: dict) -> str:
+    return ("## Tensor parallel 2 (fp8stack.bench.multigpu_tp)\n\n" + _render_checks(part) +
+            "".join(f"\n{k}: {v}" for k, v in part.items() if isinstance(v, (int, float, str))) + "\n")
 
 
 def _render_checks(part: dict) -> str:
@@ -377,7 +390,10 @@ def _render_fsdp(part: dict) -> str:
                  f"{p['precompute_all_reduces']:g} all-reduce per step (the others: loss mean and gradient norm).\n\n"
                  f"Loss gap vs 1 rank x micro-batch {2 * part['micro_batch_per_rank']} (same global batches): FP8 "
                  f"all-gather {part['loss_gap_vs_one_rank']['fp8_all_gather']:.3%}, BF16 all-gather "
-                 f"{part['loss_gap_vs_one_rank']['bf16_all_gather']:.3%} (tolerance {LOSS_RTOL:.0%}). Step time, FP8 "
+                 f"{part['loss_gap_vs_one_rank']['bf16_all_gather']:.3%} (tolerance {LOSS_RTOL:.0%}); first step's "
+                 f"gradient norm: FP8 all-gather {part['first_grad_norm_gap_vs_one_rank']['fp8_all_gather']:.3%}, "
+                 f"BF16 all-gather {part['first_grad_norm_gap_vs_one_rank']['bf16_all_gather']:.3%} (tolerance "
+                 f"{GRAD_NORM_RTOL:.0%}). Step time, FP8 "
                  f"over BF16 all-gather: {part['step_time_fp8_over_bf16_all_gather']:.3f}x.\n")
     return text + "\n" + _render_checks(part)
 
@@ -406,6 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="passed to every fsdp/restart run (default: auto)")
     parser.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
     parser.add_argument("--out-dir", default="profiles", help="evidence folder")
+    parser.add_argument("--keep-other-parts", action="store_true",
+                        help="keep the parts not run now from the existing evidence file (each part records its "
+                             "own date and command), e.g. to rerun one part")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -419,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     began = time.perf_counter()
     payload: dict = {"parts": parts, "gpus": torch.cuda.device_count()}
+    if args.keep_other_parts:
+        payload.update(earlier_parts(parts, args.out_dir))
     steps = {"fsdp": lambda workdir: run_fsdp(workdir, args.steps, args.model, args.micro_batch_size, extra),
              "tp": lambda workdir: run_tp_part(workdir, args.tp_steps),
              "restart": lambda workdir: run_restart(workdir, args.restart_steps, extra=extra)}
@@ -428,10 +449,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         for index, part in enumerate(todo):
             print(f"[multigpu] part {part}: {TITLES[part]}", flush=True)
             payload[KEYS[part]] = steps[part](workdir / part)
+            payload[KEYS[part]]["measured"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                               "command": command_line()}
             paths = _write(payload, todo[index + 1:], began, args.out_dir)
     print(render(payload), flush=True)
     print(f"[multigpu] {payload['wall_s']:.0f} s; evidence: {', '.join(map(str, paths))}", flush=True)
     return 0 if payload["passed"] else 1
+
+
+def earlier_parts(rerun: list[str], out_dir: str) -> dict:
+    """Key -> the existing evidence's record of each part not rerun, when measured on this kind of device."""
+    path = Path(out_dir) / f"multigpu-{device_slug()}.json"
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if earlier["environment"] != environment():
+        raise SystemExit(f"--keep-other-parts: {path} was measured with {earlier['environment']}, this machine "
+                         f"has {environment()}: rerun every part")
+    return {KEYS[part]: earlier[KEYS[part]] for part in PARTS if part not in rerun and KEYS[part] in earlier}
 
 
 def _write(payload: dict, pending: list[str], began: float, out_dir: str) -> tuple[Path, Path]:

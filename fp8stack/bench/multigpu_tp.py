@@ -76,7 +76,7 @@ def train_flags(arm: Arm, tp: int, steps: int) -> list[str]:
             "--eval-iters", "0", "--tensor-model-parallel-size", str(tp), *arm.flags, "--log-interval", "10"]
 
 
-def record(run: Run) -> dict:
+def summary(run: Run) -> dict:
     """What the evidence keeps of one run: its command, exit, time, and (when it finished) losses and norms."""
     kept = {"command": run.command, "returncode": run.returncode, "seconds": run.wall_s}
     if run.returncode == 0 and run.result:
@@ -116,20 +116,27 @@ def run_tp(workdir: Path, steps: int) -> dict:
     # TP=1 runs side by side, spread over two GPUs (losses, not times, are compared); then the TP=2 runs in turn.
     started = [start(f"{arm.name}-tp1", workdir, 1, train_flags(arm, 1, steps), {"CUDA_VISIBLE_DEVICES": ids[i % 2]},
                      RUN_TIMEOUT_S) for i, arm in enumerate(ARMS)]
-    runs = {(arm.name, 1): record(wait(run)) for arm, run in zip(ARMS, started)}
+    runs = {(arm.name, 1): summary(wait(run)) for arm, run in zip(ARMS, started)}
     for arm in ARMS:
-        runs[arm.name, 2] = record(wait(start(f"{arm.name}-tp2", workdir, 2, train_flags(arm, 2, steps),
-                                              timeout=RUN_TIMEOUT_S)))
+        runs[arm.name, 2] = summary(wait(start(f"{arm.name}-tp2", workdir, 2, train_flags(arm, 2, steps),
+                                               timeout=RUN_TIMEOUT_S)))
+    arms, checks = judge(runs, steps)
+    commands = [run["command"] for run in runs.values()]
+    return {**base, "checks": checks, "arms": arms, "commands": commands,
+            "wall_s": round(time.perf_counter() - began, 1)}
 
+
+def judge(runs: dict[tuple[str, int], dict], steps: int) -> tuple[dict, dict]:
+    """(arms, checks) from the summaries of every arm's TP=1 and TP=2 runs, keyed (arm name, TP degree)."""
     arms, checks = {}, {}
     for arm in ARMS:
         tp1, tp2 = runs[arm.name, 1], runs[arm.name, 2]
-        record = arms[arm.name] = {"tp1": tp1, "tp2": tp2}
+        kept = arms[arm.name] = {"tp1": tp1, "tp2": tp2}
         ran = "losses" in tp1 and "losses" in tp2 and len(tp1["losses"]) == len(tp2["losses"]) == steps
         checks[f"{arm.name}: TP=1 and TP=2 ran {steps} steps"] = ran
         if not ran:
             continue
-        gaps = record["comparison"] = compare(tp1, tp2)
+        gaps = kept["comparison"] = compare(tp1, tp2)
         checks[f"{arm.name}: TP=2 ran on 2 ranks with FP8 GEMMs"] = (
             tp2["world_size"] == 2 and tp2["plan_summary"]["fp8_gemms"] > 0)
         checks[f"{arm.name}: loss trains (final mean < first)"] = (
@@ -139,9 +146,7 @@ def run_tp(workdir: Path, steps: int) -> dict:
             gaps["early_max_rel_gap"] <= EARLY_RTOL)
         checks[f"{arm.name}: first grad-norm gap <= {GRAD_NORM_RTOL:.0%}"] = (
             gaps["first_grad_norm_rel_gap"] <= GRAD_NORM_RTOL)
-    commands = [run["command"] for run in runs.values()]
-    return {**base, "checks": checks, "arms": arms, "commands": commands,
-            "wall_s": round(time.perf_counter() - began, 1)}
+    return arms, checks
 
 
 def main(argv=None) -> None:

@@ -2,9 +2,12 @@
 
 `compress_saved_activations()` is a torch.autograd.graph.saved_tensors_hooks context: every tensor
 autograd saves for backward inside it is stored as FP8 E4M3 with an FP32 scale (per tensor or per
-row) when it is a BF16/FP16/FP32 activation worth compressing, and restored to its dtype in
-backward. Weights, tensors already in FP8, small and non-floating tensors are kept as they are
-(TE 2.20's linears save their FP8 inputs as raw uint8 data with an FP32 scale: kept as 'not floating').
+row) when it is a BF16/FP16 activation worth compressing, and restored to its dtype in backward.
+Weights, tensors already in FP8, FP32, small and non-floating tensors are kept as they are (TE 2.20's
+linears save their FP8 inputs as raw uint8 data with an FP32 scale: kept as 'not floating').
+FP32 is kept because in a BF16 run the FP32 tensors autograd saves are the ones the precision plan keeps
+in FP32 on purpose: log-softmax outputs of the loss, attention log-sum-exps, norm statistics. Their
+rounding errors come back exponentiated; compressing them made a 1B model's FP8 arms diverge to NaN.
 The backward then sees activations rounded to E4M3 (3 mantissa bits): gradients move by about the
 error of an FP8 GEMM input, which FP8 training already accepts.
 """
@@ -20,8 +23,8 @@ __all__ = ["ActivationCompressor", "compress_saved_activations", "is_quantized_t
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
-COMPRESSIBLE = (torch.bfloat16, torch.float16, torch.float32)
-"""Dtypes worth storing as FP8 (2 or 4 bytes -> 1)."""
+COMPRESSIBLE = (torch.bfloat16, torch.float16)
+"""Dtypes stored as FP8 (2 bytes -> 1); see the module docstring for why FP32 is not."""
 
 _QUANTIZED_CLASSES = ("QuantizedTensor", "Float8Tensor", "Float8TensorStorage", "QuantizedTensorStorage",
                       "Float8TrainingTensor", "MXFP8Tensor", "Float8BlockwiseQTensor")
@@ -76,7 +79,7 @@ class ActivationCompressor:
         if is_quantized_tensor(tensor):
             return "already fp8"
         if tensor.dtype not in COMPRESSIBLE:
-            return "not floating" if not tensor.is_floating_point() else f"dtype {tensor.dtype}"
+            return "not floating" if not tensor.is_floating_point() else f"dtype {str(tensor.dtype).removeprefix('torch.')}"
         if tensor.layout is not torch.strided or type(tensor) is not torch.Tensor:
             return "tensor subclass"
         if tensor.numel() < self.min_numel:

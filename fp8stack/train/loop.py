@@ -81,8 +81,9 @@ class TrainConfig:
     """Steps of linear LR warm-up from 0 to lr."""
     lr: float = 2e-3
     """Peak learning rate."""
-    min_lr: float = 2e-4
-    """Learning rate at the end of the cosine decay."""
+    min_lr: float | None = None
+    """Learning rate at the end of the cosine decay; None: lr / 10 (a fixed floor would leave a lower peak
+    LR barely decayed: 2e-4 under a 3e-4 peak kept the 1B runs' late losses as noisy as their early ones)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, on matrices only (not norms)."""
     grad_clip: float = 1.0
@@ -159,6 +160,8 @@ class TrainConfig:
             raise TrainConfigError(f"warmup must be non-negative, got {self.warmup}")
         if self.profile_collectives < 0:
             raise TrainConfigError(f"profile_collectives must be non-negative, got {self.profile_collectives}")
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
         if not 0 <= self.min_lr <= self.lr:
             raise TrainConfigError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
         if self.seq_len is not None and self.seq_len < 2:
@@ -313,6 +316,10 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
 
     with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device), ExitStack() as stack:
         device, dtype = env.device, _activation_dtype(cfg, env.device)
+        if cfg.compress_activations and dtype == torch.float32:
+            raise TrainConfigError("compress_activations stores BF16 activations as FP8 and keeps FP32 tensors (the "
+                                   "loss's log-softmax, attention log-sum-exps, norm statistics), so this FP32 run "
+                                   "would compress nothing: pass --dtype bf16 (the default on a GPU)")
         if device.type == "cuda":
             import_before_cudnn()  # a later session in this process (fp8stack profile) may run TE
         if cfg.model_impl == "megatron":
