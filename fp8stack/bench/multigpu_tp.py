@@ -13,7 +13,7 @@ Its GEMMs per rank at TP=2 (2048-3072 wide) are the shapes TP is used for, and t
 50 ms a step on an H200; process start-up, imports, NCCL and the CPU weight init, takes longer than the
 steps). The tiny model would also satisfy TE's multiples of 16, but its GEMMs are too small to say anything
 about FP8 at TP. LR schedule: the FSDP part's (multigpu.LR, LR_WARMUP). The TP=1 runs of all arms start
-together (one per GPU, two on one), then the TP=2 runs one after another: about 3.5 minutes on two H200s.
+together (one per GPU, two on one), then the TP=2 runs one after another: about 3 minutes on two H200s.
 
 Both TP degrees start from the same weights (megatron: the plain Llama's, copied shard by shard by
 train.megatron_model.load_llama_weights; plain Llama: one full init that apply_tp shards) and read the same batches. What may differ: TE scales each weight shard by its own
