@@ -67,7 +67,7 @@ by 2.4-3.4%, after 100 steps (window 20) by 0.4-0.8% in one run and 0.7-1.1% in 
 even there the BF16-all-gather control parted by 2.1% in the first such run (FP8 all-gather: 0.25%), so read
 the check next to the control's gap, which the evidence prints. With the LR decayed to lr / 10 (before: to
 2e-4 of 3e-4) the next runs gave FP8 all-gather 1.05% and 1.57%, BF16 control 0.31% and 0.60%. In all three
-runs, and in a 1 000-step tiny run, the FP8 all-gather arm ended 0.7-1.8% below the BF16 all-gather arm:
+runs the FP8 all-gather arm ended 0.7-1.8% below the BF16 all-gather arm:
 a consistent sign, not yet explained (issue 8's note)."""
 GRAD_NORM_RTOL = 0.02
 """Relative gap of the first step's gradient norm, 2 ranks vs 1 (same weights, same global batch: only the
