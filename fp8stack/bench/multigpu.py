@@ -65,10 +65,10 @@ LOSS_WINDOW = 50
 chance as training amplifies rounding differences, FP8 and BF16 all-gather alike: after 30 steps (window 10)
 by 2.4-3.4%, after 100 steps (window 20) by 0.4-0.8% in one run and 0.7-1.1% in the next. Hence 300 steps;
 even there the BF16-all-gather control parted by 2.1% in the first such run (FP8 all-gather: 0.25%), so read
-the check next to the control's gap, which the evidence prints. With the LR decayed to lr / 10 (before: to
-2e-4 of 3e-4) the next runs gave FP8 all-gather 1.05% and 1.57%, BF16 control 0.31% and 0.60%. In all three
-runs the FP8 all-gather arm ended 0.7-1.8% below the BF16 all-gather arm:
-a consistent sign, not yet explained (issue 8's note)."""
+the check next to the control's gap, which the evidence prints. The second such run gave FP8 all-gather 1.05%,
+BF16 control 0.31% (profiles/multigpu-second-run-h200.md); with the LR decayed to lr / 10 instead of to 2e-4,
+1.57% and 0.60%. In all three runs the FP8 all-gather arm ended 0.7-1.8% below the BF16 all-gather arm: a
+consistent sign, not yet explained (issue 8's note)."""
 GRAD_NORM_RTOL = 0.02
 """Relative gap of the first step's gradient norm, 2 ranks vs 1 (same weights, same global batch: only the
 rounding differs). A missing or doubled gradient reduction moves it by 50% or more."""
