@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8stack.bench import multigpu_tp
-from fp8stack.bench.multigpu import Run
+from fp8stack.bench.multigpu import Run, render
 from fp8stack.train.__main__ import build_parser, config_from_args
 
 
@@ -52,3 +52,6 @@ def test_judge_passes_matching_runs_and_fails_a_parted_or_missing_one():
     assert failed == {f"{parted}: final loss gap <= 1%", f"{missing}: TP=1 and TP=2 ran {steps} steps"}
     assert arms[missing]["tp2"]["log_tail"] == "boom" and "comparison" not in arms[missing]
     assert arms[multigpu_tp.ARMS[2].name]["comparison"]["final_rel_gap"] == 0.0
+    part = {"model": "m", "seq_len": 8, "micro_batch": 1, "steps": steps, "arms": arms, "checks": checks}
+    text = render({"passed": False, "gpus": 2, "commands": [], "tensor_parallel": part})
+    assert f"| {parted} | 3.5000 | 4.0000 | 14.29% |" in text and f"| {missing} |" not in text

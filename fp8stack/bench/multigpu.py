@@ -348,8 +348,18 @@ def render(payload: dict) -> str:
 
 
 def _render_tp(part: dict) -> str:
-    return ("## Tensor parallel 2 (fp8stack.bench.multigpu_tp)\n\n" + _render_checks(part) +
-            "".join(f"\n{k}: {v}" for k, v in part.items() if isinstance(v, (int, float, str))) + "\n")
+    text = "## Tensor parallel 2 (fp8stack.bench.multigpu_tp)\n\n"
+    if "arms" in part:
+        text += (f"{part['model']}, sequence {part['seq_len']}, micro-batch {part['micro_batch']}, {part['steps']} "
+                 f"steps per run; gaps are TP=2 vs TP=1, relative; the TP=1 runs shared the GPUs, so their tokens/s are not "
+                 f"throughput figures.\n\n")
+        rows = [[name, f"{c['loss_final_mean_tp1']:.4f}", f"{c['loss_final_mean_tp2']:.4f}", f"{c['final_rel_gap']:.2%}",
+                 f"{c['early_max_rel_gap']:.2%}", f"{c['max_step_rel_gap']:.2%}", f"{c['first_grad_norm_rel_gap']:.3%}",
+                 f"{arm['tp1']['tokens_per_s']:,.0f} / {arm['tp2']['tokens_per_s']:,.0f}"]
+                for name, arm in part["arms"].items() if (c := arm.get("comparison"))]
+        text += markdown_table(["arm", "final mean TP=1", "final mean TP=2", "final gap", "first steps' max gap",
+                                "any step's max gap", "first grad-norm gap", "tokens/s TP=1 / TP=2"], rows) + "\n"
+    return text + _render_checks(part) + (f"\nerror: {part['error']}\n" if "error" in part else "")
 
 
 def _render_checks(part: dict) -> str:
