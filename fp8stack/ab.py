@@ -148,7 +148,8 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-norm", action="store_true",
                         help="FP8 runs fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
     parser.add_argument("--compress-activations", action="store_true",
-                        help="FP8 runs store the activations saved for backward in FP8 (a memory lever)")
+                        help="FP8 runs store the BF16 activations saved for backward in FP8 (a memory "
+                             "lever; rolled back on llama-1b-like: +12%% loss, slower, profiles/NOTES.md 7)")
     parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
                         help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
                              "factory, TE linears (default: torch)")

@@ -15,7 +15,8 @@ Parts (--parts, default all three):
   uninterrupted run's.
 
 Every part judges itself ("checks"); one evidence file, profiles/multigpu-<gpu>.json + .md, holds all
-parts with the exact launch commands. Exit status 1 when a check fails. About 7 minutes on two H200s (fsdp 3.2, tp 2.9, restart 0.9).
+parts with the exact launch commands. Exit status 1 when a check fails. About 7 minutes on two H200s
+(fsdp 3.2, tp 2.9, restart 0.9).
 """
 
 import argparse
@@ -351,10 +352,11 @@ def _render_tp(part: dict) -> str:
     text = "## Tensor parallel 2 (fp8stack.bench.multigpu_tp)\n\n"
     if "arms" in part:
         text += (f"{part['model']}, sequence {part['seq_len']}, micro-batch {part['micro_batch']}, {part['steps']} "
-                 f"steps per run; gaps are TP=2 vs TP=1, relative; the TP=1 runs shared the GPUs, so their tokens/s are not "
-                 f"throughput figures.\n\n")
-        rows = [[name, f"{c['loss_final_mean_tp1']:.4f}", f"{c['loss_final_mean_tp2']:.4f}", f"{c['final_rel_gap']:.2%}",
-                 f"{c['early_max_rel_gap']:.2%}", f"{c['max_step_rel_gap']:.2%}", f"{c['first_grad_norm_rel_gap']:.3%}",
+                 f"steps per run; gaps are TP=2 vs TP=1, relative; the TP=1 runs shared the GPUs, so their "
+                 f"tokens/s are not throughput figures.\n\n")
+        rows = [[name, f"{c['loss_final_mean_tp1']:.4f}", f"{c['loss_final_mean_tp2']:.4f}",
+                 f"{c['final_rel_gap']:.2%}", f"{c['early_max_rel_gap']:.2%}", f"{c['max_step_rel_gap']:.2%}",
+                 f"{c['first_grad_norm_rel_gap']:.3%}",
                  f"{arm['tp1']['tokens_per_s']:,.0f} / {arm['tp2']['tokens_per_s']:,.0f}"]
                 for name, arm in part["arms"].items() if (c := arm.get("comparison"))]
         text += markdown_table(["arm", "final mean TP=1", "final mean TP=2", "final gap", "first steps' max gap",

@@ -79,7 +79,8 @@ class ActivationCompressor:
         if is_quantized_tensor(tensor):
             return "already fp8"
         if tensor.dtype not in COMPRESSIBLE:
-            return "not floating" if not tensor.is_floating_point() else f"dtype {str(tensor.dtype).removeprefix('torch.')}"
+            floating = f"dtype {str(tensor.dtype).removeprefix('torch.')}"
+            return floating if tensor.is_floating_point() else "not floating"
         if tensor.layout is not torch.strided or type(tensor) is not torch.Tensor:
             return "tensor subclass"
         if tensor.numel() < self.min_numel:

@@ -105,8 +105,9 @@ class TrainConfig:
     fuse_norm: bool = False
     """Fold each block's RMSNorms into the TE LayerNormLinear they feed (needs TE layers in the plan)."""
     compress_activations: bool = False
-    """Store the activations autograd saves for backward as FP8 E4M3 with a per-tensor scale
-    (fp8stack.runtime.compress); weights and tensors already in FP8 are kept as they are."""
+    """Store the BF16 activations autograd saves for backward as FP8 E4M3 with a per-tensor scale
+    (fp8stack.runtime.compress); weights, FP32 and FP8 tensors are kept. Rolled back on llama-1b-like (profiles/NOTES.md
+    section 7: 0.86x memory but +12% loss at 300 steps and slower than BF16)."""
     recompute: str | None = None
     """Blocks whose activations are recomputed in the backward: 'all', comma-separated indices ('0,2'), or None."""
     recompute_modules: tuple[str, ...] = ("block",)
