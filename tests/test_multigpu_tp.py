@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8stack.bench import multigpu_tp
-from fp8stack.bench.multigpu import Run, render
+from fp8stack.bench.multigpu import Run, render, run_record
 from fp8stack.train.__main__ import build_parser, config_from_args
 
 
@@ -37,16 +37,18 @@ def test_run_tp_without_two_gpus_fails_its_check_without_running(tmp_path):
 
 def _run(losses: list[float], world_size: int, returncode: int = 0) -> Run:
     result = {"losses": losses, "grad_norms": [2.0] * len(losses), "tokens_per_s": 1.0, "world_size": world_size,
-              "device": "cpu", "plan_summary": {"fp8_gemms": 4}}
-    return Run("arm", "launch/train.sh ...", returncode, 1.0, result if returncode == 0 else None, [], "boom")
+              "device": "cpu", "plan_summary": {"fp8_gemms": 4}, "step_ms": [1.0] * len(losses),
+              "peak_mem_gib": None, "first_step": 0}
+    ok = returncode == 0
+    return Run("arm", "launch/train.sh ...", returncode, 1.0, result if ok else None, [], "" if ok else "boom")
 
 
 def test_judge_passes_matching_runs_and_fails_a_parted_or_missing_one():
     steps, base = 8, [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0]
-    runs = {(arm.name, tp): multigpu_tp.summary(_run(base, tp)) for arm in multigpu_tp.ARMS for tp in (1, 2)}
+    runs = {(arm.name, tp): run_record(_run(base, tp)) for arm in multigpu_tp.ARMS for tp in (1, 2)}
     parted, missing = multigpu_tp.ARMS[0].name, multigpu_tp.ARMS[1].name
-    runs[parted, 2] = multigpu_tp.summary(_run(base[:-2] + [4.5, 3.5], 2))
-    runs[missing, 2] = multigpu_tp.summary(_run([], 2, returncode=1))
+    runs[parted, 2] = run_record(_run(base[:-2] + [4.5, 3.5], 2))
+    runs[missing, 2] = run_record(_run([], 2, returncode=1))
     arms, checks = multigpu_tp.judge(runs, steps)
     failed = {name for name, ok in checks.items() if not ok}
     assert failed == {f"{parted}: final loss gap <= 1%", f"{missing}: TP=1 and TP=2 ran {steps} steps"}

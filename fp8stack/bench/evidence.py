@@ -69,10 +69,14 @@ def command_line() -> str:
     return (f"PYTHONPATH={shlex.quote(path)} " if path else "") + shlex.join(argv)
 
 
+def provenance() -> dict:
+    """When and how this process measured: the UTC date and the exact command line."""
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line()}
+
+
 def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path = "profiles") -> tuple[Path, Path]:
     """Write <out_dir>/<stem>.json and .md (and copies under $OUT); returns the two paths."""
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
-            "environment": environment()}
+    meta = {**provenance(), "environment": environment()}
     clash = set(meta) & set(payload)
     if clash:
         raise ValueError(f"payload keys {sorted(clash)} are reserved for the evidence header: rename them")

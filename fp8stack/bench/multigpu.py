@@ -32,10 +32,9 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
-from fp8stack.bench.evidence import command_line, device_slug, environment, markdown_table, write_evidence
+from fp8stack.bench.evidence import device_slug, environment, markdown_table, provenance, write_evidence
 from fp8stack.train.fault import KILL_AT_ENV
 from fp8stack.train.timing import relative_spread, steady_state
 
@@ -168,8 +167,9 @@ def _mean_tail(losses: list[float]) -> float:
     return statistics.fmean(losses[-LOSS_WINDOW:])
 
 
-def _run_record(run: Run) -> dict:
-    """What the evidence keeps of a run: command, status, and (when it finished) its figures."""
+def run_record(run: Run) -> dict:
+    """What the evidence keeps of a run (every part's): command, status, and, when it wrote its result,
+    its figures; the end of its output when it failed."""
     record = {"command": run.command, "returncode": run.returncode, "wall_s": run.wall_s}
     if run.result:
         ms = steady_state(run.result["step_ms"])
@@ -207,7 +207,7 @@ def run_fsdp(workdir: Path, steps: int, model: str = "llama-1b-like", micro_batc
     """Part 1: bytes and counts of the collectives, step time and loss of each arm, and the checks."""
     planned = fsdp_arms(steps, model, micro_batch, extra)
     runs = {name: launch(name, workdir, nproc, flags) for name, (nproc, _, flags) in planned.items()}
-    arms = {name: _run_record(run) for name, run in runs.items()}
+    arms = {name: run_record(run) for name, run in runs.items()}
     base = {"model": model, "micro_batch_per_rank": micro_batch, "steps": steps, "profiled_steps": PROFILED_STEPS,
             "arms": arms, "commands": [run.command for run in runs.values()],
             "tolerances": {"all_gather_ratio": ALL_GATHER_RATIO, "loss_rtol": LOSS_RTOL, "loss_window": LOSS_WINDOW,
@@ -288,7 +288,7 @@ def run_restart(workdir: Path, steps: int, model: str = "tiny", micro_batch: int
 
     base = {"model": model, "steps": steps, "checkpoint_interval": interval, "killed_rank": 1,
             "kill_at_step": kill_step, "checkpoints_after_kill": left,
-            "runs": {r.name: _run_record(r) for r in (uninterrupted, killed, restarted)},
+            "runs": {r.name: run_record(r) for r in (uninterrupted, killed, restarted)},
             "commands": [r.command for r in (uninterrupted, killed, restarted)]}
     checks = {
         "uninterrupted run finished": uninterrupted.returncode == 0 and bool(uninterrupted.result),
@@ -464,8 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for index, part in enumerate(todo):
             print(f"[multigpu] part {part}: {TITLES[part]}", flush=True)
             payload[KEYS[part]] = steps[part](workdir / part)
-            payload[KEYS[part]]["measured"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                               "command": command_line()}
+            payload[KEYS[part]]["measured"] = provenance()
             paths = _write(payload, todo[index + 1:], began, args.out_dir)
     print(render(payload), flush=True)
     print(f"[multigpu] {payload['wall_s']:.0f} s; evidence: {', '.join(map(str, paths))}", flush=True)

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8stack.bench.multigpu import LR, LR_WARMUP, Run, start, wait
+from fp8stack.bench.multigpu import LR, LR_WARMUP, run_record, start, wait
 
 MODEL, SEQ, MICRO_BATCH = "llama-1b-like", 1024, 4
 STEPS = 200
@@ -81,17 +81,6 @@ def train_flags(arm: Arm, tp: int, steps: int) -> list[str]:
             "--eval-iters", "0", "--tensor-model-parallel-size", str(tp), *arm.flags, "--log-interval", "10"]
 
 
-def summary(run: Run) -> dict:
-    """What the evidence keeps of one run: its command, exit, time, and (when it finished) losses and norms."""
-    kept = {"command": run.command, "returncode": run.returncode, "seconds": run.wall_s}
-    if run.returncode == 0 and run.result:
-        kept.update({key: run.result[key] for key in
-                     ("losses", "grad_norms", "tokens_per_s", "world_size", "device", "plan_summary")})
-    else:
-        kept["log_tail"] = run.log_tail
-    return kept
-
-
 def compare(tp1: dict, tp2: dict) -> dict:
     """Relative gaps of TP=2 against TP=1 (see the tolerances above)."""
     a, b = tp1["losses"], tp2["losses"]
@@ -122,9 +111,9 @@ def run_tp(workdir: Path, steps: int) -> dict:
     # TP=1 runs side by side, spread over two GPUs (losses, not times, are compared); then the TP=2 runs in turn.
     started = [start(f"{arm.name}-tp1", workdir, 1, train_flags(arm, 1, steps), {"CUDA_VISIBLE_DEVICES": ids[i % 2]},
                      RUN_TIMEOUT_S) for i, arm in enumerate(ARMS)]
-    runs = {(arm.name, 1): summary(wait(run)) for arm, run in zip(ARMS, started)}
+    runs = {(arm.name, 1): run_record(wait(run)) for arm, run in zip(ARMS, started)}
     for arm in ARMS:
-        runs[arm.name, 2] = summary(wait(start(f"{arm.name}-tp2", workdir, 2, train_flags(arm, 2, steps),
+        runs[arm.name, 2] = run_record(wait(start(f"{arm.name}-tp2", workdir, 2, train_flags(arm, 2, steps),
                                                timeout=RUN_TIMEOUT_S)))
     arms, checks = judge(runs, steps)
     commands = [run["command"] for run in runs.values()]
@@ -138,7 +127,8 @@ def judge(runs: dict[tuple[str, int], dict], steps: int) -> tuple[dict, dict]:
     for arm in ARMS:
         tp1, tp2 = runs[arm.name, 1], runs[arm.name, 2]
         kept = arms[arm.name] = {"tp1": tp1, "tp2": tp2}
-        ran = "losses" in tp1 and "losses" in tp2 and len(tp1["losses"]) == len(tp2["losses"]) == steps
+        ran = (tp1["returncode"] == tp2["returncode"] == 0 and "losses" in tp1 and "losses" in tp2
+               and len(tp1["losses"]) == len(tp2["losses"]) == steps)
         checks[f"{arm.name}: TP=1 and TP=2 ran {steps} steps"] = ran
         if not ran:
             continue

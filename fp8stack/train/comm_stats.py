@@ -20,6 +20,7 @@ weight to FP8 for the all-gather without a precomputed scale.
 """
 
 import json
+import math
 import os
 import tempfile
 from collections import Counter
@@ -158,7 +159,4 @@ def _tensor_bytes(op: dict, index: int) -> tuple[int, str]:
     if dtype not in ITEM_BYTES:
         raise RuntimeError(f"{op['name']} moved elements of type {dtype!r}, which comm_stats.ITEM_BYTES does not "
                            "know: add its size in bytes there")
-    numel = 1
-    for dim in dims[index]:
-        numel *= dim
-    return numel * ITEM_BYTES[dtype], dtype
+    return math.prod(dims[index]) * ITEM_BYTES[dtype], dtype
