@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8stack.bench import multigpu_tp
-from fp8stack.bench.multigpu import Run, render, run_record
+from fp8stack.bench.multigpu import LOSS_RTOL, Run, compare_losses, render, run_record
 from fp8stack.train.__main__ import build_parser, config_from_args
 
 
@@ -19,13 +19,14 @@ def test_every_arms_flags_make_a_valid_train_config(arm, tp):
     assert cfg.model_impl == "megatron" or (not cfg.fused_projections and cfg.backend == "torchao")
 
 
-def test_gaps_compare_tp2_with_tp1():
-    tp1 = {"losses": [10.0, 8.0, 6.0, 4.0], "grad_norms": [2.0, 1.0, 1.0, 1.0]}
-    tp2 = {"losses": [10.0, 8.4, 6.0, 4.2], "grad_norms": [2.1, 1.0, 1.0, 1.0]}
-    gaps = multigpu_tp.compare(tp1, tp2)
-    assert gaps["max_step_rel_gap"] == pytest.approx(0.05)
+def test_compare_losses_gives_the_documented_gaps():
+    reference = {"losses": [10.0, 8.0, 6.0, 4.0], "grad_norms": [2.0, 1.0, 1.0, 1.0]}
+    run = {"losses": [10.01, 8.4, 6.0, 4.2], "grad_norms": [2.1, 1.0, 1.0, 1.0]}
+    gaps = compare_losses(reference, run)
+    assert gaps["first_loss_rel_gap"] == pytest.approx(0.001) and gaps["max_step_rel_gap"] == pytest.approx(0.05)
     assert gaps["final_window"] == 1 and gaps["final_rel_gap"] == pytest.approx(0.05)
     assert gaps["first_grad_norm_rel_gap"] == pytest.approx(0.05)
+    assert (gaps["loss_final_mean_reference"], gaps["loss_final_mean"]) == (4.0, 4.2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs are visible: run_tp would really run")
@@ -51,9 +52,10 @@ def test_judge_passes_matching_runs_and_fails_a_parted_or_missing_one():
     runs[missing, 2] = run_record(_run([], 2, returncode=1))
     arms, checks = multigpu_tp.judge(runs, steps)
     failed = {name for name, ok in checks.items() if not ok}
-    assert failed == {f"{parted}: final loss gap <= 1%", f"{missing}: TP=1 and TP=2 ran {steps} steps"}
+    assert failed == {f"{parted}, TP=2 vs TP=1: mean loss of the last 2 steps within {LOSS_RTOL:.0%}",
+                      f"{missing}: TP=1 and TP=2 ran {steps} steps"}
     assert arms[missing]["tp2"]["log_tail"] == "boom" and "comparison" not in arms[missing]
     assert arms[multigpu_tp.ARMS[2].name]["comparison"]["final_rel_gap"] == 0.0
     part = {"model": "m", "seq_len": 8, "micro_batch": 1, "steps": steps, "arms": arms, "checks": checks}
     text = render({"passed": False, "gpus": 2, "commands": [], "tensor_parallel": part})
-    assert f"| {parted} | 3.5000 | 4.0000 | 14.29% |" in text and f"| {missing} |" not in text
+    assert f"| {parted} | 3.5000 | 4.0000 | 14.29% | 0.000% |" in text and f"| {missing} |" not in text

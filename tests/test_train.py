@@ -10,7 +10,7 @@ from fp8stack.train import checkpoint
 from fp8stack.train.__main__ import build_parser, config_from_args
 from fp8stack.train.__main__ import main as train_main
 from fp8stack.train.data import SPLITS, TextData, load_split, source_files, split_of, stdlib_root
-from fp8stack.train.loop import TrainConfig, TrainConfigError, lr_at, train
+from fp8stack.train.loop import TrainConfig, TrainConfigError, lr_at, session, train
 
 SMALL_DATA = 1 << 20
 """1 MiB of stdlib source: plenty for a few short steps, quick to read."""
@@ -91,6 +91,20 @@ def test_short_run_trains(recipe, tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(5))
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(result.losses, rel=1e-6)
+
+
+def test_fsdp_one_rank_shards_a_single_process_over_a_one_rank_mesh():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    settings = dict(recipe="tensorwise", backend="torchao", steps=3, warmup=1, dtype="bf16", **FAST)
+    with session(TrainConfig(**settings, fsdp_one_rank=True)) as run:
+        assert isinstance(run.model, FSDPModule) and run.model.layers[0].attention.wqkv.weight.dtype == torch.float32
+        assert dist.get_world_size() == 1
+    assert not dist.is_initialized()  # the group made for the run is gone with it
+    plain, sharded = (train(TrainConfig(**settings, fsdp_one_rank=one)) for one in (False, True))
+    # BF16 parameters (FSDP's policy) where autocast runs over FP32 ones: close, not equal.
+    assert sharded.losses != plain.losses and sharded.losses == pytest.approx(plain.losses, rel=1e-2)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])

@@ -115,6 +115,10 @@ class TrainConfig:
     (core_attn, attn, mlp, moe, moe_act, shared_experts, layernorm)."""
     tensor_parallel: int = 1
     """Tensor-parallel degree; the remaining ranks shard data and parameters with FSDP2."""
+    fsdp_one_rank: bool = False
+    """Shard with FSDP2 even when there is one data-parallel rank (a 1-rank mesh), so a 1-GPU run takes a sharded
+    run's numerics (BF16 parameters by FSDP's mixed-precision policy, FP8 all-gather casts) instead of autocast
+    over FP32 parameters: the reference a sharded run's loss is compared with."""
     fsdp_float8_all_gather: bool = False
     """All-gather FSDP2 weights in FP8 (torchao tensorwise only)."""
     precompute_fp8_scales: bool = False
@@ -522,21 +526,26 @@ class _Distributed:
         self.tp_size = cfg.tensor_parallel
         self.dp_size = self.world_size // self.tp_size
         self.dp_rank = self.rank // self.tp_size
+        self.fsdp_one_rank = cfg.fsdp_one_rank
         self.tp_mesh = self.fsdp_mesh = None
         self._owns_group = False
 
     def __enter__(self) -> "_Distributed":
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world_size > 1:
+        if self.world_size > 1 or self.fsdp_one_rank:
             from torch.distributed.device_mesh import init_device_mesh
 
             if not dist.is_initialized():
-                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous
+                    dist.init_process_group(backend)
+                else:  # one process without torchrun (fsdp_one_rank): an in-process store suffices
+                    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 self._owns_group = True
             mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
             self.tp_mesh = mesh["tp"] if self.tp_size > 1 else None
-            self.fsdp_mesh = mesh["dp"] if self.dp_size > 1 else None
+            self.fsdp_mesh = mesh["dp"] if self.dp_size > 1 or self.fsdp_one_rank else None
         return self
 
     def __exit__(self, *exc) -> None:
