@@ -89,7 +89,7 @@ def test_precompute_turns_per_weight_scale_all_reduces_into_one(counted):
 
 def test_fsdp_part_runs_every_arm_and_judges_them(tmp_path):
     steps = 8
-    part = run_fsdp(tmp_path, steps, model="tiny", micro_batch=2, extra=("--device", "cpu", "--seq-length", "32"))
+    part = run_fsdp(tmp_path, steps, model="tiny", micro_batch=2, seq_len=32, extra=("--device", "cpu"))
     failed = [name for name, ok in part["checks"].items() if not ok]
     assert not failed, (failed, {name: run.get("log_tail", "") for name, run in part["arms"].items()})
     assert set(part["loss_vs_one_rank"]) == set(ONE_RANK_TWINS)

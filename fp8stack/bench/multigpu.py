@@ -1,13 +1,13 @@
 """`python -m fp8stack.bench.multigpu`: issue 8's two-GPU evidence, every run a launch/train.sh subprocess.
 
-    python -m fp8stack.bench.multigpu [--parts fsdp,tp,restart] [--steps 600] [--tp-steps 600]
+    python -m fp8stack.bench.multigpu [--parts fsdp,tp,restart] [--steps 600] [--tp-steps 600] [--seed 0]
 
 Parts (--parts, default all three):
-- fsdp: FSDP2 over 2 ranks, torchao tensorwise on llama-1b-like, micro-batch 1 per rank. Arms: weights
-  all-gathered in BF16; in FP8 with the precomputed scales; in FP8 without them (a few steps, for the
-  collective counts); and the 1-rank twin of each of the first two (ONE_RANK_TWINS: FSDP2 over one rank,
-  micro-batch 2, which reads the same global batches, fp8stack.train.data). Collectives and their bytes are
-  counted by fp8stack.train.comm_stats over PROFILED_STEPS steps of each 2-rank arm.
+- fsdp: FSDP2 over 2 ranks, torchao tensorwise on llama-1b-like, FSDP_MICRO_BATCH sequences of FSDP_SEQ per
+  rank. Arms: weights all-gathered in BF16; in FP8 with the precomputed scales; in FP8 without them (a few
+  steps, for the collective counts); and the 1-rank twin of each of the first two (ONE_RANK_TWINS: FSDP2 over
+  one rank, twice the micro-batch, which reads the same global batches, fp8stack.train.data). Collectives
+  and their bytes are counted by fp8stack.train.comm_stats over PROFILED_STEPS steps of each 2-rank arm.
 - tp: tensor parallel 2, fp8stack.bench.multigpu_tp.run_tp (its dict goes under "tensor_parallel").
 - restart: the tiny model, FSDP2 with FP8 all-gather, 2 ranks: an uninterrupted run; a run that saves
   every `interval` steps and whose rank 1 SIGKILLs itself (fp8stack.train.fault) before the second
@@ -53,6 +53,12 @@ steps (where rounding differences are amplified most) and the later updates smal
 LOSS_STEPS = 600
 """Steps of every run whose loss is compared: long enough for the LR to decay to lr / 10 and the curve to flatten,
 so that the mean over the last quarter measures where the run ended, not a spike on the way there."""
+FSDP_SEQ, FSDP_MICRO_BATCH = 1024, 4
+"""FSDP arms' sequence length and micro-batch per rank: 8 sequences (8k tokens) per step over 2 ranks. At sequence
+4096 and micro-batch 1 (2 sequences per step, the same tokens) the 600-step runs parted by more than the 1%
+tolerance, FP8 and BF16 all-gather alike (1.46% and 0.87%; profiles/multigpu-seq4096-run-h200.md), while the TP
+part, at 1024 x 4 sequences, stayed within 0.6%: the fewer the sequences per step, the noisier each gradient and
+the further two runs that round differently drift apart."""
 PROFILED_STEPS = 2
 """Steps whose collectives are counted: steps 1 and 2 (step 0 initialises lazily); with 30 or more steps the
 step-time median skips them as warm-up (fp8stack.train.timing.steady_state)."""
@@ -224,11 +230,12 @@ and differ only by the sharding. A plain 1-GPU run is autocast over FP32 paramet
 FP32 norm weights, a difference in precision policy, not in sharding."""
 
 
-def fsdp_arms(steps: int, model: str, micro_batch: int, extra: Sequence[str]) -> dict[str, tuple[int, int, list[str]]]:
+def fsdp_arms(steps: int, model: str, micro_batch: int, seq_len: int, seed: int,
+              extra: Sequence[str]) -> dict[str, tuple[int, int, list[str]]]:
     """Arm -> (processes, steps, train flags)."""
     common = ["--model", model, "--fp8-recipe", "tensorwise", "--backend", "torchao", "--small-gemm-filter", "off",
-              "--seed", "0", "--lr", str(LR), "--lr-warmup-iters", str(LR_WARMUP), "--eval-iters", "0",
-              "--log-interval", "50", *extra]
+              "--seq-length", str(seq_len), "--seed", str(seed), "--lr", str(LR), "--lr-warmup-iters", str(LR_WARMUP),
+              "--eval-iters", "0", "--log-interval", "50", *extra]
     fp8, bf16 = ["--fsdp-float8-all-gather", "--precompute-fp8-scales"], ["--no-fsdp-float8-all-gather"]
     two = ["--micro-batch-size", str(micro_batch), "--profile-collectives", str(PROFILED_STEPS)]
     one = ["--micro-batch-size", str(2 * micro_batch), "--fsdp-one-rank"]
@@ -243,16 +250,17 @@ def fsdp_arms(steps: int, model: str, micro_batch: int, extra: Sequence[str]) ->
     return {name: (nproc, n, [*common, "--train-iters", str(n), *flags]) for name, (nproc, n, flags) in arms.items()}
 
 
-def run_fsdp(workdir: Path, steps: int, model: str = "llama-1b-like", micro_batch: int = 1,
-             extra: Sequence[str] = ()) -> dict:
+def run_fsdp(workdir: Path, steps: int, model: str = "llama-1b-like", micro_batch: int = FSDP_MICRO_BATCH,
+             seq_len: int = FSDP_SEQ, seed: int = 0, extra: Sequence[str] = ()) -> dict:
     """Part 1: the 2-rank arms one after another (their step times are compared), then the 1-rank twins side by
     side, one per GPU; then judge_fsdp."""
-    planned = fsdp_arms(steps, model, micro_batch, extra)
+    planned = fsdp_arms(steps, model, micro_batch, seq_len, seed, extra)
     runs = {name: launch(name, workdir, nproc, flags) for name, (nproc, _, flags) in planned.items() if nproc == 2}
     twins = [start(name, workdir, 1, planned[name][2], {"CUDA_VISIBLE_DEVICES": str(gpu)})
              for gpu, name in enumerate(ONE_RANK_TWINS.values())]
     runs.update((run.name, run) for run in map(wait, twins))
-    base = {"model": model, "micro_batch_per_rank": micro_batch, "steps": steps, "profiled_steps": PROFILED_STEPS,
+    base = {"model": model, "seq_len": seq_len, "micro_batch_per_rank": micro_batch, "steps": steps, "seed": seed,
+            "profiled_steps": PROFILED_STEPS,
             "commands": [run.command for run in runs.values()],
             "tolerances": {"all_gather_ratio": ALL_GATHER_RATIO, "loss_rtol": LOSS_RTOL,
                            "first_loss_rtol": FIRST_LOSS_RTOL, "first_grad_norm_rtol": GRAD_NORM_RTOL}}
@@ -362,12 +370,12 @@ def _max_rel_gap(a: list[float], b: list[float]) -> float:
 
 # --- part 2 and the evidence ---------------------------------------------------------------------
 
-def run_tp_part(workdir: Path, steps: int) -> dict:
+def run_tp_part(workdir: Path, steps: int, seed: int) -> dict:
     """Part 2 (another module's work): its dict, or its failure recorded as a failed check."""
     from fp8stack.bench.multigpu_tp import run_tp  # here: multigpu_tp imports this module
 
     try:
-        return run_tp(workdir, steps)
+        return run_tp(workdir, steps, seed)
     except Exception:  # keep the other parts' evidence: the error is recorded, not dropped
         return {"checks": {"run_tp finished": False}, "error": traceback.format_exc()[-3000:]}
 
@@ -413,10 +421,10 @@ def _gb(value: float) -> str:
 
 
 def _render_fsdp(part: dict) -> str:
-    text = (f"## FSDP2 + torchao tensorwise, {part['model']}, micro-batch {part['micro_batch_per_rank']} per rank, "
-            f"{part['steps']} steps\n\nThe 2-rank arms ran one after another; the 1-rank twins (FSDP2 over a 1-rank "
-            f"mesh, micro-batch {2 * part['micro_batch_per_rank']}, the same global batches) side by side, one per "
-            f"GPU.\n\n")
+    text = (f"## FSDP2 + torchao tensorwise, {part['model']}, sequence {part['seq_len']}, micro-batch "
+            f"{part['micro_batch_per_rank']} per rank, {part['steps']} steps, seed {part['seed']}\n\nThe 2-rank arms "
+            f"ran one after another; the 1-rank twins (FSDP2 over a 1-rank mesh, micro-batch "
+            f"{2 * part['micro_batch_per_rank']}, the same global batches) side by side, one per GPU.\n\n")
     rows = []
     for name, arm in part["arms"].items():
         if "losses" not in arm:
@@ -480,7 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tp-steps", type=int, default=LOSS_STEPS, help="steps of each tensor-parallel run")
     parser.add_argument("--restart-steps", type=int, default=30, help="steps of the restart runs")
     parser.add_argument("--model", default="llama-1b-like", help="model of the fsdp part")
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="per rank, fsdp part")
+    parser.add_argument("--micro-batch-size", type=int, default=FSDP_MICRO_BATCH, help="per rank, fsdp part")
+    parser.add_argument("--seq-length", type=int, default=FSDP_SEQ, help="fsdp part")
+    parser.add_argument("--seed", type=int, default=0, help="weights and batches of the fsdp and tp runs")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="passed to every fsdp/restart run (default: auto)")
     parser.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
     parser.add_argument("--out-dir", default="profiles", help="evidence folder")
@@ -502,8 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload: dict = {"parts": parts, "gpus": torch.cuda.device_count()}
     if args.keep_other_parts:
         payload.update(earlier_parts(parts, args.out_dir))
-    steps = {"fsdp": lambda workdir: run_fsdp(workdir, args.steps, args.model, args.micro_batch_size, extra),
-             "tp": lambda workdir: run_tp_part(workdir, args.tp_steps),
+    steps = {"fsdp": lambda workdir: run_fsdp(workdir, args.steps, args.model, args.micro_batch_size, args.seq_length,
+                                              args.seed, extra),
+             "tp": lambda workdir: run_tp_part(workdir, args.tp_steps, args.seed),
              "restart": lambda workdir: run_restart(workdir, args.restart_steps, extra=extra)}
     todo = [part for part in PARTS if part in parts]
     with tempfile.TemporaryDirectory(prefix="fp8stack-multigpu-") as scratch:

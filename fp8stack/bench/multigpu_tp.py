@@ -57,20 +57,20 @@ ARMS = (
 )
 
 
-def train_flags(arm: Arm, tp: int, steps: int) -> list[str]:
+def train_flags(arm: Arm, tp: int, steps: int, seed: int = 0) -> list[str]:
     """launch/train.sh arguments of one run (multigpu.start adds where it writes)."""
     return ["--model", MODEL, "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
-            "--train-iters", str(steps), "--lr", str(LR), "--lr-warmup-iters", str(LR_WARMUP), "--seed", "0",
+            "--train-iters", str(steps), "--lr", str(LR), "--lr-warmup-iters", str(LR_WARMUP), "--seed", str(seed),
             "--eval-iters", "0", "--tensor-model-parallel-size", str(tp), *arm.flags, "--log-interval", "50"]
 
 
-def run_tp(workdir: Path, steps: int) -> dict:
+def run_tp(workdir: Path, steps: int, seed: int = 0) -> dict:
     """Train every arm at TP=1 and TP=2 through launch/train.sh and compare their losses per step."""
     import torch
 
     workdir = Path(workdir)
     gpus = torch.cuda.device_count()
-    base = {"model": MODEL, "seq_len": SEQ, "micro_batch": MICRO_BATCH, "steps": steps,
+    base = {"model": MODEL, "seq_len": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "seed": seed,
             "tolerances": {"loss_rtol": LOSS_RTOL, "first_loss_rtol": FIRST_LOSS_RTOL,
                            "first_grad_norm_rtol": GRAD_NORM_RTOL}}
     if gpus < 2:
@@ -78,11 +78,11 @@ def run_tp(workdir: Path, steps: int) -> dict:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
     # TP=1 runs side by side, spread over two GPUs (losses, not times, are compared); then the TP=2 runs in turn.
-    started = [start(f"{arm.name}-tp1", workdir, 1, train_flags(arm, 1, steps), {"CUDA_VISIBLE_DEVICES": ids[i % 2]})
-               for i, arm in enumerate(ARMS)]
+    started = [start(f"{arm.name}-tp1", workdir, 1, train_flags(arm, 1, steps, seed),
+                     {"CUDA_VISIBLE_DEVICES": ids[i % 2]}) for i, arm in enumerate(ARMS)]
     runs = {(arm.name, 1): run_record(wait(run)) for arm, run in zip(ARMS, started)}
     for arm in ARMS:
-        runs[arm.name, 2] = run_record(wait(start(f"{arm.name}-tp2", workdir, 2, train_flags(arm, 2, steps))))
+        runs[arm.name, 2] = run_record(wait(start(f"{arm.name}-tp2", workdir, 2, train_flags(arm, 2, steps, seed))))
     arms, checks = judge(runs, steps)
     commands = [run["command"] for run in runs.values()]
     return {**base, "checks": checks, "arms": arms, "commands": commands}
@@ -109,10 +109,11 @@ def judge(runs: dict[tuple[str, int], dict], steps: int) -> tuple[dict, dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=LOSS_STEPS)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fp8stack-tp-") as scratch:
-        print(json.dumps(run_tp(args.workdir or Path(scratch), args.steps), indent=2))
+        print(json.dumps(run_tp(args.workdir or Path(scratch), args.steps, args.seed), indent=2))
 
 
 if __name__ == "__main__":
