@@ -48,8 +48,9 @@ LR, LR_WARMUP = 1e-4, 60
 4-8k-token batches spiked (single-step losses 15% above the neighbours'), and a spike in one run and not in its
 twin left the two 1-3% apart for a hundred steps: runs that differ only in rounding parted by 1-2.3% at 200-300
 steps, in either direction, FP8 and BF16 all-gather alike (profiles/multigpu-second-run-h200.md and the git
-history of profiles/multigpu-h200.md). A lower LR and a longer warm-up keep Adam's first, nearly sign-like
-steps (where rounding differences are amplified most) and the later updates small enough not to spike."""
+history of profiles/multigpu-h200.md). A lower LR and a longer warm-up make Adam's first, nearly sign-like steps
+(where rounding differences are amplified most) smaller and spikes rarer; single steps still part by up to 16%
+(max_step_rel_gap), which is why only the first step and the last quarter's mean are judged."""
 LOSS_STEPS = 600
 """Steps of every run whose loss is compared: long enough for the LR to decay to lr / 10 and the curve to flatten,
 so that the mean over the last quarter measures where the run ended, not a spike on the way there."""
@@ -74,7 +75,7 @@ sums run in another order, so the runs round differently from the first step on 
 sharding bug (a missing gradient reduction, wrong batches or shards) moves the loss by far more."""
 FIRST_LOSS_RTOL = 1e-3
 """Relative gap of the first step's loss: the same weights and batch, so only the forward's rounding differs
-(measured: at most 0.04%). A wrong shard layout or batch split shows here before any update."""
+(measured: at most 0.04% over every run so far). A wrong shard layout or batch split shows here before any update."""
 GRAD_NORM_RTOL = 0.02
 """Relative gap of the first step's gradient norm (same weights, same global batch: only the rounding differs;
 measured: at most 0.17%). A missing or doubled gradient reduction moves it by 50% or more."""
