@@ -150,6 +150,9 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress-activations", action="store_true",
                         help="FP8 runs store the BF16 activations saved for backward in FP8 (a memory "
                              "lever; rolled back on llama-1b-like: +12%% loss, slower, profiles/NOTES.md 7)")
+    parser.add_argument("--global-batch-size", dest="global_batch", type=int, metavar="N",
+                        help="sequences per optimizer step in every run, accumulated over micro-batches (default: "
+                             "one micro-batch per step); TE FP8 runs then cast their weights once per step")
     parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
                         help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
                              "factory, TE linears (default: torch)")
@@ -158,7 +161,8 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
 def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
     """TrainConfig fields of add_speed_levers' options for a run of `recipe` (FP8 levers stay off in bf16)."""
     return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16,
-            "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl}
+            "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
+            "global_batch": args.global_batch}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +174,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backend for dense linears in FP8 arms (default: auto, the recipe's first)")
     parser.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
                         help="e4m3 or hybrid (default: each recipe's library default)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per step (default: TrainConfig's)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: TrainConfig's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="same weights and batches in every arm (default: 0)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -188,6 +192,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone with FSDP2")
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
+    parser.add_argument("--label", help="added to the evidence's name, ab-<model>[-megatron]-<label>-<gpu>, so a "
+                                        "variant run does not replace the main evidence")
 
 
 def run_ab(args: argparse.Namespace) -> int:
@@ -215,8 +221,8 @@ def run_ab(args: argparse.Namespace) -> int:
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
-    impl = "-megatron" if args.model_impl == "megatron" else ""  # the plain path's evidence keeps its name
-    stem = f"ab-{args.model}{impl}-{device_slug(env['device'])}"
+    impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
+    stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
     results: dict[str, dict | str] = {}
     backends: dict[str, str] = {}
     repeat = None
@@ -253,8 +259,10 @@ def run_ab(args: argparse.Namespace) -> int:
             "arms": [asdict(arm) for arm in arms],
         }
         table = _table(arms)
-        notes = (f"\nSame seed and data in every arm, each arm a fresh process; activations in {dtype} (the bf16 "
-                 f"arm is the plan without FP8). Noise: {payload['noise_method']}"
+        sequences = configs[0].global_batch or configs[0].micro_batch * args.nproc
+        notes = (f"\nSame seed and data in every arm, each arm a fresh process; {sequences} sequences per optimizer "
+                 f"step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
+                 f"bf16 arm is the plan without FP8). Noise: {payload['noise_method']}"
                  f"{_repeat_note(repeat_record)}. Loss tolerance: {tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps). MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")

@@ -36,6 +36,7 @@ from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from fp8stack.backends import BackendUnavailable, ConversionRecord, get_backend
+from fp8stack.backends.te import fp8_weight_caches, mark_fp8_weights_stale
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import BF16
 from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, has_te_modules,
@@ -354,21 +355,26 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
 
 
 def post_optimizer_step_hook(model: nn.Module) -> Callable[..., None]:
-    """The function to run after every optimizer step. With torchao tensorwise layers all-gathered
-    in FP8 under FSDP and precompute_fp8_scales requested, it computes all their weight scales in one
-    all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp); otherwise it does nothing.
-    Register it with optimizer.register_step_post_hook(hook), or call hook() after optimizer.step()."""
-    if not assembly_state(model).precompute_fp8_scales:
+    """The function to run after every optimizer step, for what changed weights invalidate: with torchao
+    tensorwise layers all-gathered in FP8 under FSDP and precompute_fp8_scales requested, all their weight
+    scales in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp); with TE layers that cache
+    FP8 weights across micro-batches (cache_fp8_weights), a fresh cast at the next forward. Otherwise it
+    does nothing. Register it with optimizer.register_step_post_hook(hook), or call hook() after optimizer.step()."""
+    precompute = assembly_state(model).precompute_fp8_scales
+    caches = fp8_weight_caches(model)
+    if not (precompute or caches):
         return _do_nothing
 
-    def precompute_fp8_scales(*_optimizer_hook_args) -> None:
-        precompute_float8_dynamic_scale_for_fsdp(model)
+    def after_optimizer_step(*_optimizer_hook_args) -> None:
+        if precompute:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        mark_fp8_weights_stale(caches)
 
-    return precompute_fp8_scales
+    return after_optimizer_step
 
 
 def _do_nothing(*_optimizer_hook_args) -> None:
-    """The post-step hook of a model with no FP8 weight scales to precompute."""
+    """The post-step hook of a model with nothing that changed weights invalidate."""
 
 
 def _record_precompute(model: nn.Module, requested: bool) -> None:

@@ -207,7 +207,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per run (default: 5)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="unprofiled steps first: allocator, kernel selection, compilation (default: 3)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per step (default: TrainConfig's)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: TrainConfig's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
@@ -218,6 +218,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"assumed FP8 over BF16 GEMM speed for the bound (default: {DEFAULT_GEMM_SPEEDUP})")
     parser.add_argument("--out-dir", default="profiles",
                         help="where the evidence goes and the A/B evidence is read from (default: profiles)")
+    parser.add_argument("--label", help="added to the evidence's name, profile-<model>-<label>-<gpu>; the A/B "
+                                        "evidence read is the one `fp8stack ab --label` of the same label wrote")
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -246,8 +248,9 @@ def run_profile(args: argparse.Namespace) -> int:
         return 2
 
     env = environment()
-    stem = f"profile-{args.model}-{device_slug(env['device'])}"
-    ab_path = Path(args.out_dir) / f"ab-{args.model}-{device_slug(env['device'])}.json"
+    name = "-".join(filter(None, (args.model, args.label, device_slug(env["device"]))))
+    stem = f"profile-{name}"
+    ab_path = Path(args.out_dir) / f"ab-{name}.json"
     profiled, baseline = runs[args.recipe], runs[BF16]
     gemm_share, fp8_share = baseline.share("gemm"), fp8_matmul_share(plan)
     gemm_ms = profiled.categories["gemm"]["ms_per_step"]

@@ -95,6 +95,7 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
                  "--seq-len", "64", "--device", "cpu", "--out-dir", str(tmp_path)])
     assert code == 0
     record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    assert "2 sequences per optimizer step in micro-batches of 2" in (tmp_path / "ab-tiny-cpu.md").read_text()
     assert {"device", "versions", "date", "command", "model", "steps", "arms"} <= set(record)
     assert record["complete"] is True and record["pending_arms"] == []
     assert "Partial" not in (tmp_path / "ab-tiny-cpu.md").read_text()
@@ -114,7 +115,8 @@ def test_a_killed_ab_keeps_the_arms_it_measured(tmp_path):
     """Killed while its second arm runs (as a GPU call's time limit kills it), the A/B has already
     written the first arm's evidence, marked partial, with the arms still to run."""
     command = [sys.executable, "-m", "fp8stack.ab", "--model", "tiny", "--recipes", "tensorwise", "--steps", "3",
-               "--micro-batch", "2", "--seq-len", "64", "--device", "cpu", "--out-dir", str(tmp_path)]
+               "--micro-batch", "2", "--seq-len", "64", "--device", "cpu", "--label", "killed",
+               "--out-dir", str(tmp_path)]
     ab = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
                           env={k: v for k, v in os.environ.items() if k != "OUT"})
     try:
@@ -124,11 +126,11 @@ def test_a_killed_ab_keeps_the_arms_it_measured(tmp_path):
         os.killpg(ab.pid, signal.SIGKILL)  # the harness and the arm's training process with it
         ab.wait()
     assert started, "the A/B ended before its second arm started"
-    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    record = json.loads((tmp_path / "ab-tiny-killed-cpu.json").read_text())  # --label names the evidence
     assert record["complete"] is False and record["pending_arms"] == ["tensorwise", "bf16 (repeat)"]
     assert [arm["recipe"] for arm in record["arms"]] == ["bf16"]
     assert record["arms"][0]["verdict"] == "baseline" and len(record["arms"][0]["loss_curve"]) == 3
-    markdown = (tmp_path / "ab-tiny-cpu.md").read_text()
+    markdown = (tmp_path / "ab-tiny-killed-cpu.md").read_text()
     assert "**Partial: the run has not finished.** Measured: bf16; pending: tensorwise, bf16 (repeat)." in markdown
 
 

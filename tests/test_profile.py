@@ -87,11 +87,13 @@ def test_measured_gain_reads_the_ab_evidence(tmp_path):
 
 
 def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
-    _ab_json(tmp_path / "ab-tiny-cpu.json", {"bf16": 1000.0, "tensorwise": 900.0})
+    _ab_json(tmp_path / "ab-tiny-gb4-cpu.json", {"bf16": 1000.0, "tensorwise": 900.0})  # the same label's A/B
     code = main(["--model", "tiny", "--fp8-recipe", "tensorwise", "--steps", "2", "--warmup", "1",
-                 "--micro-batch", "2", "--seq-len", "64", "--device", "cpu", "--out-dir", str(tmp_path)])
+                 "--micro-batch", "2", "--global-batch-size", "4", "--seq-len", "64", "--device", "cpu",
+                 "--label", "gb4", "--out-dir", str(tmp_path)])
     assert code == 0
-    record = json.loads((tmp_path / "profile-tiny-cpu.json").read_text())
+    record = json.loads((tmp_path / "profile-tiny-gb4-cpu.json").read_text())
+    assert record["train_config"]["global_batch"] == 4
     assert {"date", "command", "environment", "runs", "amdahl_bound", "gemm_share"} <= set(record)
     assert list(record["runs"]) == ["bf16", "tensorwise"]  # the bf16 profile gives the GEMM share
     for run in record["runs"].values():
@@ -112,7 +114,7 @@ def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert record["measured_gain"] == pytest.approx(0.9)
     out = capsys.readouterr().out
     assert "Amdahl bound on tensorwise's gain" in out and "measured (A/B tokens/s over bf16): 0.90x" in out
-    assert (tmp_path / "profile-tiny-cpu.md").read_text().count("| aten::mm | gemm |") == 1
+    assert (tmp_path / "profile-tiny-gb4-cpu.md").read_text().count("| aten::mm | gemm |") == 1
 
 
 def test_profile_subcommand_is_wired_into_the_cli(capsys):

@@ -93,6 +93,23 @@ def test_short_run_trains(recipe, tmp_path):
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(result.losses, rel=1e-6)
 
 
+@pytest.mark.parametrize("recipe, rel", [("bf16", 1e-5), ("tensorwise", 2e-3)])
+def test_gradient_accumulation_trains_on_the_whole_batch(recipe, rel):
+    """Two micro-batches of 2 per step take the steps one micro-batch of 4 takes (same windows, mean loss).
+    FP32 on a CPU agrees to rounding; tensorwise FP8 to its rounding, as each micro-batch has its own
+    activation scales."""
+    settings = dict(FAST, recipe=recipe, steps=4, warmup=1, eval_batches=0)
+    whole = train(TrainConfig(**{**settings, "micro_batch": 4}))
+    accumulated = train(TrainConfig(**{**settings, "micro_batch": 2}, global_batch=4))
+    halves = train(TrainConfig(**{**settings, "micro_batch": 2}))
+    assert accumulated.tokens_per_step == whole.tokens_per_step == 2 * halves.tokens_per_step
+    assert accumulated.losses == pytest.approx(whole.losses, rel=rel)
+    assert accumulated.grad_norms == pytest.approx(whole.grad_norms, rel=10 * rel)
+    assert halves.losses != pytest.approx(whole.losses, rel=10 * rel)  # other batches: the check can fail
+    with pytest.raises(TrainConfigError, match="positive multiple of micro_batch=2"):
+        TrainConfig(micro_batch=2, global_batch=3)
+
+
 def test_fsdp_one_rank_shards_a_single_process_over_a_one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule

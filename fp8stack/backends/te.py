@@ -78,6 +78,10 @@ class TEBackend:
     """Fuse attention_norm + attention.wqkv and ffn_norm + feed_forward.w13 of fp8stack Llama blocks
     into te.pytorch.LayerNormLinear(normalization='RMSNorm'): one kernel normalizes and casts to FP8,
     saving a BF16 round trip of the activations. The norm is replaced by nn.Identity."""
+    cache_fp8_weights: bool = False
+    """Cast each weight to FP8 on the first micro-batch of a step and reuse that copy for the step's other
+    micro-batches (TE's is_first_microbatch); call mark_fp8_weights_stale after each optimizer step (the
+    assembly's post_optimizer_step_hook does). The copies stay allocated between steps."""
 
     name: ClassVar[str] = "te"
 
@@ -119,14 +123,15 @@ class TEBackend:
                 # The norm's weight moves into the LayerNormLinear; the norm itself becomes a no-op.
                 swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
                 swaps.append((d.fqn, partial(te_modules.layernorm_linear_from, norm, linear, te_recipes[d.recipe],
-                                             name=d.fqn), (d.fqn,)))
+                                             name=d.fqn, cache_weights=self.cache_fp8_weights), (d.fqn,)))
             else:
-                swaps.append((d.fqn, partial(te_modules.linear_from, linear, te_recipes[d.recipe], name=d.fqn),
-                              (d.fqn,)))
+                swaps.append((d.fqn, partial(te_modules.linear_from, linear, te_recipes[d.recipe], name=d.fqn,
+                                              cache_weights=self.cache_fp8_weights), (d.fqn,)))
         for module_fqn, (w13, w2) in expert_pairs.items():
             grouped = _checked(_grouped_experts_at(model, module_fqn, w13, w2), module_fqn, shared)
             swaps.append((module_fqn, partial(te_modules.grouped_experts_from, grouped, te_recipes[w13.recipe],
-                                              name=module_fqn), (w13.fqn, w2.fqn)))
+                                              name=module_fqn, cache_weights=self.cache_fp8_weights),
+                          (w13.fqn, w2.fqn)))
         # Build every module before swapping any: a module refused while built leaves the model as it was.
         built = [(fqn, factory(), runs) for fqn, factory, runs in swaps]
         for fqn, new, runs in built:
@@ -137,11 +142,25 @@ class TEBackend:
             record.notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
                                 f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), so one FP8 autocast per "
                                 "module updates each scale once per step, as one model-wide autocast would")
+        if self.cache_fp8_weights:
+            record.notes.append("cache_fp8_weights: each weight is cast to FP8 on a step's first micro-batch and the "
+                                "copy reused by its other micro-batches (TE is_first_microbatch)")
         fused = [fqn for fqn, cls in record.converted.items() if cls == "Identity"]
         if fused:
             record.notes.append(f"fuse_norm: {len(fused)} RMSNorm(s) folded into te LayerNormLinear "
                                 f"(e.g. {fused[0]}); their fqns now run nn.Identity")
         return model, record
+
+
+def fp8_weight_caches(model: nn.Module) -> list[nn.Module]:
+    """The TE modules of `model` that cache their FP8 weights across micro-batches (cache_fp8_weights)."""
+    return [m for m in model.modules() if getattr(m, "is_first_microbatch", None) is not None]
+
+
+def mark_fp8_weights_stale(modules: list[nn.Module]) -> None:
+    """The weights changed (an optimizer step): the next forward of each module casts them to FP8 again."""
+    for module in modules:
+        module.is_first_microbatch = True
 
 
 def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], dict, list[str]]:

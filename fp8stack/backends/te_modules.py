@@ -24,14 +24,39 @@ from transformer_engine.pytorch.quantization import get_align_size_for_quantizat
 from fp8stack.plan import PlanError
 
 
-class _OwnAutocast:
+class _WeightCache:
+    """Mixin: TE's is_first_microbatch, driven as megatron's training loop drives it. None: the weights are
+    cast to FP8 at every forward. True: the next forward casts them and keeps the FP8 copy; False: forwards
+    reuse that copy (the weights have not changed since). fp8stack.backends.te.mark_fp8_weights_stale sets
+    True again after each optimizer step."""
+
+    is_first_microbatch: bool | None = None
+
+    def _take_first_microbatch(self) -> bool | None:
+        """This forward's is_first_microbatch; later forwards of the same step reuse the copy it makes."""
+        first = self.is_first_microbatch
+        if first:
+            self.is_first_microbatch = False
+        return first
+
+
+class _OwnAutocast(_WeightCache):
     """Mixin: forward runs under an FP8 autocast with this module's recipe."""
 
     autocast_recipe: Recipe
 
     def forward(self, *args, **kwargs):
+        if self.is_first_microbatch is not None:
+            return self._forward_caching(*args, **kwargs)
         with te.autocast(enabled=True, recipe=self.autocast_recipe):
             return super().forward(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _forward_caching(self, *args, **kwargs):
+        """Outside torch.compile: TE 2.20 runs cached FP8 weights eagerly only, and dynamo tracing into a
+        module holding them fails (AttributeError on Float8Tensor._data, seen under --compile)."""
+        with te.autocast(enabled=True, recipe=self.autocast_recipe):
+            return super().forward(*args, is_first_microbatch=self._take_first_microbatch(), **kwargs)
 
 
 class TELinear(_OwnAutocast, te.Linear):
@@ -42,7 +67,7 @@ class TELayerNormLinear(_OwnAutocast, te.LayerNormLinear):
     """te.pytorch.LayerNormLinear (RMSNorm fused with the FP8 cast and GEMM) in its own FP8 autocast."""
 
 
-class TEGroupedExperts(nn.Module):
+class TEGroupedExperts(_WeightCache, nn.Module):
     """fp8stack GroupedExperts on two te.pytorch.GroupedLinear: fc1 E x (D -> 2F) gate and up,
     fc2 E x (F -> D) down, SwiGLU between; the same forward(x_sorted [R, D], offsets [E]) -> [R, D]."""
 
@@ -65,12 +90,21 @@ class TEGroupedExperts(nn.Module):
         # TE splits the rows on the host: one device-to-host copy of the E counts per call.
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
         rows = sum(counts)
-        with te.autocast(enabled=True, recipe=self.autocast_recipe):
-            x, splits = self.pad(x_sorted[:rows], counts)
-            gate, up = self.fc1(x, splits).chunk(2, dim=-1)
-            out = self.unpad(self.fc2(F.silu(gate) * up, splits), counts)
+        experts = self._experts if self.is_first_microbatch is None else self._experts_caching
+        out = experts(x_sorted[:rows], counts)
         padding = x_sorted.shape[0] - rows
         return F.pad(out, (0, 0, 0, padding)) if padding else out
+
+    def _experts(self, x: torch.Tensor, counts: list[int], first: bool | None = None) -> torch.Tensor:
+        with te.autocast(enabled=True, recipe=self.autocast_recipe):
+            x, splits = self.pad(x, counts)
+            gate, up = self.fc1(x, splits, is_first_microbatch=first).chunk(2, dim=-1)
+            return self.unpad(self.fc2(F.silu(gate) * up, splits, is_first_microbatch=first), counts)
+
+    @torch.compiler.disable
+    def _experts_caching(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Outside torch.compile, as _OwnAutocast._forward_caching."""
+        return self._experts(x, counts, self._take_first_microbatch())
 
     def init_weights(self, init_std: float) -> None:
         """GroupedExperts.init_weights in this layout (the model's init_weights after building on 'meta')."""
@@ -79,21 +113,24 @@ class TEGroupedExperts(nn.Module):
             nn.init.trunc_normal_(getattr(self.fc2, f"weight{e}"), std=init_std)
 
 
-def linear_from(linear: nn.Linear, recipe: Recipe, name: str) -> TELinear:
-    """A TELinear with `linear`'s shape, dtype, device and (bit-exact) weights."""
+def linear_from(linear: nn.Linear, recipe: Recipe, name: str, cache_weights: bool = False) -> TELinear:
+    """A TELinear with `linear`'s shape, dtype, device and (bit-exact) weights; cache_weights: see _WeightCache."""
     weight = linear.weight
     with _rng_kept(weight.device):
         new = TELinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                        params_dtype=weight.dtype, device=str(weight.device), name=name)
     new.autocast_recipe = recipe
+    new.is_first_microbatch = True if cache_weights else None
     _copy(new.weight, weight)
     if linear.bias is not None:
         _copy(new.bias, linear.bias)
     return new.train(linear.training)
 
 
-def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, name: str) -> TELayerNormLinear:
-    """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly."""
+def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, name: str,
+                          cache_weights: bool = False) -> TELayerNormLinear:
+    """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly;
+    cache_weights: see _WeightCache."""
     weight = linear.weight
     norm_weight = getattr(norm, "weight", None)
     if (not isinstance(norm_weight, torch.Tensor) or not hasattr(norm, "eps")
@@ -114,6 +151,7 @@ def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, na
                                 normalization="RMSNorm", params_dtype=weight.dtype, device=str(weight.device),
                                 name=name)
     new.autocast_recipe = recipe
+    new.is_first_microbatch = True if cache_weights else None
     _copy(new.layer_norm_weight, norm_weight)
     _copy(new.weight, weight)
     if linear.bias is not None:
@@ -121,13 +159,15 @@ def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, na
     return new.train(linear.training)
 
 
-def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str) -> TEGroupedExperts:
-    """A TEGroupedExperts holding `experts`' w13 [E, 2F, D] and w2 [E, D, F] one expert per GEMM, bit-exactly."""
+def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str, cache_weights: bool = False) -> TEGroupedExperts:
+    """A TEGroupedExperts holding `experts`' w13 [E, 2F, D] and w2 [E, D, F] one expert per GEMM, bit-exactly;
+    cache_weights: see _WeightCache."""
     w13, w2 = experts.w13, experts.w2
     num_experts, two_hidden, dim = w13.shape
     with _rng_kept(w13.device):
         new = TEGroupedExperts(num_experts, dim, two_hidden // 2, recipe=recipe, params_dtype=w13.dtype,
                                device=str(w13.device), name=name)
+    new.is_first_microbatch = True if cache_weights else None
     for e in range(num_experts):
         _copy(getattr(new.fc1, f"weight{e}"), w13[e])
         _copy(getattr(new.fc2, f"weight{e}"), w2[e])

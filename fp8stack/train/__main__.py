@@ -44,6 +44,9 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--weight-decay", "weight_decay", {"type": float}),
     ("--clip-grad", "grad_clip", {"type": float, "help": "global gradient-norm clip; 0 disables"}),
     ("--micro-batch-size", "micro_batch", {"type": int, "metavar": "N"}),
+    ("--global-batch-size", "global_batch", {"type": int, "metavar": "N",
+                                             "help": "sequences per optimizer step over all ranks (gradient "
+                                                     "accumulation); default: one micro-batch per rank"}),
     ("--seq-length", "seq_len", {"type": int, "metavar": "N", "help": "default: the model's"}),
     ("--seed", "seed", {"type": int}),
     ("--dtype", "dtype", {"choices": ("auto", "bf16", "fp32"), "help": "activation dtype (auto: bf16 on CUDA)"}),

@@ -89,7 +89,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm (computed in FP32) to this; 0 disables clipping."""
     micro_batch: int = 8
-    """Sequences per step and data-parallel rank."""
+    """Sequences per forward/backward pass and data-parallel rank."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks (Megatron's --global-batch-size): each rank
+    accumulates the gradients of global_batch / (micro_batch x ranks) micro-batches; None: one micro-batch."""
     seq_len: int | None = None
     """Tokens per sequence; None takes the model's seq_len."""
     seed: int = 0
@@ -163,6 +166,9 @@ class TrainConfig:
                 raise TrainConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise TrainConfigError(f"warmup must be non-negative, got {self.warmup}")
+        if self.global_batch is not None and (self.global_batch < 1 or self.global_batch % self.micro_batch):
+            raise TrainConfigError(f"global_batch={self.global_batch} must be a positive multiple of "
+                                   f"micro_batch={self.micro_batch} (times the data-parallel ranks)")
         if self.profile_collectives < 0:
             raise TrainConfigError(f"profile_collectives must be non-negative, got {self.profile_collectives}")
         if self.min_lr is None:
@@ -280,7 +286,9 @@ class Session:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     """Warm-up then cosine decay (lr_at)."""
     data: TextData
-    """Training batches of this data-parallel rank."""
+    """Training batches of this data-parallel rank: one item holds all micro-batches of a step."""
+    micro_batches: int
+    """Micro-batches per optimizer step whose gradients are accumulated."""
     seq_len: int
     """Tokens per sequence."""
     dtype: torch.dtype
@@ -299,12 +307,17 @@ class Session:
         return torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
 
     def step(self, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step on the next batch: (loss, gradient norm) as device tensors (no host sync)
-        and the learning rate it used."""
-        tokens, targets = (t.to(self.env.device, non_blocking=True) for t in next(self.data))
-        with self.autocast(), self.compressor or nullcontext():
-            loss = self.loss_fn(tokens, targets)
-        loss.backward()
+        """One optimizer step on the next batch, accumulating the gradients of its micro-batches: (mean
+        loss, gradient norm) as device tensors (no host sync) and the learning rate it used."""
+        losses = []
+        for tokens, targets in zip(*(t.chunk(self.micro_batches) for t in next(self.data)), strict=True):
+            tokens, targets = tokens.to(self.env.device, non_blocking=True), targets.to(self.env.device,
+                                                                                        non_blocking=True)
+            with self.autocast(), self.compressor or nullcontext():
+                loss = self.loss_fn(tokens, targets)
+            (loss / self.micro_batches).backward()  # equal-sized micro-batches: the step's mean loss
+            losses.append(loss.detach())
+        loss = torch.stack(losses).mean()
         grad_norm = self.clip_fn(grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -321,6 +334,7 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
 
     with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device), ExitStack() as stack:
         device, dtype = env.device, _activation_dtype(cfg, env.device)
+        micro_batches = _micro_batches(cfg, env.dp_size)
         if cfg.compress_activations and dtype == torch.float32:
             raise TrainConfigError("compress_activations stores BF16 activations as FP8 and keeps FP32 tensors (the "
                                    "loss's log-softmax, attention log-sum-exps, norm statistics), so this FP32 run "
@@ -343,14 +357,15 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
                              fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
                              precompute_fp8_scales=cfg.precompute_fp8_scales,
                              fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-                             backend_options=_backend_options(cfg, plan))
+                             backend_options=_backend_options(cfg, plan, micro_batches))
             loss_fn, clip_fn = functools.partial(_llama_loss, model), functools.partial(_clip, model)
             after_step = post_optimizer_step_hook(model)
         optimizer = _adamw(model, cfg, device)
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
-                      data=TextData(seq_len, cfg.micro_batch, cfg.seed, "train", rank=env.dp_rank,
+                      data=TextData(seq_len, cfg.micro_batch * micro_batches, cfg.seed, "train", rank=env.dp_rank,
                                     ranks=env.dp_size, max_bytes=cfg.max_data_bytes),
+                      micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
                       compressor=compress_saved_activations(model) if cfg.compress_activations else None)
 
@@ -369,7 +384,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             print(f"the checkpoint is at step {start} and steps={cfg.steps}: nothing left to train "
                   "(raise --train-iters to continue)", file=sys.stderr)
         result = TrainResult(config=asdict(cfg), device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
-                             world_size=env.world_size, tokens_per_step=cfg.micro_batch * seq_len * env.dp_size,
+                             world_size=env.world_size,
+                             tokens_per_step=cfg.micro_batch * run.micro_batches * seq_len * env.dp_size,
                              plan_summary=run.plan.summary(), first_step=start)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -414,15 +430,27 @@ def _sdpa_backend(cfg: TrainConfig, device: torch.device):
     return sdpa_backend(cfg.sdpa_backend, device)
 
 
-def _backend_options(cfg: TrainConfig, plan: Plan) -> dict[str, dict] | None:
-    """Constructor options for the plan's backends: fuse_norm goes to TE, which must be in the plan."""
-    if not cfg.fuse_norm:
-        return None
-    if not plan.for_backend("te"):
+def _micro_batches(cfg: TrainConfig, dp_size: int) -> int:
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    if cfg.global_batch is None:
+        return 1
+    per_pass = cfg.micro_batch * dp_size
+    if cfg.global_batch % per_pass:
+        raise TrainConfigError(f"global_batch={cfg.global_batch} is not a multiple of micro_batch={cfg.micro_batch} x "
+                               f"{dp_size} data-parallel rank(s) = {per_pass}: pick a multiple of {per_pass}")
+    return cfg.global_batch // per_pass
+
+
+def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
+    """Constructor options for the plan's TE backend: fuse_norm (which needs TE layers in the plan) and,
+    with more than one micro-batch per step, FP8 weights cast once per step and cached (TE's
+    is_first_microbatch; with one micro-batch the cache would only hold memory)."""
+    if cfg.fuse_norm and not plan.for_backend("te"):
         raise TrainConfigError("fuse_norm folds RMSNorms into TransformerEngine LayerNormLinear modules, but "
                                f"the plan for recipe {cfg.recipe!r} has no TE layers: use --backend te with an FP8 "
                                "recipe, or drop --fuse-norm")
-    return {"te": {"fuse_norm": True}}
+    options = {"fuse_norm": cfg.fuse_norm, "cache_fp8_weights": micro_batches > 1}
+    return {"te": options} if plan.for_backend("te") and any(options.values()) else None
 
 
 def _recompute_blocks(spec: str | None) -> list[int] | str | None:
