@@ -153,6 +153,9 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", dest="global_batch", type=int, metavar="N",
                         help="sequences per optimizer step in every run, accumulated over micro-batches (default: "
                              "one micro-batch per step); TE FP8 runs then cast their weights once per step")
+    parser.add_argument("--gradient-accumulation-fusion", action="store_true",
+                        help="--model-impl megatron, every run: megatron DDP's FP32 main_grad buffers written by "
+                             "TE's wgrad GEMMs (the BF16 run's TE linears too)")
     parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
                         help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
                              "factory, TE linears (default: torch)")
@@ -162,7 +165,7 @@ def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
     """TrainConfig fields of add_speed_levers' options for a run of `recipe` (FP8 levers stay off in bf16)."""
     return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16,
             "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
-            "global_batch": args.global_batch}
+            "global_batch": args.global_batch, "gradient_accumulation_fusion": args.gradient_accumulation_fusion}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -206,6 +206,8 @@ def test_config_errors_name_the_fix(capsys):
         TrainConfig(model="gpt5")
     with pytest.raises(TrainConfigError, match="needs checkpoint_dir"):
         TrainConfig(resume="latest")
+    with pytest.raises(TrainConfigError, match="use it with --model-impl megatron"):
+        TrainConfig(gradient_accumulation_fusion=True)
     assert train_main(["--recompute-granularity", "full", "--recompute-modules", "mlp"]) == 2
     assert "drop one of them" in capsys.readouterr().err
     assert train_main(["--fp8-recipe", "rowwise_gw_hp", "--dtype", "bf16", "--device", "cpu", "--train-iters", "1",

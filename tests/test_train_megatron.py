@@ -66,6 +66,7 @@ def test_flags_map_onto_megatrons_transformer_config():
     (["--small-gemm-filter", "rowwise"], "small-gemm-filter"),
     (["--no-fused-projections"], "fused"),
     (["--tensor-model-parallel-size", "2", "--save", "ckpt"], "--tensor-model-parallel-size 1"),
+    (["--gradient-accumulation-fusion", "--save", "ckpt"], "drop --save/--load or --gradient-accumulation-fusion"),
 ])
 def test_options_the_megatron_path_cannot_honour_are_refused(flags, names, capsys):
     assert train_main(["--model-impl", "megatron", *flags]) == 2

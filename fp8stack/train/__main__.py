@@ -62,6 +62,9 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
                 "+12%% loss, slower; profiles/NOTES.md 7)"}),
     ("--recompute-layers", "recompute", {"metavar": "all|I,J", "help": "blocks to recompute in backward"}),
     ("--tensor-model-parallel-size", "tensor_parallel", {"type": int, "metavar": "N"}),
+    ("--gradient-accumulation-fusion", "gradient_accumulation_fusion", {
+        "action": argparse.BooleanOptionalAction,
+        "help": "--model-impl megatron: megatron DDP's FP32 main_grad buffers, written by TE's wgrad GEMMs"}),
     ("--fsdp-one-rank", "fsdp_one_rank", {"action": argparse.BooleanOptionalAction,
                                           "help": "FSDP2 on one data-parallel rank too (a sharded run's numerics)"}),
     ("--fsdp-float8-all-gather", "fsdp_float8_all_gather", {"action": argparse.BooleanOptionalAction}),

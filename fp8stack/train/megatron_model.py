@@ -7,9 +7,9 @@ same device) and copied into megatron's layouts (load_llama_weights), each rank 
 implementations and every tensor-parallel degree start from the same function and TP=2 can be compared with
 TP=1. Precision is the plain path's: FP32 parameters (the master weights AdamW updates), activations under
 torch.autocast, FP8 inside the TE modules the plan puts in FP8.
-Without megatron's DDP wrapper, two of its finalize_model_grads duties are done here: the gradients of
-sequence-parallel norm weights are summed over the TP group, and the gradient norm counts each
-TP-replicated parameter once.
+Megatron's DDP wrapper is used only for gradient_accumulation_fusion (its FP32 main_grad buffers); either way
+two of megatron's finalize_model_grads duties are done here: the gradients of sequence-parallel norm weights
+are summed over the TP group, and the gradient norm counts each TP-replicated parameter once.
 """
 
 from collections.abc import Iterator
@@ -56,6 +56,9 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.sdpa_backend != "auto":
         raise TrainConfigError(f"sdpa_backend={cfg.sdpa_backend!r}: megatron's attention is TE's "
                                "DotProductAttention, not torch SDPA; leave --sdpa-backend at auto")
+    if cfg.gradient_accumulation_fusion and (cfg.checkpoint_dir or cfg.resume):
+        raise TrainConfigError("checkpoints of a model in megatron's DistributedDataParallel (gradient_accumulation_"
+                               "fusion) are not supported yet: drop --save/--load or --gradient-accumulation-fusion")
     if cfg.tensor_parallel > 1 and (cfg.checkpoint_dir or cfg.resume):
         raise TrainConfigError("checkpoints of a tensor-parallel Megatron model are not supported: the trainer's "
                                "checkpoints (torch.distributed.checkpoint) see megatron's shards as plain tensors "
@@ -216,6 +219,8 @@ class MegatronModel:
     """Tokens per sequence."""
     tp_group: object
     """megatron's tensor-parallel process group."""
+    main_grads: bool = False
+    """The model is megatron's DistributedDataParallel (with_main_grads): gradients land in param.main_grad."""
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (megatron's vocab-parallel one, FP32) of one batch."""
@@ -223,13 +228,40 @@ class MegatronModel:
         return self.model(tokens, positions, None, labels=targets).float().mean()
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        """finish_grads over the model's parameters."""
-        return finish_grads(list(self.model.parameters()), max_norm, self.tp_group)
+        """finish_grads over the model's parameters (with main_grads: DDP's buffers, handed to AdamW as .grad)."""
+        params = list(self.model.parameters())
+        if self.main_grads:
+            self.model.finish_grad_sync()
+            for p in params:
+                p.grad = p.main_grad
+        return finish_grads(params, max_norm, self.tp_group)
 
     def after_optimizer_step(self) -> None:
         """The weights changed: megatron's TE linears cast them to FP8 on the first micro-batch of a step
-        and reuse that copy until told a new step began, as megatron's training loop tells them."""
+        and reuse that copy until told a new step began, as megatron's training loop tells them; DDP's
+        gradient buffers start the next step at zero."""
         self.model.set_is_first_microbatch()
+        if self.main_grads:
+            self.model.zero_grad_buffer()
+
+
+def with_main_grads(model: torch.nn.Module, config) -> torch.nn.Module:
+    """`model` in megatron's DistributedDataParallel (FP32 main_grad buffers) with its TE linears writing weight
+    gradients into them from the wgrad GEMM. TE takes the option at construction from
+    config.gradient_accumulation_fusion, which the output head's ColumnParallelLinear would refuse without
+    apex's fused_weight_gradient_mlp_cuda; so the model is built without it, the TE modules are switched on
+    here, and the head's gradient is added into its buffer by DDP's hook."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    linears = [m for m in model.modules()
+               if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "fuse_wgrad_accumulation")]
+    if not linears:
+        raise TrainConfigError("gradient_accumulation_fusion needs TransformerEngine linears in the GPTModel, and "
+                               "this one has none: install TransformerEngine or drop the option")
+    for linear in linears:
+        linear.fuse_wgrad_accumulation = True
+    return DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
 
 
 @contextmanager
@@ -260,8 +292,11 @@ def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=te_usable())
         # The plain Llama as --model-impl torch draws it (cfg.seed, on env.device: CUDA's generator).
         model = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
+        if cfg.gradient_accumulation_fusion:
+            model = with_main_grads(model, config)
         yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,
-                            tp_group=parallel_state.get_tensor_model_parallel_group())
+                            tp_group=parallel_state.get_tensor_model_parallel_group(),
+                            main_grads=cfg.gradient_accumulation_fusion)
     finally:
         parallel_state.destroy_model_parallel()
         if made_group:

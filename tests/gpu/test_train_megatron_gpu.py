@@ -51,3 +51,28 @@ def test_megatron_fp8_training_learns():
     result = train(megatron_tensorwise(steps=30, lr=1e-3, warmup=3))
     head, tail = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
     assert all(x == x for x in result.losses) and tail < 0.8 * head, result.losses
+
+
+def test_fused_wgrad_accumulation_writes_te_weight_gradients_into_main_grad():
+    """--gradient-accumulation-fusion: megatron's DDP holds FP32 main_grad buffers and the TE linears' wgrad
+    GEMMs write into them (no autograd .grad for those weights); two micro-batches per step then train as
+    autograd's gradients do: the same first loss (no update yet) and losses within BF16 wgrad rounding."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    cfg = megatron_tensorwise(steps=1, gradient_accumulation_fusion=True)
+    with _Distributed(cfg) as env, megatron_model.build(cfg, env) as built:
+        assert isinstance(built.model, DistributedDataParallel) and built.main_grads
+        te_weights = [m.weight for m in built.model.module.decoder.modules()
+                      if isinstance(m, (te.Linear, te.LayerNormLinear)) and m.fuse_wgrad_accumulation]
+        assert te_weights, "the TE linears must be switched to fused wgrad accumulation"
+        tokens = torch.randint(0, 256, (2, built.seq_len), device=env.device)
+        built.loss(tokens, tokens.roll(-1, 1)).backward()
+        assert all(w.grad_added_to_main_grad and w.main_grad.dtype == torch.float32 for w in te_weights)
+        assert all(w.main_grad.abs().sum() > 0 for w in te_weights), "the wgrad GEMMs wrote no gradient"
+
+    settings = dict(steps=5, lr=1e-3, warmup=1, micro_batch=2, global_batch=4)
+    fused = train(megatron_tensorwise(**settings, gradient_accumulation_fusion=True))
+    plain = train(megatron_tensorwise(**settings))
+    assert fused.losses[0] == pytest.approx(plain.losses[0], rel=1e-5)
+    assert fused.grad_norms[0] == pytest.approx(plain.grad_norms[0], rel=1e-2)
+    assert fused.losses == pytest.approx(plain.losses, rel=2e-2), (fused.losses, plain.losses)
