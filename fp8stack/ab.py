@@ -13,12 +13,14 @@ arms until the last one has run, so a killed run keeps what it measured), and a 
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -95,6 +97,8 @@ class Arm:
     """Share of forward GEMM FLOPs the plan runs in FP8."""
     loss_curve: list[float] | None = None
     """Training loss per step."""
+    ran_between: list[float] | None = None
+    """[start, collection] of the arm's process(es) in seconds since the epoch (arms run with --gpus overlap)."""
 
 
 def peak_tflops(device: str) -> dict[str, float] | None:
@@ -194,6 +198,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run bf16 once, not first and last: faster, but the noise is then only step-time spread")
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone with FSDP2")
+    parser.add_argument("--gpus", type=lambda text: [g.strip() for g in text.split(",") if g.strip()], metavar="0,1",
+                        help="run the arms side by side, one per listed GPU (CUDA_VISIBLE_DEVICES), in waves: for long "
+                             "loss runs; each arm's step time is then taken while the others run")
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
     parser.add_argument("--label", help="added to the evidence's name, ab-<model>[-megatron]-<label>-<gpu>, so a "
                                         "variant run does not replace the main evidence")
@@ -217,6 +224,9 @@ def run_ab(args: argparse.Namespace) -> int:
                  **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
                  **({"seq_len": args.seq_len} if args.seq_len else {})}
     try:
+        if args.gpus and args.nproc > 1:
+            raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
+                                   "use one of them")
         recipes = _recipes(args.recipes)
         configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
                                log_interval=max(1, args.steps // 4)) for recipe in recipes]
@@ -248,7 +258,7 @@ def run_ab(args: argparse.Namespace) -> int:
             "pending_arms": todo,
             "device": env["device"],
             "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
-            "model": args.model, "steps": args.steps, "nproc": args.nproc,
+            "model": args.model, "steps": args.steps, "nproc": args.nproc, "gpus": args.gpus,
             "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
                              "fuse_norm": args.fuse_norm,  # FP8 arms only
                              "compress_activations": args.compress_activations},  # FP8 arms only
@@ -263,8 +273,9 @@ def run_ab(args: argparse.Namespace) -> int:
         }
         table = _table(arms)
         sequences = configs[0].global_batch or configs[0].micro_batch * args.nproc
-        notes = (f"\nSame seed and data in every arm, each arm a fresh process; {sequences} sequences per optimizer "
-                 f"step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
+        side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
+        notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
+                 f"per optimizer step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
                  f"bf16 arm is the plan without FP8). Noise: {payload['noise_method']}"
                  f"{_repeat_note(repeat_record)}. Loss tolerance: {tolerance:.2%} relative "
                  f"(final loss = mean of the last "
@@ -276,22 +287,28 @@ def run_ab(args: argparse.Namespace) -> int:
         json_path, md_path = write_evidence(stem, payload, banner + markdown + notes, out_dir=args.out_dir)
         return arms, table, markdown, json_path, md_path
 
+    slots = args.gpus or [None]
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
-        for index, cfg in enumerate(configs, 1):
-            print(f"[{index}/{len(configs)}] {cfg.model} {cfg.recipe} ({cfg.steps} steps, fresh process)", flush=True)
-            try:
-                backends[cfg.recipe] = _planned_backend(cfg.recipe, args.backend)
-            except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
-                backends[cfg.recipe] = args.backend
-                results[cfg.recipe] = " ".join(str(err).split())
-                print(f"    skipped: {results[cfg.recipe]}", flush=True)
-            else:
-                results[cfg.recipe] = _run_arm(cfg, Path(scratch), args.nproc)
+        for wave in itertools.batched(enumerate(configs, 1), len(slots)):
+            outcomes: dict[str, _RunningArm | str] = {}
+            for (index, cfg), gpu in zip(wave, slots):
+                print(f"[{index}/{len(configs)}] {cfg.model} {cfg.recipe} ({cfg.steps} steps, fresh process"
+                      + (f", GPU {gpu})" if gpu else ")"), flush=True)
+                try:
+                    backends[cfg.recipe] = _planned_backend(cfg.recipe, args.backend)
+                except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
+                    backends[cfg.recipe] = args.backend
+                    outcomes[cfg.recipe] = " ".join(str(err).split())
+                    print(f"    skipped: {outcomes[cfg.recipe]}", flush=True)
+                else:
+                    outcomes[cfg.recipe] = _RunningArm(cfg, Path(scratch), args.nproc, gpu)
+            for recipe, outcome in outcomes.items():  # in config order: bf16 stays first
+                results[recipe] = outcome.result() if isinstance(outcome, _RunningArm) else outcome
             if pending():
                 record()
         if pending():
             print(f"[{len(configs) + 1}/{len(configs) + 1}] {args.model} bf16 again (run-to-run noise)", flush=True)
-            repeat = _run_arm(configs[0], Path(scratch), args.nproc)
+            repeat = _RunningArm(configs[0], Path(scratch), args.nproc, slots[0]).result()
 
     arms, table, markdown, json_path, md_path = record()
     png = _plot(arms, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
@@ -314,21 +331,35 @@ def _planned_backend(recipe: str, preference: str) -> str:
     return BF16 if recipe == BF16 else dense_backend(get_recipe(recipe), preference)
 
 
-def _run_arm(cfg, scratch: Path, nproc: int) -> dict | str:
-    """The TrainResult dict of fresh `python -m fp8stack.train` process(es), or the error they ended with."""
-    config_path, result_path = scratch / f"{cfg.recipe}.config.json", scratch / f"{cfg.recipe}.result.json"
-    config_path.write_text(json.dumps(asdict(cfg)))
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-    command = [sys.executable, *launcher, "-m", "fp8stack.train", "--config", str(config_path),
-               "--result-json", str(result_path)]
-    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, env={**os.environ, **NO_MULTICAST_ENV})
-    if done.returncode != 0 or not result_path.is_file():
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if "error" in line.lower()]
-        why = (errors or lines or [f"exit code {done.returncode}"])[-1]
-        print(f"    failed: {why}", flush=True)
-        return why.removeprefix("python -m fp8stack.train: error: ")
-    return json.loads(result_path.read_text())
+class _RunningArm:
+    """Fresh `python -m fp8stack.train` process(es) for one arm, started on construction (on `gpu` alone when given)."""
+
+    def __init__(self, cfg, scratch: Path, nproc: int, gpu: str | None = None):
+        self.config_path, self.result_path = (scratch / f"{cfg.recipe}.{kind}.json" for kind in ("config", "result"))
+        self.config_path.write_text(json.dumps(asdict(cfg)))
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+        command = [sys.executable, *launcher, "-m", "fp8stack.train", "--config", str(self.config_path),
+                   "--result-json", str(self.result_path)]
+        env = {**os.environ, **NO_MULTICAST_ENV, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: arms side by side never block on it
+        self.process = subprocess.Popen(command, stderr=self.stderr, text=True, env=env)
+        self.ran_between = [time.time()]
+        """[start, collection] in seconds since the epoch; collection is when result() returned."""
+
+    def result(self) -> dict | str:
+        """Wait for the arm: its TrainResult dict (with ran_between), or the error it ended with."""
+        code = self.process.wait()
+        self.ran_between.append(time.time())
+        self.stderr.seek(0)
+        stderr = self.stderr.read()
+        self.stderr.close()
+        if code != 0 or not self.result_path.is_file():
+            lines = [line for line in stderr.splitlines() if line.strip()]
+            errors = [line for line in lines if "error" in line.lower()]
+            why = (errors or lines or [f"exit code {code}"])[-1]
+            print(f"    failed: {why}", flush=True)
+            return why.removeprefix("python -m fp8stack.train: error: ")
+        return {**json.loads(self.result_path.read_text()), "ran_between": self.ran_between}
 
 
 def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
@@ -390,7 +421,7 @@ def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None) 
         peak_mem_gib=result["peak_mem_gib"] if on_cuda else result["max_rss_gib"],
         memory_kind="cuda_peak_allocated" if on_cuda else "process_max_rss",
         final_loss=final_loss(result["losses"]), val_loss=result["val_loss"], fp8_flops_share=fp8_share,
-        loss_curve=result["losses"])
+        loss_curve=result["losses"], ran_between=result["ran_between"])
 
 
 def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:

@@ -49,10 +49,10 @@ def test_peaks_and_mfu_basis():
 
 
 def _result(step_ms: float, loss: float, fp8_share: float) -> dict:
-    """A TrainResult dict as the worker writes it."""
+    """A TrainResult dict as the worker writes it, with the harness's ran_between."""
     by_backend = {"bf16": 1 - fp8_share, **({"torchao": fp8_share} if fp8_share else {})}
     return {"step_ms": [step_ms] * 20, "losses": [loss] * 20, "tokens_per_step": 1000, "peak_mem_gib": 10.0,
-            "max_rss_gib": 2.0, "val_loss": loss, "dtype": "bfloat16", "world_size": 1,
+            "max_rss_gib": 2.0, "val_loss": loss, "dtype": "bfloat16", "world_size": 1, "ran_between": [0.0, 1.0],
             "plan_summary": {"gemm_flops_per_token": 10**9, "flops_share_by_precision": {"fp8": fp8_share},
                              "flops_share_by_backend": by_backend}}
 
@@ -109,6 +109,24 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert record["baseline_repeat"]["run_to_run_noise"] >= 0
     assert (tmp_path / "ab-tiny-cpu.md").read_text().count("| tensorwise |") == 1
     assert "| tensorwise |" in capsys.readouterr().out
+
+
+def test_arms_side_by_side_train_as_one_after_another(tmp_path):
+    """--gpus runs the arms at once, one per GPU (on a CPU the list only sets CUDA_VISIBLE_DEVICES): the same
+    losses as arms run one after another, with the arms' processes running at the same time."""
+    common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "6", "--micro-batch", "2", "--seq-len", "64",
+              "--device", "cpu", "--no-repeat-baseline"]
+    assert main([*common, "--out-dir", str(tmp_path / "one-by-one")]) == 0
+    assert main([*common, "--gpus", "0,1", "--out-dir", str(tmp_path / "side-by-side")]) == 0
+    apart, together = (json.loads((tmp_path / d / "ab-tiny-cpu.json").read_text()) for d in ("one-by-one", "side-by-side"))
+    assert together["gpus"] == ["0", "1"] and apart["gpus"] is None
+    assert [a["loss_curve"] for a in together["arms"]] == [a["loss_curve"] for a in apart["arms"]]
+    (start_a, end_a), (start_b, end_b) = (arm["ran_between"] for arm in apart["arms"])
+    assert end_a <= start_b, "one after another: the second arm starts after the first"
+    (start_a, end_a), (start_b, end_b) = (arm["ran_between"] for arm in together["arms"])
+    assert start_b < end_a and start_a < end_b, "side by side: the arms run at the same time"
+    assert "arms side by side on GPUs 0,1" in (tmp_path / "side-by-side" / "ab-tiny-cpu.md").read_text()
+    assert main([*common, "--gpus", "0,1", "--nproc", "2", "--out-dir", str(tmp_path)]) == 2
 
 
 def test_a_killed_ab_keeps_the_arms_it_measured(tmp_path):
