@@ -318,8 +318,7 @@ class Session:
         loss, gradient norm) as device tensors (no host sync) and the learning rate it used."""
         losses = []
         for tokens, targets in zip(*(t.chunk(self.micro_batches) for t in next(self.data)), strict=True):
-            tokens, targets = tokens.to(self.env.device, non_blocking=True), targets.to(self.env.device,
-                                                                                        non_blocking=True)
+            tokens, targets = (t.to(self.env.device, non_blocking=True) for t in (tokens, targets))
             with self.autocast(), self.compressor or nullcontext():
                 loss = self.loss_fn(tokens, targets)
             (loss / self.micro_batches).backward()  # equal-sized micro-batches: the step's mean loss
