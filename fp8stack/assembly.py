@@ -107,7 +107,7 @@ def assemble(
     all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
     backend_options: backend name -> constructor options.
     """
-    _check_combination(plan, compile=compile, fsdp_mesh=fsdp_mesh, fsdp_float8_all_gather=fsdp_float8_all_gather)
+    _check_combination(plan, fsdp_mesh=fsdp_mesh, fsdp_float8_all_gather=fsdp_float8_all_gather)
     if recompute is None and tuple(recompute_modules) != ("block",):
         raise ValueError(f"recompute_modules={list(recompute_modules)} has no effect without recompute: pass "
                          "recompute='all' (or block indices) too")
@@ -125,17 +125,8 @@ def assemble(
     return model
 
 
-def _check_combination(plan: Plan, *, compile: bool, fsdp_mesh: DeviceMesh | None,
-                       fsdp_float8_all_gather: bool) -> None:
+def _check_combination(plan: Plan, *, fsdp_mesh: DeviceMesh | None, fsdp_float8_all_gather: bool) -> None:
     """Refuse, before anything is touched, the combinations no stage order can make right."""
-    if compile:
-        delayed = [d.fqn for d in plan.decisions if d.backend == "te" and d.recipe == "delayed"]
-        if delayed:
-            raise OrderingError(
-                f"TE DelayedScaling ({len(delayed)} layers, e.g. {delayed[0]!r}) cannot be combined with "
-                "torch.compile: "
-                "its amax history and scales are updated as side effects the compiled graph does not capture. "
-                "Use a current-scaling recipe (--fp8-recipe tensorwise, blockwise or mxfp8) or compile=False")
     if fsdp_float8_all_gather:
         _check_fp8_all_gather_recipes(plan)
         if fsdp_mesh is None:
@@ -323,13 +314,9 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
 
 def apply_compile(model: nn.Module) -> None:
     """torch.compile each block in place (Module.compile: names and state dict keys stay the same).
-    Repeated blocks compile once and are reused."""
+    Repeated blocks compile once and are reused. TE modules run eagerly inside them (te_modules), so
+    DelayedScaling's amax and scale updates happen as without compile."""
     state = _begin(model, "compile")
-    delayed = [r for r in state.conversions if r.backend == "te" and "delayed" in r.recipe]
-    if delayed:
-        raise OrderingError("TE DelayedScaling layers cannot be compiled: their amax history and scales are "
-                            "updated as side effects the compiled graph does not capture. Use a current-scaling "
-                            "recipe (--fp8-recipe tensorwise, blockwise or mxfp8) or skip compile")
     for _, block in _blocks(model):
         block.compile()
     log.info("compile: compiling each of %d blocks", len(model.layers))

@@ -219,22 +219,6 @@ def test_fp8_all_gather_without_float8_layers_raises(model, mesh):
         assemble(model, tiny_plan("bf16"), fsdp_mesh=mesh, fsdp_float8_all_gather=True)
 
 
-def test_delayed_scaling_with_compile_raises_before_touching_te(model):
-    plan = tiny_plan("delayed")
-    assert {d.backend for d in plan.decisions} == {"te", "bf16"}
-    with pytest.raises(OrderingError, match="TE DelayedScaling .* cannot be combined with torch.compile.*"
-                                            "--fp8-recipe tensorwise"):
-        assemble(model, plan, compile=True)
-    assert assembly_state(model).stages == []
-
-
-def test_compile_after_delayed_conversion_raises(model):
-    model.__dict__["_fp8stack_assembly"] = AssemblyState(
-        stages=["convert_fp8"], conversions=[ConversionRecord("te", {"layers.0.attention.wo": "Linear"}, "delayed")])
-    with pytest.raises(OrderingError, match="TE DelayedScaling layers cannot be compiled"):
-        apply_compile(model)
-
-
 def test_tp_refuses_fused_projections_naming_the_fix(model, mesh):
     with pytest.raises(NotImplementedError, match=r"layers\.0\.attention\.wqkv \(fused q, k and v\).*Fix: build the "
                                                   r"model with separate projections: LlamaConfig\(fused_projections="

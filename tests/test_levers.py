@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8stack.ab import _add_arguments as add_ab_arguments
+from fp8stack.ab import _add_arguments as add_ab_arguments, speed_levers
 from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
 from fp8stack.train.__main__ import build_parser, config_from_args
 from fp8stack.train.loop import TrainConfig, TrainConfigError, train
@@ -41,10 +41,10 @@ def test_named_backend_off_the_gpu_is_refused_not_silently_math():
 
 
 def test_trainer_flags_reach_the_config():
-    args = build_parser().parse_args(["--sdpa-backend", "cudnn", "--fuse-norm", "--backend", "te",
+    args = build_parser().parse_args(["--sdpa-backend", "cudnn", "--fuse-norm", "--fuse-mlp", "--backend", "te",
                                       "--fp8-recipe", "tensorwise"])
     cfg = config_from_args(args)
-    assert (cfg.sdpa_backend, cfg.fuse_norm) == ("cudnn", True)
+    assert (cfg.sdpa_backend, cfg.fuse_norm, cfg.fuse_mlp) == ("cudnn", True, True)
     assert set(SDPA_BACKENDS) >= {"auto", "cudnn", "flash"}
     with pytest.raises(TrainConfigError, match="unknown sdpa_backend"):
         TrainConfig(sdpa_backend="fa3")
@@ -53,6 +53,7 @@ def test_trainer_flags_reach_the_config():
 @pytest.mark.parametrize("options, match", [
     ({"sdpa_backend": "cudnn"}, "is a CUDA kernel, but this run is on cpu"),
     ({"fuse_norm": True}, "no TE layers"),
+    ({"fuse_mlp": True}, "LayerNormMLP modules, but the plan .* has no TE layers.*--fuse-mlp"),
 ])
 def test_trainer_refuses_levers_that_cannot_apply(options, match):
     with pytest.raises(TrainConfigError, match=match):
@@ -62,6 +63,10 @@ def test_trainer_refuses_levers_that_cannot_apply(options, match):
 def test_ab_passes_the_levers_on():
     parser = argparse.ArgumentParser()
     add_ab_arguments(parser)
-    args = parser.parse_args(["--sdpa-backend", "cudnn", "--fuse-norm"])
-    assert (args.sdpa_backend, args.fuse_norm) == ("cudnn", True)
+    args = parser.parse_args(["--sdpa-backend", "cudnn", "--fuse-norm", "--fuse-mlp"])
+    assert (args.sdpa_backend, args.fuse_norm, args.fuse_mlp) == ("cudnn", True, True)
     assert (parser.parse_args([]).sdpa_backend, parser.parse_args([]).fuse_norm) == ("auto", False)
+    assert not parser.parse_args([]).fuse_mlp
+    fp8, bf16 = speed_levers(args, "delayed"), speed_levers(args, "bf16")
+    assert (fp8["fuse_norm"], fp8["fuse_mlp"]) == (True, True), "FP8 arms get the TE fusions"
+    assert (bf16["fuse_norm"], bf16["fuse_mlp"]) == (False, False), "the bf16 arm has no TE layers to fuse"

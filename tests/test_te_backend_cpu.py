@@ -91,3 +91,39 @@ def test_decisions_for_another_backend_are_a_caller_error():
     plan = te_plan()
     with pytest.raises(ValueError, match="other backends"):
         TEBackend().convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("bf16"), plan)
+
+
+def test_fuse_mlp_is_an_option_off_by_default():
+    assert get_backend("te", fuse_mlp=True).fuse_mlp
+    assert not TEBackend().fuse_mlp, "fuse_mlp is a performance lever: off unless asked for"
+
+
+def test_fuse_mlp_needs_the_fused_gate_up_projection():
+    from dataclasses import replace
+
+    from fp8stack.plan.from_module import describe_module
+
+    model = meta_llama(replace(LlamaConfig.tiny(), fused_projections=False))
+    plan = make_plan(describe_module(model, seq_len=256, name="tiny-unfused"),
+                     PolicyConfig(recipe="delayed", small_gemm_filter="off"))
+    with pytest.raises(PlanError, match="feed_forward.w1 is a separate gate projection.*fused projections"):
+        TEBackend(fuse_mlp=True).convert(model, plan.for_backend("te"), plan)
+
+
+def test_fuse_mlp_refuses_a_plan_with_no_mlp_to_fuse_before_looking_for_te():
+    plan = te_plan(overrides=(Override(fqn="layers.*.feed_forward.w2", backend="bf16", reason="test"),))
+    with pytest.raises(PlanError, match="fuse_mlp found no dense SwiGLU.*layers.0.feed_forward \\(w2 is not on te\\)"):
+        TEBackend(fuse_mlp=True).convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), plan)
+
+
+def test_fuse_mlp_keeps_blocks_whose_halves_differ_and_says_so():
+    from fp8stack.backends.base import ConversionRecord
+    from fp8stack.backends.te import _fusable_mlps
+
+    plan = te_plan(overrides=(Override(fqn="layers.0.feed_forward.w2", backend="bf16", reason="test"),))
+    record = ConversionRecord(backend="te")
+    mlps = _fusable_mlps(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), record)
+    assert list(mlps) == [f"layers.{i}.feed_forward" for i in (1, 2, 3)]
+    assert [(w13.fqn, w2.fqn) for w13, w2 in mlps.values()][0] == ("layers.1.feed_forward.w13",
+                                                                   "layers.1.feed_forward.w2")
+    assert record.notes == ["fuse_mlp: kept unfused, their w13 and w2 differ: layers.0.feed_forward (w2 is not on te)"]

@@ -60,6 +60,7 @@ def test_flags_map_onto_megatrons_transformer_config():
     (["--compile"], "compile"),
     (["--recompute-granularity", "full"], "recompute"),
     (["--fuse-norm"], "fuse_norm"),
+    (["--fuse-mlp"], "fuse_mlp"),
     (["--model", "tiny-moe"], "dense models only"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),
     (["--backend", "torchao"], "--backend te"),

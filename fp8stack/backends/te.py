@@ -1,6 +1,7 @@
 """TransformerEngine backend: each planned nn.Linear becomes a te.pytorch.Linear, each planned
-GroupedExperts two te.pytorch.GroupedLinear, and (with fuse_norm) an RMSNorm + Linear pair of an
-fp8stack Llama block one te.pytorch.LayerNormLinear. Every converted module runs its forward under
+GroupedExperts two te.pytorch.GroupedLinear, (with fuse_norm) an RMSNorm + Linear pair of an
+fp8stack Llama block one te.pytorch.LayerNormLinear, and (with fuse_mlp) a block's ffn_norm + SwiGLU
+FeedForward one te.pytorch.LayerNormMLP. Every converted module runs its forward under
 its own te.pytorch.autocast (see te_modules.py), so the BF16 parts of the model never enter one.
 
 TransformerEngine and CUDA are looked up only when asked for: importing this module needs neither.
@@ -50,6 +51,9 @@ treats as "keep the scale", so each scale moves once per step, as under one mode
 FUSED_NORMS = {".attention.wqkv": ".attention_norm", ".feed_forward.w13": ".ffn_norm"}
 """fuse_norm: Linear fqn suffix -> the RMSNorm feeding only it in an fp8stack.models.llama block."""
 
+MLP_SUFFIX, MLP_NORM_SUFFIX = ".feed_forward", ".ffn_norm"
+"""fuse_mlp: a dense block's FeedForward (w13, SwiGLU, w2) and the RMSNorm feeding it."""
+
 
 def te_recipe(recipe_name: str, fp8_format: str):
     """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed)."""
@@ -78,6 +82,11 @@ class TEBackend:
     """Fuse attention_norm + attention.wqkv and ffn_norm + feed_forward.w13 of fp8stack Llama blocks
     into te.pytorch.LayerNormLinear(normalization='RMSNorm'): one kernel normalizes and casts to FP8,
     saving a BF16 round trip of the activations. The norm is replaced by nn.Identity."""
+    fuse_mlp: bool = False
+    """Fuse ffn_norm + feed_forward (w13, SwiGLU, w2) of dense fp8stack Llama blocks into
+    te.pytorch.LayerNormMLP(normalization='RMSNorm', activation='swiglu'): TE's SwiGLU kernel writes
+    FC2's input (FP8 under delayed scaling) and the backward keeps FC1's output only, not torch's three
+    SwiGLU tensors. Blocks whose w13 and w2 do not share one TE recipe keep unfused modules (noted)."""
     cache_fp8_weights: bool = False
     """Cast each weight to FP8 on the first micro-batch of a step and reuse that copy for the step's other
     micro-batches (TE's is_first_microbatch); call mark_fp8_weights_stale after each optimizer step (the
@@ -106,6 +115,7 @@ class TEBackend:
         if not decisions:
             return model, record
         linears, expert_pairs, recipes = _validated(decisions, plan)
+        mlps = _fusable_mlps(model, linears, record) if self.fuse_mlp else {}
         ok, reason = self.available(recipes)
         if not ok:
             raise BackendUnavailable(f"the plan for {plan.model} runs {len(decisions)} component(s) on "
@@ -115,7 +125,15 @@ class TEBackend:
         te_recipes = {name: te_recipe(name, plan.fp8_format) for name in recipes}
         shared = _shared_parameters(model)
         swaps = []  # (fqn to swap, factory of its new module, plan fqns it then runs)
-        for d in linears:
+        for mlp_fqn, (w13, w2) in mlps.items():
+            norm_fqn = mlp_fqn.removesuffix(MLP_SUFFIX) + MLP_NORM_SUFFIX
+            norm = _checked(model.get_submodule(norm_fqn), norm_fqn, shared)
+            mlp = _checked(model.get_submodule(mlp_fqn), mlp_fqn, shared)
+            swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
+            swaps.append((mlp_fqn, partial(te_modules.layernorm_mlp_from, norm, mlp, te_recipes[w13.recipe],
+                                           name=mlp_fqn, cache_weights=self.cache_fp8_weights), (w13.fqn, w2.fqn)))
+        in_mlps = {d.fqn for pair in mlps.values() for d in pair}
+        for d in (d for d in linears if d.fqn not in in_mlps):
             linear = _checked(_linear_at(model, d), d.fqn, shared)
             norm_fqn = _fusable_norm(model, d.fqn) if self.fuse_norm else None
             if norm_fqn:
@@ -145,10 +163,15 @@ class TEBackend:
         if self.cache_fp8_weights:
             record.notes.append("cache_fp8_weights: each weight is cast to FP8 on a step's first micro-batch and the "
                                 "copy reused by its other micro-batches (TE is_first_microbatch)")
-        fused = [fqn for fqn, cls in record.converted.items() if cls == "Identity"]
-        if fused:
-            record.notes.append(f"fuse_norm: {len(fused)} RMSNorm(s) folded into te LayerNormLinear "
-                                f"(e.g. {fused[0]}); their fqns now run nn.Identity")
+        folded = {cls: [fqn for fqn, c in record.converted.items() if c == cls]
+                  for cls in ("TELayerNormLinear", "TELayerNormMLP")}
+        if folded["TELayerNormLinear"]:
+            record.notes.append(f"fuse_norm: {len(folded['TELayerNormLinear'])} RMSNorm(s) folded into te "
+                                f"LayerNormLinear (e.g. into {folded['TELayerNormLinear'][0]}); the norms' fqns now "
+                                "run nn.Identity")
+        if mlps:
+            record.notes.append(f"fuse_mlp: {len(mlps)} ffn_norm + SwiGLU FeedForward(s) fused into te LayerNormMLP "
+                                f"(e.g. {next(iter(mlps))}); the norms' fqns now run nn.Identity")
         return model, record
 
 
@@ -278,6 +301,39 @@ def _fusable_norm(model: nn.Module, fqn: str) -> str | None:
                                 f"{type(model).__name__} has no {norm_fqn}: turn fuse_norm off") from None
             return norm_fqn
     return None
+
+
+def _fusable_mlps(model: nn.Module, linears: list[Decision], record: ConversionRecord) -> dict:
+    """fuse_mlp: FeedForward fqn -> (w13, w2) decisions for each dense block whose w13 and w2 both run on
+    te with one recipe; a block whose halves differ stays unfused, with a note saying why."""
+    from fp8stack.models.moe import FeedForward
+
+    by_fqn = {d.fqn: d for d in linears}
+    mlps, kept = {}, []
+    for d in linears:
+        if d.fqn.endswith(f"{MLP_SUFFIX}.w1"):
+            raise PlanError(f"fuse_mlp folds a fused gate/up projection (w13) into te LayerNormMLP, but {d.fqn} "
+                            "is a separate gate projection: build the model with fused projections or turn "
+                            "fuse_mlp off")
+        if not d.fqn.endswith(f"{MLP_SUFFIX}.w13"):
+            continue
+        mlp_fqn = d.fqn.removesuffix(".w13")
+        w2 = by_fqn.get(f"{mlp_fqn}.w2")
+        if w2 is None or w2.recipe != d.recipe:
+            kept.append(f"{mlp_fqn} (w2 is {'not on te' if w2 is None else 'on recipe ' + w2.recipe})")
+            continue
+        mlp = _module_at(model, mlp_fqn)
+        if type(mlp) is not FeedForward:
+            raise PlanError(f"fuse_mlp replaces {mlp_fqn} by te LayerNormMLP, which computes fp8stack's SwiGLU "
+                            f"FeedForward, but it is a {type(mlp).__name__}: turn fuse_mlp off")
+        _module_at(model, mlp_fqn.removesuffix(MLP_SUFFIX) + MLP_NORM_SUFFIX)  # the norm it folds must exist
+        mlps[mlp_fqn] = (d, w2)
+    if not mlps:
+        raise PlanError("fuse_mlp found no dense SwiGLU FeedForward whose w13 and w2 both run on te with one recipe "
+                        f"({'; '.join(kept) or 'no feed_forward.w13 on te'}): turn fuse_mlp off")
+    if kept:
+        record.notes.append(f"fuse_mlp: kept unfused, their w13 and w2 differ: {'; '.join(kept)}")
+    return mlps
 
 
 def _check_device(weight: torch.Tensor, fqn: str) -> None:

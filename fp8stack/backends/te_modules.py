@@ -41,22 +41,19 @@ class _WeightCache:
 
 
 class _OwnAutocast(_WeightCache):
-    """Mixin: forward runs under an FP8 autocast with this module's recipe."""
+    """Mixin: forward runs under an FP8 autocast with this module's recipe, eagerly under torch.compile."""
 
     autocast_recipe: Recipe
 
+    @torch.compiler.disable
     def forward(self, *args, **kwargs):
+        """Outside torch.compile: dynamo breaks the graph inside TE modules anyway; DelayedScaling's amax and
+        scale updates are side effects a compiled graph would not replay; and tracing into cached FP8 weights
+        fails (AttributeError on Float8Tensor._data, seen under --compile on llama-1b-like)."""
         if self.is_first_microbatch is not None:
-            return self._forward_caching(*args, **kwargs)
+            kwargs["is_first_microbatch"] = self._take_first_microbatch()
         with te.autocast(enabled=True, recipe=self.autocast_recipe):
             return super().forward(*args, **kwargs)
-
-    @torch.compiler.disable
-    def _forward_caching(self, *args, **kwargs):
-        """Outside torch.compile: TE 2.20 runs cached FP8 weights eagerly only, and dynamo tracing into a
-        module holding them fails (AttributeError on Float8Tensor._data, seen under --compile)."""
-        with te.autocast(enabled=True, recipe=self.autocast_recipe):
-            return super().forward(*args, is_first_microbatch=self._take_first_microbatch(), **kwargs)
 
 
 class TELinear(_OwnAutocast, te.Linear):
@@ -65,6 +62,11 @@ class TELinear(_OwnAutocast, te.Linear):
 
 class TELayerNormLinear(_OwnAutocast, te.LayerNormLinear):
     """te.pytorch.LayerNormLinear (RMSNorm fused with the FP8 cast and GEMM) in its own FP8 autocast."""
+
+
+class TELayerNormMLP(_OwnAutocast, te.LayerNormMLP):
+    """te.pytorch.LayerNormMLP (RMSNorm, FC1, SwiGLU, FC2; the FP8 casts fused into the norm and, under
+    delayed scaling, into the SwiGLU) in its own FP8 autocast."""
 
 
 class TEGroupedExperts(_WeightCache, nn.Module):
@@ -90,21 +92,18 @@ class TEGroupedExperts(_WeightCache, nn.Module):
         # TE splits the rows on the host: one device-to-host copy of the E counts per call.
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
         rows = sum(counts)
-        experts = self._experts if self.is_first_microbatch is None else self._experts_caching
-        out = experts(x_sorted[:rows], counts)
+        out = self._experts(x_sorted[:rows], counts)
         padding = x_sorted.shape[0] - rows
         return F.pad(out, (0, 0, 0, padding)) if padding else out
 
-    def _experts(self, x: torch.Tensor, counts: list[int], first: bool | None = None) -> torch.Tensor:
+    @torch.compiler.disable
+    def _experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Outside torch.compile, as _OwnAutocast.forward."""
+        first = self._take_first_microbatch()
         with te.autocast(enabled=True, recipe=self.autocast_recipe):
             x, splits = self.pad(x, counts)
             gate, up = self.fc1(x, splits, is_first_microbatch=first).chunk(2, dim=-1)
             return self.unpad(self.fc2(F.silu(gate) * up, splits, is_first_microbatch=first), counts)
-
-    @torch.compiler.disable
-    def _experts_caching(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Outside torch.compile, as _OwnAutocast._forward_caching."""
-        return self._experts(x, counts, self._take_first_microbatch())
 
     def init_weights(self, init_std: float) -> None:
         """GroupedExperts.init_weights in this layout (the model's init_weights after building on 'meta')."""
@@ -132,31 +131,39 @@ def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, na
     """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly;
     cache_weights: see _WeightCache."""
     weight = linear.weight
-    norm_weight = getattr(norm, "weight", None)
-    if (not isinstance(norm_weight, torch.Tensor) or not hasattr(norm, "eps")
-            or getattr(norm, "bias", None) is not None or tuple(norm_weight.shape) != (linear.in_features,)):
-        raise PlanError(f"fuse_norm: the norm before {name} is a {type(norm).__name__}, not an RMSNorm with a "
-                        f"weight of {linear.in_features}: turn fuse_norm off for this model")
-    if weight.device.type == "meta":
-        raise PlanError(f"fuse_norm replaces the norm before {name} by nn.Identity, so the model's init_weights "
-                        "could not reset it later: convert after initialising the weights (not on 'meta'), "
-                        "or turn fuse_norm off")
-    if norm_weight.dtype != weight.dtype:
-        raise PlanError(f"fuse_norm: the norm before {name} holds {norm_weight.dtype} and the linear {weight.dtype}; "
-                        "LayerNormLinear keeps one dtype: cast the model to one dtype or turn fuse_norm off")
-    # torch.nn.RMSNorm(eps=None) uses the input dtype's machine epsilon.
-    eps = norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
+    eps = _rms_norm_eps(norm, weight, linear.in_features, "fuse_norm", name)
     with _rng_kept(weight.device):
         new = TELayerNormLinear(linear.in_features, linear.out_features, eps=eps, bias=linear.bias is not None,
                                 normalization="RMSNorm", params_dtype=weight.dtype, device=str(weight.device),
                                 name=name)
     new.autocast_recipe = recipe
     new.is_first_microbatch = True if cache_weights else None
-    _copy(new.layer_norm_weight, norm_weight)
+    _copy(new.layer_norm_weight, norm.weight)
     _copy(new.weight, weight)
     if linear.bias is not None:
         _copy(new.bias, linear.bias)
     return new.train(linear.training)
+
+
+def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe, name: str,
+                       cache_weights: bool = False) -> TELayerNormMLP:
+    """A TELayerNormMLP computing mlp(norm(x)) for an RMSNorm `norm` and an fp8stack FeedForward `mlp`
+    (w13 = [gate; up], w2(silu(gate) * up); TE's SwiGLU also gates with the first half), weights copied
+    bit-exactly; cache_weights: see _WeightCache."""
+    w13, w2 = mlp.w13, mlp.w2
+    if w13.bias is not None or w2.bias is not None:
+        raise PlanError(f"fuse_mlp: {name} has biased projections; fp8stack's FeedForward has none: turn fuse_mlp off")
+    dim, hidden = w13.in_features, w2.in_features
+    eps = _rms_norm_eps(norm, w13.weight, dim, "fuse_mlp", name)
+    with _rng_kept(w13.weight.device):
+        new = TELayerNormMLP(dim, hidden, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
+                             params_dtype=w13.weight.dtype, device=str(w13.weight.device), name=name)
+    new.autocast_recipe = recipe
+    new.is_first_microbatch = True if cache_weights else None
+    _copy(new.layer_norm_weight, norm.weight)
+    _copy(new.fc1_weight, w13.weight)
+    _copy(new.fc2_weight, w2.weight)
+    return new.train(mlp.training)
 
 
 def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str, cache_weights: bool = False) -> TEGroupedExperts:
@@ -172,6 +179,25 @@ def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str, cache_we
         _copy(getattr(new.fc1, f"weight{e}"), w13[e])
         _copy(getattr(new.fc2, f"weight{e}"), w2[e])
     return new.train(experts.training)
+
+
+def _rms_norm_eps(norm: nn.Module, weight: torch.Tensor, width: int, option: str, name: str) -> float:
+    """The epsilon of `norm`, the RMSNorm before `name` that `option` folds into a TE module next to
+    `weight`: it must have a weight of `width`, no bias, and `weight`'s dtype, and be initialised."""
+    norm_weight = getattr(norm, "weight", None)
+    if (not isinstance(norm_weight, torch.Tensor) or not hasattr(norm, "eps")
+            or getattr(norm, "bias", None) is not None or tuple(norm_weight.shape) != (width,)):
+        raise PlanError(f"{option}: the norm before {name} is a {type(norm).__name__}, not an RMSNorm with a "
+                        f"weight of {width}: turn {option} off for this model")
+    if weight.device.type == "meta":
+        raise PlanError(f"{option} replaces the norm before {name} by nn.Identity, so the model's init_weights "
+                        f"could not reset it later: convert after initialising the weights (not on 'meta'), "
+                        f"or turn {option} off")
+    if norm_weight.dtype != weight.dtype:
+        raise PlanError(f"{option}: the norm before {name} holds {norm_weight.dtype} and the projection "
+                        f"{weight.dtype}; TE keeps one dtype: cast the model to one dtype or turn {option} off")
+    # torch.nn.RMSNorm(eps=None) uses the input dtype's machine epsilon.
+    return norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -56,6 +56,8 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
                                          "help": "attention kernel on a GPU: auto | cudnn | flash | efficient"}),
     ("--fuse-norm", "fuse_norm", {"action": argparse.BooleanOptionalAction,
                                   "help": "fold RMSNorms into TE LayerNormLinear (TE layers only)"}),
+    ("--fuse-mlp", "fuse_mlp", {"action": argparse.BooleanOptionalAction,
+                                "help": "run each dense block's ffn_norm + SwiGLU MLP as one TE LayerNormMLP"}),
     ("--compress-activations", "compress_activations", {
         "action": argparse.BooleanOptionalAction,
         "help": "store BF16 activations saved for backward in FP8 (measured on a 1B model: 0.86x memory, "

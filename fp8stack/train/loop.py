@@ -107,6 +107,8 @@ class TrainConfig:
     """Attention kernel on a GPU: auto (torch's choice) | cudnn | flash | efficient (fp8stack.runtime.attention)."""
     fuse_norm: bool = False
     """Fold each block's RMSNorms into the TE LayerNormLinear they feed (needs TE layers in the plan)."""
+    fuse_mlp: bool = False
+    """Run each dense block's ffn_norm + SwiGLU FeedForward as one TE LayerNormMLP (needs its w13 and w2 on TE)."""
     compress_activations: bool = False
     """Store the BF16 activations autograd saves for backward as FP8 E4M3 with a per-tensor scale
     (fp8stack.runtime.compress); weights, FP32 and FP8 tensors are kept. Rolled back on llama-1b-like (profiles/NOTES.md
@@ -448,14 +450,15 @@ def _micro_batches(cfg: TrainConfig, dp_size: int) -> int:
 
 
 def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
-    """Constructor options for the plan's TE backend: fuse_norm (which needs TE layers in the plan) and,
-    with more than one micro-batch per step, FP8 weights cast once per step and cached (TE's
+    """Constructor options for the plan's TE backend: fuse_norm and fuse_mlp (which need TE layers in the
+    plan) and, with more than one micro-batch per step, FP8 weights cast once per step and cached (TE's
     is_first_microbatch; with one micro-batch the cache would only hold memory)."""
-    if cfg.fuse_norm and not plan.for_backend("te"):
-        raise TrainConfigError("fuse_norm folds RMSNorms into TransformerEngine LayerNormLinear modules, but "
-                               f"the plan for recipe {cfg.recipe!r} has no TE layers: use --backend te with an FP8 "
-                               "recipe, or drop --fuse-norm")
-    options = {"fuse_norm": cfg.fuse_norm, "cache_fp8_weights": micro_batches > 1}
+    for option, module in (("fuse_norm", "LayerNormLinear"), ("fuse_mlp", "LayerNormMLP")):
+        if getattr(cfg, option) and not plan.for_backend("te"):
+            raise TrainConfigError(f"{option} folds RMSNorms into TransformerEngine {module} modules, but the plan "
+                                   f"for recipe {cfg.recipe!r} has no TE layers: use --backend te with an FP8 recipe, "
+                                   f"or drop --{option.replace('_', '-')}")
+    options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "cache_fp8_weights": micro_batches > 1}
     return {"te": options} if plan.for_backend("te") and any(options.values()) else None
 
 

@@ -33,7 +33,8 @@ def check_config(cfg: TrainConfig) -> None:
     """The options the Megatron path can honour; each refusal names the fix."""
     plain_only = {"compile": "torch.compile of the blocks", "recompute": "fp8stack's recompute", "fsdp_one_rank": "FSDP2",
                   "fsdp_float8_all_gather": "FSDP2's FP8 all-gather", "precompute_fp8_scales": "FSDP2's scale precompute",
-                  "fuse_norm": "folding norms into TE (megatron's TE spec always does)"}
+                  "fuse_norm": "folding norms into TE (megatron's TE spec always does)",
+                  "fuse_mlp": "TE LayerNormMLP (megatron's TE spec runs its MLP as two TE linears)"}
     given = [f"{name} ({what})" for name, what in plain_only.items() if getattr(cfg, name)]
     if given:
         raise TrainConfigError(f"--model-impl megatron does not take {', '.join(given)}: drop those options or "

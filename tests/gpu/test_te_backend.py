@@ -11,7 +11,7 @@ from torch import nn
 from fp8stack.backends.te import DELAYED_AMAX_HISTORY_LEN, TE_RECIPES, TEBackend, te_recipe
 from fp8stack.models import GroupedExperts, Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, description_from_dict, load_description, make_plan
-from fp8stack.plan.recipes import FP8_FORMATS
+from fp8stack.plan.recipes import FP8_FORMATS, get_recipe
 
 pytestmark = pytest.mark.gpu
 
@@ -342,6 +342,47 @@ def test_fuse_norm_matches_unfused(recipe):
     loss = Llama.loss(logits_fused[:, :-1], tokens[:, 1:])
     loss.backward()
     assert all(p.grad is not None for p in fused.parameters() if p.requires_grad)
+
+
+FUSE_MLP_REL_ERR = 0.05
+"""LayerNormMLP computes SwiGLU in FP32 from FC1's BF16 output and casts once; torch rounds silu(gate) and the
+product to BF16 first: as with fuse_norm, a few FP8 values move by one step. A wrong gate/up order or a
+missing norm weight would differ by O(1)."""
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_fuse_mlp_matches_unfused(recipe):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
+    plan = make_plan(load_description("tiny"), policy(recipe, get_recipe(recipe).default_format))
+    unfused, _ = TEBackend(fuse_norm=True).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    fused, record = TEBackend(fuse_norm=True, fuse_mlp=True).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    for i, (layer, original) in enumerate(zip(fused.layers, base.layers)):
+        assert record.converted[f"layers.{i}.ffn_norm"] == "Identity"
+        assert record.converted[f"layers.{i}.feed_forward.w13"] == record.converted[f"layers.{i}.feed_forward.w2"] \
+            == "TELayerNormMLP"
+        assert record.converted[f"layers.{i}.attention.wqkv"] == "TELayerNormLinear"
+        mlp = layer.feed_forward
+        assert torch.equal(mlp.layer_norm_weight, original.ffn_norm.weight)
+        assert torch.equal(mlp.fc1_weight, original.feed_forward.w13.weight)
+        assert torch.equal(mlp.fc2_weight, original.feed_forward.w2.weight)
+        assert (mlp.activation, mlp.normalization, mlp.eps) == ("swiglu", "RMSNorm", original.ffn_norm.eps)
+    assert any(note.startswith("fuse_mlp: 4 ffn_norm + SwiGLU") for note in record.notes), record.notes
+    assert any(note.startswith("fuse_norm: 4 RMSNorm(s)") for note in record.notes), record.notes
+
+    tokens = torch.randint(0, 256, (4, 128), device="cuda")
+    for _ in range(2):  # DelayedScaling's first pass runs with scale 1 (its gradients underflow): compare the second
+        for model in (fused, unfused):
+            model.zero_grad(set_to_none=True)
+        logits_fused, logits_unfused = fused(tokens), unfused(tokens)
+        Llama.loss(logits_fused[:, :-1], tokens[:, 1:]).backward()
+        Llama.loss(logits_unfused[:, :-1], tokens[:, 1:]).backward()
+    err = rel_err(logits_fused, logits_unfused)
+    assert err < FUSE_MLP_REL_ERR, f"LayerNormMLP vs unfused logits: relative difference {err:.4f}"
+    for i in range(len(fused.layers)):
+        got, ref = fused.layers[i].feed_forward.fc1_weight.grad, unfused.layers[i].feed_forward.w13.weight.grad
+        assert rel_err(got, ref) < 2 * FUSE_MLP_REL_ERR, f"layer {i} FC1 weight gradient: {rel_err(got, ref):.4f}"
 
 
 def test_model_built_on_meta_converts_then_materialises():

@@ -97,7 +97,8 @@ def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
         assert next_loss() == full.losses[MIDDLE]
 
 
-def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step():
+@pytest.mark.parametrize("fuse_mlp", [False, True], ids=["linears", "layernorm-mlp"])
+def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(fuse_mlp):
     """With two micro-batches per step the TE modules cast their weights on the first and reuse that copy on
     the second (TEBackend.cache_fp8_weights, on with gradient accumulation); the assembly's post-step hook
     makes the next step cast the updated weights. Tensorwise scales come from the weights alone, so the
@@ -105,12 +106,13 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
     skipped keeps training on step 0's FP8 weights."""
     from fp8stack.backends.te import fp8_weight_caches
 
-    cfg = TrainConfig(**{**SETTINGS, "recipe": "tensorwise", "steps": 3, "global_batch": 4})
+    cfg = TrainConfig(**{**SETTINGS, "recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp})
 
     def losses(variant: str) -> list[float]:
         with session(cfg) as run:
             caches = fp8_weight_caches(run.model)
             assert run.micro_batches == 2 and caches, "gradient accumulation turns the FP8 weight cache on"
+            assert any(type(m).__name__ == "TELayerNormMLP" for m in caches) == fuse_mlp
             if variant == "uncached":
                 for module in caches:
                     module.is_first_microbatch = None
@@ -123,10 +125,30 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
     assert stale[0] == cached[0] and stale[1:] != cached[1:], "a stale cache must show: the check can fail"
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
-def test_cached_fp8_weights_run_under_torch_compile(model):
-    """TE keeps cached FP8 weights out of torch.compile (dynamo tracing into them failed on llama-1b-like:
+@pytest.mark.parametrize("model, recipe, fuse_mlp", [("tiny", "tensorwise", False), ("tiny-moe", "tensorwise", False),
+                                                     ("tiny", "tensorwise", True), ("tiny", "delayed", True)])
+def test_cached_fp8_weights_run_under_torch_compile(model, recipe, fuse_mlp):
+    """TE modules run outside torch.compile (dynamo tracing into cached FP8 weights failed on llama-1b-like:
     'Float8Tensor' object has no attribute '_data'); the compiled blocks around them still compile."""
-    settings = {**SETTINGS, "model": model, "recipe": "tensorwise", "steps": 3, "global_batch": 4}
+    settings = {**SETTINGS, "model": model, "recipe": recipe, "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp}
     compiled, eager = train(TrainConfig(**settings, compile=True)), train(TrainConfig(**settings))
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-2), (compiled.losses, eager.losses)
+
+
+def test_delayed_scaling_updates_its_scales_inside_compiled_blocks():
+    """TE modules run eagerly inside compiled blocks, so DelayedScaling updates its amaxes and scales at every
+    step as in an eager run: the compiled run ends with the eager run's scales (up to the compiled glue's
+    rounding), moved away from their initial 1.0."""
+    def final_scales(compile: bool) -> dict[str, torch.Tensor]:
+        cfg = TrainConfig(**{**SETTINGS, "steps": 3}, compile=compile)
+        with session(cfg) as run:
+            for _ in range(cfg.steps):
+                run.step(cfg.grad_clip)
+            return {fqn: _module_state(m)["scale_fwd"] for fqn, m in run.model.named_modules()
+                    if isinstance(m, TransformerEngineBaseModule)}
+
+    compiled, eager = final_scales(True), final_scales(False)
+    assert compiled.keys() == eager.keys() and compiled
+    for fqn in eager:
+        assert not torch.all(compiled[fqn] == 1.0), f"{fqn}: DelayedScaling never updated its scales under compile"
+        torch.testing.assert_close(compiled[fqn], eager[fqn], rtol=0.1, atol=0)
