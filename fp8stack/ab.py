@@ -2,7 +2,10 @@
 fresh process, and say per FP8 arm whether to ship it or roll back, with the numbers behind it.
 
 An arm ships only if it is faster than the bf16 arm by more than the measured noise AND its final
-loss is within the tolerance of the bf16 arm's. The bf16 arm runs twice, first and last, so the
+loss is within the tolerance of the bf16 arm's, above or below. Past one pass over the training text
+the runs memorise it, and how fast each memorises is rounding chaos (two bf16 runs of one configuration
+ended 2.6% apart after 4.5 passes, profiles/NOTES.md section 10): there the loss is not compared and
+FP8 arms are "inconclusive". The bf16 arm runs twice, first and last, so the
 noise is run-to-run: the larger of the two bf16 runs' step-time difference and each compared arm's
 step-time spread after warm-up (interquartile range / median). A machine whose speed changes
 during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
@@ -45,6 +48,8 @@ NOISE_METHOD_SINGLE = ("step-time interquartile range / median after warm-up, th
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in every arm (as launch/env.sh does): on a shared multi-GPU host a
 program using it can take the host's GPUs out of service for everyone."""
+MAX_PASSES = 1.0
+"""Training tokens over the training split's size beyond which final losses are not compared."""
 LAST_FRACTION = 0.10
 """Final loss = mean over this share of the last steps (at least one)."""
 REPEAT_ARM = "bf16 (repeat)"
@@ -86,7 +91,7 @@ class Arm:
     noise: float | None = None
     """Step-time interquartile range / median of this arm."""
     verdict: str = "rollback"
-    """baseline | ship | rollback | error (the baseline failed)."""
+    """baseline | ship | rollback | inconclusive (loss past MAX_PASSES) | error (the baseline failed)."""
     reason: str = ""
     """Why, with the numbers."""
     val_loss: float | None = None
@@ -121,18 +126,25 @@ def final_loss(losses: list[float]) -> float:
     return statistics.fmean(losses[-tail:])
 
 
-def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolerance: float) -> tuple[str, str]:
-    """('ship' | 'rollback', reason): ship only if faster than bf16 by more than `noise` (relative) and
-    the relative loss gap is at most `tolerance`."""
+def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolerance: float,
+            passes: float = 0.0) -> tuple[str, str]:
+    """('ship' | 'rollback' | 'inconclusive', reason): ship only if faster than bf16 by more than `noise`
+    (relative) and the relative loss gap is within `tolerance` either way (an arm far below bf16 computes
+    something else too). A faster arm is inconclusive past MAX_PASSES `passes` over the training text."""
     speedup = base_ms / arm_ms - 1.0
-    problems = []
     if speedup <= noise:
-        problems.append(f"not faster than bf16 by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})")
-    if loss_gap > tolerance:
-        problems.append(f"loss {loss_gap:+.2%} vs bf16 exceeds the {tolerance:.2%} tolerance")
+        speed = f"not faster than bf16 by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})"
+    else:
+        speed = f"{speedup:+.1%} faster than bf16 (noise {noise:.1%})"
+    if speedup > noise and passes > MAX_PASSES:
+        return "inconclusive", (f"{speed}; loss not compared: {passes:.1f} passes over the training text memorise "
+                                "it (rerun with fewer steps or tokens per step, or more text: --max-data-bytes)")
+    problems = [] if speedup > noise else [speed]
+    if abs(loss_gap) > tolerance:
+        problems.append(f"loss {loss_gap:+.2%} vs bf16 is outside the +-{tolerance:.2%} tolerance")
     if problems:
         return "rollback", "; ".join(problems)
-    return "ship", f"{speedup:+.1%} faster than bf16 (noise {noise:.1%}), loss {loss_gap:+.2%} within {tolerance:.2%}"
+    return "ship", f"{speed}, loss {loss_gap:+.2%} within +-{tolerance:.2%}"
 
 
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
@@ -151,6 +163,8 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="attention kernel on a GPU in every run: auto | cudnn | flash | efficient (default: auto)")
     parser.add_argument("--fuse-norm", action="store_true",
                         help="FP8 runs fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
+    parser.add_argument("--fuse-mlp", action="store_true",
+                        help="FP8 runs compute each dense block's ffn_norm + SwiGLU MLP as one TE LayerNormMLP")
     parser.add_argument("--compress-activations", action="store_true",
                         help="FP8 runs store the BF16 activations saved for backward in FP8 (a memory "
                              "lever; rolled back on llama-1b-like: +12%% loss, slower, profiles/NOTES.md 7)")
@@ -168,6 +182,7 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
 def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
     """TrainConfig fields of add_speed_levers' options for a run of `recipe` (FP8 levers stay off in bf16)."""
     return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16,
+            "fuse_mlp": args.fuse_mlp and recipe != BF16,
             "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
             "global_batch": args.global_batch, "gradient_accumulation_fusion": args.gradient_accumulation_fusion}
 
@@ -183,6 +198,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="e4m3 or hybrid (default: each recipe's library default)")
     parser.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: TrainConfig's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--max-data-bytes", type=int, metavar="N",
+                        help="stdlib source bytes read, both splits (default: TrainConfig's; the whole stdlib is "
+                             "~32 MB): more text keeps long loss runs under one pass")
     parser.add_argument("--seed", type=int, default=0, help="same weights and batches in every arm (default: 0)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
@@ -211,7 +229,8 @@ def run_ab(args: argparse.Namespace) -> int:
     import torch  # after argument parsing: --help stays fast
 
     from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
-    from fp8stack.train.loop import TrainConfig, TrainConfigError
+    from fp8stack.train.data import load_split
+    from fp8stack.train.loop import TrainConfig, TrainConfigError, model_config
 
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     tolerance = args.loss_tolerance if args.loss_tolerance is not None else (
@@ -222,7 +241,8 @@ def run_ab(args: argparse.Namespace) -> int:
                  "seed": args.seed, "device": args.device, "dtype": args.dtype, "compile": args.compile,
                  **{k: getattr(args, k) for k in ("lr", "warmup") if getattr(args, k) is not None},
                  **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
-                 **({"seq_len": args.seq_len} if args.seq_len else {})}
+                 **({"seq_len": args.seq_len} if args.seq_len else {}),
+                 **({"max_data_bytes": args.max_data_bytes} if args.max_data_bytes else {})}
     try:
         if args.gpus and args.nproc > 1:
             raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
@@ -234,6 +254,9 @@ def run_ab(args: argparse.Namespace) -> int:
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
+    sequences = configs[0].global_batch or configs[0].micro_batch * args.nproc
+    split_bytes = load_split("train", configs[0].max_data_bytes).numel()
+    passes = args.steps * sequences * model_config(configs[0]).seq_len / split_bytes
     impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
     stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
     results: dict[str, dict | str] = {}
@@ -251,7 +274,7 @@ def run_ab(args: argparse.Namespace) -> int:
         """Judge the arms run so far and write the evidence: after every arm, so a run killed later (a
         call's time limit) keeps what it measured, marked partial until nothing is pending."""
         todo = pending()
-        arms, repeat_record = _judge(results, backends, tolerance, peaks, repeat)
+        arms, repeat_record = _judge(results, backends, tolerance, peaks, repeat, passes)
         dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
         payload = {
             "complete": not todo,
@@ -260,26 +283,28 @@ def run_ab(args: argparse.Namespace) -> int:
             "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
             "model": args.model, "steps": args.steps, "nproc": args.nproc, "gpus": args.gpus,
             "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
-                             "fuse_norm": args.fuse_norm,  # FP8 arms only
+                             "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only
                              "compress_activations": args.compress_activations},  # FP8 arms only
             "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
             "baseline_repeat": repeat_record,
             "activation_dtype": dtype,
             "loss_tolerance": tolerance,
+            "train_split_bytes": split_bytes,
+            "train_split_passes": passes,
             "mfu_basis": (None if peaks is None else
                           f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
                           f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
             "arms": [asdict(arm) for arm in arms],
         }
         table = _table(arms)
-        sequences = configs[0].global_batch or configs[0].micro_batch * args.nproc
         side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
                  f"bf16 arm is the plan without FP8). Noise: {payload['noise_method']}"
-                 f"{_repeat_note(repeat_record)}. Loss tolerance: {tolerance:.2%} relative "
+                 f"{_repeat_note(repeat_record)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
-                 f"{LAST_FRACTION:.0%} of steps). MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
+                 f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
+                 f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB). MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
         markdown = markdown_table(*table)
         banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
                   f"{', '.join(todo)}. Verdicts may change once they have run (the second bf16 run sets the "
@@ -363,9 +388,10 @@ class _RunningArm:
 
 
 def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
-           repeat: dict | str | None = None) -> tuple[list[Arm], dict | None]:
+           repeat: dict | str | None = None, passes: float = 0.0) -> tuple[list[Arm], dict | None]:
     """The arms with their measurements and verdicts, and what the second bf16 run (`repeat`, when
-    given) measured. results[bf16] is the baseline; a str in place of a result is the error a run hit."""
+    given) measured. results[bf16] is the baseline; a str in place of a result is the error a run hit.
+    `passes`: training tokens per arm over the training split's size (past MAX_PASSES: inconclusive)."""
     arms = [_measure(recipe, result, backends[recipe], peaks) for recipe, result in results.items()]
     baseline = arms[0]
     if isinstance(results[BF16], str):
@@ -388,7 +414,7 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
             continue
         noise = max(run_to_run, baseline.noise, arm.noise)
         arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
-        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance)
+        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, passes)
     return arms, record
 
 
@@ -466,7 +492,8 @@ def _plot(arms: list[Arm], path: Path, title: str) -> Path | None:
     except ImportError:
         print(f"matplotlib is not installed: skipping {path} (pip install matplotlib for the plot)")
         return None
-    colours = {"baseline": "tab:gray", "ship": "tab:green", "rollback": "tab:red", "error": "black"}
+    colours = {"baseline": "tab:gray", "ship": "tab:green", "rollback": "tab:red", "inconclusive": "tab:orange",
+               "error": "black"}
     ran = [a for a in arms if a.loss_curve]
     base = arms[0].loss_curve
     fig, (losses, gaps, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -482,7 +509,7 @@ def _plot(arms: list[Arm], path: Path, title: str) -> Path | None:
     if len(ran) > 1:
         gaps.legend()
     speed.bar([a.recipe for a in ran], [a.tokens_per_s for a in ran], color=[colours[a.verdict] for a in ran])
-    speed.set(ylabel="tokens/s", title="throughput (green ship, red rollback, grey bf16)")
+    speed.set(ylabel="tokens/s", title="throughput (green ship, red rollback, orange inconclusive, grey bf16)")
     fig.suptitle(title)
     fig.tight_layout()
     targets = [path] + ([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else [])

@@ -23,10 +23,21 @@ def test_ship_needs_speed_beyond_noise_and_loss_within_tolerance():
     decision, reason = verdict(120.0, 100.0, noise=0.05, loss_gap=0.001, tolerance=0.0025)
     assert decision == "rollback" and "(-16.7% speed-up, noise 5.0%)" in reason
     decision, reason = verdict(80.0, 100.0, noise=0.05, loss_gap=0.004, tolerance=0.0025)
-    assert decision == "rollback" and "exceeds the 0.25% tolerance" in reason
+    assert decision == "rollback" and "is outside the +-0.25% tolerance" in reason
     decision, reason = verdict(120.0, 100.0, noise=0.05, loss_gap=0.004, tolerance=0.0025)
     assert reason.count(";") == 1  # both problems named
-    assert verdict(80.0, 100.0, noise=0.05, loss_gap=-0.01, tolerance=0.0025)[0] == "ship"  # lower loss is fine
+    decision, reason = verdict(80.0, 100.0, noise=0.05, loss_gap=-0.01, tolerance=0.0025)
+    assert decision == "rollback" and "loss -1.00% vs bf16 is outside" in reason, "far below bf16 is a difference too"
+    assert verdict(80.0, 100.0, noise=0.05, loss_gap=-0.002, tolerance=0.0025)[0] == "ship"
+
+
+def test_loss_past_one_pass_over_the_text_is_not_compared():
+    decision, reason = verdict(80.0, 100.0, noise=0.05, loss_gap=0.04, tolerance=0.0025, passes=4.5)
+    assert decision == "inconclusive"
+    assert reason.startswith("+25.0% faster than bf16") and "4.5 passes over the training text" in reason
+    assert verdict(80.0, 100.0, noise=0.05, loss_gap=0.001, tolerance=0.0025, passes=0.9)[0] == "ship"
+    decision, reason = verdict(99.0, 100.0, noise=0.05, loss_gap=0.0, tolerance=0.0025, passes=4.5)
+    assert decision == "rollback" and "not faster" in reason, "a slower arm is a rollback whatever the loss"
 
 
 def test_statistics():
@@ -97,6 +108,9 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
     assert "2 sequences per optimizer step in micro-batches of 2" in (tmp_path / "ab-tiny-cpu.md").read_text()
     assert {"device", "versions", "date", "command", "model", "steps", "arms"} <= set(record)
+    # 4 steps x 2 sequences x 64 tokens over the training split read from the default 8 MiB of sources
+    assert record["train_split_passes"] == pytest.approx(4 * 2 * 64 / record["train_split_bytes"])
+    assert record["train_split_bytes"] > 4 << 20
     assert record["complete"] is True and record["pending_arms"] == []
     assert "Partial" not in (tmp_path / "ab-tiny-cpu.md").read_text()
     assert [arm["recipe"] for arm in record["arms"]] == ["bf16", "tensorwise"]  # bf16 added first
