@@ -4,7 +4,7 @@ fresh process, and say per FP8 arm whether to ship it or roll back, with the num
 An arm ships only if it is faster than the bf16 arm by more than the measured noise AND its final
 loss is within the tolerance of the bf16 arm's, above or below. Past one pass over the training text
 the runs memorise it, and how fast each memorises is rounding chaos (two bf16 runs of one configuration
-ended 2.6% apart after 4.5 passes, profiles/NOTES.md section 10): there the loss is not compared and
+ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10): there the loss is not compared and
 FP8 arms are "inconclusive". The bf16 arm runs twice, first and last, so the
 noise is run-to-run: the larger of the two bf16 runs' step-time difference and each compared arm's
 step-time spread after warm-up (interquartile range / median). A machine whose speed changes
@@ -304,7 +304,8 @@ def run_ab(args: argparse.Namespace) -> int:
                  f"{_repeat_note(repeat_record)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
-                 f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB). MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
+                 f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB). "
+                 f"MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
         markdown = markdown_table(*table)
         banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
                   f"{', '.join(todo)}. Verdicts may change once they have run (the second bf16 run sets the "
