@@ -2,10 +2,11 @@
 fresh process, and say per FP8 arm whether to ship it or roll back, with the numbers behind it.
 
 An arm ships only if it is faster than the bf16 arm by more than the measured noise AND its final
-loss is within the tolerance of the bf16 arm's, above or below. Past one pass over the training text
-the runs memorise it, and how fast each memorises is rounding chaos (two bf16 runs of one configuration
-ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10): there the loss is not compared and
-FP8 arms are "inconclusive". The bf16 arm runs twice, first and last, so the
+loss is within the tolerance of the bf16 arm's, above or below. The loss is not compared, and a faster
+FP8 arm is "inconclusive", where the comparison cannot resolve the tolerance: past one pass over the
+training text (the runs memorise it, at a rate set by rounding chaos: two bf16 runs of one configuration
+ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the two bf16 runs' final
+losses differ by more than the tolerance. The bf16 arm runs twice, first and last, so the
 noise is run-to-run: the larger of the two bf16 runs' step-time difference and each compared arm's
 step-time spread after warm-up (interquartile range / median). A machine whose speed changes
 during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
@@ -91,7 +92,8 @@ class Arm:
     noise: float | None = None
     """Step-time interquartile range / median of this arm."""
     verdict: str = "rollback"
-    """baseline | ship | rollback | inconclusive (loss past MAX_PASSES) | error (the baseline failed)."""
+    """baseline | ship | rollback | inconclusive (the loss cannot resolve the tolerance: loss_unresolved) | error
+    (the baseline failed)."""
     reason: str = ""
     """Why, with the numbers."""
     val_loss: float | None = None
@@ -127,18 +129,17 @@ def final_loss(losses: list[float]) -> float:
 
 
 def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolerance: float,
-            passes: float = 0.0) -> tuple[str, str]:
+            unresolved: str = "") -> tuple[str, str]:
     """('ship' | 'rollback' | 'inconclusive', reason): ship only if faster than bf16 by more than `noise`
     (relative) and the relative loss gap is within `tolerance` either way (an arm far below bf16 computes
-    something else too). A faster arm is inconclusive past MAX_PASSES `passes` over the training text."""
+    something else too). A faster arm is inconclusive when `unresolved` says why the loss cannot be judged."""
     speedup = base_ms / arm_ms - 1.0
     if speedup <= noise:
         speed = f"not faster than bf16 by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})"
     else:
         speed = f"{speedup:+.1%} faster than bf16 (noise {noise:.1%})"
-    if speedup > noise and passes > MAX_PASSES:
-        return "inconclusive", (f"{speed}; loss not compared: {passes:.1f} passes over the training text memorise "
-                                "it (rerun with fewer steps or tokens per step, or more text: --max-data-bytes)")
+    if speedup > noise and unresolved:
+        return "inconclusive", f"{speed}; loss not compared: {unresolved}"
     problems = [] if speedup > noise else [speed]
     if abs(loss_gap) > tolerance:
         problems.append(f"loss {loss_gap:+.2%} vs bf16 is outside the +-{tolerance:.2%} tolerance")
@@ -304,7 +305,8 @@ def run_ab(args: argparse.Namespace) -> int:
                  f"{_repeat_note(repeat_record)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
-                 f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB). "
+                 f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB) and while two bf16 runs agree "
+                 "within it. "
                  f"MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
         markdown = markdown_table(*table)
         banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
@@ -392,7 +394,7 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
            repeat: dict | str | None = None, passes: float = 0.0) -> tuple[list[Arm], dict | None]:
     """The arms with their measurements and verdicts, and what the second bf16 run (`repeat`, when
     given) measured. results[bf16] is the baseline; a str in place of a result is the error a run hit.
-    `passes`: training tokens per arm over the training split's size (past MAX_PASSES: inconclusive)."""
+    `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
     arms = [_measure(recipe, result, backends[recipe], peaks) for recipe, result in results.items()]
     baseline = arms[0]
     if isinstance(results[BF16], str):
@@ -409,14 +411,28 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
         run_to_run = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
         record = {"step_ms": again.step_ms, "final_loss": again.final_loss, "run_to_run_noise": run_to_run,
                   "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0}
+    unresolved = loss_unresolved(passes, record, tolerance)
     for arm, result in zip(arms[1:], list(results.values())[1:]):
         if isinstance(result, str):
             arm.verdict, arm.reason = "rollback", f"failed: {result}"
             continue
         noise = max(run_to_run, baseline.noise, arm.noise)
         arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
-        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, passes)
+        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, unresolved)
     return arms, record
+
+
+def loss_unresolved(passes: float, repeat: dict | None, tolerance: float) -> str:
+    """Why final losses cannot be judged at `tolerance` ('' when they can): more than MAX_PASSES passes over
+    the training text, or two bf16 runs (`repeat`, the second one's record) further apart than `tolerance`."""
+    if passes > MAX_PASSES:
+        return (f"{passes:.1f} passes over the training text memorise it (rerun with fewer steps or tokens per "
+                "step, or more text: --max-data-bytes)")
+    spread = (repeat or {}).get("rel_loss_gap")
+    if spread is not None and abs(spread) > tolerance:
+        return (f"the two bf16 runs differ by {spread:+.2%}, more than the +-{tolerance:.2%} tolerance (a lower LR, "
+                "more sequences per step or a longer run narrows that spread)")
+    return ""
 
 
 def _repeat_note(record: dict | None) -> str:

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from fp8stack.ab import _judge, add_ab_parser, blended_peak, final_loss, main, peak_tflops, run_ab, verdict
+from fp8stack.ab import (_judge, add_ab_parser, blended_peak, final_loss, loss_unresolved, main, peak_tflops, run_ab,
+                         verdict)
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
@@ -31,13 +32,24 @@ def test_ship_needs_speed_beyond_noise_and_loss_within_tolerance():
     assert verdict(80.0, 100.0, noise=0.05, loss_gap=-0.002, tolerance=0.0025)[0] == "ship"
 
 
-def test_loss_past_one_pass_over_the_text_is_not_compared():
-    decision, reason = verdict(80.0, 100.0, noise=0.05, loss_gap=0.04, tolerance=0.0025, passes=4.5)
-    assert decision == "inconclusive"
-    assert reason.startswith("+25.0% faster than bf16") and "4.5 passes over the training text" in reason
-    assert verdict(80.0, 100.0, noise=0.05, loss_gap=0.001, tolerance=0.0025, passes=0.9)[0] == "ship"
-    decision, reason = verdict(99.0, 100.0, noise=0.05, loss_gap=0.0, tolerance=0.0025, passes=4.5)
+def test_loss_is_not_compared_where_it_cannot_resolve_the_tolerance():
+    assert loss_unresolved(0.9, None, 0.0025) == ""
+    assert "4.5 passes over the training text" in loss_unresolved(4.5, None, 0.0025)
+    assert loss_unresolved(0.5, {"rel_loss_gap": -0.002}, 0.0025) == ""
+    assert "the two bf16 runs differ by -2.60%" in loss_unresolved(0.5, {"rel_loss_gap": -0.026}, 0.0025)
+    decision, reason = verdict(80.0, 100.0, noise=0.05, loss_gap=0.04, tolerance=0.0025, unresolved="why")
+    assert (decision, reason) == ("inconclusive", "+25.0% faster than bf16 (noise 5.0%); loss not compared: why")
+    decision, reason = verdict(99.0, 100.0, noise=0.05, loss_gap=0.0, tolerance=0.0025, unresolved="why")
     assert decision == "rollback" and "not faster" in reason, "a slower arm is a rollback whatever the loss"
+
+
+def test_judge_leaves_the_loss_unjudged_past_one_pass_or_when_bf16_runs_disagree():
+    results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(80.0, 2.0, 0.8)}
+    backends = {"bf16": "bf16", "tensorwise": "torchao"}
+    many_passes, _ = _judge(results, backends, tolerance=0.0025, peaks=None, passes=4.2)
+    assert many_passes[1].verdict == "inconclusive" and "4.2 passes" in many_passes[1].reason
+    spread, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeat=_result(100.0, 2.05, 0.0))
+    assert spread[1].verdict == "inconclusive" and "differ by +2.50%" in spread[1].reason
 
 
 def test_statistics():
