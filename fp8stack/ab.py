@@ -106,6 +106,8 @@ class Arm:
     """Training loss per step."""
     ran_between: list[float] | None = None
     """[start, collection] of the arm's process(es) in seconds since the epoch (arms run with --gpus overlap)."""
+    zero_fp8_weight_grads: list[list[str]] | None = None
+    """Per first step: FP8 weights whose whole gradient was zero (TrainResult.zero_fp8_weight_grads)."""
 
 
 def peak_tflops(device: str) -> dict[str, float] | None:
@@ -464,7 +466,8 @@ def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None) 
         peak_mem_gib=result["peak_mem_gib"] if on_cuda else result["max_rss_gib"],
         memory_kind="cuda_peak_allocated" if on_cuda else "process_max_rss",
         final_loss=final_loss(result["losses"]), val_loss=result["val_loss"], fp8_flops_share=fp8_share,
-        loss_curve=result["losses"], ran_between=result["ran_between"])
+        loss_curve=result["losses"], ran_between=result["ran_between"],
+        zero_fp8_weight_grads=result["zero_fp8_weight_grads"])
 
 
 def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:

@@ -76,6 +76,7 @@ def _result(step_ms: float, loss: float, fp8_share: float) -> dict:
     by_backend = {"bf16": 1 - fp8_share, **({"torchao": fp8_share} if fp8_share else {})}
     return {"step_ms": [step_ms] * 20, "losses": [loss] * 20, "tokens_per_step": 1000, "peak_mem_gib": 10.0,
             "max_rss_gib": 2.0, "val_loss": loss, "dtype": "bfloat16", "world_size": 1, "ran_between": [0.0, 1.0],
+            "zero_fp8_weight_grads": [[], [], []],
             "plan_summary": {"gemm_flops_per_token": 10**9, "flops_share_by_precision": {"fp8": fp8_share},
                              "flops_share_by_backend": by_backend}}
 

@@ -15,7 +15,8 @@ from torchao.float8.float8_training_tensor import LinearMMConfig
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan.plan import FP32_STATE
-from fp8stack.runtime import NonFiniteLossError, check_finite, fp8_stats, load_pin, track_fp8_stats, watch_layers
+from fp8stack.runtime import (NonFiniteLossError, check_finite, fp8_stats, load_pin, track_fp8_stats, watch_layers,
+                              zero_fp8_weight_grads)
 from fp8stack.runtime.numerics import rng_states
 
 
@@ -71,6 +72,22 @@ def test_fp8_stats_of_torchao_layers():
     assert first["overflow_count"]["input"] == 2  # the amax lands on 448, once per call
     assert first["underflow_count"]["input"] >= 2
     assert set(stats) == {"0", "1"}
+
+
+def test_zero_fp8_weight_grads_names_fp8_weights_that_train_nothing():
+    model = convert_to_float8_training(nn.Sequential(*(nn.Linear(64, n, bias=False) for n in (64, 64, 8))),
+                                       module_filter_fn=lambda _module, fqn: fqn != "2")
+    x = torch.randn(32, 64)
+    model(x).sum().backward()
+    assert zero_fp8_weight_grads(model) == []
+    model.zero_grad()
+    with torch.no_grad():
+        model[0].weight.zero_()  # layer 1 then sees a zero input: its weight gradient is all zero, layer 0's is not
+    model(x).sum().backward()
+    assert zero_fp8_weight_grads(model) == ["1.weight"], "only FP8 modules' weights count (layer 2 stays nn.Linear)"
+    main_grad = model[0].weight  # megatron's fused accumulation leaves .grad None and fills main_grad
+    main_grad.main_grad, main_grad.grad = torch.zeros_like(main_grad), None
+    assert zero_fp8_weight_grads(model) == ["0.weight", "1.weight"]
 
 
 # --- the precision map: every FP32_STATE claim checked where it can be on CPU -------------------------

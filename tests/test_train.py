@@ -123,6 +123,8 @@ def test_fsdp_one_rank_shards_a_single_process_over_a_one_rank_mesh():
     plain, sharded = (train(TrainConfig(**settings, fsdp_one_rank=one)) for one in (False, True))
     # BF16 parameters (FSDP's policy) where autocast runs over FP32 ones: close, not equal.
     assert sharded.losses != plain.losses and sharded.losses == pytest.approx(plain.losses, rel=1e-2)
+    # the first steps' FP8 gradient check ran, on plain and on sharded (DTensor) gradients, and found none zero
+    assert plain.zero_fp8_weight_grads == sharded.zero_fp8_weight_grads == [[], [], []]
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])

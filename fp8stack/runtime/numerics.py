@@ -1,5 +1,6 @@
 """Numerics guards: stop on a non-finite loss with what is needed to replay the step, find the first
-layer whose output went non-finite, and read per-layer FP8 amax / scale / saturation statistics.
+layer whose output went non-finite, read per-layer FP8 amax / scale / saturation statistics, and name
+the FP8 weights whose whole gradient flushed to zero.
 
 All of it is opt-in: check_finite reads one scalar per step; watch_layers and track_fp8_stats add
 forward hooks whose work stays on the device until read.
@@ -18,7 +19,7 @@ from torchao.float8.float8_linear import Float8Linear
 from fp8stack.runtime.recompute import is_te_module
 
 __all__ = ["E4M3_MAX", "LayerWatch", "NonFiniteLossError", "check_finite", "fp8_stats", "load_pin", "rng_states",
-           "track_fp8_stats", "watch_layers"]
+           "track_fp8_stats", "watch_layers", "zero_fp8_weight_grads"]
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 """448: what the largest |value| of a tensor is scaled to, and where casts saturate."""
@@ -216,3 +217,26 @@ def fp8_stats(model: nn.Module) -> dict[str, dict]:
             entry.update(delayed)
         out[fqn or "<root>"] = entry or {"source": "not tracked: call track_fp8_stats(model) before the forward"}
     return out
+
+
+def zero_fp8_weight_grads(model: nn.Module) -> list[str]:
+    """After a backward: the names of the weights (2-D and up) of FP8 modules (torchao Float8Linear, TE
+    modules) whose gradient on this rank, or megatron's main_grad where the gradient is accumulated there,
+    is all zero. Such a weight trains nothing, silently: every value of an FP8 gradient cast flushed, as
+    when a TE delayed-scaling scale has not yet seen its tensor's amax (TE starts each scale at 1). One sync."""
+    names, flags = [], []
+    for fqn, module in model.named_modules():
+        if not _is_fp8_module(module):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+            if param.dim() < 2 or not param.requires_grad or grad is None:
+                continue
+            if hasattr(grad, "to_local"):  # a DTensor shard (FSDP / TP): this rank's part
+                grad = grad.to_local()
+            names.append(f"{fqn}.{name}" if fqn else name)
+            flags.append(~grad.detach().any())
+    if not flags:
+        return []
+    zero = torch.stack(flags).cpu().tolist()
+    return [name for name, is_zero in zip(names, zero) if is_zero]

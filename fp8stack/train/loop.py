@@ -31,6 +31,7 @@ from fp8stack.plan import Plan, PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.runtime.attention import SDPA_BACKENDS, check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
+from fp8stack.runtime.numerics import zero_fp8_weight_grads
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train import checkpoint, comm_stats, fault
 from fp8stack.train.data import DEFAULT_MAX_BYTES, TextData
@@ -88,6 +89,9 @@ class TrainConfig:
     """AdamW decoupled weight decay, on matrices only (not norms)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (computed in FP32) to this; 0 disables clipping."""
+    fp8_grad_check_steps: int = 3
+    """First steps after which the FP8 weights whose whole gradient is zero are recorded and warned about
+    (runtime.numerics.zero_fp8_weight_grads; one host sync per checked step); 0 turns the check off."""
     micro_batch: int = 8
     """Sequences per forward/backward pass and data-parallel rank."""
     global_batch: int | None = None
@@ -237,6 +241,8 @@ class TrainResult:
     """Collectives per step (comm_stats.Collectives as a dict) when profile_collectives > 0."""
     activation_bytes_saved_per_step: float | None = None
     """With compress_activations: bytes the FP8 storage of saved activations saved per step (this rank)."""
+    zero_fp8_weight_grads: list[list[str]] = field(default_factory=list)
+    """Per checked step (the first fp8_grad_check_steps): FP8 weights whose whole gradient was zero (this rank)."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -315,9 +321,11 @@ class Session:
         """The activation-dtype context for a forward pass."""
         return torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
 
-    def step(self, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def step(self, grad_clip: float, on_gradients: Callable[[], None] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step on the next batch, accumulating the gradients of its micro-batches: (mean
-        loss, gradient norm) as device tensors (no host sync) and the learning rate it used."""
+        loss, gradient norm) as device tensors (no host sync) and the learning rate it used.
+        on_gradients: called once the step's gradients are complete, before clipping."""
         losses = []
         for tokens, targets in zip(*(t.chunk(self.micro_batches) for t in next(self.data)), strict=True):
             tokens, targets = (t.to(self.env.device, non_blocking=True) for t in (tokens, targets))
@@ -326,6 +334,8 @@ class Session:
             (loss / self.micro_batches).backward()  # equal-sized micro-batches: the step's mean loss
             losses.append(loss.detach())
         loss = torch.stack(losses).mean()
+        if on_gradients is not None:
+            on_gradients()
         grad_norm = self.clip_fn(grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -402,7 +412,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             for step in range(start, cfg.steps):
                 fault.kill_if_due(env.rank, step)  # FP8STACK_KILL_AT: restart tests
                 began = time.perf_counter()
-                loss, grad_norm, lr = run.step(cfg.grad_clip)
+                check = step - start < cfg.fp8_grad_check_steps
+                loss, grad_norm, lr = run.step(cfg.grad_clip, on_gradients=(
+                    lambda: result.zero_fp8_weight_grads.append(zero_fp8_weight_grads(model))) if check else None)
                 loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)  # the step's only host sync
                 elapsed_ms = (time.perf_counter() - began) * 1000
 
@@ -410,6 +422,11 @@ def train(cfg: TrainConfig) -> TrainResult:
                 result.step_ms.append(elapsed_ms)
                 result.lrs.append(lr)
                 result.grad_norms.append(grad_norm)
+                if check and result.zero_fp8_weight_grads[-1] and env.rank == 0:
+                    zero = result.zero_fp8_weight_grads[-1]
+                    print(f"step {step}: the gradients of {len(zero)} FP8 weight(s) are all zero (e.g. {zero[0]}): their "
+                          "FP8 gradient casts flushed every value; TE delayed scaling does so until each scale has "
+                          "seen its tensor's amax (its scales start at 1)", file=sys.stderr)
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
                                 "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
                 if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg):
