@@ -124,6 +124,6 @@ def test_fuse_mlp_keeps_blocks_whose_halves_differ_and_says_so():
     record = ConversionRecord(backend="te")
     mlps = _fusable_mlps(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), record)
     assert list(mlps) == [f"layers.{i}.feed_forward" for i in (1, 2, 3)]
-    assert [(w13.fqn, w2.fqn) for w13, w2 in mlps.values()][0] == ("layers.1.feed_forward.w13",
-                                                                   "layers.1.feed_forward.w2")
+    assert [(norm, w13.fqn, w2.fqn) for norm, w13, w2 in mlps.values()][0] == (
+        "layers.1.ffn_norm", "layers.1.feed_forward.w13", "layers.1.feed_forward.w2")
     assert record.notes == ["fuse_mlp: kept unfused, their w13 and w2 differ: layers.0.feed_forward (w2 is not on te)"]

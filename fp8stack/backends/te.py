@@ -51,8 +51,8 @@ treats as "keep the scale", so each scale moves once per step, as under one mode
 FUSED_NORMS = {".attention.wqkv": ".attention_norm", ".feed_forward.w13": ".ffn_norm"}
 """fuse_norm: Linear fqn suffix -> the RMSNorm feeding only it in an fp8stack.models.llama block."""
 
-MLP_SUFFIX, MLP_NORM_SUFFIX = ".feed_forward", ".ffn_norm"
-"""fuse_mlp: a dense block's FeedForward (w13, SwiGLU, w2) and the RMSNorm feeding it."""
+MLP_SUFFIX = ".feed_forward"
+"""fuse_mlp: a dense block's FeedForward (w13, SwiGLU, w2); the RMSNorm feeding it is FUSED_NORMS' for its w13."""
 
 
 def te_recipe(recipe_name: str, fp8_format: str):
@@ -125,14 +125,13 @@ class TEBackend:
         te_recipes = {name: te_recipe(name, plan.fp8_format) for name in recipes}
         shared = _shared_parameters(model)
         swaps = []  # (fqn to swap, factory of its new module, plan fqns it then runs)
-        for mlp_fqn, (w13, w2) in mlps.items():
-            norm_fqn = mlp_fqn.removesuffix(MLP_SUFFIX) + MLP_NORM_SUFFIX
+        for mlp_fqn, (norm_fqn, w13, w2) in mlps.items():
             norm = _checked(model.get_submodule(norm_fqn), norm_fqn, shared)
             mlp = _checked(model.get_submodule(mlp_fqn), mlp_fqn, shared)
             swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
             swaps.append((mlp_fqn, partial(te_modules.layernorm_mlp_from, norm, mlp, te_recipes[w13.recipe],
                                            name=mlp_fqn, cache_weights=self.cache_fp8_weights), (w13.fqn, w2.fqn)))
-        in_mlps = {d.fqn for pair in mlps.values() for d in pair}
+        in_mlps = {d.fqn for _, w13, w2 in mlps.values() for d in (w13, w2)}
         for d in (d for d in linears if d.fqn not in in_mlps):
             linear = _checked(_linear_at(model, d), d.fqn, shared)
             norm_fqn = _fusable_norm(model, d.fqn) if self.fuse_norm else None
@@ -163,12 +162,10 @@ class TEBackend:
         if self.cache_fp8_weights:
             record.notes.append("cache_fp8_weights: each weight is cast to FP8 on a step's first micro-batch and the "
                                 "copy reused by its other micro-batches (TE is_first_microbatch)")
-        folded = {cls: [fqn for fqn, c in record.converted.items() if c == cls]
-                  for cls in ("TELayerNormLinear", "TELayerNormMLP")}
-        if folded["TELayerNormLinear"]:
-            record.notes.append(f"fuse_norm: {len(folded['TELayerNormLinear'])} RMSNorm(s) folded into te "
-                                f"LayerNormLinear (e.g. into {folded['TELayerNormLinear'][0]}); the norms' fqns now "
-                                "run nn.Identity")
+        norm_linears = [fqn for fqn, cls in record.converted.items() if cls == "TELayerNormLinear"]
+        if norm_linears:
+            record.notes.append(f"fuse_norm: {len(norm_linears)} RMSNorm(s) folded into te LayerNormLinear (e.g. into "
+                                f"{norm_linears[0]}); the norms' fqns now run nn.Identity")
         if mlps:
             record.notes.append(f"fuse_mlp: {len(mlps)} ffn_norm + SwiGLU FeedForward(s) fused into te LayerNormMLP "
                                 f"(e.g. {next(iter(mlps))}); the norms' fqns now run nn.Identity")
@@ -304,8 +301,9 @@ def _fusable_norm(model: nn.Module, fqn: str) -> str | None:
 
 
 def _fusable_mlps(model: nn.Module, linears: list[Decision], record: ConversionRecord) -> dict:
-    """fuse_mlp: FeedForward fqn -> (w13, w2) decisions for each dense block whose w13 and w2 both run on
-    te with one recipe; a block whose halves differ stays unfused, with a note saying why."""
+    """fuse_mlp: FeedForward fqn -> (fqn of the RMSNorm feeding it, w13 decision, w2 decision) for each dense
+    block whose w13 and w2 both run on te with one recipe; a block whose halves differ stays unfused, with a
+    note saying why."""
     from fp8stack.models.moe import FeedForward
 
     by_fqn = {d.fqn: d for d in linears}
@@ -326,8 +324,9 @@ def _fusable_mlps(model: nn.Module, linears: list[Decision], record: ConversionR
         if type(mlp) is not FeedForward:
             raise PlanError(f"fuse_mlp replaces {mlp_fqn} by te LayerNormMLP, which computes fp8stack's SwiGLU "
                             f"FeedForward, but it is a {type(mlp).__name__}: turn fuse_mlp off")
-        _module_at(model, mlp_fqn.removesuffix(MLP_SUFFIX) + MLP_NORM_SUFFIX)  # the norm it folds must exist
-        mlps[mlp_fqn] = (d, w2)
+        norm_fqn = mlp_fqn.removesuffix(MLP_SUFFIX) + FUSED_NORMS[f"{MLP_SUFFIX}.w13"]
+        _module_at(model, norm_fqn)  # the norm it folds must exist
+        mlps[mlp_fqn] = (norm_fqn, d, w2)
     if not mlps:
         raise PlanError("fuse_mlp found no dense SwiGLU FeedForward whose w13 and w2 both run on te with one recipe "
                         f"({'; '.join(kept) or 'no feed_forward.w13 on te'}): turn fuse_mlp off")
