@@ -220,8 +220,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone with FSDP2")
     parser.add_argument("--gpus", type=lambda text: [g.strip() for g in text.split(",") if g.strip()], metavar="0,1",
-                        help="run the arms side by side, one per listed GPU (CUDA_VISIBLE_DEVICES), in waves: for long "
-                             "loss runs; each arm's step time is then taken while the others run")
+                        help="run the arms side by side, one per listed GPU (CUDA_VISIBLE_DEVICES), in waves, the bf16 "
+                             "repeat included: for long loss runs; each arm's step time is then taken while the "
+                             "others run")
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
     parser.add_argument("--label", help="added to the evidence's name, ab-<model>[-megatron]-<label>-<gpu>, so a "
                                         "variant run does not replace the main evidence")
@@ -318,27 +319,32 @@ def run_ab(args: argparse.Namespace) -> int:
         return arms, table, markdown, json_path, md_path
 
     slots = args.gpus or [None]
+    jobs = [(cfg.recipe, cfg) for cfg in configs] + ([(REPEAT_ARM, configs[0])] if args.repeat_baseline else [])
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
-        for wave in itertools.batched(enumerate(configs, 1), len(slots)):
+        # In waves of one run per slot; the bf16 repeat takes the last wave's free GPU when there is one.
+        for wave in itertools.batched(enumerate(jobs, 1), len(slots)):
             outcomes: dict[str, _RunningArm | str] = {}
-            for (index, cfg), gpu in zip(wave, slots):
-                print(f"[{index}/{len(configs)}] {cfg.model} {cfg.recipe} ({cfg.steps} steps, fresh process"
+            for (index, (name, cfg)), gpu in zip(wave, slots):
+                if name == REPEAT_ARM and REPEAT_ARM not in pending():
+                    continue  # the first bf16 run failed: nothing to repeat
+                print(f"[{index}/{len(jobs)}] {cfg.model} {name} ({cfg.steps} steps, fresh process"
                       + (f", GPU {gpu})" if gpu else ")"), flush=True)
                 try:
                     backends[cfg.recipe] = _planned_backend(cfg.recipe, args.backend)
                 except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
                     backends[cfg.recipe] = args.backend
-                    outcomes[cfg.recipe] = " ".join(str(err).split())
-                    print(f"    skipped: {outcomes[cfg.recipe]}", flush=True)
+                    outcomes[name] = " ".join(str(err).split())
+                    print(f"    skipped: {outcomes[name]}", flush=True)
                 else:
-                    outcomes[cfg.recipe] = _RunningArm(cfg, Path(scratch), args.nproc, gpu)
-            for recipe, outcome in outcomes.items():  # in config order: bf16 stays first
-                results[recipe] = outcome.result() if isinstance(outcome, _RunningArm) else outcome
+                    outcomes[name] = _RunningArm(cfg, Path(scratch), args.nproc, gpu, name)
+            for name, outcome in outcomes.items():  # in job order: bf16 stays first
+                result = outcome.result() if isinstance(outcome, _RunningArm) else outcome
+                if name == REPEAT_ARM:
+                    repeat = result
+                else:
+                    results[name] = result
             if pending():
                 record()
-        if pending():
-            print(f"[{len(configs) + 1}/{len(configs) + 1}] {args.model} bf16 again (run-to-run noise)", flush=True)
-            repeat = _RunningArm(configs[0], Path(scratch), args.nproc, slots[0]).result()
 
     arms, table, markdown, json_path, md_path = record()
     png = _plot(arms, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
@@ -364,8 +370,9 @@ def _planned_backend(recipe: str, preference: str) -> str:
 class _RunningArm:
     """Fresh `python -m fp8stack.train` process(es) for one arm, started on construction (on `gpu` alone when given)."""
 
-    def __init__(self, cfg, scratch: Path, nproc: int, gpu: str | None = None):
-        self.config_path, self.result_path = (scratch / f"{cfg.recipe}.{kind}.json" for kind in ("config", "result"))
+    def __init__(self, cfg, scratch: Path, nproc: int, gpu: str | None = None, name: str = ""):
+        stem = (name or cfg.recipe).replace(" ", "_")  # the bf16 repeat runs bf16's config under its own name
+        self.config_path, self.result_path = (scratch / f"{stem}.{kind}.json" for kind in ("config", "result"))
         self.config_path.write_text(json.dumps(asdict(cfg)))
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
         command = [sys.executable, *launcher, "-m", "fp8stack.train", "--config", str(self.config_path),
@@ -412,7 +419,7 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
         again = _measure(BF16, repeat, BF16, peaks)
         run_to_run = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
         record = {"step_ms": again.step_ms, "final_loss": again.final_loss, "run_to_run_noise": run_to_run,
-                  "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0}
+                  "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0, "ran_between": again.ran_between}
     unresolved = loss_unresolved(passes, record, tolerance)
     for arm, result in zip(arms[1:], list(results.values())[1:]):
         if isinstance(result, str):

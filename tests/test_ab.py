@@ -156,6 +156,17 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
     assert main([*common, "--gpus", "0,1", "--nproc", "2", "--out-dir", str(tmp_path)]) == 2
 
 
+def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
+    """With a GPU to spare, the second bf16 run starts with the arms instead of after them."""
+    main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
+          "--device", "cpu", "--gpus", "0,1,2", "--out-dir", str(tmp_path)])
+    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    assert record["complete"] and record["baseline_repeat"]["rel_loss_gap"] == 0.0
+    (start_bf16, end_bf16), _ = (arm["ran_between"] for arm in record["arms"])
+    start_repeat, end_repeat = record["baseline_repeat"]["ran_between"]
+    assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the repeat ran alongside the first bf16 run"
+
+
 def test_a_killed_ab_keeps_the_arms_it_measured(tmp_path):
     """Killed while its second arm runs (as a GPU call's time limit kills it), the A/B has already
     written the first arm's evidence, marked partial, with the arms still to run."""

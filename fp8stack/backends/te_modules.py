@@ -25,35 +25,33 @@ from fp8stack.plan import PlanError
 
 
 class _WeightCache:
-    """Mixin: TE's is_first_microbatch, driven as megatron's training loop drives it. None: the weights are
-    cast to FP8 at every forward. True: the next forward casts them and keeps the FP8 copy; False: forwards
-    reuse that copy (the weights have not changed since). fp8stack.backends.te.mark_fp8_weights_stale sets
-    True again after each optimizer step."""
+    """Mixin: runs TE code under this module's FP8 autocast, with TE's is_first_microbatch driven as megatron's
+    training loop drives it. None: the weights are cast to FP8 at every forward. True: the next forward casts
+    them and keeps the FP8 copy; False: forwards reuse that copy (the weights have not changed since).
+    fp8stack.backends.te.mark_fp8_weights_stale sets True again after each optimizer step."""
 
     is_first_microbatch: bool | None = None
-
-    def _take_first_microbatch(self) -> bool | None:
-        """This forward's is_first_microbatch; later forwards of the same step reuse the copy it makes."""
-        first = self.is_first_microbatch
-        if first:
-            self.is_first_microbatch = False
-        return first
-
-
-class _OwnAutocast(_WeightCache):
-    """Mixin: forward runs under an FP8 autocast with this module's recipe, eagerly under torch.compile."""
-
     autocast_recipe: Recipe
 
     @torch.compiler.disable
-    def forward(self, *args, **kwargs):
-        """Outside torch.compile: dynamo breaks the graph inside TE modules anyway; DelayedScaling's amax and
-        scale updates are side effects a compiled graph would not replay; and tracing into cached FP8 weights
-        fails (AttributeError on Float8Tensor._data, seen under --compile on llama-1b-like)."""
-        if self.is_first_microbatch is not None:
-            kwargs["is_first_microbatch"] = self._take_first_microbatch()
+    def _in_autocast(self, run, *args, **kwargs):
+        """run(*args, **kwargs, [is_first_microbatch]) under an FP8 autocast with this module's recipe, outside
+        torch.compile: dynamo breaks the graph inside TE modules anyway; DelayedScaling's amax and scale updates
+        are side effects a compiled graph would not replay; and tracing into cached FP8 weights fails
+        (AttributeError on Float8Tensor._data, seen under --compile on llama-1b-like)."""
+        first = self.is_first_microbatch
+        if first is not None:
+            kwargs["is_first_microbatch"] = first
+            self.is_first_microbatch = False  # later forwards of the step reuse the copy this one makes
         with te.autocast(enabled=True, recipe=self.autocast_recipe):
-            return super().forward(*args, **kwargs)
+            return run(*args, **kwargs)
+
+
+class _OwnAutocast(_WeightCache):
+    """Mixin: the TE module's forward runs in _in_autocast."""
+
+    def forward(self, *args, **kwargs):
+        return self._in_autocast(super().forward, *args, **kwargs)
 
 
 class TELinear(_OwnAutocast, te.Linear):
@@ -92,18 +90,14 @@ class TEGroupedExperts(_WeightCache, nn.Module):
         # TE splits the rows on the host: one device-to-host copy of the E counts per call.
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
         rows = sum(counts)
-        out = self._experts(x_sorted[:rows], counts)
+        out = self._in_autocast(self._experts, x_sorted[:rows], counts)
         padding = x_sorted.shape[0] - rows
         return F.pad(out, (0, 0, 0, padding)) if padding else out
 
-    @torch.compiler.disable
-    def _experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Outside torch.compile, as _OwnAutocast.forward."""
-        first = self._take_first_microbatch()
-        with te.autocast(enabled=True, recipe=self.autocast_recipe):
-            x, splits = self.pad(x, counts)
-            gate, up = self.fc1(x, splits, is_first_microbatch=first).chunk(2, dim=-1)
-            return self.unpad(self.fc2(F.silu(gate) * up, splits, is_first_microbatch=first), counts)
+    def _experts(self, x: torch.Tensor, counts: list[int], is_first_microbatch: bool | None = None) -> torch.Tensor:
+        x, splits = self.pad(x, counts)
+        gate, up = self.fc1(x, splits, is_first_microbatch=is_first_microbatch).chunk(2, dim=-1)
+        return self.unpad(self.fc2(F.silu(gate) * up, splits, is_first_microbatch=is_first_microbatch), counts)
 
     def init_weights(self, init_std: float) -> None:
         """GroupedExperts.init_weights in this layout (the model's init_weights after building on 'meta')."""
