@@ -419,7 +419,8 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
         again = _measure(BF16, repeat, BF16, peaks)
         run_to_run = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
         record = {"step_ms": again.step_ms, "final_loss": again.final_loss, "run_to_run_noise": run_to_run,
-                  "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0, "ran_between": again.ran_between}
+                  "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0, "ran_between": again.ran_between,
+                  "loss_curve": again.loss_curve}
     unresolved = loss_unresolved(passes, record, tolerance)
     for arm, result in zip(arms[1:], list(results.values())[1:]):
         if isinstance(result, str):

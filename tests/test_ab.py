@@ -162,6 +162,7 @@ def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
           "--device", "cpu", "--gpus", "0,1,2", "--out-dir", str(tmp_path)])
     record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
     assert record["complete"] and record["baseline_repeat"]["rel_loss_gap"] == 0.0
+    assert record["baseline_repeat"]["loss_curve"] == record["arms"][0]["loss_curve"]  # kept to compare per step
     (start_bf16, end_bf16), _ = (arm["ran_between"] for arm in record["arms"])
     start_repeat, end_repeat = record["baseline_repeat"]["ran_between"]
     assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the repeat ran alongside the first bf16 run"

@@ -127,6 +127,21 @@ def test_fsdp_one_rank_shards_a_single_process_over_a_one_rank_mesh():
     assert plain.zero_fp8_weight_grads == sharded.zero_fp8_weight_grads == [[], [], []]
 
 
+def test_priming_passes_leave_weights_optimizer_and_data_as_they_were():
+    """prime_fp8_scales (run before step 1 under TE delayed scaling, a GPU test checks what it is for) keeps
+    only FP8 scaling state: the run that follows is the run without it, loss for loss."""
+    settings = dict(recipe="tensorwise", backend="torchao", steps=3, warmup=1, **FAST)
+    with session(TrainConfig(**settings)) as run:
+        before = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+        run.prime_fp8_scales(2)
+        assert run.data.position == 0 and not run.optimizer.state
+        assert all(p.grad is None and torch.equal(p, before[name]) for name, p in run.model.named_parameters())
+        primed = [float(run.step(1.0)[0]) for _ in range(3)]
+    assert primed == train(TrainConfig(**settings)).losses  # exact: priming changed nothing a torchao run keeps
+    with pytest.raises(TrainConfigError, match="fp8_priming_passes must be non-negative"):
+        TrainConfig(fp8_priming_passes=-1)
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
 def test_resume_continues_bit_identically(recipe, tmp_path):
     settings = dict(recipe=recipe, steps=4, warmup=1, **FAST)

@@ -89,6 +89,12 @@ class TrainConfig:
     """AdamW decoupled weight decay, on matrices only (not norms)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (computed in FP32) to this; 0 disables clipping."""
+    fp8_priming_passes: int = 2
+    """Forward/backward passes of the first batch, gradients discarded, before the first step of a run (not a
+    resumed one) whose plan uses TE delayed scaling: its scales start at 1 and take their first values from the
+    amaxes of the pass before, so step 1's FP8 gradient casts would flush (every FP8 weight gradient of
+    llama-1b-like was zero in its step 1, profiles/NOTES.md section 12). Two passes: the FP8 casts of wqkv's and
+    FC1's gradients receive zeros until wo's and FC2's scales are set; 0 turns priming off."""
     fp8_grad_check_steps: int = 3
     """First steps after which the FP8 weights whose whole gradient is zero are recorded and warned about
     (runtime.numerics.zero_fp8_weight_grads; one host sync per checked step); 0 turns the check off."""
@@ -177,8 +183,9 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise TrainConfigError(f"warmup must be non-negative, got {self.warmup}")
+        for name in ("warmup", "fp8_priming_passes", "fp8_grad_check_steps"):
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"{name} must be non-negative, got {getattr(self, name)}")
         if self.global_batch is not None and (self.global_batch < 1 or self.global_batch % self.micro_batch):
             raise TrainConfigError(f"global_batch={self.global_batch} must be a positive multiple of "
                                    f"micro_batch={self.micro_batch} (times the data-parallel ranks)")
@@ -321,6 +328,21 @@ class Session:
         """The activation-dtype context for a forward pass."""
         return torch.autocast(self.env.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
 
+    def prime_fp8_scales(self, passes: int) -> None:
+        """Forward and backward `passes` times on the first micro-batch of the next step, discarding the gradients
+        and leaving the weights, optimizer and data where they were; what stays is the FP8 scaling state those
+        passes recorded (see TrainConfig.fp8_priming_passes)."""
+        tokens, targets = (t.chunk(self.micro_batches)[0].to(self.env.device)
+                           for t in self.data.batch(self.data.position))
+        for _ in range(passes):
+            with self.autocast():
+                loss = self.loss_fn(tokens, targets)
+            loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+            # As after an optimizer step: cached FP8 weights were cast with the unprimed scales, and megatron's
+            # gradient buffers must start the first step at zero.
+            self.after_optimizer_step()
+
     def step(self, grad_clip: float, on_gradients: Callable[[], None] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step on the next batch, accumulating the gradients of its micro-batches: (mean
@@ -405,6 +427,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                              world_size=env.world_size,
                              tokens_per_step=cfg.micro_batch * run.micro_batches * seq_len * env.dp_size,
                              plan_summary=run.plan.summary(), first_step=start)
+        if start == 0 and any(d.recipe == "delayed" for d in run.plan.decisions):
+            run.prime_fp8_scales(cfg.fp8_priming_passes)  # a resumed run restored its scales with the weights
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -426,7 +450,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                     zero = result.zero_fp8_weight_grads[-1]
                     print(f"step {step}: the gradients of {len(zero)} FP8 weight(s) are all zero (e.g. {zero[0]}): their "
                           "FP8 gradient casts flushed every value; TE delayed scaling does so until each scale has "
-                          "seen its tensor's amax (its scales start at 1)", file=sys.stderr)
+                          "seen its tensor's amax (its scales start at 1): raise fp8_priming_passes", file=sys.stderr)
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
                                 "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
                 if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg):

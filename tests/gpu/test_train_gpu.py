@@ -152,3 +152,15 @@ def test_delayed_scaling_updates_its_scales_inside_compiled_blocks():
     for fqn in eager:
         assert not torch.all(compiled[fqn] == 1.0), f"{fqn}: DelayedScaling never updated its scales under compile"
         torch.testing.assert_close(compiled[fqn], eager[fqn], rtol=0.1, atol=0)
+
+
+def test_priming_passes_end_the_delayed_scaling_cold_start():
+    """TE DelayedScaling's scales start at 1, so unprimed the first step's E4M3 gradient casts flush: FP8 weights
+    get all-zero gradients. With the default fp8_priming_passes no FP8 weight gradient of the first steps is zero.
+    If the unprimed run stops showing zeros, TE has changed its start: re-check whether priming is still needed."""
+    settings = {**SETTINGS, "steps": 3, "fp8_format": "e4m3"}
+    cold = train(TrainConfig(**settings, fp8_priming_passes=0))
+    FP8GlobalStateManager.reset()
+    primed = train(TrainConfig(**settings))
+    assert cold.zero_fp8_weight_grads[0], cold.zero_fp8_weight_grads
+    assert primed.zero_fp8_weight_grads == [[], [], []], primed.zero_fp8_weight_grads
