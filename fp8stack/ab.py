@@ -202,8 +202,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: TrainConfig's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     parser.add_argument("--max-data-bytes", type=int, metavar="N",
-                        help="stdlib source bytes read, both splits (default: TrainConfig's; the whole stdlib is "
-                             "~32 MB): more text keeps long loss runs under one pass")
+                        help="source bytes read, both splits (default: TrainConfig's 8 MiB; a whole stdlib is ~10 MB "
+                             "on the GPU machine, ~30 MB here): more text keeps long loss runs under one pass")
+    parser.add_argument("--data-source", metavar="stdlib|python",
+                        help="stdlib: the standard library's sources (default); python: those, then site-packages' "
+                             "(with --max-data-bytes: long loss runs stay under one pass)")
     parser.add_argument("--seed", type=int, default=0, help="same weights and batches in every arm (default: 0)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
@@ -246,7 +249,8 @@ def run_ab(args: argparse.Namespace) -> int:
                  **{k: getattr(args, k) for k in ("lr", "warmup") if getattr(args, k) is not None},
                  **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
                  **({"seq_len": args.seq_len} if args.seq_len else {}),
-                 **({"max_data_bytes": args.max_data_bytes} if args.max_data_bytes else {})}
+                 **({"max_data_bytes": args.max_data_bytes} if args.max_data_bytes else {}),
+                 **({"data_source": args.data_source} if args.data_source else {})}
     try:
         if args.gpus and args.nproc > 1:
             raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
@@ -259,7 +263,7 @@ def run_ab(args: argparse.Namespace) -> int:
         return 2
 
     sequences = configs[0].global_batch or configs[0].micro_batch * args.nproc
-    split_bytes = load_split("train", configs[0].max_data_bytes).numel()
+    split_bytes = load_split("train", configs[0].max_data_bytes, source=configs[0].data_source).numel()
     passes = args.steps * sequences * model_config(configs[0]).seq_len / split_bytes
     impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
     stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
@@ -437,7 +441,7 @@ def loss_unresolved(passes: float, repeat: dict | None, tolerance: float) -> str
     the training text, or two bf16 runs (`repeat`, the second one's record) further apart than `tolerance`."""
     if passes > MAX_PASSES:
         return (f"{passes:.1f} passes over the training text memorise it (rerun with fewer steps or tokens per "
-                "step, or more text: --max-data-bytes)")
+                "step, or more text: --data-source python --max-data-bytes N)")
     spread = (repeat or {}).get("rel_loss_gap")
     if spread is not None and abs(spread) > tolerance:
         return (f"the two bf16 runs differ by {spread:+.2%}, more than the +-{tolerance:.2%} tolerance (a lower LR, "

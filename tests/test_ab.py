@@ -201,3 +201,5 @@ def test_ab_subcommand_plugs_into_a_parser():
 def test_ab_rejects_unknown_recipes(capsys):
     assert main(["--recipes", "bf16,fp4", "--out-dir", "unused"]) == 2
     assert "unknown recipe(s) fp4" in capsys.readouterr().err
+    assert main(["--data-source", "pypi", "--out-dir", "unused"]) == 2
+    assert "unknown data_source 'pypi': use stdlib or python" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from torch import nn
 from fp8stack.train import checkpoint
 from fp8stack.train.__main__ import build_parser, config_from_args
 from fp8stack.train.__main__ import main as train_main
-from fp8stack.train.data import SPLITS, TextData, load_split, source_files, split_of, stdlib_root
+from fp8stack.train.data import SPLITS, TextData, load_split, source_files, source_roots, split_of, stdlib_root
 from fp8stack.train.loop import TrainConfig, TrainConfigError, lr_at, session, train
 
 SMALL_DATA = 1 << 20
@@ -50,7 +50,7 @@ def test_split_is_by_file_and_stable(tmp_path):
     (tmp_path / "site-packages").mkdir()
     (tmp_path / "site-packages" / "third_party.py").write_text("not stdlib\n")
     assert "site-packages" not in {p.parts[-2] for p in source_files(tmp_path)}
-    texts = {split: bytes(load_split(split, root=tmp_path).tolist()) for split in SPLITS}
+    texts = {split: bytes(load_split(split, roots=[tmp_path]).tolist()) for split in SPLITS}
     for name, text in files.items():
         home = split_of(name)
         assert split_of(name) == home and text in texts[home]
@@ -61,6 +61,29 @@ def test_split_is_by_file_and_stable(tmp_path):
 def test_real_stdlib_has_both_splits():
     assert source_files(stdlib_root())
     assert load_split("train", SMALL_DATA).numel() > load_split("validation", SMALL_DATA).numel() > 0
+
+
+def test_roots_are_read_in_order_up_to_max_bytes(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    for root, text in ((first, b"a" * 100), (second, b"b" * 100)):
+        for i in range(20):
+            (root / f"m{i}.py").parent.mkdir(exist_ok=True)
+            (root / f"m{i}.py").write_bytes(text)
+    both = sum(bytes(load_split(split, roots=[first, second]).tolist()).count(b"b" * 100) for split in SPLITS)
+    only_first = sum(bytes(load_split(split, 2000, roots=[first, second]).tolist()).count(b"b" * 100)
+                     for split in SPLITS)
+    assert (both, only_first) == (20, 0)
+
+
+def test_python_source_adds_site_packages_after_the_stdlib():
+    roots = source_roots("python")
+    assert roots[0] == stdlib_root() == source_roots("stdlib")[0] and len(roots) > 1
+    assert any(root.name == "site-packages" for root in roots[1:])
+    stdlib_bytes = sum(p.stat().st_size for p in source_files(stdlib_root()))
+    more = stdlib_bytes + SMALL_DATA  # the whole stdlib, then a MiB of site-packages for the python source
+    assert load_split("train", more, source="python").numel() > load_split("train", more).numel()
+    with pytest.raises(TrainConfigError, match="unknown data_source 'pypi': use stdlib or python"):
+        TrainConfig(data_source="pypi")
 
 
 def test_lr_warms_up_then_decays_to_min_lr():

@@ -73,6 +73,10 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--precompute-fp8-scales", "precompute_fp8_scales", {"action": argparse.BooleanOptionalAction}),
     ("--profile-collectives", "profile_collectives", {"type": int, "metavar": "N",
                                                       "help": "count collectives and bytes over N steps"}),
+    ("--data-source", "data_source", {"metavar": "stdlib|python",
+                                      "help": "stdlib: the standard library's sources; python: those, then "
+                                              "site-packages' (more text for long runs)"}),
+    ("--max-data-bytes", "max_data_bytes", {"type": int, "metavar": "N", "help": "read at most N bytes of text"}),
     ("--eval-iters", "eval_batches", {"type": int, "metavar": "N", "help": "validation batches after training"}),
     ("--tensorboard-dir", "log_dir", {"metavar": "DIR", "help": "train.jsonl and TensorBoard scalars"}),
     ("--log-interval", "log_interval", {"type": int, "metavar": "N"}),

@@ -1,4 +1,6 @@
-"""Real text with no download: the running interpreter's own standard-library .py sources, as bytes.
+"""Real text with no download: the running interpreter's own standard-library .py sources, as bytes
+(source 'stdlib'), or those followed by the .py sources of its site-packages folders (source 'python':
+torch's sources and the rest, several times the text, for long loss runs that must stay under one pass).
 
 Byte-level tokens (ids 0..255) fit any model with vocab_size >= 256. Files go to the train or the
 validation split by a hash of their path relative to the stdlib folder, so the split is the same
@@ -9,6 +11,7 @@ N ranks with micro-batch b train on exactly the batches of 1 rank with micro-bat
 """
 
 import hashlib
+import site
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +25,21 @@ DEFAULT_MAX_BYTES = 8 << 20
 """Read at most this much text, in sorted file order: start-up stays well under a second."""
 FILE_SEPARATOR = b"\n\n"
 """Between concatenated files, so no window glues two files' lines together."""
+DATA_SOURCES = ("stdlib", "python")
+"""stdlib: the standard library's .py files; python: those, then the .py files of its site-packages folders."""
 
 
 def stdlib_root() -> Path:
     """The folder of the running interpreter's standard library."""
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_roots(source: str) -> list[Path]:
+    """The folders whose .py files make up `source`, read in this order."""
+    if source not in DATA_SOURCES:
+        raise ValueError(f"unknown data source {source!r}: use one of {', '.join(DATA_SOURCES)}")
+    packages = [Path(p) for p in site.getsitepackages() if Path(p).is_dir()] if source == "python" else []
+    return list(dict.fromkeys([stdlib_root(), *sorted(packages)]))
 
 
 def split_of(relative_path: str) -> str:
@@ -41,14 +54,15 @@ def source_files(root: Path) -> list[Path]:
                   if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
 
 
-def load_split(split: str, max_bytes: int = DEFAULT_MAX_BYTES, root: Path | None = None) -> torch.Tensor:
-    """The split's text as a 1-D uint8 tensor: its files in sorted order, until `max_bytes` of the
-    stdlib (both splits together) have been read."""
+def load_split(split: str, max_bytes: int = DEFAULT_MAX_BYTES, roots: list[Path] | None = None,
+               source: str = "stdlib") -> torch.Tensor:
+    """The split's text as a 1-D uint8 tensor: the files of `roots` (default: those of `source`) in order,
+    each root's sorted, until `max_bytes` (both splits together) have been read."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
-    root = root or stdlib_root()
+    roots = roots or source_roots(source)
     chunks, read = [], 0
-    for path in source_files(root):
+    for root, path in ((root, path) for root in roots for path in source_files(root)):  # a root is listed when reached
         if read >= max_bytes:
             break
         text = path.read_bytes()
@@ -57,8 +71,9 @@ def load_split(split: str, max_bytes: int = DEFAULT_MAX_BYTES, root: Path | None
             chunks += [text, FILE_SEPARATOR]
     data = b"".join(chunks)
     if not data:
-        raise RuntimeError(f"no Python sources for the {split} split under {root} (first {max_bytes} bytes): "
-                           "raise max_bytes or check that the interpreter ships its standard library")
+        raise RuntimeError(f"no Python sources for the {split} split under {', '.join(map(str, roots))} (first "
+                           f"{max_bytes} bytes): raise max_bytes or check that the interpreter ships its standard "
+                           "library")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -70,7 +85,7 @@ class TextData:
     """
 
     def __init__(self, seq_len: int, micro_batch: int, seed: int, split: str = "train", *,
-                 rank: int = 0, ranks: int = 1, max_bytes: int = DEFAULT_MAX_BYTES):
+                 rank: int = 0, ranks: int = 1, max_bytes: int = DEFAULT_MAX_BYTES, source: str = "stdlib"):
         if not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} is not one of the {ranks} data-parallel ranks: pass 0 <= rank < ranks")
         self.seq_len = seq_len
@@ -79,7 +94,7 @@ class TextData:
         self.split = split
         self.rank = rank
         self.ranks = ranks
-        self.text = load_split(split, max_bytes)
+        self.text = load_split(split, max_bytes, source=source)
         if self.text.numel() <= seq_len + 1:
             raise ValueError(f"the {split} split holds {self.text.numel()} bytes, too few for seq_len={seq_len}: "
                              "raise max_bytes or lower seq_len")

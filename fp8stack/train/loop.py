@@ -34,7 +34,7 @@ from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activ
 from fp8stack.runtime.numerics import zero_fp8_weight_grads
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train import checkpoint, comm_stats, fault
-from fp8stack.train.data import DEFAULT_MAX_BYTES, TextData
+from fp8stack.train.data import DATA_SOURCES, DEFAULT_MAX_BYTES, TextData
 from fp8stack.train.timing import steady_state
 
 MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-like": LlamaConfig.llama_1b_like}
@@ -148,7 +148,10 @@ class TrainConfig:
     eval_batches: int = 4
     """Validation batches evaluated after the last step (0 skips validation)."""
     max_data_bytes: int = DEFAULT_MAX_BYTES
-    """Read at most this much stdlib source text."""
+    """Read at most this much source text (both splits)."""
+    data_source: str = "stdlib"
+    """stdlib: the interpreter's standard-library sources; python: those, then its site-packages' sources (several
+    times the text: long loss runs stay under one pass over it). train.data.DATA_SOURCES."""
     log_dir: str | None = None
     """Folder for train.jsonl and TensorBoard scalars; None logs nothing to disk."""
     log_interval: int = 10
@@ -189,6 +192,8 @@ class TrainConfig:
         if self.global_batch is not None and (self.global_batch < 1 or self.global_batch % self.micro_batch):
             raise TrainConfigError(f"global_batch={self.global_batch} must be a positive multiple of "
                                    f"micro_batch={self.micro_batch} (times the data-parallel ranks)")
+        if self.data_source not in DATA_SOURCES:
+            raise TrainConfigError(f"unknown data_source {self.data_source!r}: use {' or '.join(DATA_SOURCES)}")
         if self.profile_collectives < 0:
             raise TrainConfigError(f"profile_collectives must be non-negative, got {self.profile_collectives}")
         if self.min_lr is None:
@@ -404,7 +409,7 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
                       data=TextData(seq_len, cfg.micro_batch * micro_batches, cfg.seed, "train", rank=env.dp_rank,
-                                    ranks=env.dp_size, max_bytes=cfg.max_data_bytes),
+                                    ranks=env.dp_size, max_bytes=cfg.max_data_bytes, source=cfg.data_source),
                       micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
                       compressor=compress_saved_activations(model) if cfg.compress_activations else None)
@@ -574,7 +579,7 @@ def _resume_path(cfg: TrainConfig) -> Path:
 @torch.no_grad()
 def _validate(loss_fn: Callable, cfg: TrainConfig, seq_len: int, env: "_Distributed", autocast) -> float:
     data = TextData(seq_len, cfg.micro_batch, cfg.seed, "validation", rank=env.dp_rank, ranks=env.dp_size,
-                    max_bytes=cfg.max_data_bytes)
+                    max_bytes=cfg.max_data_bytes, source=cfg.data_source)
     losses = []
     for index in range(cfg.eval_batches):
         tokens, targets = (t.to(env.device) for t in data.batch(index))
