@@ -3,6 +3,8 @@ to FP8 once per step and reuse the copy until told that a new step began (`set_i
 the trainer must tell them after every optimizer step, or every later step runs the step-0 weights.
 Run with `pytest -m gpu tests/gpu/test_train_megatron_gpu.py`."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -76,3 +78,15 @@ def test_fused_wgrad_accumulation_writes_te_weight_gradients_into_main_grad():
     assert fused.losses[0] == pytest.approx(plain.losses[0], rel=1e-5)
     assert fused.grad_norms[0] == pytest.approx(plain.grad_norms[0], rel=1e-2)
     assert fused.losses == pytest.approx(plain.losses, rel=2e-2), (fused.losses, plain.losses)
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["autograd", "main-grad"])
+def test_delayed_scaling_is_primed_on_the_megatron_path(fusion):
+    """The trainer primes megatron's delayed-scaling TE linears as the plain path's (fp8_priming_passes): with
+    E4M3 gradients, where an unprimed first step flushes them, no FP8 weight gradient of the first steps is zero,
+    with autograd gradients and with DDP's main_grad buffers (zeroed again after the priming passes)."""
+    cfg = TrainConfig(**{**asdict(megatron_tensorwise(steps=3, micro_batch=2, global_batch=4,
+                                                      gradient_accumulation_fusion=fusion)),
+                         "recipe": "delayed", "fp8_format": "e4m3"})
+    result = train(cfg)
+    assert result.zero_fp8_weight_grads == [[], [], []], result.zero_fp8_weight_grads
