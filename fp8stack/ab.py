@@ -161,7 +161,8 @@ def add_ab_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_speed_levers(parser: argparse.ArgumentParser) -> None:
-    """The trainer's speed options that `fp8stack ab` and `fp8stack profile` pass to every run."""
+    """The trainer's speed options (and delayed scaling's margin) that `fp8stack ab` and `fp8stack profile` pass
+    to every run."""
     parser.add_argument("--sdpa-backend", default="auto",
                         help="attention kernel on a GPU in every run: auto | cudnn | flash | efficient (default: auto)")
     parser.add_argument("--fuse-norm", action="store_true",
@@ -171,6 +172,8 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress-activations", action="store_true",
                         help="FP8 runs store the BF16 activations saved for backward in FP8 (a memory "
                              "lever; rolled back on llama-1b-like: +12%% loss, slower, profiles/NOTES.md 7)")
+    parser.add_argument("--fp8-margin", type=int, default=0, metavar="N",
+                        help="delayed runs: scales leave 2^N headroom below the FP8 maximum (Megatron's --fp8-margin)")
     parser.add_argument("--global-batch-size", dest="global_batch", type=int, metavar="N",
                         help="sequences per optimizer step in every run, accumulated over micro-batches (default: "
                              "one micro-batch per step); TE FP8 runs then cast their weights once per step")
@@ -183,8 +186,10 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
 
 
 def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
-    """TrainConfig fields of add_speed_levers' options for a run of `recipe` (FP8 levers stay off in bf16)."""
+    """TrainConfig fields of add_speed_levers' options for a run of `recipe` (FP8 levers stay off in bf16, the
+    delayed-scaling margin off in the other recipes)."""
     return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16,
+            "fp8_margin": args.fp8_margin if recipe == "delayed" else 0,
             "fuse_mlp": args.fuse_mlp and recipe != BF16,
             "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
             "global_batch": args.global_batch, "gradient_accumulation_fusion": args.gradient_accumulation_fusion}
@@ -292,7 +297,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "model": args.model, "steps": args.steps, "nproc": args.nproc, "gpus": args.gpus,
             "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
                              "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only
-                             "compress_activations": args.compress_activations},  # FP8 arms only
+                             "compress_activations": args.compress_activations,  # FP8 arms only
+                             "fp8_margin": args.fp8_margin},  # delayed arms only
             "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
             "baseline_repeat": repeat_record,
             "activation_dtype": dtype,

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fp8stack.ab import (_judge, add_ab_parser, blended_peak, final_loss, loss_unresolved, main, peak_tflops, run_ab,
-                         verdict)
+                         speed_levers, verdict)
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
@@ -196,6 +196,8 @@ def test_ab_subcommand_plugs_into_a_parser():
     add_ab_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["ab", "--model", "tiny", "--recipes", "bf16,rowwise", "--steps", "7"])
     assert (args.run, args.recipes, args.steps, args.backend, args.nproc) == (run_ab, "bf16,rowwise", 7, "auto", 1)
+    args = parser.parse_args(["ab", "--fp8-margin", "1"])
+    assert [speed_levers(args, recipe)["fp8_margin"] for recipe in ("bf16", "tensorwise", "delayed")] == [0, 0, 1]
 
 
 def test_ab_rejects_unknown_recipes(capsys):

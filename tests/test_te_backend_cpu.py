@@ -16,7 +16,7 @@ needs_no_te = pytest.mark.skipif(TE_RUNS_HERE, reason="TransformerEngine runs he
 
 
 def te_plan(model: str = "tiny", **policy):
-    return make_plan(load_description(model), PolicyConfig(recipe="delayed", small_gemm_filter="off", **policy))
+    return make_plan(load_description(model), PolicyConfig(**{"recipe": "delayed", "small_gemm_filter": "off", **policy}))
 
 
 def meta_llama(config: LlamaConfig) -> Llama:
@@ -127,3 +127,9 @@ def test_fuse_mlp_keeps_blocks_whose_halves_differ_and_says_so():
     assert [(norm, w13.fqn, w2.fqn) for norm, w13, w2 in mlps.values()][0] == (
         "layers.1.ffn_norm", "layers.1.feed_forward.w13", "layers.1.feed_forward.w2")
     assert record.notes == ["fuse_mlp: kept unfused, their w13 and w2 differ: layers.0.feed_forward (w2 is not on te)"]
+
+
+def test_a_delayed_margin_needs_a_delayed_plan_before_looking_for_te():
+    plan = te_plan(recipe="tensorwise", backend="te")
+    with pytest.raises(PlanError, match="delayed_margin=1 applies to delayed scaling.*recipes are tensorwise"):
+        TEBackend(delayed_margin=1).convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), plan)

@@ -253,6 +253,17 @@ def test_config_errors_name_the_fix(capsys):
     assert train_main(["--fp8-recipe", "rowwise_gw_hp", "--dtype", "bf16", "--device", "cpu", "--train-iters", "1",
                        "--no-progress"]) == 2
     assert "use --dtype fp32 on a CPU" in capsys.readouterr().err
+    assert train_main(["--fp8-recipe", "tensorwise", "--fp8-margin", "1"]) == 2
+    assert "drop --fp8-margin or use --fp8-recipe delayed" in capsys.readouterr().err
+
+
+def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
+    from fp8stack.train.loop import _backend_options, build_model, build_plan
+
+    cfg = config_from_args(build_parser().parse_args(["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
+                                                      "--small-gemm-filter", "off", "--device", "cpu"]))
+    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
+    assert _backend_options(cfg, plan, micro_batches=1)["te"]["delayed_margin"] == 2
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

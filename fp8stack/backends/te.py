@@ -55,8 +55,9 @@ MLP_SUFFIX = ".feed_forward"
 """fuse_mlp: a dense block's FeedForward (w13, SwiGLU, w2); the RMSNorm feeding it is FUSED_NORMS' for its w13."""
 
 
-def te_recipe(recipe_name: str, fp8_format: str):
-    """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed)."""
+def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0):
+    """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed); delayed scaling
+    leaves 2^delayed_margin headroom (TE's margin; the other recipes have none)."""
     _check_recipe_name(recipe_name)
     if fp8_format not in FP8_FORMATS:
         raise PlanError(f"FP8 format {fp8_format!r} is not one TransformerEngine trains with: use "
@@ -69,7 +70,8 @@ def te_recipe(recipe_name: str, fp8_format: str):
     # TE 2.20 accepts E4M3 and HYBRID for all four recipes (each __post_init__ rejects only E5M2).
     fmt = {"e4m3": te_recipes.Format.E4M3, "hybrid": te_recipes.Format.HYBRID}[fp8_format]
     if recipe_name == "delayed":
-        return te_recipes.DelayedScaling(fp8_format=fmt, margin=0, amax_history_len=DELAYED_AMAX_HISTORY_LEN,
+        return te_recipes.DelayedScaling(fp8_format=fmt, margin=delayed_margin,
+                                         amax_history_len=DELAYED_AMAX_HISTORY_LEN,
                                          amax_compute_algo=DELAYED_AMAX_COMPUTE_ALGO)
     return getattr(te_recipes, TE_RECIPES[recipe_name])(fp8_format=fmt)
 
@@ -87,6 +89,8 @@ class TEBackend:
     te.pytorch.LayerNormMLP(normalization='RMSNorm', activation='swiglu'): TE's SwiGLU kernel writes
     FC2's input (FP8 under delayed scaling) and the backward keeps FC1's output only, not torch's three
     SwiGLU tensors. Blocks whose w13 and w2 do not share one TE recipe keep unfused modules (noted)."""
+    delayed_margin: int = 0
+    """Headroom of delayed-scaling scales below the FP8 maximum, as a power of 2 (Megatron's --fp8-margin)."""
     cache_fp8_weights: bool = False
     """Cast each weight to FP8 on the first micro-batch of a step and reuse that copy for the step's other
     micro-batches (TE's is_first_microbatch); call mark_fp8_weights_stale after each optimizer step (the
@@ -115,6 +119,9 @@ class TEBackend:
         if not decisions:
             return model, record
         linears, expert_pairs, recipes = _validated(decisions, plan)
+        if self.delayed_margin and "delayed" not in recipes:
+            raise PlanError(f"delayed_margin={self.delayed_margin} applies to delayed scaling, and the plan's TE "
+                            f"recipes are {', '.join(recipes)}: drop the margin or plan recipe delayed")
         mlps = _fusable_mlps(model, linears, record) if self.fuse_mlp else {}
         ok, reason = self.available(recipes)
         if not ok:
@@ -122,7 +129,7 @@ class TEBackend:
                                      f"TransformerEngine, but {reason}")
         from fp8stack.backends import te_modules
 
-        te_recipes = {name: te_recipe(name, plan.fp8_format) for name in recipes}
+        te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin) for name in recipes}
         shared = _shared_parameters(model)
         swaps = []  # (fqn to swap, factory of its new module, plan fqns it then runs)
         for mlp_fqn, (norm_fqn, w13, w2) in mlps.items():
@@ -157,8 +164,9 @@ class TEBackend:
         record.recipe = ", ".join(recipes)
         if "delayed" in recipes:
             record.notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
-                                f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), so one FP8 autocast per "
-                                "module updates each scale once per step, as one model-wide autocast would")
+                                f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin "
+                                f"{self.delayed_margin}, so one FP8 autocast per module updates each scale once per "
+                                "step, as one model-wide autocast would")
         if self.cache_fp8_weights:
             record.notes.append("cache_fp8_weights: each weight is cast to FP8 on a step's first micro-batch and the "
                                 "copy reused by its other micro-batches (TE is_first_microbatch)")

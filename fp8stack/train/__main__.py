@@ -31,6 +31,8 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
                                                           "builds wq/wk/wv and w1/w3 for tensor parallelism"}),
     ("--fp8-recipe", "recipe", {"choices": (BF16, *RECIPES), "help": "FP8 recipe, or bf16 for none"}),
     ("--fp8-format", "fp8_format", {"choices": FP8_FORMATS, "help": "e4m3, or hybrid (E5M2 gradients)"}),
+    ("--fp8-margin", "fp8_margin", {"type": int, "metavar": "N",
+                                    "help": "delayed scaling: scales leave 2^N headroom below the FP8 maximum"}),
     ("--backend", "backend", {"choices": BACKEND_PREFERENCES, "help": "backend for dense linears"}),
     ("--first-last-layers-bf16", "first_last_layers_bf16", {"action": argparse.BooleanOptionalAction,
                                                             "help": "keep the first and last layers BF16"}),

@@ -67,6 +67,9 @@ class TrainConfig:
     """Backend for dense linears: auto | te | torchao."""
     fp8_format: str | None = None
     """e4m3, or hybrid (E4M3 forward, E5M2 gradients); None takes the recipe's library default."""
+    fp8_margin: int = 0
+    """Megatron's --fp8-margin, recipe delayed only: each scale leaves 2^margin headroom below the FP8 maximum
+    (TE DelayedScaling.margin), for tensors whose amax outgrows the previous step's."""
     first_last_layers_bf16: bool = False
     """Keep the first and last layers in BF16 (Megatron's --first-last-layers-bf16)."""
     num_layers_at_start_in_bf16: int = 1
@@ -186,12 +189,15 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup", "fp8_priming_passes", "fp8_grad_check_steps"):
+        for name in ("warmup", "fp8_margin", "fp8_priming_passes", "fp8_grad_check_steps"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name} must be non-negative, got {getattr(self, name)}")
         if self.global_batch is not None and (self.global_batch < 1 or self.global_batch % self.micro_batch):
             raise TrainConfigError(f"global_batch={self.global_batch} must be a positive multiple of "
                                    f"micro_batch={self.micro_batch} (times the data-parallel ranks)")
+        if self.fp8_margin and self.recipe != "delayed":
+            raise TrainConfigError(f"fp8_margin sets delayed scaling's headroom; recipe {self.recipe!r} computes its "
+                                   "scales from the current tensor: drop --fp8-margin or use --fp8-recipe delayed")
         if self.data_source not in DATA_SOURCES:
             raise TrainConfigError(f"unknown data_source {self.data_source!r}: use {' or '.join(DATA_SOURCES)}")
         if self.profile_collectives < 0:
@@ -504,7 +510,8 @@ def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[s
             raise TrainConfigError(f"{option} folds RMSNorms into TransformerEngine {module} modules, but the plan "
                                    f"for recipe {cfg.recipe!r} has no TE layers: use --backend te with an FP8 recipe, "
                                    f"or drop --{option.replace('_', '-')}")
-    options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "cache_fp8_weights": micro_batches > 1}
+    options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "cache_fp8_weights": micro_batches > 1,
+               "delayed_margin": cfg.fp8_margin}
     return {"te": options} if plan.for_backend("te") and any(options.values()) else None
 
 

@@ -82,7 +82,7 @@ def transformer_config(cfg: TrainConfig, shape: LlamaConfig, fp8_format: str | N
             params_dtype=torch.float32, bf16=False, use_cpu_initialization=True, perform_initialization=False,
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
             fp8=fp8_format if cfg.recipe != BF16 else None,
-            fp8_recipe=cfg.recipe if cfg.recipe != BF16 else "delayed",
+            fp8_recipe=cfg.recipe if cfg.recipe != BF16 else "delayed", fp8_margin=cfg.fp8_margin,
             first_last_layers_bf16=cfg.first_last_layers_bf16,
             num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
             num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16)

@@ -125,6 +125,7 @@ def test_te_recipe_objects():
     assert isinstance(delayed, te_recipes.DelayedScaling)
     assert (delayed.amax_history_len, delayed.amax_compute_algo, delayed.margin) == (
         DELAYED_AMAX_HISTORY_LEN, "most_recent", 0)
+    assert te_recipe("delayed", "hybrid", delayed_margin=2).margin == 2  # Megatron's --fp8-margin
     classes = {"tensorwise": te_recipes.Float8CurrentScaling, "blockwise": te_recipes.Float8BlockScaling,
                "mxfp8": te_recipes.MXFP8BlockScaling}
     for name, cls in classes.items():
