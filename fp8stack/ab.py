@@ -12,8 +12,8 @@ step-time spread after warm-up (interquartile range / median). A machine whose s
 during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
 loss is the mean over the last 10% of steps.
 Writes profiles/ab-<model>-<device>.json and .md after every arm ("complete": false and the pending
-arms until the last one has run, so a killed run keeps what it measured), and a .png at the end
-(with matplotlib installed).
+arms until the last one has run, so a killed run keeps what it measured, and --continue-from runs the
+pending arms later), and a .png at the end (with matplotlib installed).
 """
 
 import argparse
@@ -231,6 +231,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the arms side by side, one per listed GPU (CUDA_VISIBLE_DEVICES), in waves, the bf16 "
                              "repeat included: for long loss runs; each arm's step time is then taken while the "
                              "others run")
+    parser.add_argument("--continue-from", type=Path, metavar="JSON",
+                        help="a partial evidence file of this same A/B (one stopped by a time limit): keep the runs it "
+                             "holds, run the pending ones, write the merged evidence")
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
     parser.add_argument("--label", help="added to the evidence's name, ab-<model>[-megatron]-<label>-<gpu>, so a "
                                         "variant run does not replace the main evidence")
@@ -263,18 +266,29 @@ def run_ab(args: argparse.Namespace) -> int:
         recipes = _recipes(args.recipes)
         configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
                                log_interval=max(1, args.steps // 4)) for recipe in recipes]
-    except (TrainConfigError, PlanError) as err:
+        train_config = json.loads(json.dumps({  # as the evidence holds it (JSON types), to compare with earlier files
+            **{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
+            "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only
+            "compress_activations": args.compress_activations,  # FP8 arms only
+            "fp8_margin": args.fp8_margin}))  # delayed arms only
+        runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes) if args.continue_from
+                                else ({}, []))
+    except (ValueError, PlanError) as err:  # TrainConfigError is a ValueError
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-
     sequences = configs[0].global_batch or configs[0].micro_batch * args.nproc
     split_bytes = load_split("train", configs[0].max_data_bytes, source=configs[0].data_source).numel()
     passes = args.steps * sequences * model_config(configs[0]).seq_len / split_bytes
     impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
     stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
-    results: dict[str, dict | str] = {}
-    backends: dict[str, str] = {}
-    repeat = None
+    results: dict[str, dict | str] = {name: run for name, run in runs.items() if name != REPEAT_ARM}
+    repeat = runs.get(REPEAT_ARM)
+    backends: dict[str, str | PlanError] = {}
+    for cfg in configs:
+        try:
+            backends[cfg.recipe] = _planned_backend(cfg.recipe, args.backend)
+        except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
+            backends[cfg.recipe] = err
 
     def pending() -> list[str]:
         """The arms still to run, in order (the second bf16 run only once the first one worked)."""
@@ -287,7 +301,8 @@ def run_ab(args: argparse.Namespace) -> int:
         """Judge the arms run so far and write the evidence: after every arm, so a run killed later (a
         call's time limit) keeps what it measured, marked partial until nothing is pending."""
         todo = pending()
-        arms, repeat_record = _judge(results, backends, tolerance, peaks, repeat, passes)
+        named = {recipe: args.backend if isinstance(b, PlanError) else b for recipe, b in backends.items()}
+        arms, repeat_record = _judge(results, named, tolerance, peaks, repeat, passes)
         dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
         payload = {
             "complete": not todo,
@@ -295,10 +310,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "device": env["device"],
             "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
             "model": args.model, "steps": args.steps, "nproc": args.nproc, "gpus": args.gpus,
-            "train_config": {**{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
-                             "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only
-                             "compress_activations": args.compress_activations,  # FP8 arms only
-                             "fp8_margin": args.fp8_margin},  # delayed arms only
+            "recipes": recipes, "train_config": train_config,
+            "continued_from": continued_from,
             "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
             "baseline_repeat": repeat_record,
             "activation_dtype": dtype,
@@ -309,6 +322,7 @@ def run_ab(args: argparse.Namespace) -> int:
                           f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
                           f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
             "arms": [asdict(arm) for arm in arms],
+            "runs": {**results, **({REPEAT_ARM: repeat} if repeat is not None else {})},
         }
         table = _table(arms)
         side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
@@ -320,7 +334,9 @@ def run_ab(args: argparse.Namespace) -> int:
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
                  f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB) and while two bf16 runs agree "
                  "within it. "
-                 f"MFU: {payload['mfu_basis'] or 'not reported on this device'}.\n")
+                 f"MFU: {payload['mfu_basis'] or 'not reported on this device'}."
+                 + "".join(f" Runs {', '.join(c['runs'])} from an earlier call ({c['date']}: `{c['command']}`)."
+                           for c in continued_from) + "\n")
         markdown = markdown_table(*table)
         banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
                   f"{', '.join(todo)}. Verdicts may change once they have run (the second bf16 run sets the "
@@ -330,6 +346,7 @@ def run_ab(args: argparse.Namespace) -> int:
 
     slots = args.gpus or [None]
     jobs = [(cfg.recipe, cfg) for cfg in configs] + ([(REPEAT_ARM, configs[0])] if args.repeat_baseline else [])
+    jobs = [(name, cfg) for name, cfg in jobs if name in pending()]  # not those an earlier call ran
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
         # In waves of one run per slot; the bf16 repeat takes the last wave's free GPU when there is one.
         for wave in itertools.batched(enumerate(jobs, 1), len(slots)):
@@ -339,11 +356,8 @@ def run_ab(args: argparse.Namespace) -> int:
                     continue  # the first bf16 run failed: nothing to repeat
                 print(f"[{index}/{len(jobs)}] {cfg.model} {name} ({cfg.steps} steps, fresh process"
                       + (f", GPU {gpu})" if gpu else ")"), flush=True)
-                try:
-                    backends[cfg.recipe] = _planned_backend(cfg.recipe, args.backend)
-                except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
-                    backends[cfg.recipe] = args.backend
-                    outcomes[name] = " ".join(str(err).split())
+                if isinstance(backends[cfg.recipe], PlanError):
+                    outcomes[name] = " ".join(str(backends[cfg.recipe]).split())
                     print(f"    skipped: {outcomes[name]}", flush=True)
                 else:
                     outcomes[name] = _RunningArm(cfg, Path(scratch), args.nproc, gpu, name)
@@ -361,6 +375,27 @@ def run_ab(args: argparse.Namespace) -> int:
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0 if arms[0].verdict == "baseline" else 1
+
+
+def _earlier_runs(path: Path, train_config: dict, recipes: list[str]) -> tuple[dict[str, dict | str], list[dict]]:
+    """(the runs a partial evidence file holds, by arm name, and where they came from) for --continue-from, or
+    ValueError when the file is not of this A/B (another configuration, other arms, or written before files
+    kept their runs)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read --continue-from {path}: {err}") from None
+    if "runs" not in record:
+        raise ValueError(f"{path} holds no runs to continue from (written before A/B files kept them): rerun the A/B")
+    differ = sorted(k for k in set(train_config) | set(record["train_config"])
+                    if train_config.get(k) != record["train_config"].get(k))
+    if differ or record.get("recipes") != recipes:
+        what = f"train_config differs in {', '.join(differ)}" if differ else f"its arms are {record.get('recipes')}"
+        raise ValueError(f"{path} is another A/B ({what}): continue it with the command that wrote it")
+    earlier = record["continued_from"] + [{"date": record["date"], "command": record["command"],
+                                           "runs": [name for name in record["runs"]
+                                                    if not any(name in c["runs"] for c in record["continued_from"])]}]
+    return record["runs"], earlier
 
 
 def _recipes(text: str) -> list[str]:

@@ -168,9 +168,10 @@ def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
     assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the repeat ran alongside the first bf16 run"
 
 
-def test_a_killed_ab_keeps_the_arms_it_measured(tmp_path):
+def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     """Killed while its second arm runs (as a GPU call's time limit kills it), the A/B has already
-    written the first arm's evidence, marked partial, with the arms still to run."""
+    written the first arm's evidence, marked partial, with the arms still to run; --continue-from runs
+    those (a second call) and writes the whole A/B, refusing a file of another configuration."""
     command = [sys.executable, "-m", "fp8stack.ab", "--model", "tiny", "--recipes", "tensorwise", "--steps", "3",
                "--micro-batch", "2", "--seq-len", "64", "--device", "cpu", "--label", "killed",
                "--out-dir", str(tmp_path)]
@@ -189,6 +190,18 @@ def test_a_killed_ab_keeps_the_arms_it_measured(tmp_path):
     assert record["arms"][0]["verdict"] == "baseline" and len(record["arms"][0]["loss_curve"]) == 3
     markdown = (tmp_path / "ab-tiny-killed-cpu.md").read_text()
     assert "**Partial: the run has not finished.** Measured: bf16; pending: tensorwise, bf16 (repeat)." in markdown
+
+    partial = tmp_path / "partial.json"
+    (tmp_path / "ab-tiny-killed-cpu.json").rename(partial)
+    assert main([*command[3:], "--steps", "4", "--continue-from", str(partial)]) == 2
+    assert "is another A/B (train_config differs in steps)" in capsys.readouterr().err
+    assert main([*command[3:], "--continue-from", str(partial)]) == 0
+    whole = json.loads((tmp_path / "ab-tiny-killed-cpu.json").read_text())
+    assert whole["complete"] and [arm["recipe"] for arm in whole["arms"]] == ["bf16", "tensorwise"]
+    assert whole["runs"]["bf16"] == record["runs"]["bf16"], "the earlier call's bf16 run is kept, not rerun"
+    assert whole["baseline_repeat"]["rel_loss_gap"] == 0.0  # the new repeat matches it: same seed, CPU kernels
+    assert [c["runs"] for c in whole["continued_from"]] == [["bf16"]]
+    assert "Runs bf16 from an earlier call" in (tmp_path / "ab-tiny-killed-cpu.md").read_text()
 
 
 def test_ab_subcommand_plugs_into_a_parser():
