@@ -271,8 +271,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only
             "compress_activations": args.compress_activations,  # FP8 arms only
             "fp8_margin": args.fp8_margin}))  # delayed arms only
-        runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes) if args.continue_from
-                                else ({}, []))
+        runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
+                                if args.continue_from else ({}, []))
     except (ValueError, PlanError) as err:  # TrainConfigError is a ValueError
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -377,10 +377,11 @@ def run_ab(args: argparse.Namespace) -> int:
     return 0 if arms[0].verdict == "baseline" else 1
 
 
-def _earlier_runs(path: Path, train_config: dict, recipes: list[str]) -> tuple[dict[str, dict | str], list[dict]]:
+def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
+                  ) -> tuple[dict[str, dict | str], list[dict]]:
     """(the runs a partial evidence file holds, by arm name, and where they came from) for --continue-from, or
-    ValueError when the file is not of this A/B (another configuration, other arms, or written before files
-    kept their runs)."""
+    ValueError when the file is not of this A/B (another configuration, other arms or process count, or written
+    before files kept their runs)."""
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -389,8 +390,9 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str]) -> tuple[d
         raise ValueError(f"{path} holds no runs to continue from (written before A/B files kept them): rerun the A/B")
     differ = sorted(k for k in set(train_config) | set(record["train_config"])
                     if train_config.get(k) != record["train_config"].get(k))
-    if differ or record.get("recipes") != recipes:
-        what = f"train_config differs in {', '.join(differ)}" if differ else f"its arms are {record.get('recipes')}"
+    if differ or record.get("recipes") != recipes or record.get("nproc") != nproc:
+        what = (f"train_config differs in {', '.join(differ)}" if differ else
+                f"its arms are {record.get('recipes')} on {record.get('nproc')} process(es) each")
         raise ValueError(f"{path} is another A/B ({what}): continue it with the command that wrote it")
     earlier = record["continued_from"] + [{"date": record["date"], "command": record["command"],
                                            "runs": [name for name in record["runs"]

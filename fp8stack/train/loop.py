@@ -196,8 +196,8 @@ class TrainConfig:
             raise TrainConfigError(f"global_batch={self.global_batch} must be a positive multiple of "
                                    f"micro_batch={self.micro_batch} (times the data-parallel ranks)")
         if self.fp8_margin and self.recipe != "delayed":
-            raise TrainConfigError(f"fp8_margin sets delayed scaling's headroom; recipe {self.recipe!r} computes its "
-                                   "scales from the current tensor: drop --fp8-margin or use --fp8-recipe delayed")
+            raise TrainConfigError(f"fp8_margin sets delayed scaling's headroom, and recipe {self.recipe!r} is not "
+                                   "delayed scaling: drop --fp8-margin or use --fp8-recipe delayed")
         if self.data_source not in DATA_SOURCES:
             raise TrainConfigError(f"unknown data_source {self.data_source!r}: use {' or '.join(DATA_SOURCES)}")
         if self.profile_collectives < 0:
