@@ -54,6 +54,8 @@ def test_flags_map_onto_megatrons_transformer_config():
 
     one = megatron_model.transformer_config(megatron_cfg(), model_config(megatron_cfg()), "hybrid")
     assert one.fp8 is None and not one.sequence_parallel  # bf16, TP=1: megatron forbids SP without TP
+    delayed = megatron_cfg("--fp8-recipe", "delayed", "--fp8-margin", "1")
+    assert megatron_model.transformer_config(delayed, model_config(delayed), "hybrid").fp8_margin == 1
 
 
 @pytest.mark.parametrize("flags, names", [
