@@ -145,7 +145,8 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
               "--device", "cpu", "--no-repeat-baseline"]
     assert main([*common, "--out-dir", str(tmp_path / "one-by-one")]) == 0
     assert main([*common, "--gpus", "0,1", "--out-dir", str(tmp_path / "side-by-side")]) == 0
-    apart, together = (json.loads((tmp_path / d / "ab-tiny-cpu.json").read_text()) for d in ("one-by-one", "side-by-side"))
+    apart, together = (json.loads((tmp_path / d / "ab-tiny-cpu.json").read_text())
+                       for d in ("one-by-one", "side-by-side"))
     assert together["gpus"] == ["0", "1"] and apart["gpus"] is None
     assert [a["loss_curve"] for a in together["arms"]] == [a["loss_curve"] for a in apart["arms"]]
     (start_a, end_a), (start_b, end_b) = (arm["ran_between"] for arm in apart["arms"])

@@ -160,7 +160,8 @@ def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe, name: st
     return new.train(mlp.training)
 
 
-def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str, cache_weights: bool = False) -> TEGroupedExperts:
+def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str,
+                         cache_weights: bool = False) -> TEGroupedExperts:
     """A TEGroupedExperts holding `experts`' w13 [E, 2F, D] and w2 [E, D, F] one expert per GEMM, bit-exactly;
     cache_weights: see _WeightCache."""
     w13, w2 = experts.w13, experts.w2

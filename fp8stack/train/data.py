@@ -6,8 +6,9 @@ Byte-level tokens (ids 0..255) fit any model with vocab_size >= 256. Files go to
 validation split by a hash of their path relative to their root folder (the stdlib's, a site-packages
 folder), so the split is the same on every machine with the same Python and packages. Batch i of a
 given (seed, split, rank) is a pure function of those four numbers: every A/B arm and every process sees
-the same tokens, and a resumed run continues from `position` alone. Data-parallel ranks take consecutive slices of one global batch, so
-N ranks with micro-batch b train on exactly the batches of 1 rank with micro-batch N*b.
+the same tokens, and a resumed run continues from `position` alone. Data-parallel ranks take consecutive
+slices of one global batch, so N ranks with micro-batch b train on exactly the batches of 1 rank with
+micro-batch N*b.
 """
 
 import hashlib

@@ -450,7 +450,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                 check = step - start < cfg.fp8_grad_check_steps
                 loss, grad_norm, lr = run.step(cfg.grad_clip, on_gradients=(
                     lambda: result.zero_fp8_weight_grads.append(zero_fp8_weight_grads(model))) if check else None)
-                loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)  # the only host sync of unchecked steps
+                # The only host sync of an unchecked step:
+                loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)
                 elapsed_ms = (time.perf_counter() - began) * 1000
 
                 result.losses.append(loss_value)
@@ -459,9 +460,10 @@ def train(cfg: TrainConfig) -> TrainResult:
                 result.grad_norms.append(grad_norm)
                 if check and result.zero_fp8_weight_grads[-1] and env.rank == 0:
                     zero = result.zero_fp8_weight_grads[-1]
-                    print(f"step {step}: the gradients of {len(zero)} FP8 weight(s) are all zero (e.g. {zero[0]}): their "
-                          "FP8 gradient casts flushed every value; TE delayed scaling does so until each scale has "
-                          "seen its tensor's amax (its scales start at 1): raise fp8_priming_passes", file=sys.stderr)
+                    print(f"step {step}: the gradients of {len(zero)} FP8 weight(s) are all zero (e.g. {zero[0]}): "
+                          "their FP8 gradient casts flushed every value; TE delayed scaling does so until each scale "
+                          "has seen its tensor's amax (its scales start at 1): raise fp8_priming_passes",
+                          file=sys.stderr)
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
                                 "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
                 if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg):
