@@ -5,10 +5,11 @@ An arm ships only if it is faster than the bf16 arm by more than the measured no
 loss is within the tolerance of the bf16 arm's, above or below. The loss is not compared, and a faster
 FP8 arm is "inconclusive", where the comparison cannot resolve the tolerance: past one pass over the
 training text (the runs memorise it, at a rate set by rounding chaos: two bf16 runs of one configuration
-ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the two bf16 runs' final
-losses differ by more than the tolerance. The bf16 arm runs twice, first and last, so the
-noise is run-to-run: the larger of the two bf16 runs' step-time difference and each compared arm's
-step-time spread after warm-up (interquartile range / median). A machine whose speed changes
+ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the bf16 runs' final
+losses span more than the tolerance. The bf16 arm runs --baseline-runs times (default 2: first and last), so
+the noise is run-to-run: the largest of the bf16 runs' step-time differences and each compared arm's
+step-time spread after warm-up (interquartile range / median); a ship verdict judged against a single bf16
+run says that the loss spread between runs went unmeasured. A machine whose speed changes
 during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
 loss is the mean over the last 10% of steps.
 Writes profiles/ab-<model>-<device>.json and .md after every arm ("complete": false and the pending
@@ -42,10 +43,10 @@ GPU_LOSS_TOLERANCE = 0.0025
 CPU_LOSS_TOLERANCE = 0.02
 """On a CPU the default run is a few dozen steps of the tiny model, where the loss is still falling
 fast and step-to-step batch noise is ~1% of it; 2% flags a broken recipe without failing sound ones."""
-NOISE_METHOD = ("the largest of: the step-time difference between the two bf16 runs (first and last), and the "
+NOISE_METHOD = ("the largest of: the step-time differences between the first bf16 run and its repeats, and the "
                 "step-time interquartile range / median after warm-up of the arm and of bf16")
 NOISE_METHOD_SINGLE = ("step-time interquartile range / median after warm-up, the larger of the arm's and "
-                       "bf16's (bf16 ran once: --no-repeat-baseline)")
+                       "bf16's (bf16 ran once: --baseline-runs 1)")
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in every arm (as launch/env.sh does): on a shared multi-GPU host a
 program using it can take the host's GPUs out of service for everyone."""
@@ -54,7 +55,10 @@ MAX_PASSES = 1.0
 LAST_FRACTION = 0.10
 """Final loss = mean over this share of the last steps (at least one)."""
 REPEAT_ARM = "bf16 (repeat)"
-"""The second bf16 run, as a partial evidence file lists it among the pending arms."""
+"""The second bf16 run, as a partial evidence file lists it among the pending arms (then 'bf16 (repeat 2)', ...)."""
+SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
+                     "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
+"""Added to a ship verdict judged against a single bf16 run."""
 
 DENSE_PEAK_TFLOPS = {
     # (name marker, variant marker or '') -> {precision: dense TFLOP/s}, NVIDIA datasheets (no sparsity).
@@ -223,8 +227,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-tolerance", type=float,
                         help=f"largest relative final-loss gap that ships (default: {GPU_LOSS_TOLERANCE} on a GPU, "
                              f"{CPU_LOSS_TOLERANCE} on a CPU)")
-    parser.add_argument("--no-repeat-baseline", dest="repeat_baseline", action="store_false",
-                        help="run bf16 once, not first and last: faster, but the noise is then only step-time spread")
+    parser.add_argument("--baseline-runs", type=int, default=2, metavar="N",
+                        help="bf16 runs: the first, and N-1 repeats after the FP8 arms; a loss gap is judged only "
+                             "while their final losses span less than the tolerance (default: 2)")
+    parser.add_argument("--no-repeat-baseline", dest="baseline_runs", action="store_const", const=1,
+                        help="--baseline-runs 1: faster, but the noise is then only step-time spread and the loss "
+                             "spread between runs unmeasured")
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone with FSDP2")
     parser.add_argument("--gpus", type=lambda text: [g.strip() for g in text.split(",") if g.strip()], metavar="0,1",
@@ -260,6 +268,8 @@ def run_ab(args: argparse.Namespace) -> int:
                  **({"max_data_bytes": args.max_data_bytes} if args.max_data_bytes else {}),
                  **({"data_source": args.data_source} if args.data_source else {})}
     try:
+        if args.baseline_runs < 1:
+            raise TrainConfigError(f"--baseline-runs {args.baseline_runs}: the bf16 arm runs at least once")
         if args.gpus and args.nproc > 1:
             raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
                                    "use one of them")
@@ -281,8 +291,9 @@ def run_ab(args: argparse.Namespace) -> int:
     passes = args.steps * sequences * model_config(configs[0]).seq_len / split_bytes
     impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
     stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
-    results: dict[str, dict | str] = {name: run for name, run in runs.items() if name != REPEAT_ARM}
-    repeat = runs.get(REPEAT_ARM)
+    repeat_names = repeat_arms(args.baseline_runs)
+    results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in recipes}
+    repeats: dict[str, dict | str] = {name: runs[name] for name in repeat_names if name in runs}
     backends: dict[str, str | PlanError] = {}
     for cfg in configs:
         try:
@@ -291,18 +302,18 @@ def run_ab(args: argparse.Namespace) -> int:
             backends[cfg.recipe] = err
 
     def pending() -> list[str]:
-        """The arms still to run, in order (the second bf16 run only once the first one worked)."""
+        """The arms still to run, in order (the bf16 repeats only once the first bf16 run worked)."""
         todo = [cfg.recipe for cfg in configs if cfg.recipe not in results]
-        if args.repeat_baseline and repeat is None and isinstance(results.get(BF16, {}), dict):
-            todo.append(REPEAT_ARM)
+        if isinstance(results.get(BF16, {}), dict):
+            todo += [name for name in repeat_names if name not in repeats]
         return todo
 
-    def record() -> tuple[list[Arm], tuple[list[str], list[list]], str, Path, Path]:
+    def record() -> tuple[list[Arm], list[dict], tuple[list[str], list[list]], str, Path, Path]:
         """Judge the arms run so far and write the evidence: after every arm, so a run killed later (a
         call's time limit) keeps what it measured, marked partial until nothing is pending."""
         todo = pending()
         named = {recipe: args.backend if isinstance(b, PlanError) else b for recipe, b in backends.items()}
-        arms, repeat_record = _judge(results, named, tolerance, peaks, repeat, passes)
+        arms, repeat_records = _judge(results, named, tolerance, peaks, repeats, passes)
         dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
         payload = {
             "complete": not todo,
@@ -312,8 +323,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "model": args.model, "steps": args.steps, "nproc": args.nproc, "gpus": args.gpus,
             "recipes": recipes, "train_config": train_config,
             "continued_from": continued_from,
-            "noise_method": NOISE_METHOD if repeat_record else NOISE_METHOD_SINGLE,
-            "baseline_repeat": repeat_record,
+            "noise_method": NOISE_METHOD if repeat_records else NOISE_METHOD_SINGLE,
+            "baseline_repeats": repeat_records,
             "activation_dtype": dtype,
             "loss_tolerance": tolerance,
             "train_split_bytes": split_bytes,
@@ -322,37 +333,37 @@ def run_ab(args: argparse.Namespace) -> int:
                           f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
                           f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
             "arms": [asdict(arm) for arm in arms],
-            "runs": {**results, **({REPEAT_ARM: repeat} if repeat is not None else {})},
+            "runs": {**results, **repeats},
         }
         table = _table(arms)
         side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
                  f"bf16 arm is the plan without FP8). Noise: {payload['noise_method']}"
-                 f"{_repeat_note(repeat_record)}. Loss tolerance: +-{tolerance:.2%} relative "
+                 f"{_repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
-                 f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB) and while two bf16 runs agree "
-                 "within it. "
+                 f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB) and while the bf16 runs' final "
+                 "losses span less than it. "
                  f"MFU: {payload['mfu_basis'] or 'not reported on this device'}."
                  + "".join(f" Runs {', '.join(c['runs'])} from an earlier call ({c['date']}: `{c['command']}`)."
                            for c in continued_from) + "\n")
         markdown = markdown_table(*table)
         banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
-                  f"{', '.join(todo)}. Verdicts may change once they have run (the second bf16 run sets the "
+                  f"{', '.join(todo)}. Verdicts may change once they have run (the bf16 repeats set the "
                   "noise).\n\n") if todo else ""
         json_path, md_path = write_evidence(stem, payload, banner + markdown + notes, out_dir=args.out_dir)
-        return arms, table, markdown, json_path, md_path
+        return arms, repeat_records, table, markdown, json_path, md_path
 
     slots = args.gpus or [None]
-    jobs = [(cfg.recipe, cfg) for cfg in configs] + ([(REPEAT_ARM, configs[0])] if args.repeat_baseline else [])
+    jobs = [(cfg.recipe, cfg) for cfg in configs] + [(name, configs[0]) for name in repeat_names]
     jobs = [(name, cfg) for name, cfg in jobs if name in pending()]  # not those an earlier call ran
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
-        # In waves of one run per slot; the bf16 repeat takes the last wave's free GPU when there is one.
+        # In waves of one run per slot; the bf16 repeats take the last wave's free GPUs when there are some.
         for wave in itertools.batched(enumerate(jobs, 1), len(slots)):
             outcomes: dict[str, _RunningArm | str] = {}
             for (index, (name, cfg)), gpu in zip(wave, slots):
-                if name == REPEAT_ARM and REPEAT_ARM not in pending():
+                if name in repeat_names and name not in pending():
                     continue  # the first bf16 run failed: nothing to repeat
                 print(f"[{index}/{len(jobs)}] {cfg.model} {name} ({cfg.steps} steps, fresh process"
                       + (f", GPU {gpu})" if gpu else ")"), flush=True)
@@ -363,15 +374,15 @@ def run_ab(args: argparse.Namespace) -> int:
                     outcomes[name] = _RunningArm(cfg, Path(scratch), args.nproc, gpu, name)
             for name, outcome in outcomes.items():  # in job order: bf16 stays first
                 result = outcome.result() if isinstance(outcome, _RunningArm) else outcome
-                if name == REPEAT_ARM:
-                    repeat = result
+                if name in repeat_names:
+                    repeats[name] = result
                 else:
                     results[name] = result
             if pending():
                 record()
 
-    arms, table, markdown, json_path, md_path = record()
-    png = _plot(arms, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
+    arms, repeat_records, table, markdown, json_path, md_path = record()
+    png = _plot(arms, repeat_records, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0 if arms[0].verdict == "baseline" else 1
@@ -446,10 +457,15 @@ class _RunningArm:
         return {**json.loads(self.result_path.read_text()), "ran_between": self.ran_between}
 
 
+def repeat_arms(baseline_runs: int) -> list[str]:
+    """Names of the bf16 runs after the first: REPEAT_ARM, then 'bf16 (repeat 2)', ..."""
+    return [REPEAT_ARM, *(f"{BF16} (repeat {i})" for i in range(2, baseline_runs))] if baseline_runs > 1 else []
+
+
 def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
-           repeat: dict | str | None = None, passes: float = 0.0) -> tuple[list[Arm], dict | None]:
-    """The arms with their measurements and verdicts, and what the second bf16 run (`repeat`, when
-    given) measured. results[bf16] is the baseline; a str in place of a result is the error a run hit.
+           repeats: dict[str, dict | str] | None = None, passes: float = 0.0) -> tuple[list[Arm], list[dict]]:
+    """The arms with their measurements and verdicts, and what each repeated bf16 run (`repeats`, by name)
+    measured. results[bf16] is the baseline; a str in place of a result is the error a run hit.
     `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
     arms = [_measure(recipe, result, backends[recipe], peaks) for recipe, result in results.items()]
     baseline = arms[0]
@@ -457,18 +473,21 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
         baseline.verdict, baseline.reason = "error", f"bf16 baseline failed: {results[BF16]}"
         for arm in arms[1:]:
             arm.verdict, arm.reason = "rollback", "no bf16 baseline to compare with"
-        return arms, None
+        return arms, []
     baseline.verdict, baseline.reason, baseline.rel_loss_gap = "baseline", "the reference arm", 0.0
-    run_to_run, record = 0.0, None
-    if isinstance(repeat, str):
-        record = {"error": repeat}
-    elif repeat is not None:
+    records = []
+    for name, repeat in (repeats or {}).items():
+        if isinstance(repeat, str):
+            records.append({"run": name, "error": repeat})
+            continue
         again = _measure(BF16, repeat, BF16, peaks)
-        run_to_run = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
-        record = {"step_ms": again.step_ms, "final_loss": again.final_loss, "run_to_run_noise": run_to_run,
-                  "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0, "ran_between": again.ran_between,
-                  "loss_curve": again.loss_curve}
-    unresolved = loss_unresolved(passes, record, tolerance)
+        step_gap = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
+        records.append({"run": name, "step_ms": again.step_ms, "final_loss": again.final_loss,
+                        "run_to_run_noise": step_gap, "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0,
+                        "ran_between": again.ran_between, "loss_curve": again.loss_curve})
+    measured = [r for r in records if "error" not in r]
+    run_to_run = max((r["run_to_run_noise"] for r in measured), default=0.0)
+    unresolved = loss_unresolved(passes, [r["rel_loss_gap"] for r in measured], tolerance)
     for arm, result in zip(arms[1:], list(results.values())[1:]):
         if isinstance(result, str):
             arm.verdict, arm.reason = "rollback", f"failed: {result}"
@@ -476,29 +495,36 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
         noise = max(run_to_run, baseline.noise, arm.noise)
         arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
         arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, unresolved)
-    return arms, record
+        if arm.verdict == "ship" and not measured:
+            arm.reason += f"; {SINGLE_RUN_CAVEAT}"
+    return arms, records
 
 
-def loss_unresolved(passes: float, repeat: dict | None, tolerance: float) -> str:
+def loss_unresolved(passes: float, repeat_gaps: list[float], tolerance: float) -> str:
     """Why final losses cannot be judged at `tolerance` ('' when they can): more than MAX_PASSES passes over
-    the training text, or two bf16 runs (`repeat`, the second one's record) further apart than `tolerance`."""
+    the training text, or bf16 runs whose final losses span more than `tolerance` (`repeat_gaps`: each repeat's
+    relative gap to the first bf16 run)."""
     if passes > MAX_PASSES:
         return (f"{passes:.1f} passes over the training text memorise it (rerun with fewer steps or tokens per "
                 "step, or more text: --data-source python --max-data-bytes N)")
-    spread = (repeat or {}).get("rel_loss_gap")
-    if spread is not None and abs(spread) > tolerance:
-        return (f"the two bf16 runs differ by {spread:+.2%}, more than the +-{tolerance:.2%} tolerance (a lower LR, "
-                "more sequences per step or a longer run narrows that spread)")
-    return ""
-
-
-def _repeat_note(record: dict | None) -> str:
-    if not record:
+    spread = max([0.0, *repeat_gaps]) - min([0.0, *repeat_gaps])
+    if spread <= tolerance:
         return ""
-    if "error" in record:
-        return f" (the second bf16 run failed: {record['error']})"
-    return (f" (bf16 run-to-run: {record['run_to_run_noise']:.1%} in step time, {record['rel_loss_gap']:+.3%} "
-            "in final loss)")
+    runs = (f"the two bf16 runs differ by {repeat_gaps[0]:+.2%}" if len(repeat_gaps) == 1 else
+            f"the {len(repeat_gaps) + 1} bf16 runs' final losses span {spread:.2%}")
+    return (f"{runs}, more than the +-{tolerance:.2%} tolerance (a lower LR, more sequences per step or a longer run "
+            "narrows that spread)")
+
+
+def _repeat_note(records: list[dict]) -> str:
+    notes = [f"{r['run']} failed: {r['error']}" for r in records if "error" in r]
+    measured = [r for r in records if "error" not in r]
+    if measured:
+        gaps = ", ".join(f"{r['rel_loss_gap']:+.3%}" for r in measured)
+        notes.insert(0, f"bf16 run-to-run over {len(measured) + 1} runs: up to "
+                        f"{max(r['run_to_run_noise'] for r in measured):.1%} in step time, final loss {gaps} from the "
+                        "first run")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None) -> Arm:
@@ -556,9 +582,10 @@ def _print_table(table: tuple[list[str], list[list]], markdown: str) -> None:
     console.print(view)
 
 
-def _plot(arms: list[Arm], path: Path, title: str) -> Path | None:
+def _plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path | None:
     """Loss curves, loss relative to bf16 per step (same batches in every arm, so the ratio is
-    meaningful step by step) and throughput bars; None (with a note) when matplotlib is missing."""
+    meaningful step by step; the bf16 repeats' curves, dashed, show how far runs part by chance) and
+    throughput bars; None (with a note) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -577,11 +604,15 @@ def _plot(arms: list[Arm], path: Path, title: str) -> Path | None:
         losses.plot(steps, arm.loss_curve, **line)
         if base and arm is not arms[0]:
             gaps.plot(steps, [100 * (a / b - 1) for a, b in zip(arm.loss_curve, base)], **line)
+    for repeat in (r for r in repeats if base and r.get("loss_curve")):
+        curve = repeat["loss_curve"]
+        gaps.plot(range(1, len(curve) + 1), [100 * (a / b - 1) for a, b in zip(curve, base)], label=repeat["run"],
+                  color="tab:gray", linewidth=0.8, linestyle="--")
     losses.set(xlabel="step", ylabel="training loss", title="loss")
     losses.legend()
     gaps.axhline(0, color="tab:gray", linewidth=0.8)
     gaps.set(xlabel="step", ylabel="% vs bf16", title="loss relative to bf16 (same batches)")
-    if len(ran) > 1:
+    if gaps.get_lines()[1:]:  # beyond the zero line
         gaps.legend()
     speed.bar([a.recipe for a in ran], [a.tokens_per_s for a in ran], color=[colours[a.verdict] for a in ran])
     speed.set(ylabel="tokens/s", title="throughput (green ship, red rollback, orange inconclusive, grey bf16)")

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from fp8stack.ab import (_judge, add_ab_parser, blended_peak, final_loss, loss_unresolved, main, peak_tflops, run_ab,
-                         speed_levers, verdict)
+from fp8stack.ab import (REPEAT_ARM, SINGLE_RUN_CAVEAT, _judge, add_ab_parser, blended_peak, final_loss,
+                         loss_unresolved, main, peak_tflops, repeat_arms, run_ab, speed_levers, verdict)
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
@@ -33,10 +33,13 @@ def test_ship_needs_speed_beyond_noise_and_loss_within_tolerance():
 
 
 def test_loss_is_not_compared_where_it_cannot_resolve_the_tolerance():
-    assert loss_unresolved(0.9, None, 0.0025) == ""
-    assert "4.5 passes over the training text" in loss_unresolved(4.5, None, 0.0025)
-    assert loss_unresolved(0.5, {"rel_loss_gap": -0.002}, 0.0025) == ""
-    assert "the two bf16 runs differ by -2.60%" in loss_unresolved(0.5, {"rel_loss_gap": -0.026}, 0.0025)
+    assert loss_unresolved(0.9, [], 0.0025) == ""
+    assert "4.5 passes over the training text" in loss_unresolved(4.5, [], 0.0025)
+    assert loss_unresolved(0.5, [-0.002], 0.0025) == ""
+    assert "the two bf16 runs differ by -2.60%" in loss_unresolved(0.5, [-0.026], 0.0025)
+    # each repeat within the tolerance of the first run, but +0.2% and -0.2% span 0.4%: the runs disagree
+    assert "the 3 bf16 runs' final losses span 0.40%, more than" in loss_unresolved(0.5, [0.002, -0.002], 0.0025)
+    assert loss_unresolved(0.5, [0.001, 0.002, -0.0005], 0.0025) == ""
     decision, reason = verdict(80.0, 100.0, noise=0.05, loss_gap=0.04, tolerance=0.0025, unresolved="why")
     assert (decision, reason) == ("inconclusive", "+25.0% faster than bf16 (noise 5.0%); loss not compared: why")
     decision, reason = verdict(99.0, 100.0, noise=0.05, loss_gap=0.0, tolerance=0.0025, unresolved="why")
@@ -48,8 +51,12 @@ def test_judge_leaves_the_loss_unjudged_past_one_pass_or_when_bf16_runs_disagree
     backends = {"bf16": "bf16", "tensorwise": "torchao"}
     many_passes, _ = _judge(results, backends, tolerance=0.0025, peaks=None, passes=4.2)
     assert many_passes[1].verdict == "inconclusive" and "4.2 passes" in many_passes[1].reason
-    spread, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeat=_result(100.0, 2.05, 0.0))
+    spread, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(100.0, 2.05, 0.0)})
     assert spread[1].verdict == "inconclusive" and "differ by +2.50%" in spread[1].reason
+    three = {REPEAT_ARM: _result(100.0, 2.004, 0.0), "bf16 (repeat 2)": _result(100.0, 1.996, 0.0)}
+    spread, records = _judge(results, backends, tolerance=0.0025, peaks=None, repeats=three)
+    assert spread[1].verdict == "inconclusive" and "the 3 bf16 runs' final losses span 0.40%" in spread[1].reason
+    assert [r["run"] for r in records] == [REPEAT_ARM, "bf16 (repeat 2)"]
 
 
 def test_statistics():
@@ -85,11 +92,12 @@ def test_judge_compares_every_arm_with_bf16():
     results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(70.0, 2.002, 0.8),
                "rowwise": _result(90.0, 2.1, 0.8), "blockwise": "TransformerEngine is not installed"}
     backends = {"bf16": "bf16", "tensorwise": "torchao", "rowwise": "torchao", "blockwise": "te"}
-    judged, repeat = _judge(results, backends, tolerance=0.0025, peaks=peak_tflops("H100"))
+    judged, repeats = _judge(results, backends, tolerance=0.0025, peaks=peak_tflops("H100"))
     arms = {a.recipe: a for a in judged}
-    assert repeat is None
+    assert repeats == []
     assert arms["bf16"].verdict == "baseline" and arms["bf16"].rel_loss_gap == 0.0
     assert arms["tensorwise"].verdict == "ship" and arms["tensorwise"].rel_loss_gap == pytest.approx(0.001)
+    assert arms["tensorwise"].reason.endswith(SINGLE_RUN_CAVEAT), "one bf16 run cannot vouch for the loss spread"
     assert arms["tensorwise"].tflops == pytest.approx(3 * 10**9 * 1000 / 0.07 / 1e12)
     assert arms["tensorwise"].mfu == pytest.approx(arms["tensorwise"].tflops / blended_peak(peak_tflops("H100"), 0.8))
     assert arms["rowwise"].verdict == "rollback" and "tolerance" in arms["rowwise"].reason
@@ -107,11 +115,15 @@ def test_judge_without_a_baseline_ships_nothing():
 def test_second_bf16_run_sets_the_noise():
     results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(80.0, 2.0, 0.8)}
     backends = {"bf16": "bf16", "tensorwise": "torchao"}
-    steady, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeat=_result(101.0, 2.0, 0.0))
-    assert steady[1].verdict == "ship"
-    drifting, repeat = _judge(results, backends, tolerance=0.0025, peaks=None, repeat=_result(130.0, 2.0, 0.0))
+    steady, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(101.0, 2.0, 0.0)})
+    assert steady[1].verdict == "ship" and SINGLE_RUN_CAVEAT not in steady[1].reason
+    drifting, (repeat,) = _judge(results, backends, tolerance=0.0025, peaks=None,
+                                 repeats={REPEAT_ARM: _result(130.0, 2.0, 0.0)})
     assert repeat["run_to_run_noise"] == pytest.approx(0.3) and repeat["rel_loss_gap"] == 0.0
     assert drifting[1].verdict == "rollback" and "noise 30.0%" in drifting[1].reason
+    failed = {REPEAT_ARM: _result(101.0, 2.0, 0.0), "bf16 (repeat 2)": "out of memory"}
+    _, records = _judge(results, backends, tolerance=0.0025, peaks=None, repeats=failed)
+    assert records[1] == {"run": "bf16 (repeat 2)", "error": "out of memory"}
 
 
 def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
@@ -132,8 +144,9 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
         assert arm["verdict"] in ("baseline", "ship", "rollback") and arm["reason"]
         assert arm["mfu"] is None and arm["step_ms"] > 0 and arm["final_loss"] > 0
     assert record["arms"][1]["backend"] == "torchao"
-    assert record["baseline_repeat"]["rel_loss_gap"] == 0.0  # same seed and data, deterministic CPU kernels
-    assert record["baseline_repeat"]["run_to_run_noise"] >= 0
+    (repeat,) = record["baseline_repeats"]
+    assert repeat["run"] == REPEAT_ARM and repeat["rel_loss_gap"] == 0.0  # same seed and data, deterministic CPU
+    assert repeat["run_to_run_noise"] >= 0
     assert (tmp_path / "ab-tiny-cpu.md").read_text().count("| tensorwise |") == 1
     assert "| tensorwise |" in capsys.readouterr().out
 
@@ -160,13 +173,17 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
 def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
     """With a GPU to spare, the second bf16 run starts with the arms instead of after them."""
     main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
-          "--device", "cpu", "--gpus", "0,1,2", "--out-dir", str(tmp_path)])
+          "--device", "cpu", "--gpus", "0,1,2", "--baseline-runs", "3", "--out-dir", str(tmp_path)])
     record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
-    assert record["complete"] and record["baseline_repeat"]["rel_loss_gap"] == 0.0
-    assert record["baseline_repeat"]["loss_curve"] == record["arms"][0]["loss_curve"]  # kept to compare per step
+    assert record["complete"] and [r["run"] for r in record["baseline_repeats"]] == [REPEAT_ARM, "bf16 (repeat 2)"]
     (start_bf16, end_bf16), _ = (arm["ran_between"] for arm in record["arms"])
-    start_repeat, end_repeat = record["baseline_repeat"]["ran_between"]
-    assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the repeat ran alongside the first bf16 run"
+    for repeat in record["baseline_repeats"]:
+        assert repeat["rel_loss_gap"] == 0.0
+        assert repeat["loss_curve"] == record["arms"][0]["loss_curve"]  # kept to compare per step
+    start_repeat, end_repeat = record["baseline_repeats"][0]["ran_between"]
+    assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the first repeat ran alongside the first bf16 run"
+    assert record["baseline_repeats"][1]["ran_between"][0] >= end_bf16, "the second repeat waited for a free GPU"
+    assert "bf16 run-to-run over 3 runs" in (tmp_path / "ab-tiny-cpu.md").read_text()
 
 
 def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
@@ -200,7 +217,7 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     whole = json.loads((tmp_path / "ab-tiny-killed-cpu.json").read_text())
     assert whole["complete"] and [arm["recipe"] for arm in whole["arms"]] == ["bf16", "tensorwise"]
     assert whole["runs"]["bf16"] == record["runs"]["bf16"], "the earlier call's bf16 run is kept, not rerun"
-    assert whole["baseline_repeat"]["rel_loss_gap"] == 0.0  # the new repeat matches it: same seed, CPU kernels
+    assert whole["baseline_repeats"][0]["rel_loss_gap"] == 0.0  # the new repeat matches it: same seed, CPU kernels
     assert [c["runs"] for c in whole["continued_from"]] == [["bf16"]]
     assert "Runs bf16 from an earlier call" in (tmp_path / "ab-tiny-killed-cpu.md").read_text()
 
@@ -212,6 +229,15 @@ def test_ab_subcommand_plugs_into_a_parser():
     assert (args.run, args.recipes, args.steps, args.backend, args.nproc) == (run_ab, "bf16,rowwise", 7, "auto", 1)
     args = parser.parse_args(["ab", "--fp8-margin", "1"])
     assert [speed_levers(args, recipe)["fp8_margin"] for recipe in ("bf16", "tensorwise", "delayed")] == [0, 0, 1]
+    assert args.baseline_runs == 2 and parser.parse_args(["ab", "--no-repeat-baseline"]).baseline_runs == 1
+    assert parser.parse_args(["ab", "--baseline-runs", "4"]).baseline_runs == 4
+
+
+def test_bf16_repeats_are_named_in_order(capsys):
+    assert repeat_arms(1) == [] and repeat_arms(2) == [REPEAT_ARM]
+    assert repeat_arms(4) == [REPEAT_ARM, "bf16 (repeat 2)", "bf16 (repeat 3)"]
+    assert main(["--baseline-runs", "0", "--out-dir", "unused"]) == 2
+    assert "--baseline-runs 0: the bf16 arm runs at least once" in capsys.readouterr().err
 
 
 def test_ab_rejects_unknown_recipes(capsys):
