@@ -5,11 +5,12 @@ An arm ships only if it is faster than the bf16 arm by more than the measured no
 loss is within the tolerance of the bf16 arm's, above or below. The loss is not compared, and a faster
 FP8 arm is "inconclusive", where the comparison cannot resolve the tolerance: past one pass over the
 training text (the runs memorise it, at a rate set by rounding chaos: two bf16 runs of one configuration
-ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the bf16 runs' final
-losses span more than the tolerance. The bf16 arm runs --baseline-runs times (default 2: first and last), so
-the noise is run-to-run: the largest of the bf16 runs' step-time differences and each compared arm's
-step-time spread after warm-up (interquartile range / median); a ship verdict judged against a single bf16
-run says that the loss spread between runs went unmeasured. A machine whose speed changes
+ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the bf16 runs' final losses
+span more than the tolerance; the verdict then says whether the arm's final loss lies between theirs.
+The bf16 arm runs --baseline-runs times (default 2: first and last), so the noise is run-to-run: the
+largest of the bf16 runs' step-time differences and each compared arm's step-time spread after warm-up
+(interquartile range / median); a ship verdict judged against a single bf16 run says that the loss
+spread between runs went unmeasured. A machine whose speed changes
 during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
 loss is the mean over the last 10% of steps.
 Writes profiles/ab-<model>-<device>.json and .md after every arm ("complete": false and the pending
@@ -497,7 +498,19 @@ def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: 
         arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, unresolved)
         if arm.verdict == "ship" and not measured:
             arm.reason += f"; {SINGLE_RUN_CAVEAT}"
+        if arm.verdict == "inconclusive" and measured:
+            arm.reason += f"; {band_note(arm.final_loss, [baseline.final_loss, *(r['final_loss'] for r in measured)])}"
     return arms, records
+
+
+def band_note(loss: float, bf16_losses: list[float]) -> str:
+    """Where a final loss lies against the bf16 runs' final losses: what an unresolved comparison can still say."""
+    low, high = min(bf16_losses), max(bf16_losses)
+    band = f"the {len(bf16_losses)} bf16 runs' ({low:.4f} to {high:.4f})"
+    if low <= loss <= high:
+        return f"its final loss lies between {band}"
+    return f"its final loss lies {loss / high - 1:+.2%} above {band}" if loss > high else (
+        f"its final loss lies {loss / low - 1:+.2%} below {band}")
 
 
 def loss_unresolved(passes: float, repeat_gaps: list[float], tolerance: float) -> str:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fp8stack.ab import (REPEAT_ARM, SINGLE_RUN_CAVEAT, _judge, add_ab_parser, blended_peak, final_loss,
+from fp8stack.ab import (REPEAT_ARM, SINGLE_RUN_CAVEAT, _judge, add_ab_parser, band_note, blended_peak, final_loss,
                          loss_unresolved, main, peak_tflops, repeat_arms, run_ab, speed_levers, verdict)
 from fp8stack.train.timing import relative_spread, steady_state
 
@@ -53,6 +53,9 @@ def test_judge_leaves_the_loss_unjudged_past_one_pass_or_when_bf16_runs_disagree
     assert many_passes[1].verdict == "inconclusive" and "4.2 passes" in many_passes[1].reason
     spread, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(100.0, 2.05, 0.0)})
     assert spread[1].verdict == "inconclusive" and "differ by +2.50%" in spread[1].reason
+    assert spread[1].reason.endswith("; its final loss lies between the 2 bf16 runs' (2.0000 to 2.0500)")
+    assert band_note(2.1, [2.0, 2.05]) == "its final loss lies +2.44% above the 2 bf16 runs' (2.0000 to 2.0500)"
+    assert band_note(1.9, [2.0, 2.05]) == "its final loss lies -5.00% below the 2 bf16 runs' (2.0000 to 2.0500)"
     three = {REPEAT_ARM: _result(100.0, 2.004, 0.0), "bf16 (repeat 2)": _result(100.0, 1.996, 0.0)}
     spread, records = _judge(results, backends, tolerance=0.0025, peaks=None, repeats=three)
     assert spread[1].verdict == "inconclusive" and "the 3 bf16 runs' final losses span 0.40%" in spread[1].reason
