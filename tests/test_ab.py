@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from fp8stack.ab import (REPEAT_ARM, SINGLE_RUN_CAVEAT, _judge, add_ab_parser, band_note, blended_peak, final_loss,
-                         loss_unresolved, main, peak_tflops, repeat_arms, run_ab, speed_levers, verdict)
+from fp8stack.ab import add_ab_parser, final_loss, main, run_ab, speed_levers
+from fp8stack.ab.verdicts import (REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge, loss_unresolved,
+                                  peak_tflops, repeat_arms, verdict)
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
@@ -49,15 +50,15 @@ def test_loss_is_not_compared_where_it_cannot_resolve_the_tolerance():
 def test_judge_leaves_the_loss_unjudged_past_one_pass_or_when_bf16_runs_disagree():
     results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(80.0, 2.0, 0.8)}
     backends = {"bf16": "bf16", "tensorwise": "torchao"}
-    many_passes, _ = _judge(results, backends, tolerance=0.0025, peaks=None, passes=4.2)
+    many_passes, _ = judge(results, backends, tolerance=0.0025, peaks=None, passes=4.2)
     assert many_passes[1].verdict == "inconclusive" and "4.2 passes" in many_passes[1].reason
-    spread, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(100.0, 2.05, 0.0)})
+    spread, _ = judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(100.0, 2.05, 0.0)})
     assert spread[1].verdict == "inconclusive" and "differ by +2.50%" in spread[1].reason
     assert spread[1].reason.endswith("; its final loss lies between the 2 bf16 runs' (2.0000 to 2.0500)")
     assert band_note(2.1, [2.0, 2.05]) == "its final loss lies +2.44% above the 2 bf16 runs' (2.0000 to 2.0500)"
     assert band_note(1.9, [2.0, 2.05]) == "its final loss lies -5.00% below the 2 bf16 runs' (2.0000 to 2.0500)"
     three = {REPEAT_ARM: _result(100.0, 2.004, 0.0), "bf16 (repeat 2)": _result(100.0, 1.996, 0.0)}
-    spread, records = _judge(results, backends, tolerance=0.0025, peaks=None, repeats=three)
+    spread, records = judge(results, backends, tolerance=0.0025, peaks=None, repeats=three)
     assert spread[1].verdict == "inconclusive" and "the 3 bf16 runs' final losses span 0.40%" in spread[1].reason
     assert [r["run"] for r in records] == [REPEAT_ARM, "bf16 (repeat 2)"]
 
@@ -95,7 +96,7 @@ def test_judge_compares_every_arm_with_bf16():
     results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(70.0, 2.002, 0.8),
                "rowwise": _result(90.0, 2.1, 0.8), "blockwise": "TransformerEngine is not installed"}
     backends = {"bf16": "bf16", "tensorwise": "torchao", "rowwise": "torchao", "blockwise": "te"}
-    judged, repeats = _judge(results, backends, tolerance=0.0025, peaks=peak_tflops("H100"))
+    judged, repeats = judge(results, backends, tolerance=0.0025, peaks=peak_tflops("H100"))
     arms = {a.recipe: a for a in judged}
     assert repeats == []
     assert arms["bf16"].verdict == "baseline" and arms["bf16"].rel_loss_gap == 0.0
@@ -110,7 +111,7 @@ def test_judge_compares_every_arm_with_bf16():
 
 
 def test_judge_without_a_baseline_ships_nothing():
-    arms, _ = _judge({"bf16": "out of memory", "tensorwise": _result(50.0, 2.0, 0.8)},
+    arms, _ = judge({"bf16": "out of memory", "tensorwise": _result(50.0, 2.0, 0.8)},
                      {"bf16": "bf16", "tensorwise": "torchao"}, tolerance=0.0025, peaks=None)
     assert [a.verdict for a in arms] == ["error", "rollback"]
 
@@ -118,14 +119,14 @@ def test_judge_without_a_baseline_ships_nothing():
 def test_second_bf16_run_sets_the_noise():
     results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(80.0, 2.0, 0.8)}
     backends = {"bf16": "bf16", "tensorwise": "torchao"}
-    steady, _ = _judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(101.0, 2.0, 0.0)})
+    steady, _ = judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(101.0, 2.0, 0.0)})
     assert steady[1].verdict == "ship" and SINGLE_RUN_CAVEAT not in steady[1].reason
-    drifting, (repeat,) = _judge(results, backends, tolerance=0.0025, peaks=None,
+    drifting, (repeat,) = judge(results, backends, tolerance=0.0025, peaks=None,
                                  repeats={REPEAT_ARM: _result(130.0, 2.0, 0.0)})
     assert repeat["run_to_run_noise"] == pytest.approx(0.3) and repeat["rel_loss_gap"] == 0.0
     assert drifting[1].verdict == "rollback" and "noise 30.0%" in drifting[1].reason
     failed = {REPEAT_ARM: _result(101.0, 2.0, 0.0), "bf16 (repeat 2)": "out of memory"}
-    _, records = _judge(results, backends, tolerance=0.0025, peaks=None, repeats=failed)
+    _, records = judge(results, backends, tolerance=0.0025, peaks=None, repeats=failed)
     assert records[1] == {"run": "bf16 (repeat 2)", "error": "out of memory"}
 
 

@@ -1,158 +1,35 @@
 """`fp8stack ab`: train the same model with the same seed and data under several recipes, each in a
 fresh process, and say per FP8 arm whether to ship it or roll back, with the numbers behind it.
 
-An arm ships only if it is faster than the bf16 arm by more than the measured noise AND its final
-loss is within the tolerance of the bf16 arm's, above or below. The loss is not compared, and a faster
-FP8 arm is "inconclusive", where the comparison cannot resolve the tolerance: past one pass over the
-training text (the runs memorise it, at a rate set by rounding chaos: two bf16 runs of one configuration
-ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the bf16 runs' final losses
-span more than the tolerance; the verdict then says whether the arm's final loss lies between theirs.
-The bf16 arm runs --baseline-runs times (default 2: first and last), so the noise is run-to-run: the
-largest of the bf16 runs' step-time differences and each compared arm's step-time spread after warm-up
-(interquartile range / median); a ship verdict judged against a single bf16 run says that the loss
-spread between runs went unmeasured. A machine whose speed changes
-during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
-loss is the mean over the last 10% of steps.
-Writes profiles/ab-<model>-<device>.json and .md after every arm ("complete": false and the pending
-arms until the last one has run, so a killed run keeps what it measured, and --continue-from runs the
-pending arms later), and a .png at the end (with matplotlib installed).
+This module is the command: its options, the arms as fresh `python -m fp8stack.train` processes (in waves
+over --gpus), the evidence written after every arm, --continue-from. The verdicts are fp8stack.ab.verdicts'.
 """
 
 import argparse
 import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from fp8stack.ab.plot import plot
+from fp8stack.ab.verdicts import (CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD,
+                                  NOISE_METHOD_SINGLE, Arm, judge, peak_tflops, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES, dense_backend, get_recipe
-from fp8stack.train.timing import relative_spread, steady_state
 
 CPU_RECIPES = (BF16, "tensorwise", "rowwise", "rowwise_gw_hp")
 """The default arms: torchao recipes, which also run on a CPU."""
 DEFAULT_STEPS = 40
 """Sized so the four default arms on the tiny model finish in under 3 minutes on 2 CPU cores."""
-GPU_LOSS_TOLERANCE = 0.0025
-"""Largest relative final-loss gap to bf16 that still ships on a GPU: 0.25%."""
-CPU_LOSS_TOLERANCE = 0.02
-"""On a CPU the default run is a few dozen steps of the tiny model, where the loss is still falling
-fast and step-to-step batch noise is ~1% of it; 2% flags a broken recipe without failing sound ones."""
-NOISE_METHOD = ("the largest of: the step-time differences between the first bf16 run and its repeats, and the "
-                "step-time interquartile range / median after warm-up of the arm and of bf16")
-NOISE_METHOD_SINGLE = ("step-time interquartile range / median after warm-up, the larger of the arm's and "
-                       "bf16's (bf16 ran once: --baseline-runs 1)")
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in every arm (as launch/env.sh does): on a shared multi-GPU host a
 program using it can take the host's GPUs out of service for everyone."""
-MAX_PASSES = 1.0
-"""Training tokens over the training split's size beyond which final losses are not compared."""
-LAST_FRACTION = 0.10
-"""Final loss = mean over this share of the last steps (at least one)."""
-REPEAT_ARM = "bf16 (repeat)"
-"""The second bf16 run, as a partial evidence file lists it among the pending arms (then 'bf16 (repeat 2)', ...)."""
-SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
-                     "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
-"""Added to a ship verdict judged against a single bf16 run."""
-
-DENSE_PEAK_TFLOPS = {
-    # (name marker, variant marker or '') -> {precision: dense TFLOP/s}, NVIDIA datasheets (no sparsity).
-    ("H100", "PCIe"): {"bf16": 756.0, "fp8": 1513.0},
-    ("H100", "NVL"): {"bf16": 835.0, "fp8": 1671.0},
-    ("H100", ""): {"bf16": 989.4, "fp8": 1978.9},
-    ("H800", ""): {"bf16": 989.4, "fp8": 1978.9},
-    ("H200", ""): {"bf16": 989.4, "fp8": 1978.9},
-}
-"""Checked in order; the first whose markers are both in the device name wins."""
-
-
-@dataclass
-class Arm:
-    """One recipe's run, as the JSON reports it (None where the arm did not run or the device has no value)."""
-
-    recipe: str
-    """Plan recipe; bf16 is the baseline without FP8."""
-    backend: str
-    """FP8 backend(s) the plan used ('torchao', 'te', 'torchao+grouped_fp8'), bf16 for the baseline."""
-    step_ms: float | None = None
-    """Median steady-state step time."""
-    tokens_per_s: float | None = None
-    """Tokens per second over all processes."""
-    tflops: float | None = None
-    """Model TFLOP/s per process (GPU): 3 x forward GEMM FLOPs per token, attention included."""
-    mfu: float | None = None
-    """tflops over the GPU's dense peak blended by the FP8 FLOP share; None on a CPU or an unlisted GPU."""
-    peak_mem_gib: float | None = None
-    """CUDA peak allocated memory, or the process's max RSS on a CPU (see memory_kind)."""
-    final_loss: float | None = None
-    """Mean training loss over the last 10% of steps."""
-    rel_loss_gap: float | None = None
-    """final_loss / bf16's final_loss - 1."""
-    noise: float | None = None
-    """Step-time interquartile range / median of this arm."""
-    verdict: str = "rollback"
-    """baseline | ship | rollback | inconclusive (the loss cannot resolve the tolerance: loss_unresolved) | error
-    (the baseline failed)."""
-    reason: str = ""
-    """Why, with the numbers."""
-    val_loss: float | None = None
-    """Validation loss after the last step."""
-    memory_kind: str | None = None
-    """cuda_peak_allocated | process_max_rss."""
-    fp8_flops_share: float | None = None
-    """Share of forward GEMM FLOPs the plan runs in FP8."""
-    loss_curve: list[float] | None = None
-    """Training loss per step."""
-    ran_between: list[float] | None = None
-    """[start, collection] of the arm's process(es) in seconds since the epoch (arms run with --gpus overlap)."""
-    zero_fp8_weight_grads: list[list[str]] | None = None
-    """Per first step: FP8 weights whose whole gradient was zero (TrainResult.zero_fp8_weight_grads)."""
-
-
-def peak_tflops(device: str) -> dict[str, float] | None:
-    """Dense BF16 and FP8 peaks of a GPU by name, or None when it is not in the table (or a CPU)."""
-    for (model, variant), peaks in DENSE_PEAK_TFLOPS.items():
-        if model in device and variant in device:
-            return peaks
-    return None
-
-
-def blended_peak(peaks: dict[str, float], fp8_share: float) -> float:
-    """The peak a run reaches if each GEMM FLOP ran at the peak of its precision: FP8 GEMMs at the FP8
-    peak, the rest (attention core, head, BF16 layers) at the BF16 peak. Harmonic, as times add."""
-    return 1.0 / (fp8_share / peaks["fp8"] + (1.0 - fp8_share) / peaks["bf16"])
-
-
-def final_loss(losses: list[float]) -> float:
-    """Mean over the last LAST_FRACTION of the steps (at least one step)."""
-    tail = max(1, round(len(losses) * LAST_FRACTION))
-    return statistics.fmean(losses[-tail:])
-
-
-def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolerance: float,
-            unresolved: str = "") -> tuple[str, str]:
-    """('ship' | 'rollback' | 'inconclusive', reason): ship only if faster than bf16 by more than `noise`
-    (relative) and the relative loss gap is within `tolerance` either way (an arm far below bf16 computes
-    something else too). A faster arm is inconclusive when `unresolved` says why the loss cannot be judged."""
-    speedup = base_ms / arm_ms - 1.0
-    if speedup <= noise:
-        speed = f"not faster than bf16 by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})"
-    else:
-        speed = f"{speedup:+.1%} faster than bf16 (noise {noise:.1%})"
-    if speedup > noise and unresolved:
-        return "inconclusive", f"{speed}; loss not compared: {unresolved}"
-    problems = [] if speedup > noise else [speed]
-    if abs(loss_gap) > tolerance:
-        problems.append(f"loss {loss_gap:+.2%} vs bf16 is outside the +-{tolerance:.2%} tolerance")
-    if problems:
-        return "rollback", "; ".join(problems)
-    return "ship", f"{speed}, loss {loss_gap:+.2%} within +-{tolerance:.2%}"
 
 
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
@@ -230,7 +107,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{CPU_LOSS_TOLERANCE} on a CPU)")
     parser.add_argument("--baseline-runs", type=int, default=2, metavar="N",
                         help="bf16 runs: the first, and N-1 repeats after the FP8 arms; a loss gap is judged only "
-                             "while their final losses span less than the tolerance (default: 2)")
+                             "while their final losses span at most the tolerance (default: 2)")
     parser.add_argument("--no-repeat-baseline", dest="baseline_runs", action="store_const", const=1,
                         help="--baseline-runs 1: faster, but the noise is then only step-time spread and the loss "
                              "spread between runs unmeasured")
@@ -314,7 +191,7 @@ def run_ab(args: argparse.Namespace) -> int:
         call's time limit) keeps what it measured, marked partial until nothing is pending."""
         todo = pending()
         named = {recipe: args.backend if isinstance(b, PlanError) else b for recipe, b in backends.items()}
-        arms, repeat_records = _judge(results, named, tolerance, peaks, repeats, passes)
+        arms, repeat_records = judge(results, named, tolerance, peaks, repeats, passes)
         dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
         payload = {
             "complete": not todo,
@@ -341,11 +218,11 @@ def run_ab(args: argparse.Namespace) -> int:
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
                  f"bf16 arm is the plan without FP8). Noise: {payload['noise_method']}"
-                 f"{_repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
+                 f"{repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
                  f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB) and while the bf16 runs' final "
-                 "losses span less than it. "
+                 "losses span at most that. "
                  f"MFU: {payload['mfu_basis'] or 'not reported on this device'}."
                  + "".join(f" Runs {', '.join(c['runs'])} from an earlier call ({c['date']}: `{c['command']}`)."
                            for c in continued_from) + "\n")
@@ -383,7 +260,7 @@ def run_ab(args: argparse.Namespace) -> int:
                 record()
 
     arms, repeat_records, table, markdown, json_path, md_path = record()
-    png = _plot(arms, repeat_records, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
+    png = plot(arms, repeat_records, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0 if arms[0].verdict == "baseline" else 1
@@ -458,112 +335,6 @@ class _RunningArm:
         return {**json.loads(self.result_path.read_text()), "ran_between": self.ran_between}
 
 
-def repeat_arms(baseline_runs: int) -> list[str]:
-    """Names of the bf16 runs after the first: REPEAT_ARM, then 'bf16 (repeat 2)', ..."""
-    return [REPEAT_ARM, *(f"{BF16} (repeat {i})" for i in range(2, baseline_runs))] if baseline_runs > 1 else []
-
-
-def _judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
-           repeats: dict[str, dict | str] | None = None, passes: float = 0.0) -> tuple[list[Arm], list[dict]]:
-    """The arms with their measurements and verdicts, and what each repeated bf16 run (`repeats`, by name)
-    measured. results[bf16] is the baseline; a str in place of a result is the error a run hit.
-    `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
-    arms = [_measure(recipe, result, backends[recipe], peaks) for recipe, result in results.items()]
-    baseline = arms[0]
-    if isinstance(results[BF16], str):
-        baseline.verdict, baseline.reason = "error", f"bf16 baseline failed: {results[BF16]}"
-        for arm in arms[1:]:
-            arm.verdict, arm.reason = "rollback", "no bf16 baseline to compare with"
-        return arms, []
-    baseline.verdict, baseline.reason, baseline.rel_loss_gap = "baseline", "the reference arm", 0.0
-    records = []
-    for name, repeat in (repeats or {}).items():
-        if isinstance(repeat, str):
-            records.append({"run": name, "error": repeat})
-            continue
-        again = _measure(BF16, repeat, BF16, peaks)
-        step_gap = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
-        records.append({"run": name, "step_ms": again.step_ms, "final_loss": again.final_loss,
-                        "run_to_run_noise": step_gap, "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0,
-                        "ran_between": again.ran_between, "loss_curve": again.loss_curve})
-    measured = [r for r in records if "error" not in r]
-    run_to_run = max((r["run_to_run_noise"] for r in measured), default=0.0)
-    unresolved = loss_unresolved(passes, [r["rel_loss_gap"] for r in measured], tolerance)
-    for arm, result in zip(arms[1:], list(results.values())[1:]):
-        if isinstance(result, str):
-            arm.verdict, arm.reason = "rollback", f"failed: {result}"
-            continue
-        noise = max(run_to_run, baseline.noise, arm.noise)
-        arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
-        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, unresolved)
-        if arm.verdict == "ship" and not measured:
-            arm.reason += f"; {SINGLE_RUN_CAVEAT}"
-        if arm.verdict == "inconclusive" and measured:
-            arm.reason += f"; {band_note(arm.final_loss, [baseline.final_loss, *(r['final_loss'] for r in measured)])}"
-    return arms, records
-
-
-def band_note(loss: float, bf16_losses: list[float]) -> str:
-    """Where a final loss lies against the bf16 runs' final losses: what an unresolved comparison can still say."""
-    low, high = min(bf16_losses), max(bf16_losses)
-    band = f"the {len(bf16_losses)} bf16 runs' ({low:.4f} to {high:.4f})"
-    if low <= loss <= high:
-        return f"its final loss lies between {band}"
-    return f"its final loss lies {loss / high - 1:+.2%} above {band}" if loss > high else (
-        f"its final loss lies {loss / low - 1:+.2%} below {band}")
-
-
-def loss_unresolved(passes: float, repeat_gaps: list[float], tolerance: float) -> str:
-    """Why final losses cannot be judged at `tolerance` ('' when they can): more than MAX_PASSES passes over
-    the training text, or bf16 runs whose final losses span more than `tolerance` (`repeat_gaps`: each repeat's
-    relative gap to the first bf16 run)."""
-    if passes > MAX_PASSES:
-        return (f"{passes:.1f} passes over the training text memorise it (rerun with fewer steps or tokens per "
-                "step, or more text: --data-source python --max-data-bytes N)")
-    spread = max([0.0, *repeat_gaps]) - min([0.0, *repeat_gaps])
-    if spread <= tolerance:
-        return ""
-    runs = (f"the two bf16 runs differ by {repeat_gaps[0]:+.2%}" if len(repeat_gaps) == 1 else
-            f"the {len(repeat_gaps) + 1} bf16 runs' final losses span {spread:.2%}")
-    return (f"{runs}, more than the +-{tolerance:.2%} tolerance (a lower LR, more sequences per step or a longer run "
-            "narrows that spread)")
-
-
-def _repeat_note(records: list[dict]) -> str:
-    notes = [f"{r['run']} failed: {r['error']}" for r in records if "error" in r]
-    measured = [r for r in records if "error" not in r]
-    if measured:
-        gaps = ", ".join(f"{r['rel_loss_gap']:+.3%}" for r in measured)
-        notes.insert(0, f"bf16 run-to-run over {len(measured) + 1} runs: up to "
-                        f"{max(r['run_to_run_noise'] for r in measured):.1%} in step time, final loss {gaps} from the "
-                        "first run")
-    return f" ({'; '.join(notes)})" if notes else ""
-
-
-def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None) -> Arm:
-    """Throughput, FLOPs, memory and final loss of one arm's TrainResult. `backend` names the planned
-    dense backend; a run reports every FP8 backend its plan used (torchao+grouped_fp8 for MoE)."""
-    if isinstance(result, str):
-        return Arm(recipe=recipe, backend=backend)
-    summary = result["plan_summary"]
-    fp8_share = summary["flops_share_by_precision"].get("fp8", 0.0)
-    backends = sorted(b for b in summary["flops_share_by_backend"] if b != BF16) or [BF16]
-    steady = steady_state(result["step_ms"])
-    step_ms = statistics.median(steady)
-    tokens_per_s = result["tokens_per_step"] / step_ms * 1000
-    tflops = 3 * summary["gemm_flops_per_token"] * tokens_per_s / result["world_size"] / 1e12
-    on_cuda = result["peak_mem_gib"] is not None
-    return Arm(
-        recipe=recipe, backend="+".join(backends), step_ms=step_ms, noise=relative_spread(steady),
-        tokens_per_s=tokens_per_s, tflops=tflops,
-        mfu=tflops / blended_peak(peaks, fp8_share) if peaks else None,
-        peak_mem_gib=result["peak_mem_gib"] if on_cuda else result["max_rss_gib"],
-        memory_kind="cuda_peak_allocated" if on_cuda else "process_max_rss",
-        final_loss=final_loss(result["losses"]), val_loss=result["val_loss"], fp8_flops_share=fp8_share,
-        loss_curve=result["losses"], ran_between=result["ran_between"],
-        zero_fp8_weight_grads=result["zero_fp8_weight_grads"])
-
-
 def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:
     header = ["recipe", "backend", "step ms", "tokens/s", "TFLOP/s", "MFU", "mem GiB", "final loss", "loss gap",
               "verdict", "reason"]
@@ -595,56 +366,8 @@ def _print_table(table: tuple[list[str], list[list]], markdown: str) -> None:
     console.print(view)
 
 
-def _plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path | None:
-    """Loss curves, loss relative to bf16 per step (same batches in every arm, so the ratio is
-    meaningful step by step; the bf16 repeats' curves, dashed, show how far runs part by chance) and
-    throughput bars; None (with a note) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: skipping {path} (pip install matplotlib for the plot)")
-        return None
-    colours = {"baseline": "tab:gray", "ship": "tab:green", "rollback": "tab:red", "inconclusive": "tab:orange",
-               "error": "black"}
-    ran = [a for a in arms if a.loss_curve]
-    base = arms[0].loss_curve
-    fig, (losses, gaps, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for index, arm in enumerate(ran):
-        steps, line = range(1, len(arm.loss_curve) + 1), {"label": arm.recipe, "color": f"C{index}", "linewidth": 1.2}
-        losses.plot(steps, arm.loss_curve, **line)
-        if base and arm is not arms[0]:
-            gaps.plot(steps, [100 * (a / b - 1) for a, b in zip(arm.loss_curve, base)], **line)
-    for repeat in (r for r in repeats if base and r.get("loss_curve")):
-        curve = repeat["loss_curve"]
-        gaps.plot(range(1, len(curve) + 1), [100 * (a / b - 1) for a, b in zip(curve, base)], label=repeat["run"],
-                  color="tab:gray", linewidth=0.8, linestyle="--")
-    losses.set(xlabel="step", ylabel="training loss", title="loss")
-    losses.legend()
-    gaps.axhline(0, color="tab:gray", linewidth=0.8)
-    gaps.set(xlabel="step", ylabel="% vs bf16", title="loss relative to bf16 (same batches)")
-    if gaps.get_lines()[1:]:  # beyond the zero line
-        gaps.legend()
-    speed.bar([a.recipe for a in ran], [a.tokens_per_s for a in ran], color=[colours[a.verdict] for a in ran])
-    speed.set(ylabel="tokens/s", title="throughput (green ship, red rollback, orange inconclusive, grey bf16)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    targets = [path] + ([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else [])
-    for target in targets:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(target, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m fp8stack.ab ...`: the same as `fp8stack ab ...`."""
     parser = argparse.ArgumentParser(prog="python -m fp8stack.ab", description=__doc__.split("\n\n")[0])
     _add_arguments(parser)
     return run_ab(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

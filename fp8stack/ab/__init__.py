@@ -1,0 +1,12 @@
+"""`fp8stack ab`: train the same model with the same seed and data under several recipes, each in a
+fresh process, and say per FP8 arm whether to ship it or roll back, with the numbers behind it.
+
+run: the command (options, arms in fresh processes, evidence after every arm); verdicts: how an arm is
+judged against bf16; plot: the evidence's figure.
+"""
+
+from fp8stack.ab.run import add_ab_parser, add_speed_levers, main, run_ab, speed_levers
+from fp8stack.ab.verdicts import GPU_LOSS_TOLERANCE, LAST_FRACTION, final_loss
+
+__all__ = ["GPU_LOSS_TOLERANCE", "LAST_FRACTION", "add_ab_parser", "add_speed_levers", "final_loss", "main", "run_ab",
+           "speed_levers"]

@@ -1,0 +1,50 @@
+"""The A/B evidence's figure: loss curves, loss relative to bf16 per step, throughput by verdict."""
+
+import os
+from pathlib import Path
+
+from fp8stack.ab.verdicts import Arm
+
+
+def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path | None:
+    """Loss curves, loss relative to bf16 per step (same batches in every arm, so the ratio is
+    meaningful step by step; the bf16 repeats' curves, dashed, show how far runs part by chance) and
+    throughput bars; None (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: skipping {path} (pip install matplotlib for the plot)")
+        return None
+    colours = {"baseline": "tab:gray", "ship": "tab:green", "rollback": "tab:red", "inconclusive": "tab:orange",
+               "error": "black"}
+    ran = [a for a in arms if a.loss_curve]
+    base = arms[0].loss_curve
+    fig, (losses, gaps, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for index, arm in enumerate(ran):
+        steps, line = range(1, len(arm.loss_curve) + 1), {"label": arm.recipe, "color": f"C{index}", "linewidth": 1.2}
+        losses.plot(steps, arm.loss_curve, **line)
+        if base and arm is not arms[0]:
+            gaps.plot(steps, [100 * (a / b - 1) for a, b in zip(arm.loss_curve, base)], **line)
+    for repeat in (r for r in repeats if base and r.get("loss_curve")):
+        curve = repeat["loss_curve"]
+        gaps.plot(range(1, len(curve) + 1), [100 * (a / b - 1) for a, b in zip(curve, base)], label=repeat["run"],
+                  color="tab:gray", linewidth=0.8, linestyle="--")
+    losses.set(xlabel="step", ylabel="training loss", title="loss")
+    losses.legend()
+    gaps.axhline(0, color="tab:gray", linewidth=0.8)
+    gaps.set(xlabel="step", ylabel="% vs bf16", title="loss relative to bf16 (same batches)")
+    if gaps.get_lines()[1:]:  # beyond the zero line
+        gaps.legend()
+    speed.bar([a.recipe for a in ran], [a.tokens_per_s for a in ran], color=[colours[a.verdict] for a in ran])
+    speed.set(ylabel="tokens/s", title="throughput (green ship, red rollback, orange inconclusive, grey bf16)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    targets = [path] + ([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else [])
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return path
