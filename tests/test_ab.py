@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fp8stack.ab import add_ab_parser, final_loss, main, run_ab, speed_levers
+from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge, loss_unresolved,
                                   peak_tflops, repeat_arms, verdict)
 from fp8stack.train.timing import relative_spread, steady_state
@@ -249,3 +250,9 @@ def test_ab_rejects_unknown_recipes(capsys):
     assert "unknown recipe(s) fp4" in capsys.readouterr().err
     assert main(["--data-source", "pypi", "--out-dir", "unused"]) == 2
     assert "unknown data_source 'pypi': use stdlib or python" in capsys.readouterr().err
+
+
+def test_relative_gap_is_a_trailing_mean_of_the_per_step_gap():
+    base = [2.0, 2.0, 2.0, 2.0]
+    assert relative_gap([2.0, 2.2, 1.8, 2.0], base, window=1) == pytest.approx([0.0, 10.0, -10.0, 0.0])
+    assert relative_gap([2.0, 2.2, 1.8, 2.0], base, window=2) == pytest.approx([0.0, 5.0, 0.0, -5.0])
