@@ -1,0 +1,114 @@
+"""Where FP8 runs' final losses lie against the band of BF16 runs of one setting, read from A/B evidence
+files (`fp8stack ab`). Two BF16 runs of one seed and batches part by chance (kernels that reduce in no fixed
+order), so one repeat is a poor measure of the band; several A/B files of one setting hold more BF16 runs.
+
+    python -m fp8stack.bench.loss_band --label seq1024-lr3e-4 profiles/ab-llama-1b-like-loss-300steps-seq1024*-h200.json
+
+Writes profiles/loss-band-<model>-<label>-<device>.json and .md: every BF16 run's final loss, their mean, span
+and standard deviation, and each FP8 run's gap to the BF16 mean, in standard deviations and against the band's
+edges. Files of different settings (anything both arms share: model, shape, batch, LR schedule, steps, seed,
+data) are refused.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.plan.recipes import BF16
+
+SHARED_SETTINGS = ("model", "model_impl", "steps", "warmup", "lr", "min_lr", "weight_decay", "grad_clip", "micro_batch",
+                   "global_batch", "seq_len", "seed", "dtype", "compile", "sdpa_backend", "max_data_bytes",
+                   "data_source", "tensor_parallel", "recompute")
+"""train_config fields every run of one band must share (FP8 arms' own options, format and margin, may differ)."""
+OLDER_FILE_DEFAULTS = {"data_source": "stdlib"}
+"""Values of fields that A/B files written before the field existed leave out."""
+
+
+def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list[dict]]:
+    """(the shared settings, the BF16 runs, the FP8 runs, each file's date and command), each run with its file,
+    name and final loss; ValueError when the files are not of one setting or device."""
+    settings, device, bf16_runs, fp8_runs, sources = None, None, [], [], []
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        sources.append({"file": str(path), "date": record["date"], "command": record["command"]})
+        config = record["train_config"]
+        these = {k: OLDER_FILE_DEFAULTS.get(k) if config.get(k) is None else config[k] for k in SHARED_SETTINGS}
+        if settings is None:
+            settings, device = these, record["device"]
+        elif these != settings or record["device"] != device:
+            differ = sorted(k for k in SHARED_SETTINGS if these[k] != settings[k]) or ["device"]
+            raise ValueError(f"{path} is of another setting than {paths[0]} ({', '.join(differ)} differ): "
+                             "a band compares runs of one setting only")
+        fp8_format, margin = config.get("fp8_format") or "recipe default format", config.get("fp8_margin") or 0
+        for arm in record["arms"]:
+            if arm["final_loss"] is None:
+                continue
+            run = {"file": Path(path).name, "final_loss": arm["final_loss"]}
+            if arm["recipe"] == BF16:
+                bf16_runs.append({**run, "run": BF16})
+            else:
+                options = f"{fp8_format}, margin {margin}" if arm["recipe"] == "delayed" else fp8_format
+                fp8_runs.append({**run, "run": f"{arm['recipe']} ({options})"})
+        repeats = record.get("baseline_repeats") or ([{"run": "bf16 (repeat)", **record["baseline_repeat"]}]
+                                                     if record.get("baseline_repeat") else [])
+        bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"]}
+                      for r in repeats if "error" not in r]
+    return {**settings, "device": device}, bf16_runs, fp8_runs, sources
+
+
+def band(bf16_losses: list[float]) -> dict:
+    """Mean, edges, span (max - min over the mean) and sample standard deviation of the BF16 final losses."""
+    if len(bf16_losses) < 2:
+        raise ValueError(f"a band needs at least 2 BF16 runs, the files hold {len(bf16_losses)}")
+    mean = statistics.fmean(bf16_losses)
+    return {"runs": len(bf16_losses), "mean": mean, "min": min(bf16_losses), "max": max(bf16_losses),
+            "span": (max(bf16_losses) - min(bf16_losses)) / mean, "stdev": statistics.stdev(bf16_losses)}
+
+
+def place(loss: float, bf16: dict) -> dict:
+    """An FP8 run's final loss against the band: relative gap to the mean, standard deviations, position."""
+    position = ("above every BF16 run" if loss > bf16["max"] else
+                "below every BF16 run" if loss < bf16["min"] else "within the BF16 runs")
+    return {"gap_to_mean": loss / bf16["mean"] - 1.0, "stdevs": (loss - bf16["mean"]) / bf16["stdev"],
+            "position": position}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fp8stack.bench.loss_band", description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", type=Path, help="A/B evidence files (.json) of one setting")
+    parser.add_argument("--label", required=True, help="names the evidence: loss-band-<model>-<label>-<device>")
+    parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
+    args = parser.parse_args(argv)
+    try:
+        settings, bf16_runs, fp8_runs, sources = load_runs(args.files)
+        bf16 = band([r["final_loss"] for r in bf16_runs])
+    except (OSError, KeyError, ValueError) as err:
+        print(f"loss_band: error: {err}", file=sys.stderr)
+        return 2
+    fp8_runs = [{**r, **place(r["final_loss"], bf16)} for r in fp8_runs]
+    stem = f"loss-band-{settings['model']}-{args.label}-{device_slug(settings['device'])}"
+    summary = (f"{bf16['runs']} BF16 runs: final loss mean {bf16['mean']:.4f}, {bf16['min']:.4f} to {bf16['max']:.4f} "
+               f"(span {bf16['span']:.2%} of the mean), standard deviation {bf16['stdev']:.4f} "
+               f"({bf16['stdev'] / bf16['mean']:.2%}).\n\n")
+    markdown = (f"Computed on this machine from {len(sources)} A/B files whose runs were measured on "
+                f"{settings['device']} (their dates and commands are in the JSON). Settings: "
+                f"{', '.join(f'{k} {v}' for k, v in settings.items() if k != 'device')}. Final loss = mean training "
+                "loss over the last 10% of steps (as `fp8stack ab` computes it).\n\n" + summary
+                + markdown_table(["file", "run", "final loss"],
+                                 [[r["file"], r["run"], f"{r['final_loss']:.4f}"] for r in bf16_runs]) + "\n"
+                + markdown_table(["file", "FP8 run", "final loss", "vs BF16 mean", "BF16 std devs", "position"],
+                                 [[r["file"], r["run"], f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}",
+                                   f"{r['stdevs']:+.1f}", r["position"]] for r in fp8_runs]))
+    payload = {"settings": settings, "sources": sources, "bf16_band": bf16,
+               "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
+    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir)
+    print(summary + f"wrote {json_path}, {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The BF16 band tool on the committed A/B evidence of one setting (8 x 1024, LR 3e-4, 300 steps on an H200)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fp8stack.bench.loss_band import band, main, place
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+SEQ1024_LR3E4 = [PROFILES / f"ab-llama-1b-like-loss-300steps-{name}-h200.json"
+                 for name in ("seq1024", "seq1024-tensorwise", "seq1024-e4m3", "seq1024-margin1", "seq1024-margin2",
+                              "seq1024-margin1-e4m3")]
+
+
+def test_band_statistics():
+    stats = band([1.0, 1.1, 1.2])
+    assert stats["mean"] == pytest.approx(1.1) and (stats["min"], stats["max"]) == (1.0, 1.2)
+    assert stats["span"] == pytest.approx(0.2 / 1.1) and stats["stdev"] == pytest.approx(0.1)
+    above = place(1.3, stats)
+    assert above["gap_to_mean"] == pytest.approx(0.2 / 1.1) and above["stdevs"] == pytest.approx(2.0)
+    assert above["position"] == "above every BF16 run"
+    assert place(1.05, stats)["position"] == "within the BF16 runs"
+    assert place(0.9, stats)["position"] == "below every BF16 run"
+    with pytest.raises(ValueError, match="at least 2 BF16 runs"):
+        band([1.0])
+
+
+def test_band_of_the_committed_seq1024_runs(tmp_path):
+    assert main(["--label", "seq1024-lr3e-4", "--out-dir", str(tmp_path), *map(str, SEQ1024_LR3E4)]) == 0
+    record = json.loads((tmp_path / "loss-band-llama-1b-like-seq1024-lr3e-4-h200.json").read_text())
+    assert record["bf16_band"]["runs"] == 7  # six files' bf16 arms and the first file's repeat
+    assert [r["file"] for r in record["sources"]] == list(map(str, SEQ1024_LR3E4))
+    positions = {r["run"]: r["position"] for r in record["fp8_runs"]}
+    assert positions["delayed (recipe default format, margin 0)"] == "above every BF16 run"
+    assert positions["tensorwise (e4m3)"] == "above every BF16 run"
+    assert positions["delayed (recipe default format, margin 1)"] == "within the BF16 runs"
+    assert record["settings"]["device"] == "NVIDIA H200"
+
+
+def test_runs_of_another_setting_are_refused(tmp_path, capsys):
+    other = PROFILES / "ab-llama-1b-like-loss-300steps-gb4-lr3e-4-h200.json"
+    assert main(["--label", "mixed", "--out-dir", str(tmp_path), str(SEQ1024_LR3E4[0]), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "is of another setting" in err and "global_batch, micro_batch, seq_len differ" in err
+    assert not list(tmp_path.iterdir())
