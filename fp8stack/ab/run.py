@@ -2,7 +2,7 @@
 fresh process, and say per FP8 arm whether to ship it or roll back, with the numbers behind it.
 
 This module is the command: its options, the arms as fresh `python -m fp8stack.train` processes (in waves
-over --gpus), the evidence written after every arm, --continue-from. The verdicts are fp8stack.ab.verdicts'.
+over --gpus), the evidence written after every arm, --continue-from. How arms are judged: fp8stack.ab.verdicts.
 """
 
 import argparse
