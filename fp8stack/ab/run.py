@@ -2,7 +2,10 @@
 fresh process, and say per FP8 arm whether to ship it or roll back, with the numbers behind it.
 
 This module is the command: its options, the arms as fresh `python -m fp8stack.train` processes (in waves
-over --gpus), the evidence written after every arm, --continue-from. How arms are judged: fp8stack.ab.verdicts.
+over --gpus), and the evidence: profiles/ab-<model>-<device>.json and .md after every arm ("complete": false
+and the pending arms until the last one has run, so a killed run keeps what it measured, and --continue-from
+runs the pending arms later), and a .png at the end (with matplotlib installed). How arms are judged:
+fp8stack.ab.verdicts.
 """
 
 import argparse

@@ -9,12 +9,9 @@ span more than the tolerance; the verdict then says whether the arm's final loss
 The bf16 arm runs --baseline-runs times (default 2: first and last), so the noise is run-to-run: the
 largest of the bf16 runs' step-time differences and each compared arm's step-time spread after warm-up
 (interquartile range / median); a ship verdict judged against a single bf16 run says that the loss
-spread between runs went unmeasured. A machine whose speed changes
-during the A/B (other work, clocks, heat) widens it and so cannot make an arm look faster. Final
-loss is the mean over the last 10% of steps.
-Writes profiles/ab-<model>-<device>.json and .md after every arm ("complete": false and the pending
-arms until the last one has run, so a killed run keeps what it measured, and --continue-from runs the
-pending arms later), and a .png at the end (with matplotlib installed).
+spread between runs went unmeasured. A machine whose speed changes during the A/B (other work, clocks,
+heat) widens the noise and so cannot make an arm look faster. Final loss is the mean over the last 10%
+of steps.
 """
 
 import statistics
@@ -51,6 +48,7 @@ DENSE_PEAK_TFLOPS = {
     ("H200", ""): {"bf16": 989.4, "fp8": 1978.9},
 }
 """Checked in order; the first whose markers are both in the device name wins."""
+
 
 @dataclass
 class Arm:
