@@ -139,7 +139,7 @@ def repeat_arms(baseline_runs: int) -> list[str]:
 
 
 def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
-           repeats: dict[str, dict | str] | None = None, passes: float = 0.0) -> tuple[list[Arm], list[dict]]:
+          repeats: dict[str, dict | str] | None = None, passes: float = 0.0) -> tuple[list[Arm], list[dict]]:
     """The arms with their measurements and verdicts, and what each repeated bf16 run (`repeats`, by name)
     measured. results[bf16] is the baseline; a str in place of a result is the error a run hit.
     `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
@@ -205,6 +205,7 @@ def loss_unresolved(passes: float, repeat_gaps: list[float], tolerance: float) -
 
 
 def repeat_note(records: list[dict]) -> str:
+    """The evidence's sentence on the bf16 repeats (`judge`'s records): step-time and final-loss gaps, failures."""
     notes = [f"{r['run']} failed: {r['error']}" for r in records if "error" in r]
     measured = [r for r in records if "error" not in r]
     if measured:
