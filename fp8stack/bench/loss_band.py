@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fp8stack.ab.verdicts import REPEAT_ARM
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 from fp8stack.plan.recipes import BF16
 
@@ -53,8 +54,8 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
             else:
                 options = f"{fp8_format}, margin {margin}" if arm["recipe"] == "delayed" else fp8_format
                 fp8_runs.append({**run, "run": f"{arm['recipe']} ({options})"})
-        repeats = record.get("baseline_repeats") or ([{"run": "bf16 (repeat)", **record["baseline_repeat"]}]
-                                                     if record.get("baseline_repeat") else [])
+        repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
+            [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
         bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"]}
                       for r in repeats if "error" not in r]
     return {**settings, "device": device}, bf16_runs, fp8_runs, sources
