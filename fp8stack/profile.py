@@ -225,7 +225,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
     from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
-    from fp8stack.train.loop import TrainConfig, TrainConfigError
+    from fp8stack.train.config import TrainConfig, TrainConfigError
 
     try:
         if args.steps < 1 or args.warmup < 0 or args.gemm_speedup <= 0:

@@ -21,7 +21,7 @@ import fp8stack
 from fp8stack import OrderingError, PolicyConfig, assemble, load_description, make_plan
 from fp8stack.assembly import (AssemblyState, AssemblyWarning, apply_ac, apply_compile, apply_fp8, apply_fsdp,
                                apply_tp, assembly_state, post_optimizer_step_hook)
-from fp8stack.backends import BackendUnavailable, ConversionRecord
+from fp8stack.backends import BackendUnavailable
 from fp8stack.backends.bf16 import BF16Backend
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Component, Decision, Plan

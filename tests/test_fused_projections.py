@@ -12,7 +12,8 @@ from fp8stack.models.llama import Attention, rope_table
 from fp8stack.plan import ModelDescription, PolicyConfig, load_description, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.train.__main__ import build_parser, config_from_args
-from fp8stack.train.loop import TrainConfig, build_model
+from fp8stack.train.config import TrainConfig
+from fp8stack.train.loop import build_model
 
 MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe}
 

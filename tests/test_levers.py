@@ -12,7 +12,8 @@ from fp8stack.ab import speed_levers
 from fp8stack.ab.run import _add_arguments as add_ab_arguments
 from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
 from fp8stack.train.__main__ import build_parser, config_from_args
-from fp8stack.train.loop import TrainConfig, TrainConfigError, train
+from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.train.loop import train
 
 
 def _flags() -> dict[str, bool]:

@@ -18,7 +18,8 @@ from torch import nn
 
 from fp8stack.bench.multigpu import ONE_RANK_TWINS, earlier_parts, render, restart_plan, run_fsdp, run_restart
 from fp8stack.models import Llama, LlamaConfig
-from fp8stack.train.loop import TrainConfig, train
+from fp8stack.train.config import TrainConfig
+from fp8stack.train.loop import train
 
 pytestmark = pytest.mark.slow
 

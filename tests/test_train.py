@@ -10,7 +10,8 @@ from fp8stack.train import checkpoint
 from fp8stack.train.__main__ import build_parser, config_from_args
 from fp8stack.train.__main__ import main as train_main
 from fp8stack.train.data import SPLITS, TextData, load_split, source_files, source_roots, split_of, stdlib_root
-from fp8stack.train.loop import TrainConfig, TrainConfigError, lr_at, session, train
+from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.train.loop import lr_at, session, train
 
 SMALL_DATA = 1 << 20
 """1 MiB of stdlib source: plenty for a few short steps, quick to read."""

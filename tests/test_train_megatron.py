@@ -14,7 +14,8 @@ from fp8stack.megatron import layer_precisions
 from fp8stack.models import Llama
 from fp8stack.train.__main__ import build_parser, config_from_args
 from fp8stack.train.__main__ import main as train_main
-from fp8stack.train.loop import TrainConfig, TrainConfigError, _adamw, build_model, model_config, train
+from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.train.loop import _adamw, build_model, model_config, train
 from fp8stack.train import megatron_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore:.*tp_group is None",

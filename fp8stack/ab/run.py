@@ -134,7 +134,8 @@ def run_ab(args: argparse.Namespace) -> int:
 
     from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
-    from fp8stack.train.loop import TrainConfig, TrainConfigError, model_config
+    from fp8stack.train.config import TrainConfig, TrainConfigError
+    from fp8stack.train.loop import model_config
 
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     tolerance = args.loss_tolerance if args.loss_tolerance is not None else (

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace):
     """TrainConfig from --config (if any) overlaid with the flags that were given."""
-    from fp8stack.train.loop import TrainConfig, TrainConfigError
+    from fp8stack.train.config import TrainConfig, TrainConfigError
 
     given = vars(args)
     try:
@@ -148,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fp8stack.assembly import OrderingError
     from fp8stack.backends import BackendUnavailable
     from fp8stack.train.checkpoint import CheckpointError
-    from fp8stack.train.loop import TrainConfigError, train
+    from fp8stack.train.config import TrainConfigError
+    from fp8stack.train.loop import train
 
     try:
         cfg = config_from_args(args)

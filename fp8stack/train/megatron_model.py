@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES, get_recipe
-from fp8stack.train.loop import TrainConfig, TrainConfigError, build_model, model_config
+from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.train.loop import build_model, model_config
 
 DENSE_MODELS = ("tiny", "llama-1b-like")
 """Trainer models the Megatron path builds (the MoE model is not mapped to megatron's MoE)."""

@@ -12,7 +12,8 @@ from fp8stack.backends.te import TEBackend
 from fp8stack.models import Llama
 from fp8stack.train import checkpoint
 from fp8stack.train.checkpoint import EXTRA_STATE_SUFFIX
-from fp8stack.train.loop import TrainConfig, session, train
+from fp8stack.train.config import TrainConfig
+from fp8stack.train.loop import session, train
 
 pytestmark = pytest.mark.gpu
 

@@ -20,7 +20,8 @@ if not te_usable():
 import transformer_engine.pytorch as te  # noqa: E402
 
 from fp8stack.train import megatron_model  # noqa: E402
-from fp8stack.train.loop import TrainConfig, _Distributed, train  # noqa: E402
+from fp8stack.train.config import TrainConfig  # noqa: E402
+from fp8stack.train.loop import _Distributed, train  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
