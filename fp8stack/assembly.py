@@ -107,7 +107,8 @@ def assemble(
     all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
     backend_options: backend name -> constructor options.
     """
-    _check_combination(plan, fsdp_mesh=fsdp_mesh, fsdp_float8_all_gather=fsdp_float8_all_gather)
+    _check_combination(plan, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, fsdp_float8_all_gather=fsdp_float8_all_gather,
+                       backend_options=backend_options)
     if recompute is None and tuple(recompute_modules) != ("block",):
         raise ValueError(f"recompute_modules={list(recompute_modules)} has no effect without recompute: pass "
                          "recompute='all' (or block indices) too")
@@ -125,8 +126,13 @@ def assemble(
     return model
 
 
-def _check_combination(plan: Plan, *, fsdp_mesh: DeviceMesh | None, fsdp_float8_all_gather: bool) -> None:
+def _check_combination(plan: Plan, *, fsdp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
+                       fsdp_float8_all_gather: bool, backend_options: dict[str, dict] | None) -> None:
     """Refuse, before anything is touched, the combinations no stage order can make right."""
+    if (backend_options or {}).get("te", {}).get("fuse_wgrad_accumulation") and (fsdp_mesh or tp_mesh):
+        raise OrderingError("te fuse_wgrad_accumulation accumulates weight gradients into FP32 main_grad buffers, "
+                            "which neither fully_shard nor tensor parallelism reduce or shard: train one process, "
+                            "use model_impl megatron (its DDP reduces main_grad), or turn it off")
     if fsdp_float8_all_gather:
         _check_fp8_all_gather_recipes(plan)
         if fsdp_mesh is None:

@@ -234,6 +234,9 @@ def test_ab_subcommand_plugs_into_a_parser():
     assert (args.run, args.recipes, args.steps, args.backend, args.nproc) == (run_ab, "bf16,rowwise", 7, "auto", 1)
     args = parser.parse_args(["ab", "--fp8-margin", "1"])
     assert [speed_levers(args, recipe)["fp8_margin"] for recipe in ("bf16", "tensorwise", "delayed")] == [0, 0, 1]
+    for impl, in_bf16 in (("torch", False), ("megatron", True)):  # the plain BF16 run has no TE layers to fuse
+        args = parser.parse_args(["ab", "--gradient-accumulation-fusion", "--model-impl", impl])
+        assert [speed_levers(args, r)["gradient_accumulation_fusion"] for r in ("bf16", "delayed")] == [in_bf16, True]
     assert args.baseline_runs == 2 and parser.parse_args(["ab", "--no-repeat-baseline"]).baseline_runs == 1
     assert parser.parse_args(["ab", "--baseline-runs", "4"]).baseline_runs == 4
 

@@ -209,6 +209,13 @@ def test_fp8_all_gather_with_rowwise_raises(model, mesh):
     assert assembly_state(model).stages == []
 
 
+def test_fused_wgrad_accumulation_with_fsdp_raises(model, mesh):
+    options = {"te": {"fuse_wgrad_accumulation": True}}
+    with pytest.raises(OrderingError, match="main_grad buffers, which neither fully_shard nor tensor parallelism"):
+        assemble(model, tiny_plan("tensorwise"), fsdp_mesh=mesh, backend_options=options)
+    assert assembly_state(model).stages == []
+
+
 def test_fp8_all_gather_without_fsdp_raises(model):
     with pytest.raises(OrderingError, match="fsdp_float8_all_gather=True needs fully_shard: pass fsdp_mesh"):
         assemble(model, tiny_plan(), fsdp_float8_all_gather=True)

@@ -247,8 +247,8 @@ def test_config_errors_name_the_fix(capsys):
         TrainConfig(model="gpt5")
     with pytest.raises(TrainConfigError, match="needs checkpoint_dir"):
         TrainConfig(resume="latest")
-    with pytest.raises(TrainConfigError, match="use it with --model-impl megatron"):
-        TrainConfig(gradient_accumulation_fusion=True)
+    with pytest.raises(TrainConfigError, match="drop --fsdp-one-rank and --tensor-model-parallel-size"):
+        TrainConfig(gradient_accumulation_fusion=True, fsdp_one_rank=True)
     assert train_main(["--recompute-granularity", "full", "--recompute-modules", "mlp"]) == 2
     assert "drop one of them" in capsys.readouterr().err
     assert train_main(["--fp8-recipe", "rowwise_gw_hp", "--dtype", "bf16", "--device", "cpu", "--train-iters", "1",
@@ -265,6 +265,19 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
                                                       "--small-gemm-filter", "off", "--device", "cpu"]))
     plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
     assert _backend_options(cfg, plan, micro_batches=1)["te"]["delayed_margin"] == 2
+
+
+def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
+    from fp8stack.train.loop import _backend_options, build_model, build_plan
+
+    def options(recipe: str) -> dict | None:
+        cfg = TrainConfig(model="tiny", recipe=recipe, backend="te", small_gemm_filter="off", device="cpu",
+                          gradient_accumulation_fusion=True)
+        return _backend_options(cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu")), 1)
+
+    assert options("delayed")["te"]["fuse_wgrad_accumulation"] is True
+    with pytest.raises(TrainConfigError, match="plan for recipe 'bf16' has no TE layers.*drop --gradient-accum"):
+        options("bf16")
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

@@ -63,8 +63,9 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step in every run, accumulated over micro-batches (default: "
                              "one micro-batch per step); TE FP8 runs then cast their weights once per step")
     parser.add_argument("--gradient-accumulation-fusion", action="store_true",
-                        help="--model-impl megatron, every run: megatron DDP's FP32 main_grad buffers written by "
-                             "TE's wgrad GEMMs (the BF16 run's TE linears too)")
+                        help="TE's wgrad GEMMs accumulate into FP32 main_grad buffers: --model-impl megatron, every "
+                             "run (megatron DDP's buffers; the BF16 run's TE linears too); torch: the FP8 runs' TE "
+                             "layers (the BF16 run has none)")
     parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
                         help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
                              "factory, TE linears (default: torch)")
@@ -77,7 +78,9 @@ def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
             "fp8_margin": args.fp8_margin if recipe == "delayed" else 0,
             "fuse_mlp": args.fuse_mlp and recipe != BF16,
             "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
-            "global_batch": args.global_batch, "gradient_accumulation_fusion": args.gradient_accumulation_fusion}
+            "global_batch": args.global_batch,
+            "gradient_accumulation_fusion": args.gradient_accumulation_fusion and (
+                args.model_impl == "megatron" or recipe != BF16)}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +164,7 @@ def run_ab(args: argparse.Namespace) -> int:
         train_config = json.loads(json.dumps({  # as the evidence holds it (JSON types), to compare with earlier files
             **{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
             "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only
+            "gradient_accumulation_fusion": args.gradient_accumulation_fusion,  # plain path: FP8 arms only
             "compress_activations": args.compress_activations,  # FP8 arms only
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)

@@ -95,6 +95,10 @@ class TEBackend:
     """Cast each weight to FP8 on the first micro-batch of a step and reuse that copy for the step's other
     micro-batches (TE's is_first_microbatch); call mark_fp8_weights_stale after each optimizer step (the
     assembly's post_optimizer_step_hook does). The copies stay allocated between steps."""
+    fuse_wgrad_accumulation: bool = False
+    """Each TE weight-gradient GEMM accumulates into the weight's FP32 main_grad, which is its .grad (TE's
+    fuse_wgrad_accumulation, Megatron's --gradient-accumulation-fusion): no BF16 weight gradient, no BF16 -> FP32
+    copy and no add per micro-batch. Needs FP32 weights on the GPU, one process (nothing reduces main_grad)."""
 
     name: ClassVar[str] = "te"
 
@@ -130,6 +134,7 @@ class TEBackend:
         from fp8stack.backends import te_modules
 
         te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin) for name in recipes}
+        options = {"cache_weights": self.cache_fp8_weights, "fuse_wgrad_accumulation": self.fuse_wgrad_accumulation}
         shared = _shared_parameters(model)
         swaps = []  # (fqn to swap, factory of its new module, plan fqns it then runs)
         for mlp_fqn, (norm_fqn, w13, w2) in mlps.items():
@@ -137,7 +142,7 @@ class TEBackend:
             mlp = _checked(model.get_submodule(mlp_fqn), mlp_fqn, shared)
             swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
             swaps.append((mlp_fqn, partial(te_modules.layernorm_mlp_from, norm, mlp, te_recipes[w13.recipe],
-                                           name=mlp_fqn, cache_weights=self.cache_fp8_weights), (w13.fqn, w2.fqn)))
+                                           name=mlp_fqn, **options), (w13.fqn, w2.fqn)))
         in_mlps = {d.fqn for _, w13, w2 in mlps.values() for d in (w13, w2)}
         for d in (d for d in linears if d.fqn not in in_mlps):
             linear = _checked(_linear_at(model, d), d.fqn, shared)
@@ -147,14 +152,14 @@ class TEBackend:
                 # The norm's weight moves into the LayerNormLinear; the norm itself becomes a no-op.
                 swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
                 swaps.append((d.fqn, partial(te_modules.layernorm_linear_from, norm, linear, te_recipes[d.recipe],
-                                             name=d.fqn, cache_weights=self.cache_fp8_weights), (d.fqn,)))
+                                             name=d.fqn, **options), (d.fqn,)))
             else:
                 swaps.append((d.fqn, partial(te_modules.linear_from, linear, te_recipes[d.recipe], name=d.fqn,
-                                              cache_weights=self.cache_fp8_weights), (d.fqn,)))
+                                              **options), (d.fqn,)))
         for module_fqn, (w13, w2) in expert_pairs.items():
             grouped = _checked(_grouped_experts_at(model, module_fqn, w13, w2), module_fqn, shared)
             swaps.append((module_fqn, partial(te_modules.grouped_experts_from, grouped, te_recipes[w13.recipe],
-                                              name=module_fqn, cache_weights=self.cache_fp8_weights),
+                                              name=module_fqn, **options),
                           (w13.fqn, w2.fqn)))
         # Build every module before swapping any: a module refused while built leaves the model as it was.
         built = [(fqn, factory(), runs) for fqn, factory, runs in swaps]
@@ -170,6 +175,10 @@ class TEBackend:
         if self.cache_fp8_weights:
             record.notes.append("cache_fp8_weights: each weight is cast to FP8 on a step's first micro-batch and the "
                                 "copy reused by its other micro-batches (TE is_first_microbatch)")
+        if self.fuse_wgrad_accumulation:
+            count = sum(len(getattr(m, "main_grad_weights", ())) for _, m, _ in built)
+            record.notes.append(f"fuse_wgrad_accumulation: the weight-gradient GEMMs of {count} TE weight(s) "
+                                "accumulate into FP32 main_grad buffers, which are the weights' .grad")
         norm_linears = [fqn for fqn, cls in record.converted.items() if cls == "TELayerNormLinear"]
         if norm_linears:
             record.notes.append(f"fuse_norm: {len(norm_linears)} RMSNorm(s) folded into te LayerNormLinear (e.g. into "

@@ -32,6 +32,8 @@ class _WeightCache:
 
     is_first_microbatch: bool | None = None
     autocast_recipe: Recipe
+    main_grad_weights: tuple[nn.Parameter, ...] = ()
+    """With fuse_wgrad_accumulation: the weights whose wgrad GEMMs accumulate into their FP32 main_grad."""
 
     @torch.compiler.disable
     def _in_autocast(self, run, *args, **kwargs):
@@ -39,6 +41,10 @@ class _WeightCache:
         torch.compile: dynamo breaks the graph inside TE modules anyway; DelayedScaling's amax and scale updates
         are side effects a compiled graph would not replay; and tracing into cached FP8 weights fails
         (AttributeError on Float8Tensor._data, seen under --compile on llama-1b-like)."""
+        for weight in self.main_grad_weights:
+            if weight.grad is None:  # optimizer.zero_grad(set_to_none=True) since the last forward: start anew
+                weight.main_grad.zero_()
+                weight.grad = weight.main_grad
         first = self.is_first_microbatch
         if first is not None:
             kwargs["is_first_microbatch"] = first
@@ -72,15 +78,15 @@ class TEGroupedExperts(_WeightCache, nn.Module):
     fc2 E x (F -> D) down, SwiGLU between; the same forward(x_sorted [R, D], offsets [E]) -> [R, D]."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int, *, recipe: Recipe, params_dtype: torch.dtype,
-                 device: str, name: str) -> None:
+                 device: str, name: str, fuse_wgrad_accumulation: bool = False) -> None:
         super().__init__()
         self.autocast_recipe = recipe
         self.group_alignment = get_align_size_for_quantization(recipe)
         """MoE pads each expert's rows to this (FP8 GEMMs need 16 rows, MXFP8 32), read by MoE.forward."""
         self.fc1 = te.GroupedLinear(num_experts, dim, 2 * hidden, bias=False, params_dtype=params_dtype,
-                                    device=device, name=f"{name}.fc1")
+                                    device=device, name=f"{name}.fc1", fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.fc2 = te.GroupedLinear(num_experts, hidden, dim, bias=False, params_dtype=params_dtype,
-                                    device=device, name=f"{name}.fc2")
+                                    device=device, name=f"{name}.fc2", fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         # For callers whose groups are not aligned yet (a no-op after MoE's own padding), as Megatron does.
         self.pad = te.Fp8Padding(num_experts)
         self.unpad = te.Fp8Unpadding(num_experts)
@@ -106,14 +112,16 @@ class TEGroupedExperts(_WeightCache, nn.Module):
             nn.init.trunc_normal_(getattr(self.fc2, f"weight{e}"), std=init_std)
 
 
-def linear_from(linear: nn.Linear, recipe: Recipe, name: str, cache_weights: bool = False) -> TELinear:
-    """A TELinear with `linear`'s shape, dtype, device and (bit-exact) weights; cache_weights: see _WeightCache."""
+def linear_from(linear: nn.Linear, recipe: Recipe, name: str, cache_weights: bool = False,
+                fuse_wgrad_accumulation: bool = False) -> TELinear:
+    """A TELinear with `linear`'s shape, dtype, device and (bit-exact) weights; cache_weights: see _WeightCache;
+    fuse_wgrad_accumulation: see _add_main_grads."""
     weight = linear.weight
     with _rng_kept(weight.device):
         new = TELinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                       params_dtype=weight.dtype, device=str(weight.device), name=name)
-    new.autocast_recipe = recipe
-    new.is_first_microbatch = True if cache_weights else None
+                       params_dtype=weight.dtype, device=str(weight.device), name=name,
+                       fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    _arm(new, recipe, cache_weights, [new.weight] if fuse_wgrad_accumulation else [], name)
     _copy(new.weight, weight)
     if linear.bias is not None:
         _copy(new.bias, linear.bias)
@@ -121,17 +129,16 @@ def linear_from(linear: nn.Linear, recipe: Recipe, name: str, cache_weights: boo
 
 
 def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, name: str,
-                          cache_weights: bool = False) -> TELayerNormLinear:
+                          cache_weights: bool = False, fuse_wgrad_accumulation: bool = False) -> TELayerNormLinear:
     """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly;
-    cache_weights: see _WeightCache."""
+    cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads."""
     weight = linear.weight
     eps = _rms_norm_eps(norm, weight, linear.in_features, "fuse_norm", name)
     with _rng_kept(weight.device):
         new = TELayerNormLinear(linear.in_features, linear.out_features, eps=eps, bias=linear.bias is not None,
                                 normalization="RMSNorm", params_dtype=weight.dtype, device=str(weight.device),
-                                name=name)
-    new.autocast_recipe = recipe
-    new.is_first_microbatch = True if cache_weights else None
+                                name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    _arm(new, recipe, cache_weights, [new.weight] if fuse_wgrad_accumulation else [], name)
     _copy(new.layer_norm_weight, norm.weight)
     _copy(new.weight, weight)
     if linear.bias is not None:
@@ -140,10 +147,10 @@ def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, na
 
 
 def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe, name: str,
-                       cache_weights: bool = False) -> TELayerNormMLP:
+                       cache_weights: bool = False, fuse_wgrad_accumulation: bool = False) -> TELayerNormMLP:
     """A TELayerNormMLP computing mlp(norm(x)) for an RMSNorm `norm` and an fp8stack FeedForward `mlp`
     (w13 = [gate; up], w2(silu(gate) * up); TE's SwiGLU also gates with the first half), weights copied
-    bit-exactly; cache_weights: see _WeightCache."""
+    bit-exactly; cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads."""
     w13, w2 = mlp.w13, mlp.w2
     if w13.bias is not None or w2.bias is not None:
         raise PlanError(f"fuse_mlp: {name} has biased projections; fp8stack's FeedForward has none: turn fuse_mlp off")
@@ -151,29 +158,55 @@ def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe, name: st
     eps = _rms_norm_eps(norm, w13.weight, dim, "fuse_mlp", name)
     with _rng_kept(w13.weight.device):
         new = TELayerNormMLP(dim, hidden, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
-                             params_dtype=w13.weight.dtype, device=str(w13.weight.device), name=name)
-    new.autocast_recipe = recipe
-    new.is_first_microbatch = True if cache_weights else None
+                             params_dtype=w13.weight.dtype, device=str(w13.weight.device), name=name,
+                             fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    _arm(new, recipe, cache_weights, [new.fc1_weight, new.fc2_weight] if fuse_wgrad_accumulation else [], name)
     _copy(new.layer_norm_weight, norm.weight)
     _copy(new.fc1_weight, w13.weight)
     _copy(new.fc2_weight, w2.weight)
     return new.train(mlp.training)
 
 
-def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str,
-                         cache_weights: bool = False) -> TEGroupedExperts:
+def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str, cache_weights: bool = False,
+                         fuse_wgrad_accumulation: bool = False) -> TEGroupedExperts:
     """A TEGroupedExperts holding `experts`' w13 [E, 2F, D] and w2 [E, D, F] one expert per GEMM, bit-exactly;
-    cache_weights: see _WeightCache."""
+    cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads."""
     w13, w2 = experts.w13, experts.w2
     num_experts, two_hidden, dim = w13.shape
     with _rng_kept(w13.device):
         new = TEGroupedExperts(num_experts, dim, two_hidden // 2, recipe=recipe, params_dtype=w13.dtype,
-                               device=str(w13.device), name=name)
-    new.is_first_microbatch = True if cache_weights else None
+                               device=str(w13.device), name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    weights = [*new.fc1.parameters(), *new.fc2.parameters()]  # one weight per expert and GEMM, no biases
+    _arm(new, recipe, cache_weights, weights if fuse_wgrad_accumulation else [], name)
     for e in range(num_experts):
         _copy(getattr(new.fc1, f"weight{e}"), w13[e])
         _copy(getattr(new.fc2, f"weight{e}"), w2[e])
     return new.train(experts.training)
+
+
+def _arm(module: _WeightCache, recipe: Recipe, cache_weights: bool, main_grad_weights: list[nn.Parameter],
+         name: str) -> None:
+    """Set what _WeightCache reads: the recipe, the FP8 weight cache (on when cache_weights) and the weights given
+    FP32 main_grads (see _add_main_grads)."""
+    module.autocast_recipe = recipe
+    module.is_first_microbatch = True if cache_weights else None
+    _add_main_grads(module, main_grad_weights, name)
+
+
+def _add_main_grads(module: _WeightCache, weights: list[nn.Parameter], name: str) -> None:
+    """fuse_wgrad_accumulation: give each weight an FP32 main_grad, into which TE's weight-gradient GEMM
+    accumulates (no BF16 gradient, dtype conversion or add per micro-batch, as under megatron's DDP), and which
+    _WeightCache makes the weight's .grad; zeroed at the first forward after optimizer.zero_grad(set_to_none=True),
+    zeroed in place by zero_grad(set_to_none=False). Nothing reduces main_grad across ranks: the assembly refuses
+    fuse_wgrad_accumulation with FSDP or tensor parallelism."""
+    for weight in weights:
+        if weight.dtype != torch.float32 or weight.device.type != "cuda":
+            raise PlanError(f"fuse_wgrad_accumulation: {name} holds {weight.dtype} weights on {weight.device}, and "
+                            "the FP32 main_grad TE accumulates into becomes the weight's .grad, which needs FP32 "
+                            "master weights on the GPU: keep the model FP32 (autocast casts the activations), "
+                            "build it on the GPU, or turn fuse_wgrad_accumulation off")
+        weight.main_grad = torch.zeros_like(weight)
+    module.main_grad_weights = tuple(weights)
 
 
 def _rms_norm_eps(norm: nn.Module, weight: torch.Tensor, width: int, option: str, name: str) -> float:

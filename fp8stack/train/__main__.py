@@ -68,7 +68,7 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--tensor-model-parallel-size", "tensor_parallel", {"type": int, "metavar": "N"}),
     ("--gradient-accumulation-fusion", "gradient_accumulation_fusion", {
         "action": argparse.BooleanOptionalAction,
-        "help": "--model-impl megatron: megatron DDP's FP32 main_grad buffers, written by TE's wgrad GEMMs"}),
+        "help": "TE's wgrad GEMMs accumulate into FP32 main_grad buffers (megatron: DDP's; torch: one process)"}),
     ("--fsdp-one-rank", "fsdp_one_rank", {"action": argparse.BooleanOptionalAction,
                                           "help": "FSDP2 on one data-parallel rank too (a sharded run's numerics)"}),
     ("--fsdp-float8-all-gather", "fsdp_float8_all_gather", {"action": argparse.BooleanOptionalAction}),

@@ -104,9 +104,10 @@ class TrainConfig:
     tensor_parallel: int = 1
     """Tensor-parallel degree; the remaining ranks shard data and parameters with FSDP2."""
     gradient_accumulation_fusion: bool = False
-    """model_impl megatron: megatron's DistributedDataParallel keeps an FP32 main_grad buffer per parameter and
-    the TE linears' weight-gradient GEMMs write into it (TE fuse_wgrad_accumulation), with no BF16 weight
-    gradient, dtype conversion or per-micro-batch add; the other parameters' gradients are added by DDP."""
+    """The TE linears' weight-gradient GEMMs accumulate into FP32 main_grad buffers (TE fuse_wgrad_accumulation),
+    with no BF16 weight gradient, dtype conversion or per-micro-batch add. model_impl megatron: megatron's
+    DistributedDataParallel keeps the buffers (one per parameter; DDP adds the others' gradients); torch: the TE
+    backend's, which are the weights' .grad (one process; TE layers in the plan)."""
     fsdp_one_rank: bool = False
     """Shard with FSDP2 even when there is one data-parallel rank (a 1-rank mesh), so a 1-GPU run takes a sharded
     run's numerics (BF16 parameters by FSDP's mixed-precision policy, FP8 all-gather casts) instead of autocast
@@ -151,9 +152,10 @@ class TrainConfig:
             from fp8stack.train.megatron_model import check_config  # megatron-core is imported only when built
 
             check_config(self)
-        elif self.gradient_accumulation_fusion:
-            raise TrainConfigError("gradient_accumulation_fusion writes weight gradients into megatron DDP's main_grad "
-                                   "buffers: use it with --model-impl megatron")
+        elif self.gradient_accumulation_fusion and (self.fsdp_one_rank or self.tensor_parallel > 1):
+            raise TrainConfigError("gradient_accumulation_fusion on the plain model keeps FP32 main_grad buffers that "
+                                   "neither FSDP nor tensor parallelism reduce: drop --fsdp-one-rank and "
+                                   "--tensor-model-parallel-size, or use --model-impl megatron")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise TrainConfigError(f"unknown sdpa_backend {self.sdpa_backend!r}: use {', '.join(SDPA_BACKENDS)}")
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):

@@ -282,16 +282,17 @@ def _micro_batches(cfg: TrainConfig, dp_size: int) -> int:
 
 
 def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
-    """Constructor options for the plan's TE backend: fuse_norm and fuse_mlp (which need TE layers in the
-    plan) and, with more than one micro-batch per step, FP8 weights cast once per step and cached (TE's
-    is_first_microbatch; with one micro-batch the cache would only hold memory)."""
-    for option, module in (("fuse_norm", "LayerNormLinear"), ("fuse_mlp", "LayerNormMLP")):
+    """Constructor options for the plan's TE backend: fuse_norm, fuse_mlp and gradient_accumulation_fusion (which
+    need TE layers in the plan) and, with more than one micro-batch per step, FP8 weights cast once per step and
+    cached (TE's is_first_microbatch; with one micro-batch the cache would only hold memory)."""
+    for option, what in (("fuse_norm", "folds RMSNorms into TransformerEngine LayerNormLinear modules"),
+                         ("fuse_mlp", "folds RMSNorms into TransformerEngine LayerNormMLP modules"),
+                         ("gradient_accumulation_fusion", "accumulates the TE linears' weight gradients in FP32")):
         if getattr(cfg, option) and not plan.for_backend("te"):
-            raise TrainConfigError(f"{option} folds RMSNorms into TransformerEngine {module} modules, but the plan "
-                                   f"for recipe {cfg.recipe!r} has no TE layers: use --backend te with an FP8 recipe, "
-                                   f"or drop --{option.replace('_', '-')}")
+            raise TrainConfigError(f"{option} {what}, but the plan for recipe {cfg.recipe!r} has no TE layers: use "
+                                   f"--backend te with an FP8 recipe, or drop --{option.replace('_', '-')}")
     options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "cache_fp8_weights": micro_batches > 1,
-               "delayed_margin": cfg.fp8_margin}
+               "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion}
     return {"te": options} if plan.for_backend("te") and any(options.values()) else None
 
 

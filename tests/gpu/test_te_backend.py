@@ -386,6 +386,57 @@ def test_fuse_mlp_matches_unfused(recipe):
         assert rel_err(got, ref) < 2 * FUSE_MLP_REL_ERR, f"layer {i} FC1 weight gradient: {rel_err(got, ref):.4f}"
 
 
+WGRAD_FUSION_REL_ERR = 0.02
+"""Fused, each wgrad GEMM adds its FP32 result into main_grad; unfused, autograd rounds each micro-batch's weight
+gradient to BF16 (the activations' dtype) and torch adds it in FP32: a few 0.1% apart. A gradient counted twice
+(main_grad and an autograd .grad) or a lost micro-batch would be 33-100% off."""
+
+
+@pytest.mark.parametrize("model_name, recipe, fuse_mlp", [("tiny", "delayed", True), ("tiny", "tensorwise", True),
+                                                          ("tiny", "tensorwise", False), ("tiny-moe", "tensorwise", False)])
+def test_fused_wgrad_accumulation_matches_autograd(model_name, recipe, fuse_mlp):
+    """With fuse_wgrad_accumulation the TE weights' .grad is their FP32 main_grad, holding over two micro-batches
+    what autograd accumulates unfused; zero_grad(set_to_none=True) starts the next sum from zero (the next forward
+    zeroes main_grad), zero_grad(set_to_none=False) zeroes it in place."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # FP32 master weights under BF16 autocast, as the trainer runs them
+        base = Llama(LlamaConfig.tiny() if model_name == "tiny" else LlamaConfig.tiny_moe())
+    plan = make_plan(load_description(model_name), policy(recipe, get_recipe(recipe).default_format))
+    options = {"fuse_norm": fuse_mlp, "fuse_mlp": fuse_mlp}
+    unfused, _ = TEBackend(**options).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    fused, record = TEBackend(**options, fuse_wgrad_accumulation=True).convert(
+        copy.deepcopy(base), plan.for_backend("te"), plan)
+    weights = {name: p for name, p in fused.named_parameters() if hasattr(p, "main_grad")}
+    gemm_weights = {f"{fqn}.{name}" for fqn, m in fused.named_modules() if isinstance(m, TransformerEngineBaseModule)
+                    for name, _ in m.named_parameters(recurse=False) if "layer_norm" not in name}
+    assert gemm_weights and set(weights) == gemm_weights
+    assert any(f"of {len(weights)} TE weight(s) accumulate" in note for note in record.notes), record.notes
+    unfused_params = dict(unfused.named_parameters())
+    batches = torch.randint(0, 256, (2, 4, 129), device="cuda")
+
+    def accumulate(model: nn.Module, micro_batches: torch.Tensor, set_to_none: bool = True) -> None:
+        model.zero_grad(set_to_none=set_to_none)
+        for tokens in micro_batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = Llama.loss(model(tokens[:, :-1]), tokens[:, 1:])
+            (loss / len(micro_batches)).backward()
+
+    def check(what: str) -> None:
+        for name, weight in weights.items():
+            assert weight.grad is weight.main_grad, f"{name}: .grad is not its main_grad"
+            err = rel_err(weight.grad, unfused_params[name].grad)
+            assert err < WGRAD_FUSION_REL_ERR, f"{what}: {name} gradient {err:.4f} from autograd's"
+
+    for model in (fused, unfused):  # DelayedScaling's first pass runs with scale 1: its gradients flush
+        accumulate(model, batches)
+    for model in (fused, unfused):
+        accumulate(model, batches)
+    check("two micro-batches after zero_grad(set_to_none=True)")
+    accumulate(fused, batches[:1], set_to_none=False)
+    accumulate(unfused, batches[:1])
+    check("one micro-batch after zero_grad(set_to_none=False)")
+
+
 def test_model_built_on_meta_converts_then_materialises():
     plan = make_plan(load_description("tiny-moe"), policy("tensorwise", "hybrid"))
     with torch.device("meta"):

@@ -136,6 +136,20 @@ def test_cached_fp8_weights_run_under_torch_compile(model, recipe, fuse_mlp):
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-2), (compiled.losses, eager.losses)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_gradient_accumulation_fusion_trains_as_autograd_accumulation(compile):
+    """The plain path with --gradient-accumulation-fusion: the TE weights' gradients accumulate in FP32 main_grad
+    over a step's micro-batches and restart from zero at the next step, so each step's gradient norm (the TE weights
+    hold most of the tiny model's) matches the unfused run's; double counting or a sum carried into the next step
+    would move it by tens of percent."""
+    settings = {**SETTINGS, "recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_norm": True,
+                "fuse_mlp": True, "compile": compile}
+    fused, plain = (train(TrainConfig(**settings, gradient_accumulation_fusion=True)), train(TrainConfig(**settings)))
+    assert fused.grad_norms == pytest.approx(plain.grad_norms, rel=0.02), (fused.grad_norms, plain.grad_norms)
+    assert fused.losses == pytest.approx(plain.losses, rel=1e-2), (fused.losses, plain.losses)
+    assert not any(fused.zero_fp8_weight_grads), fused.zero_fp8_weight_grads
+
+
 def test_delayed_scaling_updates_its_scales_inside_compiled_blocks():
     """TE modules run eagerly inside compiled blocks, so DelayedScaling updates its amaxes and scales at every
     step as in an eager run: the compiled run ends with the eager run's scales (up to the compiled glue's
