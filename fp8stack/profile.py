@@ -231,7 +231,7 @@ def run_profile(args: argparse.Namespace) -> int:
         if args.steps < 1 or args.warmup < 0 or args.gemm_speedup <= 0:
             raise TrainConfigError(f"need --steps >= 1, --warmup >= 0 and --gemm-speedup > 0, got {args.steps}, "
                                    f"{args.warmup} and {args.gemm_speedup}")
-        overrides = {"model": args.model, "backend": args.backend, "fp8_format": args.fp8_format,
+        overrides = {"model": args.model, "fp8_format": args.fp8_format,
                      "device": args.device, "dtype": args.dtype, "compile": args.compile,
                      "steps": args.warmup + 1 + args.steps, "progress": False,
                      **({"micro_batch": args.micro_batch} if args.micro_batch else {}),

@@ -235,8 +235,14 @@ def test_ab_subcommand_plugs_into_a_parser():
     args = parser.parse_args(["ab", "--fp8-margin", "1"])
     assert [speed_levers(args, recipe)["fp8_margin"] for recipe in ("bf16", "tensorwise", "delayed")] == [0, 0, 1]
     for impl, in_bf16 in (("torch", False), ("megatron", True)):  # the plain BF16 run has no TE layers to fuse
-        args = parser.parse_args(["ab", "--gradient-accumulation-fusion", "--model-impl", impl])
+        args = parser.parse_args(["ab", "--gradient-accumulation-fusion", "--model-impl", impl, "--backend", "te"])
         assert [speed_levers(args, r)["gradient_accumulation_fusion"] for r in ("bf16", "delayed")] == [in_bf16, True]
+        assert [speed_levers(args, r)["backend"] for r in ("bf16", "delayed")] == ["auto", "te"]
+    args = parser.parse_args(["ab", "--bf16-on-te", "--fuse-mlp", "--gradient-accumulation-fusion", "--backend", "te"])
+    on_te = speed_levers(args, "bf16")  # the BF16 baseline on TE modules gets the TE levers, not the FP8-only ones
+    assert (on_te["backend"], on_te["fuse_mlp"], on_te["gradient_accumulation_fusion"]) == ("te", True, True)
+    with pytest.raises(ValueError, match="megatron's BF16 run is on TE already"):
+        speed_levers(parser.parse_args(["ab", "--bf16-on-te", "--model-impl", "megatron"]), "bf16")
     assert args.baseline_runs == 2 and parser.parse_args(["ab", "--no-repeat-baseline"]).baseline_runs == 1
     assert parser.parse_args(["ab", "--baseline-runs", "4"]).baseline_runs == 4
 

@@ -117,6 +117,20 @@ def test_bf16_recipe_keeps_every_component_bf16():
     assert plan.summary()["fp8_gemms"] == 0
 
 
+def test_bf16_recipe_on_te_puts_the_gemms_on_te_modules_without_fp8():
+    plan = make_plan(moe_model(), PolicyConfig(recipe="bf16", backend="te"))
+    wqkv = plan.decision("layers.1.attention.wqkv")
+    assert (wqkv.backend, wqkv.recipe, wqkv.precision) == ("te", "bf16", "bf16")
+    assert "TransformerEngine module without FP8" in wqkv.reason
+    assert {(d.backend, d.recipe) for d in plan.decisions if d.component.kind == "expert"} == {("te", "bf16")}
+    assert plan.decision("output").backend == "bf16"  # the high-precision kinds stay as they are
+    assert plan.summary()["fp8_gemms"] == 0
+    # A bf16 override inside an FP8 plan on te stays a plain BF16 module: only a whole bf16 plan moves to TE.
+    override = Override(fqn="layers.*.attention.wo", recipe="bf16", reason="keep wo BF16")
+    mixed = make_plan(moe_model(), PolicyConfig(recipe="tensorwise", backend="te", overrides=(override,)))
+    assert mixed.decision("layers.2.attention.wo").backend == "bf16"
+
+
 def test_bf16_recipe_with_an_fp8_override_puts_only_the_matching_components_in_fp8():
     override = Override(fqn="layers.*.attention.wo", recipe="tensorwise", reason="try wo in FP8")
     plan = make_plan(moe_model(), PolicyConfig(recipe="bf16", overrides=(override,)))

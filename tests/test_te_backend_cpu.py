@@ -42,10 +42,14 @@ def test_te_recipe_without_te_names_the_fix():
         te_recipe("delayed", "hybrid")
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "bf16", "nope"])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "nope"])
 def test_te_recipe_rejects_recipes_te_does_not_have(recipe):
     with pytest.raises(PlanError, match="no TransformerEngine implementation.*--backend torchao"):
         te_recipe(recipe, "hybrid")
+
+
+def test_a_bf16_plan_on_te_has_no_te_recipe():
+    assert te_recipe("bf16", "hybrid") is None  # its modules run with TE's FP8 autocast off
 
 
 def test_te_recipe_rejects_formats_te_does_not_train_with():

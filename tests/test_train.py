@@ -270,14 +270,15 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
     from fp8stack.train.loop import _backend_options, build_model, build_plan
 
-    def options(recipe: str) -> dict | None:
-        cfg = TrainConfig(model="tiny", recipe=recipe, backend="te", small_gemm_filter="off", device="cpu",
+    def options(recipe: str, backend: str = "te") -> dict | None:
+        cfg = TrainConfig(model="tiny", recipe=recipe, backend=backend, small_gemm_filter="off", device="cpu",
                           gradient_accumulation_fusion=True)
         return _backend_options(cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu")), 1)
 
     assert options("delayed")["te"]["fuse_wgrad_accumulation"] is True
+    assert options("bf16")["te"]["fuse_wgrad_accumulation"] is True  # a bf16 plan on te: TE modules without FP8
     with pytest.raises(TrainConfigError, match="plan for recipe 'bf16' has no TE layers.*drop --gradient-accum"):
-        options("bf16")
+        options("bf16", backend="auto")
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

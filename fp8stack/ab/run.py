@@ -66,21 +66,33 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="TE's wgrad GEMMs accumulate into FP32 main_grad buffers: --model-impl megatron, every "
                              "run (megatron DDP's buffers; the BF16 run's TE linears too); torch: the FP8 runs' TE "
                              "layers (the BF16 run has none)")
+    parser.add_argument("--bf16-on-te", action="store_true",
+                        help="the bf16 run's linears are TE modules without FP8 (recipe bf16, --backend te), with the "
+                             "TE levers asked of the FP8 runs (--fuse-norm, --fuse-mlp, "
+                             "--gradient-accumulation-fusion): a BF16 baseline on TE's kernels (plain path)")
     parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
                         help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
                              "factory, TE linears (default: torch)")
 
 
 def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
-    """TrainConfig fields of add_speed_levers' options for a run of `recipe` (FP8 levers stay off in bf16, the
-    delayed-scaling margin off in the other recipes)."""
-    return {"sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and recipe != BF16,
+    """TrainConfig fields of add_speed_levers' options and --backend for a run of `recipe`: the bf16 run is the
+    plain model (TE modules without FP8 with --bf16-on-te), TE levers go to the runs with TE layers, FP8-only levers
+    to the FP8 runs, the delayed-scaling margin to delayed runs."""
+    if args.bf16_on_te and args.model_impl == "megatron":
+        from fp8stack.train.config import TrainConfigError  # torch is imported only once the options are read
+
+        raise TrainConfigError("--bf16-on-te puts the plain model's BF16 linears on TE; megatron's BF16 run is on "
+                               "TE already: drop --bf16-on-te")
+    on_te = recipe != BF16 or args.bf16_on_te
+    return {"backend": args.backend if recipe != BF16 else ("te" if args.bf16_on_te else "auto"),
+            "sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and on_te,
             "fp8_margin": args.fp8_margin if recipe == "delayed" else 0,
-            "fuse_mlp": args.fuse_mlp and recipe != BF16,
+            "fuse_mlp": args.fuse_mlp and on_te,
             "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
             "global_batch": args.global_batch,
             "gradient_accumulation_fusion": args.gradient_accumulation_fusion and (
-                args.model_impl == "megatron" or recipe != BF16)}
+                args.model_impl == "megatron" or on_te)}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +157,7 @@ def run_ab(args: argparse.Namespace) -> int:
         GPU_LOSS_TOLERANCE if on_gpu else CPU_LOSS_TOLERANCE)
     env = environment()
     peaks = peak_tflops(env["device"]) if on_gpu else None
-    overrides = {"model": args.model, "steps": args.steps, "backend": args.backend, "fp8_format": args.fp8_format,
+    overrides = {"model": args.model, "steps": args.steps, "fp8_format": args.fp8_format,
                  "seed": args.seed, "device": args.device, "dtype": args.dtype, "compile": args.compile,
                  **{k: getattr(args, k) for k in ("lr", "warmup") if getattr(args, k) is not None},
                  **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
@@ -163,8 +175,10 @@ def run_ab(args: argparse.Namespace) -> int:
                                log_interval=max(1, args.steps // 4)) for recipe in recipes]
         train_config = json.loads(json.dumps({  # as the evidence holds it (JSON types), to compare with earlier files
             **{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
-            "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only
-            "gradient_accumulation_fusion": args.gradient_accumulation_fusion,  # plain path: FP8 arms only
+            "backend": args.backend,  # the FP8 arms'
+            "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only (and --bf16-on-te's bf16)
+            "gradient_accumulation_fusion": args.gradient_accumulation_fusion,  # plain path: arms with TE layers
+            **({"bf16_on_te": True} if args.bf16_on_te else {}),
             "compress_activations": args.compress_activations,  # FP8 arms only
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
@@ -183,7 +197,7 @@ def run_ab(args: argparse.Namespace) -> int:
     backends: dict[str, str | PlanError] = {}
     for cfg in configs:
         try:
-            backends[cfg.recipe] = _planned_backend(cfg.recipe, args.backend)
+            backends[cfg.recipe] = _planned_backend(cfg.recipe, cfg.backend)
         except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
             backends[cfg.recipe] = err
 
@@ -223,9 +237,10 @@ def run_ab(args: argparse.Namespace) -> int:
         }
         table = _table(arms)
         side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
+        on_te = ", on TE modules" if args.bf16_on_te else ""
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
-                 f"bf16 arm is the plan without FP8). Noise: {payload['noise_method']}"
+                 f"bf16 arm is the plan without FP8{on_te}). Noise: {payload['noise_method']}"
                  f"{repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
@@ -307,8 +322,10 @@ def _recipes(text: str) -> list[str]:
 
 
 def _planned_backend(recipe: str, preference: str) -> str:
-    """The backend the plan gives dense linears under `recipe` (bf16 for the bf16 arm)."""
-    return BF16 if recipe == BF16 else dense_backend(get_recipe(recipe), preference)
+    """The backend the plan gives dense linears under `recipe` (bf16 for the bf16 arm, te with --bf16-on-te)."""
+    if recipe == BF16:
+        return "te" if preference == "te" else BF16
+    return dense_backend(get_recipe(recipe), preference)
 
 
 class _RunningArm:

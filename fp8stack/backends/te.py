@@ -2,7 +2,8 @@
 GroupedExperts two te.pytorch.GroupedLinear, (with fuse_norm) an RMSNorm + Linear pair of an
 fp8stack Llama block one te.pytorch.LayerNormLinear, and (with fuse_mlp) a block's ffn_norm + SwiGLU
 FeedForward one te.pytorch.LayerNormMLP. Every converted module runs its forward under
-its own te.pytorch.autocast (see te_modules.py), so the BF16 parts of the model never enter one.
+its own te.pytorch.autocast (see te_modules.py), so the BF16 parts of the model never enter one;
+a bf16 plan on te (recipe bf16, backend te) gets the same modules with that autocast off.
 
 TransformerEngine and CUDA are looked up only when asked for: importing this module needs neither.
 """
@@ -18,7 +19,7 @@ from torch import nn
 
 from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_module
 from fp8stack.plan import Decision, Plan, PlanError
-from fp8stack.plan.recipes import FP8_FORMATS
+from fp8stack.plan.recipes import BF16, FP8_FORMATS
 
 INSTALL_HINT = "pip install 'fp8stack[gpu]' on a CUDA machine"
 """The fix for a machine without TransformerEngine."""
@@ -57,8 +58,11 @@ MLP_SUFFIX = ".feed_forward"
 
 def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0):
     """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed); delayed scaling
-    leaves 2^delayed_margin headroom (TE's margin; the other recipes have none)."""
+    leaves 2^delayed_margin headroom (TE's margin; the other recipes have none). None for bf16: the module runs
+    without FP8."""
     _check_recipe_name(recipe_name)
+    if recipe_name == BF16:
+        return None
     if fp8_format not in FP8_FORMATS:
         raise PlanError(f"FP8 format {fp8_format!r} is not one TransformerEngine trains with: use "
                         f"{' or '.join(FP8_FORMATS)} (pure E5M2 training is not supported)")
@@ -109,7 +113,7 @@ class TEBackend:
             return False, reason
         import transformer_engine.pytorch as te
 
-        for recipe in recipes or ("tensorwise",):
+        for recipe in [r for r in recipes if r != BF16] or ("tensorwise",):
             _check_recipe_name(recipe)
             ok, why = getattr(te, _SUPPORT_CHECKS[recipe])(return_reason=True)
             if not ok:
@@ -238,7 +242,7 @@ def _import_problem() -> str:
 
 
 def _check_recipe_name(recipe_name: str) -> None:
-    if recipe_name not in TE_RECIPES:
+    if recipe_name != BF16 and recipe_name not in TE_RECIPES:
         raise PlanError(f"recipe {recipe_name!r} has no TransformerEngine implementation: use one of "
                         f"{', '.join(TE_RECIPES)}, or run it with --backend torchao")
 

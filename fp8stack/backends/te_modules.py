@@ -31,7 +31,8 @@ class _WeightCache:
     fp8stack.backends.te.mark_fp8_weights_stale sets True again after each optimizer step."""
 
     is_first_microbatch: bool | None = None
-    autocast_recipe: Recipe
+    autocast_recipe: Recipe | None
+    """The module's FP8 recipe; None runs it without FP8 (a bf16 plan on te)."""
     main_grad_weights: tuple[nn.Parameter, ...] = ()
     """With fuse_wgrad_accumulation: the weights whose wgrad GEMMs accumulate into their FP32 main_grad."""
 
@@ -49,7 +50,7 @@ class _WeightCache:
         if first is not None:
             kwargs["is_first_microbatch"] = first
             self.is_first_microbatch = False  # later forwards of the step reuse the copy this one makes
-        with te.autocast(enabled=True, recipe=self.autocast_recipe):
+        with te.autocast(enabled=self.autocast_recipe is not None, recipe=self.autocast_recipe):
             return run(*args, **kwargs)
 
 
@@ -77,12 +78,12 @@ class TEGroupedExperts(_WeightCache, nn.Module):
     """fp8stack GroupedExperts on two te.pytorch.GroupedLinear: fc1 E x (D -> 2F) gate and up,
     fc2 E x (F -> D) down, SwiGLU between; the same forward(x_sorted [R, D], offsets [E]) -> [R, D]."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, *, recipe: Recipe, params_dtype: torch.dtype,
+    def __init__(self, num_experts: int, dim: int, hidden: int, *, recipe: Recipe | None, params_dtype: torch.dtype,
                  device: str, name: str, fuse_wgrad_accumulation: bool = False) -> None:
         super().__init__()
         self.autocast_recipe = recipe
-        self.group_alignment = get_align_size_for_quantization(recipe)
-        """MoE pads each expert's rows to this (FP8 GEMMs need 16 rows, MXFP8 32), read by MoE.forward."""
+        self.group_alignment = get_align_size_for_quantization(recipe) if recipe is not None else 1
+        """MoE pads each expert's rows to this (FP8 GEMMs need 16 rows, MXFP8 32; BF16 none), read by MoE.forward."""
         self.fc1 = te.GroupedLinear(num_experts, dim, 2 * hidden, bias=False, params_dtype=params_dtype,
                                     device=device, name=f"{name}.fc1", fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.fc2 = te.GroupedLinear(num_experts, hidden, dim, bias=False, params_dtype=params_dtype,
@@ -112,7 +113,7 @@ class TEGroupedExperts(_WeightCache, nn.Module):
             nn.init.trunc_normal_(getattr(self.fc2, f"weight{e}"), std=init_std)
 
 
-def linear_from(linear: nn.Linear, recipe: Recipe, name: str, cache_weights: bool = False,
+def linear_from(linear: nn.Linear, recipe: Recipe | None, name: str, cache_weights: bool = False,
                 fuse_wgrad_accumulation: bool = False) -> TELinear:
     """A TELinear with `linear`'s shape, dtype, device and (bit-exact) weights; cache_weights: see _WeightCache;
     fuse_wgrad_accumulation: see _add_main_grads."""
@@ -128,7 +129,7 @@ def linear_from(linear: nn.Linear, recipe: Recipe, name: str, cache_weights: boo
     return new.train(linear.training)
 
 
-def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, name: str,
+def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe | None, name: str,
                           cache_weights: bool = False, fuse_wgrad_accumulation: bool = False) -> TELayerNormLinear:
     """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly;
     cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads."""
@@ -146,7 +147,7 @@ def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe, na
     return new.train(linear.training)
 
 
-def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe, name: str,
+def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe | None, name: str,
                        cache_weights: bool = False, fuse_wgrad_accumulation: bool = False) -> TELayerNormMLP:
     """A TELayerNormMLP computing mlp(norm(x)) for an RMSNorm `norm` and an fp8stack FeedForward `mlp`
     (w13 = [gate; up], w2(silu(gate) * up); TE's SwiGLU also gates with the first half), weights copied
@@ -167,7 +168,7 @@ def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe, name: st
     return new.train(mlp.training)
 
 
-def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str, cache_weights: bool = False,
+def grouped_experts_from(experts: nn.Module, recipe: Recipe | None, name: str, cache_weights: bool = False,
                          fuse_wgrad_accumulation: bool = False) -> TEGroupedExperts:
     """A TEGroupedExperts holding `experts`' w13 [E, 2F, D] and w2 [E, D, F] one expert per GEMM, bit-exactly;
     cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads."""
@@ -184,7 +185,7 @@ def grouped_experts_from(experts: nn.Module, recipe: Recipe, name: str, cache_we
     return new.train(experts.training)
 
 
-def _arm(module: _WeightCache, recipe: Recipe, cache_weights: bool, main_grad_weights: list[nn.Parameter],
+def _arm(module: _WeightCache, recipe: Recipe | None, cache_weights: bool, main_grad_weights: list[nn.Parameter],
          name: str) -> None:
     """Set what _WeightCache reads: the recipe, the FP8 weight cache (on when cache_weights) and the weights given
     FP32 main_grads (see _add_main_grads)."""

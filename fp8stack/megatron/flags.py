@@ -43,8 +43,9 @@ def plan_from_megatron_args(config, *, vocab_size: int, seq_len: int, fp8=_UNSET
     # The recipe file's `auto` would pick torchao for tensorwise; megatron's linears are TE.
     overrides = tuple(dataclasses.replace(o, backend="te" if o.backend == "auto" else o.backend)
                       for o in load_recipe_file("moe-only-fp8")[1]) if moe_only else ()
-    policy = PolicyConfig(
-        recipe=recipe if flags["fp8"] else BF16, fp8_format=flags["fp8"] or "hybrid", backend="te", arch=arch,
+    policy = PolicyConfig(  # without FP8, backend auto: a bf16 plan, not fp8stack's bf16-on-te baseline
+        recipe=recipe if flags["fp8"] else BF16, fp8_format=flags["fp8"] or "hybrid",
+        backend="te" if flags["fp8"] else "auto", arch=arch,
         first_last_layers_bf16=bool(flags["first_last_layers_bf16"]),
         num_layers_at_start_in_bf16=flags["num_layers_at_start_in_bf16"],
         num_layers_at_end_in_bf16=flags["num_layers_at_end_in_bf16"], small_gemm_filter="off", overrides=overrides)

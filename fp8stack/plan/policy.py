@@ -33,6 +33,10 @@ HIGH_PRECISION_REASONS = {
 }
 """Kinds that never run in FP8, whatever the recipe or overrides say."""
 
+BF16_ON_TE_REASON = ("recipe bf16 with backend te: a TransformerEngine module without FP8 (BF16 GEMMs), so a BF16 "
+                     "baseline gets TE's fused norm, MLP and weight-gradient accumulation too")
+"""Why a linear or expert GEMM of a bf16 plan runs on TE (the policy's recipe bf16 and backend te)."""
+
 
 @dataclass(frozen=True)
 class Override:
@@ -60,7 +64,8 @@ class PolicyConfig:
     """Everything the policy needs besides the model; validated on construction."""
 
     recipe: str
-    """FP8 recipe for GEMMs the rules leave in FP8, or 'bf16' for no FP8 at all."""
+    """FP8 recipe for GEMMs the rules leave in FP8, or 'bf16' for no FP8 at all (with backend te: the linears and
+    expert GEMMs as TE modules in BF16)."""
     fp8_format: str | None = None
     """e4m3, or hybrid (E4M3 forward, E5M2 gradients); None takes the recipe's library default
     (hybrid for delayed and tensorwise, e4m3 for rowwise, blockwise and mxfp8)."""
@@ -142,11 +147,13 @@ def high_precision_kinds(c: Component, cfg: PolicyConfig, model: ModelDescriptio
 
 
 def no_fp8_requested(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
-    """A bf16 recipe (and no override asking for FP8) keeps everything BF16."""
-    target = _target(c, cfg)
-    if target[1] == BF16:
-        return Decision(c, BF16, BF16, target[2] or "recipe bf16: no FP8 requested")
-    return None
+    """A bf16 recipe (and no override asking for FP8) keeps everything BF16: as it is, or (the policy's recipe
+    bf16 with backend te) on TransformerEngine modules."""
+    backend, recipe, note = _target(c, cfg)
+    if recipe != BF16:
+        return None
+    reason = note or (BF16_ON_TE_REASON if backend == "te" else "recipe bf16: no FP8 requested")
+    return Decision(c, backend, BF16, reason)
 
 
 def first_last_layers(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
@@ -225,6 +232,8 @@ def _target(c: Component, cfg: PolicyConfig) -> tuple[str, str, str]:
     recipe_name = (override.recipe if override and override.recipe else cfg.recipe)
     preference = override.backend if override and override.backend else cfg.backend
     note = f"{override.source}: {override.reason or 'override'}" if override else ""
+    if recipe_name == BF16 and cfg.recipe == BF16 and preference == "te":
+        return "te", BF16, note  # a whole-model BF16 baseline on TE modules; a bf16 override stays as it is
     if preference == BF16 or recipe_name == BF16:
         return BF16, BF16, note
     recipe = get_recipe(recipe_name)

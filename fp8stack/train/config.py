@@ -34,7 +34,7 @@ class TrainConfig:
     recipe: str = "bf16"
     """FP8 recipe (delayed, tensorwise, rowwise, rowwise_gw_hp, blockwise, mxfp8) or bf16 for none."""
     backend: str = "auto"
-    """Backend for dense linears: auto | te | torchao."""
+    """Backend for dense linears: auto | te | torchao (te with recipe bf16: TE modules without FP8)."""
     fp8_format: str | None = None
     """e4m3, or hybrid (E4M3 forward, E5M2 gradients); None takes the recipe's library default."""
     fp8_margin: int = 0

@@ -386,14 +386,43 @@ def test_fuse_mlp_matches_unfused(recipe):
         assert rel_err(got, ref) < 2 * FUSE_MLP_REL_ERR, f"layer {i} FC1 weight gradient: {rel_err(got, ref):.4f}"
 
 
+BF16_ON_TE_REL_ERR = 0.02
+"""TE's BF16 GEMMs against torch's on the same BF16 weights: both cuBLAS, the same math up to the kernel's
+summation order and TE's RMSNorm (FP32 inside, like torch's): well under 1% on the logits; FP8 lands near 5%."""
+
+
+@pytest.mark.parametrize("model_name, fuse", [("tiny", False), ("tiny", True), ("tiny-moe", False)])
+def test_a_bf16_plan_on_te_runs_te_modules_without_fp8(model_name, fuse):
+    """Recipe bf16 with backend te (the BF16 baseline on TE's kernels): every linear and expert GEMM is a TE
+    module, none runs inside an FP8 autocast, and the logits are the plain BF16 model's up to summation order."""
+    torch.manual_seed(0)
+    config = LlamaConfig.tiny() if model_name == "tiny" else LlamaConfig.tiny_moe()
+    with torch.device("cuda"):
+        base = Llama(config).to(torch.bfloat16)
+    plan = make_plan(load_description(model_name), PolicyConfig(recipe="bf16", backend="te", small_gemm_filter="off"))
+    assert plan.for_backend("te") and {d.recipe for d in plan.for_backend("te")} == {"bf16"}
+    on_te, record = TEBackend(fuse_norm=fuse, fuse_mlp=fuse).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    te_modules = [m for m in on_te.modules() if isinstance(m, TransformerEngineBaseModule)]
+    assert te_modules and set(record.converted) >= {d.fqn for d in plan.for_backend("te")}
+    fp8_seen = []
+    for module in te_modules:
+        module.register_forward_pre_hook(lambda *_: fp8_seen.append(FP8GlobalStateManager.is_fp8_enabled()))
+    tokens = torch.randint(0, 256, (4, 128), device="cuda")
+    with torch.no_grad():
+        err = rel_err(on_te(tokens), base(tokens))
+    assert fp8_seen and not any(fp8_seen), "a TE module of the bf16 plan ran inside an FP8 autocast"
+    assert err < BF16_ON_TE_REL_ERR, f"logits {err:.4f} from the plain BF16 model's"
+
+
 WGRAD_FUSION_REL_ERR = 0.02
 """Fused, each wgrad GEMM adds its FP32 result into main_grad; unfused, autograd rounds each micro-batch's weight
 gradient to BF16 (the activations' dtype) and torch adds it in FP32: a few 0.1% apart. A gradient counted twice
 (main_grad and an autograd .grad) or a lost micro-batch would be 33-100% off."""
 
 
-@pytest.mark.parametrize("model_name, recipe, fuse_mlp", [("tiny", "delayed", True), ("tiny", "tensorwise", True),
-                                                          ("tiny", "tensorwise", False), ("tiny-moe", "tensorwise", False)])
+@pytest.mark.parametrize("model_name, recipe, fuse_mlp", [
+    ("tiny", "delayed", True), ("tiny", "tensorwise", True), ("tiny", "tensorwise", False),
+    ("tiny-moe", "tensorwise", False)])
 def test_fused_wgrad_accumulation_matches_autograd(model_name, recipe, fuse_mlp):
     """With fuse_wgrad_accumulation the TE weights' .grad is their FP32 main_grad, holding over two micro-batches
     what autograd accumulates unfused; zero_grad(set_to_none=True) starts the next sum from zero (the next forward

@@ -150,6 +150,18 @@ def test_gradient_accumulation_fusion_trains_as_autograd_accumulation(compile):
     assert not any(fused.zero_fp8_weight_grads), fused.zero_fp8_weight_grads
 
 
+def test_a_bf16_run_on_te_trains_as_the_plain_bf16_run():
+    """--fp8-recipe bf16 --backend te with the TE levers (the A/B's --bf16-on-te): TE modules in BF16 with fused
+    norms, MLPs and weight-gradient accumulation train like the plain BF16 model over a few steps."""
+    settings = {**SETTINGS, "recipe": "bf16", "steps": 3, "global_batch": 4}  # SETTINGS' backend is te
+    on_te = TrainConfig(**settings, fuse_norm=True, fuse_mlp=True, gradient_accumulation_fusion=True)
+    with session(on_te) as run:
+        assert any(isinstance(m, TransformerEngineBaseModule) for m in run.model.modules())
+    te_run, plain = train(on_te), train(TrainConfig(**{**settings, "backend": "auto"}))
+    assert te_run.grad_norms == pytest.approx(plain.grad_norms, rel=0.02), (te_run.grad_norms, plain.grad_norms)
+    assert te_run.losses == pytest.approx(plain.losses, rel=1e-2), (te_run.losses, plain.losses)
+
+
 def test_delayed_scaling_updates_its_scales_inside_compiled_blocks():
     """TE modules run eagerly inside compiled blocks, so DelayedScaling updates its amaxes and scales at every
     step as in an eager run: the compiled run ends with the eager run's scales (up to the compiled glue's
