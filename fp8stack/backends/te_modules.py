@@ -43,7 +43,7 @@ class _WeightCache:
         are side effects a compiled graph would not replay; and tracing into cached FP8 weights fails
         (AttributeError on Float8Tensor._data, seen under --compile on llama-1b-like)."""
         for weight in self.main_grad_weights:
-            if weight.grad is None:  # optimizer.zero_grad(set_to_none=True) since the last forward: start anew
+            if weight.requires_grad and weight.grad is None:  # zero_grad(set_to_none=True) since: start anew
                 weight.main_grad.zero_()
                 weight.grad = weight.main_grad
         first = self.is_first_microbatch
