@@ -344,6 +344,16 @@ def test_expert_gemms_backend_and_recipe(recipe, backend, expert_backend, expert
         assert (d.backend, d.recipe) == (expert_backend, expert_recipe)
 
 
+def test_blockwise_experts_may_run_on_te_grouped_linear():
+    plan = make_plan(moe_model(), PolicyConfig(recipe="blockwise", blockwise_experts="te"))
+    d = plan.decision("layers.1.moe.experts.w13")
+    assert (d.backend, d.recipe) == ("te", "blockwise")
+    assert d.reason.endswith("via TransformerEngine GroupedLinear (blockwise_experts=te, not fp8stack's grouped "
+                             "kernels)")
+    with pytest.raises(PlanError, match="blockwise_experts='deepgemm': use grouped_fp8 or te"):
+        PolicyConfig(recipe="blockwise", blockwise_experts="deepgemm")
+
+
 def test_expert_reason_says_why_the_recipe_differs_from_the_requested_one():
     d = make_plan(moe_model(), PolicyConfig(recipe="tensorwise")).decision("layers.1.moe.experts.w13")
     assert d.reason.endswith("grouped expert GEMMs have no tensorwise kernel, so they use rowwise")

@@ -281,6 +281,20 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
         options("bf16", backend="auto")
 
 
+def test_blockwise_experts_reach_the_plan():
+    from fp8stack.train.loop import build_model, build_plan
+
+    def expert_backend(**options) -> str:
+        cfg = TrainConfig(model="tiny-moe", recipe="blockwise", device="cpu", **options)
+        plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
+        return next(d.backend for d in plan.decisions if d.component.kind == "expert")
+
+    assert expert_backend() == "grouped_fp8"  # auto on a CPU: the grouped kernels (te only on a GPU without DeepGEMM)
+    assert expert_backend(blockwise_experts="te") == "te"
+    with pytest.raises(TrainConfigError, match="unknown blockwise_experts 'x': use auto, grouped_fp8 or te"):
+        TrainConfig(blockwise_experts="x")
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     def parts(model):
         optimizer = torch.optim.AdamW(model.parameters())

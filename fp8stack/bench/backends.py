@@ -2,7 +2,7 @@
 this GPU runs, forward + backward (input and weight gradients), against BF16.
 
     python -m fp8stack.bench.backends [--shapes llama-1b-like,deepseek-v3-like-moe] [--tokens 8192]
-                                      [--iters 20] [--compile] [--out profiles]
+                                      [--iters 20] [--compile] [--out profiles] [--label L]
 
 Each variant is a one-component model converted by the backend the policy names, exactly as the
 assembly would convert it. Writes profiles/backends-<device>.json (every raw timing) and .md.
@@ -40,6 +40,7 @@ EXPERT_VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("auto", "rowwise_gw_hp", {}),
     ("te", "tensorwise", {}),
     ("te", "delayed", {}),
+    ("te", "blockwise", {}),
 )
 """(dense backend preference, recipe, expert backend options) for GroupedExperts; the preference
 decides the expert backend as in a real plan (te -> TE GroupedLinear, auto -> grouped_fp8)."""
@@ -71,7 +72,8 @@ def expert_plan(experts: int, dim: int, hidden: int, recipe: str, backend: str,
 def _plan(spec: list[dict], block: str, recipe: str, backend: str, arch: int) -> tuple[Plan, list[Decision]]:
     description = description_from_dict({"name": "bench", "seq_len": 1, "blocks": {block: spec},
                                          "layers": [{"block": block}]})
-    plan = make_plan(description, PolicyConfig(recipe=recipe, backend=backend, arch=arch, small_gemm_filter="off"))
+    plan = make_plan(description, PolicyConfig(recipe=recipe, backend=backend, arch=arch, small_gemm_filter="off",
+                                               blockwise_experts="te" if backend == "te" else "grouped_fp8"))
     backends = {d.backend for d in plan.decisions}
     if len(backends) != 1 or (recipe != BF16 and BF16 in backends):
         raise PlanError("the policy does not run this shape as asked: " + "; ".join(d.reason for d in plan.decisions))
@@ -335,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
                 + markdown_table(["shape from", "E x rows, D, F", "GEMM", "backend", "recipe", "module", "ms", "TF/s",
                                   "vs bf16"], grouped_rows))
     payload = {"settings": {**vars(args), "sm": s.arch, "rotated_inputs": ROTATE}, "dense": dense, "grouped": grouped}
-    json_path, md_path = write_evidence(f"backends-{device_slug()}", payload, markdown, args.out)
+    stem = "-".join(filter(None, ("backends", args.label, device_slug())))
+    json_path, md_path = write_evidence(stem, payload, markdown, args.out)
     print(markdown)
     print(f"evidence: {json_path}, {md_path}")
     return 0
@@ -352,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="experts one GPU holds for a model's grouped GEMMs (DeepSeek-V3's 256 over EP 8)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd bf16 and torchao linears")
     parser.add_argument("--out", default="profiles", help="folder for the evidence files")
+    parser.add_argument("--label", help="added to the evidence's name, backends-<label>-<gpu>, so a partial run "
+                                        "(e.g. --shapes '' times issue 7's expert shape alone) keeps the full one")
     return run(parser.parse_args(argv))
 
 

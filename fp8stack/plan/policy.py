@@ -11,7 +11,7 @@ from fnmatch import fnmatchcase
 from fp8stack.plan.description import Component, ModelDescription
 from fp8stack.plan.errors import PlanError
 from fp8stack.plan.plan import Decision, Plan
-from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, FP8_FORMATS,
+from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS,
                                    GROUPED_ALIGNMENT, dense_backend, expert_backend, get_recipe)
 
 SMALL_GEMM_FILTERS: dict[str, tuple[tuple[int, int], ...]] = {
@@ -81,12 +81,18 @@ class PolicyConfig:
     """Layers kept BF16 at the end when first_last_layers_bf16."""
     small_gemm_filter: str = "rowwise"
     """Which torchao size thresholds send small GEMMs to BF16: rowwise | tensorwise | off."""
+    blockwise_experts: str = "grouped_fp8"
+    """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM when installed, else torch scaled_mm per expert) or
+    te (TE GroupedLinear, Float8BlockScaling)."""
     overrides: tuple[Override, ...] = field(default=())
     """Per-block / per-fqn rules; the last matching one wins."""
 
     def __post_init__(self) -> None:
-        for name in ("recipe", "backend", "small_gemm_filter"):
+        for name in ("recipe", "backend", "small_gemm_filter", "blockwise_experts"):
             _require_name(getattr(self, name), name)
+        if self.blockwise_experts not in BLOCKWISE_EXPERT_BACKENDS:
+            raise PlanError(f"blockwise_experts={self.blockwise_experts!r}: use "
+                            f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
         if self.fp8_format is not None:
             _require_name(self.fp8_format, "fp8_format")
         if not isinstance(self.first_last_layers_bf16, bool):
@@ -200,6 +206,8 @@ def fp8(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision:
     why = f"{recipe} FP8 ({get_recipe(recipe).summary}) via {BACKEND_LABELS[backend]}"
     if c.kind == "expert" and recipe != cfg.recipe and not override_reason:
         why += f"; grouped expert GEMMs have no {cfg.recipe} kernel, so they use {recipe}"
+    if c.kind == "expert" and recipe == "blockwise" and backend == "te":
+        why += " GroupedLinear (blockwise_experts=te, not fp8stack's grouped kernels)"
     return Decision(c, backend, recipe, f"{override_reason}: {why}" if override_reason else why)
 
 
@@ -239,7 +247,7 @@ def _target(c: Component, cfg: PolicyConfig) -> tuple[str, str, str]:
     recipe = get_recipe(recipe_name)
     if c.kind == "expert":  # experts never run on the dense backend; the preference only picks TE's GroupedLinear
         dense = preference if preference in recipe.dense_backends else recipe.dense_backends[0]
-        backend, expert_recipe = expert_backend(recipe, dense)
+        backend, expert_recipe = expert_backend(recipe, dense, cfg.blockwise_experts)
         return backend, expert_recipe, note
     try:
         return dense_backend(recipe, preference), recipe.name, note

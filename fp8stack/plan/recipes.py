@@ -90,10 +90,15 @@ def dense_backend(recipe: Recipe, preference: str) -> str:
     return preference
 
 
-def expert_backend(recipe: Recipe, dense: str) -> tuple[str, str]:
+BLOCKWISE_EXPERT_BACKENDS = ("grouped_fp8", "te")
+"""Where blockwise expert GEMMs may run: fp8stack's grouped kernels (DeepGEMM, else torch scaled_mm per expert)
+or TE GroupedLinear with Float8BlockScaling."""
+
+
+def expert_backend(recipe: Recipe, dense: str, blockwise_experts: str = "grouped_fp8") -> tuple[str, str]:
     """(backend, recipe) for MoE expert GEMMs: TE GroupedLinear follows a TE dense path except for
-    blockwise, which always takes the DeepSeek-style grouped kernels."""
-    if dense == "te" and recipe.name != "blockwise":
+    blockwise, which takes `blockwise_experts` (one of BLOCKWISE_EXPERT_BACKENDS)."""
+    if dense == "te" and (recipe.name != "blockwise" or blockwise_experts == "te"):
         return "te", recipe.name
     return recipe.expert_backend, recipe.expert_recipe
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fp8stack.plan import PlanError
 from fp8stack.plan.policy import SMALL_GEMM_FILTERS
-from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES
+from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS, RECIPES
 
 PROG = "python -m fp8stack.train"
 USAGE_ERROR = 2
@@ -40,6 +40,10 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16", {"type": int, "metavar": "N"}),
     ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16", {"type": int, "metavar": "N"}),
     ("--small-gemm-filter", "small_gemm_filter", {"choices": ("auto", *SMALL_GEMM_FILTERS)}),
+    ("--blockwise-experts", "blockwise_experts", {
+        "choices": ("auto", *BLOCKWISE_EXPERT_BACKENDS),
+        "help": "blockwise expert GEMMs on fp8stack's grouped kernels or TE GroupedLinear "
+                "(auto: te on a GPU without DeepGEMM)"}),
     ("--train-iters", "steps", {"type": int, "metavar": "N", "help": "optimizer steps"}),
     ("--lr-warmup-iters", "warmup", {"type": int, "metavar": "N"}),
     ("--lr", "lr", {"type": float}),

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8stack.models import LlamaConfig
+from fp8stack.plan.recipes import BLOCKWISE_EXPERT_BACKENDS
 from fp8stack.runtime.attention import SDPA_BACKENDS
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train.data import DATA_SOURCES, DEFAULT_MAX_BYTES
@@ -49,6 +50,10 @@ class TrainConfig:
     small_gemm_filter: str = "auto"
     """rowwise | tensorwise | off; auto is off on a CPU (the filter's thresholds are H100 timings and
     the CPU run exists to exercise FP8 numerics) and the policy's default on a GPU."""
+    blockwise_experts: str = "auto"
+    """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM, else torch scaled_mm per expert), te (TE
+    GroupedLinear), or auto: te on a GPU where DeepGEMM cannot be loaded (torch's per-expert fallback is slower
+    than BF16 at issue 7's shape, profiles/backends-h200.md), else grouped_fp8."""
     steps: int = 40
     """Optimizer steps."""
     warmup: int = 4
@@ -156,6 +161,9 @@ class TrainConfig:
             raise TrainConfigError("gradient_accumulation_fusion on the plain model keeps FP32 main_grad buffers that "
                                    "neither FSDP nor tensor parallelism reduce: drop --fsdp-one-rank and "
                                    "--tensor-model-parallel-size, or use --model-impl megatron")
+        if self.blockwise_experts not in ("auto", *BLOCKWISE_EXPERT_BACKENDS):
+            raise TrainConfigError(f"unknown blockwise_experts {self.blockwise_experts!r}: use auto, "
+                                   f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise TrainConfigError(f"unknown sdpa_backend {self.sdpa_backend!r}: use {', '.join(SDPA_BACKENDS)}")
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.tensorboard import SummaryWriter
 
+from fp8stack.backends import deepgemm
 from fp8stack.backends.te import import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan, PolicyConfig, make_plan
@@ -72,7 +73,9 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
     else:
         arch = CPU_ARCH
     options = {"small_gemm_filter": ("off" if not on_gpu else None) if cfg.small_gemm_filter == "auto"
-               else cfg.small_gemm_filter}
+               else cfg.small_gemm_filter,
+               "blockwise_experts": cfg.blockwise_experts if cfg.blockwise_experts != "auto" else (
+                   "te" if on_gpu and deepgemm.load()[0] is None else "grouped_fp8")}
     policy = PolicyConfig(recipe=cfg.recipe, fp8_format=cfg.fp8_format, backend=cfg.backend, arch=arch,
                           first_last_layers_bf16=cfg.first_last_layers_bf16,
                           num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,

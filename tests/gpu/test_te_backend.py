@@ -52,11 +52,9 @@ FUSE_NORM_REL_ERR = 0.05
 differ by one step, so the tiny Llama's logits differ by ~1%, not more."""
 
 
-def _recipe_formats(skip_te_recipes: tuple[str, ...] = ()) -> list:
+def _recipe_formats() -> list:
     params = []
     for recipe in TE_RECIPES:
-        if recipe in skip_te_recipes:
-            continue
         ok, why = TEBackend().available([recipe])
         for fp8_format in FP8_FORMATS:
             params.append(pytest.param(recipe, fp8_format, id=f"{recipe}-{fp8_format}",
@@ -65,8 +63,6 @@ def _recipe_formats(skip_te_recipes: tuple[str, ...] = ()) -> list:
 
 
 RECIPE_FORMATS = _recipe_formats()
-EXPERT_RECIPE_FORMATS = _recipe_formats(skip_te_recipes=("blockwise",))
-"""The policy sends blockwise experts to grouped_fp8, never to te."""
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +87,7 @@ def one_block(*components: dict):
 
 def policy(recipe: str, fp8_format: str) -> PolicyConfig:
     return PolicyConfig(recipe=recipe, fp8_format=fp8_format, backend="te", small_gemm_filter="off",
-                        arch=100 if recipe == "mxfp8" else 90)
+                        arch=100 if recipe == "mxfp8" else 90, blockwise_experts="te")
 
 
 def convert(model: nn.Module, description, recipe: str, fp8_format: str, **options):
@@ -176,7 +172,7 @@ def test_linear_matches_reference(recipe, fp8_format, in_features, out_features)
     ])
 
 
-@pytest.mark.parametrize("recipe, fp8_format", EXPERT_RECIPE_FORMATS)
+@pytest.mark.parametrize("recipe, fp8_format", RECIPE_FORMATS)  # blockwise too: policy() has blockwise_experts=te
 def test_grouped_experts_match_bf16(recipe, fp8_format):
     num_experts, dim, hidden = 4, 512, 256
     torch.manual_seed(0)
