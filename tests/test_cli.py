@@ -258,6 +258,9 @@ def test_deepseek_moe_blockwise_plan(capsys, monkeypatch):
             assert (layer["backend"], layer["recipe"]) == ("bf16", "bf16"), layer["fqn"]
         if layer["kind"] == "expert":
             assert (layer["backend"], layer["recipe"]) == ("grouped_fp8", "blockwise"), layer["fqn"]
+    on_te = _json_plan(capsys, "--model", DEEPSEEK, "--fp8-recipe", "blockwise", "--arch", "sm90",
+                       "--blockwise-experts", "te")
+    assert {(x["backend"], x["recipe"]) for x in on_te["layers"] if x["kind"] == "expert"} == {("te", "blockwise")}
 
 
 # --- as a separate process ----------------------------------------------------------------------------
