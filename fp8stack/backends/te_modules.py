@@ -28,7 +28,8 @@ class _WeightCache:
     """Mixin: runs TE code under this module's FP8 autocast, with TE's is_first_microbatch driven as megatron's
     training loop drives it. None: the weights are cast to FP8 at every forward. True: the next forward casts
     them and keeps the FP8 copy; False: forwards reuse that copy (the weights have not changed since).
-    fp8stack.backends.te.mark_fp8_weights_stale sets True again after each optimizer step."""
+    fp8stack.backends.te.mark_fp8_weights_stale sets True again after each optimizer step. With
+    fuse_wgrad_accumulation it also keeps each weight's FP32 main_grad as its .grad (see _add_main_grads)."""
 
     is_first_microbatch: bool | None = None
     autocast_recipe: Recipe | None
