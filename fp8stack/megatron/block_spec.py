@@ -126,7 +126,7 @@ def _replace_leaf(node, path: list[str], swap, name: str):
 
 def _megatron_recipe(d) -> str | None:
     """The recipe megatron runs a decision with (None: BF16), or PlanError for backends it does not have."""
-    if BF16 in (d.backend, d.recipe):  # a bf16 plan on te is what megatron's TE spec builds without FP8
+    if d.recipe == BF16:  # on bf16 or te (a bf16 plan on te): what megatron's TE spec builds without FP8
         return None
     if d.backend == "te" or (d.backend == "grouped_fp8" and d.component.kind == "expert"):
         if d.recipe not in MEGATRON_RECIPES:

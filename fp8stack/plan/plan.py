@@ -26,8 +26,8 @@ class Decision:
 
     @property
     def precision(self) -> str:
-        """'fp8' or 'bf16' (the GEMM's input precision; a bf16 plan may run on TE modules without FP8)."""
-        return BF16 if BF16 in (self.backend, self.recipe) else "fp8"
+        """'fp8' or 'bf16' (the GEMM's input precision: its recipe's, whichever backend runs it)."""
+        return BF16 if self.recipe == BF16 else "fp8"
 
     def as_dict(self) -> dict:
         c = self.component
