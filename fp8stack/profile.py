@@ -178,11 +178,13 @@ def _is_annotation(event) -> bool:
 
 
 def measured_gain(ab_path: Path, recipe: str) -> float | None:
-    """tokens/s of `recipe`'s arm over the bf16 arm in an `fp8stack ab` JSON; None when absent."""
+    """tokens/s of `recipe`'s arm over the reference bf16 arm in an `fp8stack ab` JSON; None when absent."""
     if not ab_path.is_file():
         return None
-    arms = {arm["recipe"]: arm for arm in json.loads(ab_path.read_text()).get("arms", [])}
-    base, arm = arms.get(BF16, {}).get("tokens_per_s"), arms.get(recipe, {}).get("tokens_per_s")
+    arms = json.loads(ab_path.read_text()).get("arms", [])
+    reference = next((arm for arm in arms if arm.get("verdict") == "baseline"), {})
+    base = reference.get("tokens_per_s")
+    arm = next((arm for arm in arms if arm["recipe"] == recipe), {}).get("tokens_per_s")
     return arm / base if base and arm else None
 
 

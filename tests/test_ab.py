@@ -11,8 +11,8 @@ import pytest
 
 from fp8stack.ab import add_ab_parser, final_loss, main, run_ab, speed_levers
 from fp8stack.ab.plot import relative_gap
-from fp8stack.ab.verdicts import (REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge, loss_unresolved,
-                                  peak_tflops, repeat_arms, verdict)
+from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
+                                  loss_unresolved, peak_tflops, repeat_arms, verdict)
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
@@ -115,6 +115,52 @@ def test_judge_without_a_baseline_ships_nothing():
     arms, _ = judge({"bf16": "out of memory", "tensorwise": _result(50.0, 2.0, 0.8)},
                      {"bf16": "bf16", "tensorwise": "torchao"}, tolerance=0.0025, peaks=None)
     assert [a.verdict for a in arms] == ["error", "rollback"]
+
+
+def test_judge_takes_the_faster_bf16_configuration_as_the_reference():
+    """--fastest-bf16: the FP8 arms are judged against whichever BF16 configuration ran faster; the other is
+    reported beside it, and a failed one leaves the other as the reference."""
+    backends = {"bf16": "bf16", BF16_ON_TE_ARM: "te", "delayed": "te"}
+    results = {"bf16": _result(100.0, 2.0, 0.0), BF16_ON_TE_ARM: _result(95.0, 2.004, 0.0),
+               "delayed": _result(76.0, 2.004, 0.8)}
+    plain, on_te, delayed = judge(results, backends, tolerance=0.0025, peaks=None)[0]
+    assert (on_te.verdict, on_te.rel_loss_gap, on_te.reason) == (
+        "baseline", 0.0, "the reference arm, the fastest BF16 configuration")
+    assert plain.verdict == "alternative" and plain.reason == (
+        "a BF16 configuration; bf16 on te, 5.3% faster, is the reference")
+    assert plain.rel_loss_gap == pytest.approx(2.0 / 2.004 - 1)
+    assert delayed.verdict == "ship" and delayed.rel_loss_gap == pytest.approx(0.0)
+    assert delayed.reason.startswith("+25.0% faster than bf16 on te (noise")
+    failed = {**results, BF16_ON_TE_ARM: "TransformerEngine needs CUDA"}
+    plain, on_te, delayed = judge(failed, backends, tolerance=0.0025, peaks=None)[0]
+    assert (plain.verdict, on_te.verdict) == ("baseline", "alternative")
+    assert on_te.reason == "failed: TransformerEngine needs CUDA; bf16 is the reference"
+    assert delayed.rel_loss_gap == pytest.approx(0.002) and "faster than bf16 (noise" in delayed.reason
+    neither = {**failed, "bf16": "out of memory"}
+    assert [a.verdict for a in judge(neither, backends, tolerance=0.0025, peaks=None)[0]] == [
+        "error", "error", "rollback"]
+
+
+def test_fastest_bf16_runs_both_configurations_on_cpu(tmp_path, capsys):
+    """The 'bf16 on te' arm is the bf16 plan on TE modules: on a CPU it fails (TE needs CUDA) and the plain bf16
+    run stays the reference; it is refused where it cannot pick a reference or repeats another option."""
+    common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "3", "--micro-batch", "2", "--seq-len", "64",
+              "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert main([*common, "--fastest-bf16"]) == 2
+    assert "add --no-repeat-baseline (a speed A/B)" in capsys.readouterr().err
+    assert main([*common, "--fastest-bf16", "--bf16-on-te", "--no-repeat-baseline"]) == 2
+    assert "--bf16-on-te, which is one of them, is redundant" in capsys.readouterr().err
+    assert main([*common, "--fastest-bf16", "--no-repeat-baseline", "--model-impl", "megatron"]) == 2
+    assert "megatron's BF16 run is on TE already" in capsys.readouterr().err
+    assert main([*common, "--fastest-bf16", "--no-repeat-baseline"]) == 0
+    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    assert [(a["recipe"], a["backend"], a["verdict"]) for a in record["arms"]][:2] == [
+        ("bf16", "bf16", "baseline"), (BF16_ON_TE_ARM, "te", "alternative")]
+    assert record["arms"][0]["reason"] == "the reference arm"
+    assert "TransformerEngine" in record["arms"][1]["reason"], record["arms"][1]["reason"]
+    assert record["arms"][2]["rel_loss_gap"] is not None and "than bf16 " in record["arms"][2]["reason"]
+    assert record["train_config"]["fastest_bf16"] is True
+    assert "plain and on TE modules; the faster is the reference" in (tmp_path / "ab-tiny-cpu.md").read_text()
 
 
 def test_second_bf16_run_sets_the_noise():

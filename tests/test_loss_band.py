@@ -44,3 +44,15 @@ def test_runs_of_another_setting_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is of another setting" in err and "global_batch, micro_batch, seq_len differ" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_band_of_the_committed_2000_step_runs_names_fused_accumulation(tmp_path):
+    """The two 2000-step A/Bs at 4 x 4096, LR 1e-4 (each a bf16 run and its repeat): four BF16 runs; the delayed
+    runs differ by fused weight-gradient accumulation, which their names say."""
+    files = [PROFILES / f"ab-llama-1b-like-loss-2000steps{suffix}-h200.json" for suffix in ("", "-wgradfusion")]
+    assert main(["--label", "2000steps", "--out-dir", str(tmp_path), *map(str, files)]) == 0
+    record = json.loads((tmp_path / "loss-band-llama-1b-like-2000steps-h200.json").read_text())
+    assert record["bf16_band"]["runs"] == 4
+    assert [r["run"] for r in record["fp8_runs"]] == [
+        "delayed (recipe default format, margin 0)",
+        "delayed (recipe default format, margin 0, fused wgrad accumulation)"]

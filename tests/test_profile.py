@@ -73,8 +73,10 @@ def test_amdahl_bound():
     assert amdahl_bound(0.6, 0.5, 2.0) == pytest.approx(1 / (1 - 0.3 + 0.15))
 
 
-def _ab_json(path, arms):
-    path.write_text(json.dumps({"arms": [{"recipe": r, "tokens_per_s": t} for r, t in arms.items()]}))
+def _ab_json(path, arms, reference="bf16"):
+    """An A/B evidence file's arms: tokens/s by arm, `reference` the baseline's verdict."""
+    path.write_text(json.dumps({"arms": [{"recipe": r, "tokens_per_s": t, "verdict": "baseline" if r == reference
+                                          else "ship"} for r, t in arms.items()]}))
 
 
 def test_measured_gain_reads_the_ab_evidence(tmp_path):
@@ -84,6 +86,8 @@ def test_measured_gain_reads_the_ab_evidence(tmp_path):
     assert measured_gain(ab, "tensorwise") == pytest.approx(1.25)
     assert measured_gain(ab, "rowwise") is None  # the arm failed
     assert measured_gain(ab, "blockwise") is None  # not an arm
+    _ab_json(ab, {"bf16": 1000.0, "bf16 on te": 1100.0, "tensorwise": 1375.0}, reference="bf16 on te")
+    assert measured_gain(ab, "tensorwise") == pytest.approx(1.25)  # over the reference, the fastest BF16 arm
 
 
 def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):

@@ -31,16 +31,17 @@ def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path |
     except ImportError:
         print(f"matplotlib is not installed: skipping {path} (pip install matplotlib for the plot)")
         return None
-    colours = {"baseline": "tab:gray", "ship": "tab:green", "rollback": "tab:red", "inconclusive": "tab:orange",
-               "error": "black"}
+    colours = {"baseline": "tab:gray", "alternative": "silver", "ship": "tab:green", "rollback": "tab:red",
+               "inconclusive": "tab:orange", "error": "black"}
     ran = [a for a in arms if a.loss_curve]
-    base = arms[0].loss_curve
+    reference = next((a for a in arms if a.verdict == "baseline"), arms[0])
+    base = reference.loss_curve
     window = max(1, len(base or []) // SMOOTHING_WINDOWS)
     fig, (losses, gaps, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
     for index, arm in enumerate(ran):
         steps, line = range(1, len(arm.loss_curve) + 1), {"label": arm.recipe, "color": f"C{index}", "linewidth": 1.2}
         losses.plot(steps, arm.loss_curve, **line)
-        if base and arm is not arms[0]:
+        if base and arm is not reference:
             gaps.plot(steps, relative_gap(arm.loss_curve, base, window), **line)
     for repeat in (r for r in repeats if base and r.get("loss_curve")):
         curve = repeat["loss_curve"]
@@ -50,7 +51,8 @@ def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path |
     losses.legend()
     gaps.axhline(0, color="tab:gray", linewidth=0.8)
     smoothing = f", mean of {window} steps" if window > 1 else ""
-    gaps.set(xlabel="step", ylabel="% vs bf16", title=f"loss relative to bf16 (same batches{smoothing})")
+    gaps.set(xlabel="step", ylabel=f"% vs {reference.recipe}",
+             title=f"loss relative to {reference.recipe} (same batches{smoothing})")
     if gaps.get_lines()[1:]:  # beyond the zero line
         gaps.legend()
     speed.bar([a.recipe for a in ran], [a.tokens_per_s for a in ran], color=[colours[a.verdict] for a in ran])

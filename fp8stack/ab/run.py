@@ -21,8 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fp8stack.ab.plot import plot
-from fp8stack.ab.verdicts import (CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD,
-                                  NOISE_METHOD_SINGLE, Arm, judge, peak_tflops, repeat_arms, repeat_note)
+from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES,
+                                  NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES, dense_backend, get_recipe
 
@@ -75,17 +75,18 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                              "factory, TE linears (default: torch)")
 
 
-def speed_levers(args: argparse.Namespace, recipe: str) -> dict:
+def speed_levers(args: argparse.Namespace, recipe: str, bf16_on_te: bool | None = None) -> dict:
     """TrainConfig fields of add_speed_levers' options and --backend for a run of `recipe`: the bf16 run is the
-    plain model (TE modules without FP8 with --bf16-on-te), TE levers go to the runs with TE layers, FP8-only levers
-    to the FP8 runs, the delayed-scaling margin to delayed runs."""
-    if args.bf16_on_te and args.model_impl == "megatron":
+    plain model (TE modules without FP8 with --bf16-on-te, or where `bf16_on_te` says so), TE levers go to the runs
+    with TE layers, FP8-only levers to the FP8 runs, the delayed-scaling margin to delayed runs."""
+    bf16_on_te = args.bf16_on_te if bf16_on_te is None else bf16_on_te
+    if bf16_on_te and args.model_impl == "megatron":
         from fp8stack.train.config import TrainConfigError  # torch is imported only once the options are read
 
-        raise TrainConfigError("--bf16-on-te puts the plain model's BF16 linears on TE; megatron's BF16 run is on "
-                               "TE already: drop --bf16-on-te")
-    on_te = recipe != BF16 or args.bf16_on_te
-    return {"backend": args.backend if recipe != BF16 else ("te" if args.bf16_on_te else "auto"),
+        raise TrainConfigError("--bf16-on-te and --fastest-bf16 put the plain model's BF16 linears on TE; megatron's "
+                               "BF16 run is on TE already: drop them")
+    on_te = recipe != BF16 or bf16_on_te
+    return {"backend": args.backend if recipe != BF16 else ("te" if bf16_on_te else "auto"),
             "sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and on_te,
             "fp8_margin": args.fp8_margin if recipe == "delayed" else 0,
             "fuse_mlp": args.fuse_mlp and on_te,
@@ -123,6 +124,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-tolerance", type=float,
                         help=f"largest relative final-loss gap that ships (default: {GPU_LOSS_TOLERANCE} on a GPU, "
                              f"{CPU_LOSS_TOLERANCE} on a CPU)")
+    parser.add_argument("--fastest-bf16", action="store_true",
+                        help="run two BF16 configurations, the plain model and the --bf16-on-te one (arm 'bf16 on "
+                             "te'), and judge the FP8 arms against the faster: the fastest BF16 baseline in one A/B "
+                             "(plain path; with --no-repeat-baseline)")
     parser.add_argument("--baseline-runs", type=int, default=2, metavar="N",
                         help="bf16 runs: the first, and N-1 repeats after the FP8 arms; a loss gap is judged only "
                              "while their final losses span at most the tolerance (default: 2)")
@@ -144,7 +149,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_ab(args: argparse.Namespace) -> int:
-    """Run every arm, judge them, write and print the evidence. 0 when the bf16 arm ran, else 1."""
+    """Run every arm, judge them, write and print the evidence. 0 when a bf16 arm ran, else 1."""
     import torch  # after argument parsing: --help stays fast
 
     from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
@@ -170,15 +175,26 @@ def run_ab(args: argparse.Namespace) -> int:
         if args.gpus and args.nproc > 1:
             raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
                                    "use one of them")
+        if args.fastest_bf16 and (args.bf16_on_te or args.baseline_runs > 1):
+            raise TrainConfigError(
+                "--fastest-bf16 runs both BF16 configurations once and picks the faster as the reference, so "
+                + ("--bf16-on-te, which is one of them, is redundant: drop it" if args.bf16_on_te else
+                   "it cannot repeat the reference before knowing which it is: add --no-repeat-baseline (a speed "
+                   "A/B), and run a loss A/B with the configuration it picked (--bf16-on-te when 'bf16 on te' won)"))
         recipes = _recipes(args.recipes)
-        configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
-                               log_interval=max(1, args.steps // 4)) for recipe in recipes]
+        arms = [(BF16, BF16), *([(BF16_ON_TE_ARM, BF16)] if args.fastest_bf16 else []),
+                *((recipe, recipe) for recipe in recipes[1:])]
+        configs = {name: TrainConfig(**overrides, recipe=recipe,
+                                     **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
+                                     log_interval=max(1, args.steps // 4)) for name, recipe in arms}
+        first = configs[BF16]
         train_config = json.loads(json.dumps({  # as the evidence holds it (JSON types), to compare with earlier files
-            **{k: v for k, v in asdict(configs[0]).items() if k != "recipe"},
+            **{k: v for k, v in asdict(first).items() if k != "recipe"},
             "backend": args.backend,  # the FP8 arms'
             "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only (and --bf16-on-te's bf16)
             "gradient_accumulation_fusion": args.gradient_accumulation_fusion,  # plain path: arms with TE layers
             **({"bf16_on_te": True} if args.bf16_on_te else {}),
+            **({"fastest_bf16": True} if args.fastest_bf16 else {}),
             "compress_activations": args.compress_activations,  # FP8 arms only
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
@@ -186,24 +202,24 @@ def run_ab(args: argparse.Namespace) -> int:
     except (ValueError, PlanError) as err:  # TrainConfigError is a ValueError
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    sequences = configs[0].global_batch or configs[0].micro_batch * args.nproc
-    split_bytes = load_split("train", configs[0].max_data_bytes, source=configs[0].data_source).numel()
-    passes = args.steps * sequences * model_config(configs[0]).seq_len / split_bytes
+    sequences = first.global_batch or first.micro_batch * args.nproc
+    split_bytes = load_split("train", first.max_data_bytes, source=first.data_source).numel()
+    passes = args.steps * sequences * model_config(first).seq_len / split_bytes
     impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
     stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
     repeat_names = repeat_arms(args.baseline_runs)
-    results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in recipes}
+    results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in configs}
     repeats: dict[str, dict | str] = {name: runs[name] for name in repeat_names if name in runs}
     backends: dict[str, str | PlanError] = {}
-    for cfg in configs:
+    for name, cfg in configs.items():
         try:
-            backends[cfg.recipe] = _planned_backend(cfg.recipe, cfg.backend)
+            backends[name] = _planned_backend(cfg.recipe, cfg.backend)
         except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
-            backends[cfg.recipe] = err
+            backends[name] = err
 
     def pending() -> list[str]:
         """The arms still to run, in order (the bf16 repeats only once the first bf16 run worked)."""
-        todo = [cfg.recipe for cfg in configs if cfg.recipe not in results]
+        todo = [name for name in configs if name not in results]
         if isinstance(results.get(BF16, {}), dict):
             todo += [name for name in repeat_names if name not in repeats]
         return todo
@@ -212,7 +228,7 @@ def run_ab(args: argparse.Namespace) -> int:
         """Judge the arms run so far and write the evidence: after every arm, so a run killed later (a
         call's time limit) keeps what it measured, marked partial until nothing is pending."""
         todo = pending()
-        named = {recipe: args.backend if isinstance(b, PlanError) else b for recipe, b in backends.items()}
+        named = {name: args.backend if isinstance(b, PlanError) else b for name, b in backends.items()}
         arms, repeat_records = judge(results, named, tolerance, peaks, repeats, passes)
         dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
         payload = {
@@ -237,10 +253,12 @@ def run_ab(args: argparse.Namespace) -> int:
         }
         table = _table(arms)
         side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
-        on_te = ", on TE modules" if args.bf16_on_te else ""
+        bf16_arms = ("the bf16 arms are the plan without FP8, plain and on TE modules; the faster is the reference"
+                     if args.fastest_bf16 else
+                     f"the bf16 arm is the plan without FP8{', on TE modules' if args.bf16_on_te else ''}")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
-                 f"per optimizer step in micro-batches of {configs[0].micro_batch}; activations in {dtype} (the "
-                 f"bf16 arm is the plan without FP8{on_te}). Noise: {payload['noise_method']}"
+                 f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
+                 f"({bf16_arms}). Noise: {payload['noise_method']}"
                  f"{repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
@@ -257,19 +275,20 @@ def run_ab(args: argparse.Namespace) -> int:
         return arms, repeat_records, table, markdown, json_path, md_path
 
     slots = args.gpus or [None]
-    jobs = [(cfg.recipe, cfg) for cfg in configs] + [(name, configs[0]) for name in repeat_names]
-    jobs = [(name, cfg) for name, cfg in jobs if name in pending()]  # not those an earlier call ran
+    jobs = [(name, name) for name in configs] + [(name, BF16) for name in repeat_names]  # (run, arm it runs)
+    jobs = [job for job in jobs if job[0] in pending()]  # not those an earlier call ran
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
         # In waves of one run per slot; the bf16 repeats take the last wave's free GPUs when there are some.
         for wave in itertools.batched(enumerate(jobs, 1), len(slots)):
             outcomes: dict[str, _RunningArm | str] = {}
-            for (index, (name, cfg)), gpu in zip(wave, slots):
+            for (index, (name, arm)), gpu in zip(wave, slots):
                 if name in repeat_names and name not in pending():
                     continue  # the first bf16 run failed: nothing to repeat
+                cfg = configs[arm]
                 print(f"[{index}/{len(jobs)}] {cfg.model} {name} ({cfg.steps} steps, fresh process"
                       + (f", GPU {gpu})" if gpu else ")"), flush=True)
-                if isinstance(backends[cfg.recipe], PlanError):
-                    outcomes[name] = " ".join(str(backends[cfg.recipe]).split())
+                if isinstance(backends[arm], PlanError):
+                    outcomes[name] = " ".join(str(backends[arm]).split())
                     print(f"    skipped: {outcomes[name]}", flush=True)
                 else:
                     outcomes[name] = _RunningArm(cfg, Path(scratch), args.nproc, gpu, name)
@@ -286,7 +305,7 @@ def run_ab(args: argparse.Namespace) -> int:
     png = plot(arms, repeat_records, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
-    return 0 if arms[0].verdict == "baseline" else 1
+    return 0 if any(arm.verdict == "baseline" for arm in arms) else 1
 
 
 def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int

@@ -11,7 +11,8 @@ largest of the bf16 runs' step-time differences and each compared arm's step-tim
 (interquartile range / median); a ship verdict judged against a single bf16 run says that the loss
 spread between runs went unmeasured. A machine whose speed changes during the A/B (other work, clocks,
 heat) widens the noise and so cannot make an arm look faster. Final loss is the mean over the last 10%
-of steps.
+of steps. With two BF16 configurations (--fastest-bf16: plain, and on TE modules) the faster one is the
+reference every FP8 arm is judged against, as the fastest BF16 configuration of a model is the fair baseline.
 """
 
 import statistics
@@ -35,6 +36,10 @@ LAST_FRACTION = 0.10
 """Final loss = mean over this share of the last steps (at least one)."""
 REPEAT_ARM = "bf16 (repeat)"
 """The second bf16 run, as a partial evidence file lists it among the pending arms (then 'bf16 (repeat 2)', ...)."""
+BF16_ON_TE_ARM = "bf16 on te"
+"""The second BF16 configuration of --fastest-bf16: the bf16 plan on TE modules without FP8."""
+BF16_ARMS = (BF16, BF16_ON_TE_ARM)
+"""The arms that are BF16 configurations, candidates for the reference."""
 SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
                      "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
 """Added to a ship verdict judged against a single bf16 run."""
@@ -55,7 +60,7 @@ class Arm:
     """One recipe's run, as the JSON reports it (None where the arm did not run or the device has no value)."""
 
     recipe: str
-    """Plan recipe; bf16 is the baseline without FP8."""
+    """Plan recipe; bf16 is the plan without FP8, 'bf16 on te' the same on TE modules (--fastest-bf16)."""
     backend: str
     """FP8 backend(s) the plan used ('torchao', 'te', 'torchao+grouped_fp8'), bf16 for the baseline."""
     step_ms: float | None = None
@@ -75,8 +80,8 @@ class Arm:
     noise: float | None = None
     """Step-time interquartile range / median of this arm."""
     verdict: str = "rollback"
-    """baseline | ship | rollback | inconclusive (the loss cannot resolve the tolerance: loss_unresolved) | error
-    (the baseline failed)."""
+    """baseline (the reference) | ship | rollback | inconclusive (the loss cannot resolve the tolerance:
+    loss_unresolved) | error (no BF16 configuration ran) | alternative (a slower or failed BF16 configuration)."""
     reason: str = ""
     """Why, with the numbers."""
     val_loss: float | None = None
@@ -114,20 +119,21 @@ def final_loss(losses: list[float]) -> float:
 
 
 def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolerance: float,
-            unresolved: str = "") -> tuple[str, str]:
-    """('ship' | 'rollback' | 'inconclusive', reason): ship only if faster than bf16 by more than `noise`
-    (relative) and the relative loss gap is within `tolerance` either way (an arm far below bf16 computes
-    something else too). A faster arm is inconclusive when `unresolved` says why the loss cannot be judged."""
+            unresolved: str = "", reference: str = BF16) -> tuple[str, str]:
+    """('ship' | 'rollback' | 'inconclusive', reason): ship only if faster than the `reference` BF16 arm by
+    more than `noise` (relative) and the relative loss gap is within `tolerance` either way (an arm far below
+    bf16 computes something else too). A faster arm is inconclusive when `unresolved` says why the loss cannot
+    be judged."""
     speedup = base_ms / arm_ms - 1.0
     if speedup <= noise:
-        speed = f"not faster than bf16 by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})"
+        speed = f"not faster than {reference} by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})"
     else:
-        speed = f"{speedup:+.1%} faster than bf16 (noise {noise:.1%})"
+        speed = f"{speedup:+.1%} faster than {reference} (noise {noise:.1%})"
     if speedup > noise and unresolved:
         return "inconclusive", f"{speed}; loss not compared: {unresolved}"
     problems = [] if speedup > noise else [speed]
     if abs(loss_gap) > tolerance:
-        problems.append(f"loss {loss_gap:+.2%} vs bf16 is outside the +-{tolerance:.2%} tolerance")
+        problems.append(f"loss {loss_gap:+.2%} vs {reference} is outside the +-{tolerance:.2%} tolerance")
     if problems:
         return "rollback", "; ".join(problems)
     return "ship", f"{speed}, loss {loss_gap:+.2%} within +-{tolerance:.2%}"
@@ -141,16 +147,30 @@ def repeat_arms(baseline_runs: int) -> list[str]:
 def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
           repeats: dict[str, dict | str] | None = None, passes: float = 0.0) -> tuple[list[Arm], list[dict]]:
     """The arms with their measurements and verdicts, and what each repeated bf16 run (`repeats`, by name)
-    measured. results[bf16] is the baseline; a str in place of a result is the error a run hit.
+    measured. The baseline is the faster of the BF16 configurations that ran (BF16_ARMS; bf16 alone unless
+    --fastest-bf16); a str in place of a result is the error a run hit.
     `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
-    arms = [_measure(recipe, result, backends[recipe], peaks) for recipe, result in results.items()]
-    baseline = arms[0]
-    if isinstance(results[BF16], str):
-        baseline.verdict, baseline.reason = "error", f"bf16 baseline failed: {results[BF16]}"
-        for arm in arms[1:]:
-            arm.verdict, arm.reason = "rollback", "no bf16 baseline to compare with"
+    arms = [_measure(name, result, backends[name], peaks) for name, result in results.items()]
+    configurations = [arm for arm in arms if arm.recipe in BF16_ARMS]
+    ran = [arm for arm in configurations if isinstance(results[arm.recipe], dict)]
+    if not ran:
+        for arm in arms:
+            arm.verdict, arm.reason = ("error", f"bf16 baseline failed: {results[arm.recipe]}") if (
+                arm.recipe in BF16_ARMS) else ("rollback", "no bf16 baseline to compare with")
         return arms, []
-    baseline.verdict, baseline.reason, baseline.rel_loss_gap = "baseline", "the reference arm", 0.0
+    baseline = min(ran, key=lambda arm: arm.step_ms)
+    baseline.verdict, baseline.rel_loss_gap = "baseline", 0.0
+    baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if len(ran) > 1 else "")
+    for other in configurations:
+        if other is baseline:
+            continue
+        other.verdict = "alternative"
+        if isinstance(results[other.recipe], str):
+            other.reason = f"failed: {results[other.recipe]}; {baseline.recipe} is the reference"
+            continue
+        other.rel_loss_gap = other.final_loss / baseline.final_loss - 1.0
+        other.reason = (f"a BF16 configuration; {baseline.recipe}, {other.step_ms / baseline.step_ms - 1:.1%} faster, "
+                        "is the reference")
     records = []
     for name, repeat in (repeats or {}).items():
         if isinstance(repeat, str):
@@ -164,13 +184,16 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
     measured = [r for r in records if "error" not in r]
     run_to_run = max((r["run_to_run_noise"] for r in measured), default=0.0)
     unresolved = loss_unresolved(passes, [r["rel_loss_gap"] for r in measured], tolerance)
-    for arm, result in zip(arms[1:], list(results.values())[1:]):
+    for arm, result in zip(arms, results.values()):
+        if arm.recipe in BF16_ARMS:
+            continue
         if isinstance(result, str):
             arm.verdict, arm.reason = "rollback", f"failed: {result}"
             continue
         noise = max(run_to_run, baseline.noise, arm.noise)
         arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
-        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, unresolved)
+        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, unresolved,
+                                          baseline.recipe)
         if arm.verdict == "ship" and not measured:
             arm.reason += f"; {SINGLE_RUN_CAVEAT}"
         if arm.verdict == "inconclusive" and measured:

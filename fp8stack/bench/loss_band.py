@@ -17,9 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp8stack.ab.verdicts import REPEAT_ARM
+from fp8stack.ab.verdicts import BF16_ARMS, REPEAT_ARM
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
-from fp8stack.plan.recipes import BF16
 
 SHARED_SETTINGS = ("model", "model_impl", "steps", "warmup", "lr", "min_lr", "weight_decay", "grad_clip", "micro_batch",
                    "global_batch", "seq_len", "seed", "dtype", "compile", "sdpa_backend", "max_data_bytes",
@@ -45,14 +44,15 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
             raise ValueError(f"{path} is of another setting than {paths[0]} ({', '.join(differ)} differ): "
                              "a band compares runs of one setting only")
         fp8_format, margin = config.get("fp8_format") or "recipe default format", config.get("fp8_margin") or 0
+        fused = ", fused wgrad accumulation" if config.get("gradient_accumulation_fusion") else ""
         for arm in record["arms"]:
             if arm["final_loss"] is None:
                 continue
             run = {"file": Path(path).name, "final_loss": arm["final_loss"]}
-            if arm["recipe"] == BF16:
-                bf16_runs.append({**run, "run": BF16})
+            if arm["recipe"] in BF16_ARMS:
+                bf16_runs.append({**run, "run": arm["recipe"]})
             else:
-                options = f"{fp8_format}, margin {margin}" if arm["recipe"] == "delayed" else fp8_format
+                options = (f"{fp8_format}, margin {margin}" if arm["recipe"] == "delayed" else fp8_format) + fused
                 fp8_runs.append({**run, "run": f"{arm['recipe']} ({options})"})
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
             [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
