@@ -4,7 +4,6 @@ the reference the FP8 arm is judged against. Run with `pytest -m gpu tests/gpu/t
 import json
 
 import pytest
-import torch
 
 from fp8stack.ab import main
 from fp8stack.ab.verdicts import BF16_ON_TE_ARM
@@ -12,14 +11,11 @@ from fp8stack.backends.te import TEBackend
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-_TE_OK, _TE_WHY = TEBackend().available(["delayed"])
-if not _TE_OK:
-    pytest.skip(_TE_WHY, allow_module_level=True)
 
-
-def test_fastest_bf16_judges_the_fp8_arm_against_the_faster_bf16_configuration(tmp_path, monkeypatch):
+def test_fastest_bf16_judges_the_fp8_arm_against_the_faster_bf16_configuration(requires_cuda, tmp_path, monkeypatch):
+    te_runs, why = TEBackend().available(["delayed"])
+    if not te_runs:
+        pytest.skip(why)
     monkeypatch.delenv("OUT", raising=False)  # the plot goes to tmp_path only, not to a device call's $OUT
     code = main(["--model", "tiny", "--recipes", "delayed", "--backend", "te", "--fastest-bf16", "--no-repeat-baseline",
                  "--steps", "8", "--micro-batch", "2", "--seq-len", "128", "--device", "cuda",
