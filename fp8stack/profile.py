@@ -214,7 +214,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss")
     add_speed_levers(parser)
     parser.add_argument("--gemm-speedup", type=float, default=DEFAULT_GEMM_SPEEDUP, metavar="R",
                         help=f"assumed FP8 over BF16 GEMM speed for the bound (default: {DEFAULT_GEMM_SPEEDUP})")

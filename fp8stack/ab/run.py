@@ -117,7 +117,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks in every arm")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss in every arm")
     add_speed_levers(parser)
     parser.add_argument("--lr", type=float, help="peak learning rate (default: TrainConfig's)")
     parser.add_argument("--warmup", type=int, help="LR warm-up steps (default: TrainConfig's)")

@@ -58,7 +58,7 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--seed", "seed", {"type": int}),
     ("--dtype", "dtype", {"choices": ("auto", "bf16", "fp32"), "help": "activation dtype (auto: bf16 on CUDA)"}),
     ("--device", "device", {"choices": ("auto", "cuda", "cpu")}),
-    ("--compile", "compile", {"action": argparse.BooleanOptionalAction, "help": "torch.compile each block"}),
+    ("--compile", "compile", {"action": argparse.BooleanOptionalAction, "help": "torch.compile each block and the loss"}),
     ("--sdpa-backend", "sdpa_backend", {"metavar": "NAME",
                                          "help": "attention kernel on a GPU: auto | cudnn | flash | efficient"}),
     ("--fuse-norm", "fuse_norm", {"action": argparse.BooleanOptionalAction,

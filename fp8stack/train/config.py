@@ -90,7 +90,7 @@ class TrainConfig:
     device: str = "auto"
     """cuda | cpu | auto (cuda when available; under torchrun, cuda:LOCAL_RANK)."""
     compile: bool = False
-    """torch.compile the blocks (assembly stage 4)."""
+    """torch.compile the blocks (assembly stage 4) and the loss."""
     sdpa_backend: str = "auto"
     """Attention kernel on a GPU: auto (torch's choice) | cudnn | flash | efficient (fp8stack.runtime.attention)."""
     fuse_norm: bool = False

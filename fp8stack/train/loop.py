@@ -190,7 +190,10 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
                              precompute_fp8_scales=cfg.precompute_fp8_scales,
                              fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                              backend_options=_backend_options(cfg, plan, micro_batches))
-            loss_fn, clip_fn = functools.partial(_llama_loss, model), functools.partial(_clip, model)
+            # As torchtitan compiles its loss: Inductor fuses the FP32 log-softmax into reductions over the BF16
+            # logits, where eager cross_entropy keeps FP32 copies of them (3 x 4 bytes per logit at the peak).
+            loss = torch.compile(Llama.loss) if cfg.compile else Llama.loss
+            loss_fn, clip_fn = functools.partial(_llama_loss, model, loss), functools.partial(_clip, model)
             after_step = post_optimizer_step_hook(model)
         optimizer = _adamw(model, cfg, device)
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
@@ -325,8 +328,9 @@ def _adamw(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> to
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
-def _llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return Llama.loss(model(tokens), targets)
+def _llama_loss(model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return loss(model(tokens), targets)
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
