@@ -12,7 +12,7 @@ import pytest
 from fp8stack.ab import add_ab_parser, final_loss, main, run_ab, speed_levers
 from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
-                                  loss_unresolved, peak_tflops, repeat_arms, verdict)
+                                  loss_unresolved, peak_tflops, reference_arm, repeat_arms, verdict)
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
@@ -131,6 +131,8 @@ def test_judge_takes_the_faster_bf16_configuration_as_the_reference():
     assert plain.rel_loss_gap == pytest.approx(2.0 / 2.004 - 1)
     assert delayed.verdict == "ship" and delayed.rel_loss_gap == pytest.approx(0.0)
     assert delayed.reason.startswith("+25.0% faster than bf16 on te (noise")
+    _, (repeat,) = judge(results, backends, tolerance=0.0025, peaks=None, repeats={REPEAT_ARM: _result(96.9, 2.004, 0)})
+    assert repeat["of"] == BF16_ON_TE_ARM and repeat["run_to_run_noise"] == pytest.approx(0.02)  # against 95 ms
     failed = {**results, BF16_ON_TE_ARM: "TransformerEngine needs CUDA"}
     plain, on_te, delayed = judge(failed, backends, tolerance=0.0025, peaks=None)[0]
     assert (plain.verdict, on_te.verdict) == ("baseline", "alternative")
@@ -143,24 +145,32 @@ def test_judge_takes_the_faster_bf16_configuration_as_the_reference():
 
 def test_fastest_bf16_runs_both_configurations_on_cpu(tmp_path, capsys):
     """The 'bf16 on te' arm is the bf16 plan on TE modules: on a CPU it fails (TE needs CUDA) and the plain bf16
-    run stays the reference; it is refused where it cannot pick a reference or repeats another option."""
+    run stays the reference, which the repeat reruns once both BF16 configurations have run, GPUs free or not."""
     common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "3", "--micro-batch", "2", "--seq-len", "64",
               "--device", "cpu", "--out-dir", str(tmp_path)]
-    assert main([*common, "--fastest-bf16"]) == 2
-    assert "add --no-repeat-baseline (a speed A/B)" in capsys.readouterr().err
-    assert main([*common, "--fastest-bf16", "--bf16-on-te", "--no-repeat-baseline"]) == 2
-    assert "--bf16-on-te, which is one of them, is redundant" in capsys.readouterr().err
-    assert main([*common, "--fastest-bf16", "--no-repeat-baseline", "--model-impl", "megatron"]) == 2
+    assert main([*common, "--fastest-bf16", "--bf16-on-te"]) == 2
+    assert "the --bf16-on-te one included: drop --bf16-on-te" in capsys.readouterr().err
+    assert main([*common, "--fastest-bf16", "--model-impl", "megatron"]) == 2
     assert "megatron's BF16 run is on TE already" in capsys.readouterr().err
-    assert main([*common, "--fastest-bf16", "--no-repeat-baseline"]) == 0
+    assert main([*common, "--fastest-bf16", "--gpus", "0,1,2,3"]) == 0
     record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
     assert [(a["recipe"], a["backend"], a["verdict"]) for a in record["arms"]][:2] == [
         ("bf16", "bf16", "baseline"), (BF16_ON_TE_ARM, "te", "alternative")]
     assert record["arms"][0]["reason"] == "the reference arm"
     assert "TransformerEngine" in record["arms"][1]["reason"], record["arms"][1]["reason"]
     assert record["arms"][2]["rel_loss_gap"] is not None and "than bf16 " in record["arms"][2]["reason"]
+    (repeat,) = record["baseline_repeats"]
+    assert repeat["of"] == "bf16" and repeat["rel_loss_gap"] == 0.0  # the reference again: same seed, CPU kernels
+    assert repeat["ran_between"][0] >= record["arms"][0]["ran_between"][1], "the repeat waited for the reference"
     assert record["train_config"]["fastest_bf16"] is True
-    assert "plain and on TE modules; the faster is the reference" in (tmp_path / "ab-tiny-cpu.md").read_text()
+    assert "the faster is the reference, which the bf16 repeats rerun" in (tmp_path / "ab-tiny-cpu.md").read_text()
+
+
+def test_the_reference_is_the_fastest_bf16_configuration_that_ran():
+    plain, on_te = _result(100.0, 2.0, 0.0), _result(95.0, 2.0, 0.0)
+    assert reference_arm({"bf16": plain, BF16_ON_TE_ARM: on_te, "delayed": _result(70.0, 2.0, 0.8)}) == BF16_ON_TE_ARM
+    assert reference_arm({"bf16": plain, BF16_ON_TE_ARM: "TransformerEngine needs CUDA"}) == "bf16"
+    assert reference_arm({"bf16": "out of memory", "tensorwise": _result(70.0, 2.0, 0.8)}) is None
 
 
 def test_second_bf16_run_sets_the_noise():

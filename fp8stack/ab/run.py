@@ -22,7 +22,8 @@ from pathlib import Path
 
 from fp8stack.ab.plot import plot
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES,
-                                  NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops, repeat_arms, repeat_note)
+                                  NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops, reference_arm,
+                                  repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES, dense_backend, get_recipe
 
@@ -126,8 +127,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{CPU_LOSS_TOLERANCE} on a CPU)")
     parser.add_argument("--fastest-bf16", action="store_true",
                         help="run two BF16 configurations, the plain model and the --bf16-on-te one (arm 'bf16 on "
-                             "te'), and judge the FP8 arms against the faster: the fastest BF16 baseline in one A/B "
-                             "(plain path; with --no-repeat-baseline)")
+                             "te'), and judge the FP8 arms against the faster, which the bf16 repeats rerun: the "
+                             "fastest BF16 baseline in one A/B (plain path)")
     parser.add_argument("--baseline-runs", type=int, default=2, metavar="N",
                         help="bf16 runs: the first, and N-1 repeats after the FP8 arms; a loss gap is judged only "
                              "while their final losses span at most the tolerance (default: 2)")
@@ -175,12 +176,9 @@ def run_ab(args: argparse.Namespace) -> int:
         if args.gpus and args.nproc > 1:
             raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
                                    "use one of them")
-        if args.fastest_bf16 and (args.bf16_on_te or args.baseline_runs > 1):
-            raise TrainConfigError(
-                "--fastest-bf16 runs both BF16 configurations once and picks the faster as the reference, so "
-                + ("--bf16-on-te, which is one of them, is redundant: drop it" if args.bf16_on_te else
-                   "it cannot repeat the reference before knowing which it is: add --no-repeat-baseline (a speed "
-                   "A/B), and run a loss A/B with the configuration it picked (--bf16-on-te when 'bf16 on te' won)"))
+        if args.fastest_bf16 and args.bf16_on_te:
+            raise TrainConfigError("--fastest-bf16 runs both BF16 configurations, the --bf16-on-te one included: "
+                                   "drop --bf16-on-te")
         recipes = _recipes(args.recipes)
         arms = [(BF16, BF16), *([(BF16_ON_TE_ARM, BF16)] if args.fastest_bf16 else []),
                 *((recipe, recipe) for recipe in recipes[1:])]
@@ -218,9 +216,9 @@ def run_ab(args: argparse.Namespace) -> int:
             backends[name] = err
 
     def pending() -> list[str]:
-        """The arms still to run, in order (the bf16 repeats only once the first bf16 run worked)."""
+        """The arms still to run, in order (the bf16 repeats unless every BF16 configuration failed)."""
         todo = [name for name in configs if name not in results]
-        if isinstance(results.get(BF16, {}), dict):
+        if reference_arm(results) or any(name not in results for name in configs if configs[name].recipe == BF16):
             todo += [name for name in repeat_names if name not in repeats]
         return todo
 
@@ -253,7 +251,8 @@ def run_ab(args: argparse.Namespace) -> int:
         }
         table = _table(arms)
         side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
-        bf16_arms = ("the bf16 arms are the plan without FP8, plain and on TE modules; the faster is the reference"
+        bf16_arms = ("the bf16 arms are the plan without FP8, plain and on TE modules; the faster is the reference, "
+                     "which the bf16 repeats rerun"
                      if args.fastest_bf16 else
                      f"the bf16 arm is the plan without FP8{', on TE modules' if args.bf16_on_te else ''}")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
@@ -275,17 +274,22 @@ def run_ab(args: argparse.Namespace) -> int:
         return arms, repeat_records, table, markdown, json_path, md_path
 
     slots = args.gpus or [None]
-    jobs = [(name, name) for name in configs] + [(name, BF16) for name in repeat_names]  # (run, arm it runs)
-    jobs = [job for job in jobs if job[0] in pending()]  # not those an earlier call ran
+    # A repeat reruns the reference, known once every BF16 configuration ran: with two of them (--fastest-bf16) the
+    # repeats wait for the arms' waves; with one they take the last wave's free GPUs when there are some.
+    phases = [[name for name in configs], repeat_names] if args.fastest_bf16 else [[*configs, *repeat_names]]
+    phases = [[name for name in phase if name in pending()] for phase in phases]  # not those an earlier call ran
+    jobs = sum(phases, [])
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
-        # In waves of one run per slot; the bf16 repeats take the last wave's free GPUs when there are some.
-        for wave in itertools.batched(enumerate(jobs, 1), len(slots)):
+        waves = itertools.chain.from_iterable(itertools.batched(phase, len(slots)) for phase in phases)
+        for wave in waves:
             outcomes: dict[str, _RunningArm | str] = {}
-            for (index, (name, arm)), gpu in zip(wave, slots):
+            for name, gpu in zip(wave, slots):
                 if name in repeat_names and name not in pending():
-                    continue  # the first bf16 run failed: nothing to repeat
+                    continue  # every BF16 configuration failed: nothing to repeat
+                # A repeat reruns the reference (bf16 while, the only BF16 configuration, it still runs beside it).
+                arm = name if name not in repeat_names else reference_arm(results) or BF16
                 cfg = configs[arm]
-                print(f"[{index}/{len(jobs)}] {cfg.model} {name} ({cfg.steps} steps, fresh process"
+                print(f"[{jobs.index(name) + 1}/{len(jobs)}] {cfg.model} {name} ({cfg.steps} steps, fresh process"
                       + (f", GPU {gpu})" if gpu else ")"), flush=True)
                 if isinstance(backends[arm], PlanError):
                     outcomes[name] = " ".join(str(backends[arm]).split())

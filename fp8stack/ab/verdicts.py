@@ -144,23 +144,32 @@ def repeat_arms(baseline_runs: int) -> list[str]:
     return [REPEAT_ARM, *(f"{BF16} (repeat {i})" for i in range(2, baseline_runs))] if baseline_runs > 1 else []
 
 
+def reference_arm(results: dict[str, dict | str]) -> str | None:
+    """The BF16 configuration (BF16_ARMS) that ran with the shortest median steady-state step, or None while none
+    has: the baseline of every verdict, and the configuration the bf16 repeats rerun."""
+    ran = {name: statistics.median(steady_state(result["step_ms"])) for name, result in results.items()
+           if name in BF16_ARMS and isinstance(result, dict)}
+    return min(ran, key=ran.get) if ran else None
+
+
 def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: float, peaks: dict | None,
           repeats: dict[str, dict | str] | None = None, passes: float = 0.0) -> tuple[list[Arm], list[dict]]:
     """The arms with their measurements and verdicts, and what each repeated bf16 run (`repeats`, by name)
-    measured. The baseline is the faster of the BF16 configurations that ran (BF16_ARMS; bf16 alone unless
-    --fastest-bf16); a str in place of a result is the error a run hit.
+    measured. The baseline is reference_arm's (bf16 alone unless --fastest-bf16), and the repeats rerun it; a str
+    in place of a result is the error a run hit.
     `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
     arms = [_measure(name, result, backends[name], peaks) for name, result in results.items()]
     configurations = [arm for arm in arms if arm.recipe in BF16_ARMS]
-    ran = [arm for arm in configurations if isinstance(results[arm.recipe], dict)]
-    if not ran:
+    reference = reference_arm(results)
+    if reference is None:
         for arm in arms:
             arm.verdict, arm.reason = ("error", f"bf16 baseline failed: {results[arm.recipe]}") if (
                 arm.recipe in BF16_ARMS) else ("rollback", "no bf16 baseline to compare with")
         return arms, []
-    baseline = min(ran, key=lambda arm: arm.step_ms)
+    baseline = next(arm for arm in configurations if arm.recipe == reference)
     baseline.verdict, baseline.rel_loss_gap = "baseline", 0.0
-    baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if len(ran) > 1 else "")
+    ran = sum(isinstance(results[arm.recipe], dict) for arm in configurations)
+    baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if ran > 1 else "")
     for other in configurations:
         if other is baseline:
             continue
@@ -178,7 +187,7 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
             continue
         again = _measure(BF16, repeat, BF16, peaks)
         step_gap = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
-        records.append({"run": name, "step_ms": again.step_ms, "final_loss": again.final_loss,
+        records.append({"run": name, "of": reference, "step_ms": again.step_ms, "final_loss": again.final_loss,
                         "run_to_run_noise": step_gap, "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0,
                         "ran_between": again.ran_between, "loss_curve": again.loss_curve})
     measured = [r for r in records if "error" not in r]
