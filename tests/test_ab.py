@@ -228,6 +228,8 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
     (start_a, end_a), (start_b, end_b) = (arm["ran_between"] for arm in together["arms"])
     assert start_b < end_a and start_a < end_b, "side by side: the arms run at the same time"
     assert "arms side by side on GPUs 0,1" in (tmp_path / "side-by-side" / "ab-tiny-cpu.md").read_text()
+    assert main([*common, "--gpus", "1", "--out-dir", str(tmp_path / "one-gpu")]) == 0
+    assert "each arm a fresh process (on GPU 1);" in (tmp_path / "one-gpu" / "ab-tiny-cpu.md").read_text()
     assert main([*common, "--gpus", "0,1", "--nproc", "2", "--out-dir", str(tmp_path)]) == 2
 
 

@@ -250,7 +250,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "runs": {**results, **repeats},
         }
         table = _table(arms)
-        side_by_side = f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus else ""
+        side_by_side = (f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus and len(args.gpus) > 1 else
+                        f" (on GPU {args.gpus[0]})" if args.gpus else "")
         bf16_arms = ("the bf16 arms are the plan without FP8, plain and on TE modules; the faster is the reference, "
                      "which the bf16 repeats rerun"
                      if args.fastest_bf16 else
