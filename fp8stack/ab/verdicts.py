@@ -62,7 +62,8 @@ class Arm:
     recipe: str
     """Plan recipe; bf16 is the plan without FP8, 'bf16 on te' the same on TE modules (--fastest-bf16)."""
     backend: str
-    """FP8 backend(s) the plan used ('torchao', 'te', 'torchao+grouped_fp8'), bf16 for the baseline."""
+    """Backend(s) the plan used other than plain bf16 ('torchao', 'te', 'torchao+grouped_fp8'; te for 'bf16 on
+    te'), bf16 for the plain BF16 arm."""
     step_ms: float | None = None
     """Median steady-state step time."""
     tokens_per_s: float | None = None
