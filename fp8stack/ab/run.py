@@ -21,9 +21,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fp8stack.ab.plot import plot
-from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES,
-                                  NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops, reference_arm,
-                                  repeat_arms, repeat_note)
+from fp8stack.ab.verdicts import (BF16_ARMS, BF16_ON_TE_ARM, CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE, LAST_FRACTION,
+                                  MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops,
+                                  reference_arm, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES, dense_backend, get_recipe
 
@@ -218,7 +218,7 @@ def run_ab(args: argparse.Namespace) -> int:
     def pending() -> list[str]:
         """The arms still to run, in order (the bf16 repeats unless every BF16 configuration failed)."""
         todo = [name for name in configs if name not in results]
-        if reference_arm(results) or any(name not in results for name in configs if configs[name].recipe == BF16):
+        if reference_arm(results) or any(name in configs and name not in results for name in BF16_ARMS):
             todo += [name for name in repeat_names if name not in repeats]
         return todo
 
