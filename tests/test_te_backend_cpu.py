@@ -52,6 +52,20 @@ def test_a_bf16_plan_on_te_has_no_te_recipe():
     assert te_recipe("bf16", "hybrid") is None  # its modules run with TE's FP8 autocast off
 
 
+def test_only_fp8_recipes_ask_te_for_fp8_support():
+    from fp8stack.backends.te import _support_checks
+
+    plan = te_plan(recipe="bf16", backend="te")
+    recipes = sorted({d.recipe for d in plan.for_backend("te")})
+    assert recipes == ["bf16"]
+    assert _support_checks(recipes) == {}  # a bf16 plan on te runs on a GPU without FP8 (Ampere)
+    assert _support_checks(()) == {}  # the assembly's check before converting: TE and CUDA only
+    assert _support_checks(["bf16", "delayed", "blockwise"]) == {
+        "delayed": "is_fp8_available", "blockwise": "is_fp8_block_scaling_available"}
+    with pytest.raises(PlanError, match="'rowwise' has no TransformerEngine implementation"):
+        _support_checks(["rowwise"])
+
+
 def test_te_recipe_rejects_formats_te_does_not_train_with():
     with pytest.raises(PlanError, match="e5m2.*use e4m3 or hybrid"):
         te_recipe("tensorwise", "e5m2")

@@ -107,15 +107,16 @@ class TEBackend:
     name: ClassVar[str] = "te"
 
     def available(self, recipes: tuple[str, ...] | list[str] = ()) -> tuple[bool, str]:
-        """(True, '') when TE runs FP8 here, and every recipe in `recipes` on this GPU; else why."""
+        """(True, '') when TE imports with CUDA here and this GPU runs every FP8 recipe in `recipes`; else why.
+        Only FP8 recipes ask for FP8 support: a bf16 plan on te runs on a GPU without it, and the assembly's
+        check before converting names no recipes (convert checks the plan's own before its first swap)."""
         reason = _import_problem()
         if reason:
             return False, reason
         import transformer_engine.pytorch as te
 
-        for recipe in [r for r in recipes if r != BF16] or ("tensorwise",):
-            _check_recipe_name(recipe)
-            ok, why = getattr(te, _SUPPORT_CHECKS[recipe])(return_reason=True)
+        for recipe, check in _support_checks(recipes).items():
+            ok, why = getattr(te, check)(return_reason=True)
             if not ok:
                 return False, f"TransformerEngine cannot run recipe {recipe!r} on this GPU: {why}"
         return True, ""
@@ -218,6 +219,14 @@ def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], d
         _check_recipe_name(recipe)
     linears = [d for d in decisions if d.component.kind == "linear"]
     return linears, _expert_pairs([d for d in decisions if d.component.kind == "expert"], plan), recipes
+
+
+def _support_checks(recipes: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """FP8 recipe of `recipes` -> the transformer_engine.pytorch function that says whether this GPU runs it;
+    bf16 needs none (TE's modules without FP8). PlanError for a recipe TE does not have."""
+    for recipe in recipes:
+        _check_recipe_name(recipe)
+    return {recipe: _SUPPORT_CHECKS[recipe] for recipe in recipes if recipe != BF16}
 
 
 def import_before_cudnn() -> None:

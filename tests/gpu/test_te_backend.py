@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-_TE_OK, _TE_WHY = TEBackend().available()
+_TE_OK, _TE_WHY = TEBackend().available(["tensorwise"])  # its tests run FP8
 if not _TE_OK:
     pytest.skip(_TE_WHY, allow_module_level=True)
 
