@@ -82,7 +82,7 @@ class TEGroupedExperts(_WeightCache, nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden: int, *, recipe: Recipe | None, params_dtype: torch.dtype,
                  device: str, name: str, fuse_wgrad_accumulation: bool = False) -> None:
         super().__init__()
-        self.autocast_recipe = recipe
+        # `recipe` sizes the groups here; _arm makes it the autocast recipe, as for the other TE modules.
         self.group_alignment = get_align_size_for_quantization(recipe) if recipe is not None else 1
         """MoE pads each expert's rows to this (FP8 GEMMs need 16 rows, MXFP8 32; BF16 none), read by MoE.forward."""
         self.fc1 = te.GroupedLinear(num_experts, dim, 2 * hidden, bias=False, params_dtype=params_dtype,
