@@ -123,7 +123,7 @@ def linear_from(linear: nn.Linear, recipe: Recipe | None, name: str, cache_weigh
         new = TELinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                        params_dtype=weight.dtype, device=str(weight.device), name=name,
                        fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    _arm(new, recipe, cache_weights, [new.weight] if fuse_wgrad_accumulation else [], name)
+    _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.weight], name)
     _copy(new.weight, weight)
     if linear.bias is not None:
         _copy(new.bias, linear.bias)
@@ -140,7 +140,7 @@ def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe | N
         new = TELayerNormLinear(linear.in_features, linear.out_features, eps=eps, bias=linear.bias is not None,
                                 normalization="RMSNorm", params_dtype=weight.dtype, device=str(weight.device),
                                 name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    _arm(new, recipe, cache_weights, [new.weight] if fuse_wgrad_accumulation else [], name)
+    _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.weight], name)
     _copy(new.layer_norm_weight, norm.weight)
     _copy(new.weight, weight)
     if linear.bias is not None:
@@ -162,7 +162,7 @@ def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe | None, n
         new = TELayerNormMLP(dim, hidden, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
                              params_dtype=w13.weight.dtype, device=str(w13.weight.device), name=name,
                              fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    _arm(new, recipe, cache_weights, [new.fc1_weight, new.fc2_weight] if fuse_wgrad_accumulation else [], name)
+    _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.fc1_weight, new.fc2_weight], name)
     _copy(new.layer_norm_weight, norm.weight)
     _copy(new.fc1_weight, w13.weight)
     _copy(new.fc2_weight, w2.weight)
@@ -179,20 +179,20 @@ def grouped_experts_from(experts: nn.Module, recipe: Recipe | None, name: str, c
         new = TEGroupedExperts(num_experts, dim, two_hidden // 2, recipe=recipe, params_dtype=w13.dtype,
                                device=str(w13.device), name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
     weights = [*new.fc1.parameters(), *new.fc2.parameters()]  # one weight per expert and GEMM, no biases
-    _arm(new, recipe, cache_weights, weights if fuse_wgrad_accumulation else [], name)
+    _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, weights, name)
     for e in range(num_experts):
         _copy(getattr(new.fc1, f"weight{e}"), w13[e])
         _copy(getattr(new.fc2, f"weight{e}"), w2[e])
     return new.train(experts.training)
 
 
-def _arm(module: _WeightCache, recipe: Recipe | None, cache_weights: bool, main_grad_weights: list[nn.Parameter],
-         name: str) -> None:
-    """Set what _WeightCache reads: the recipe, the FP8 weight cache (on when cache_weights) and the weights given
-    FP32 main_grads (see _add_main_grads)."""
+def _arm(module: _WeightCache, recipe: Recipe | None, cache_weights: bool, fuse_wgrad_accumulation: bool,
+         weights: list[nn.Parameter], name: str) -> None:
+    """Set what _WeightCache reads: the recipe, the FP8 weight cache (on when cache_weights) and, with
+    fuse_wgrad_accumulation, FP32 main_grads for the module's `weights` (see _add_main_grads)."""
     module.autocast_recipe = recipe
     module.is_first_microbatch = True if cache_weights else None
-    _add_main_grads(module, main_grad_weights, name)
+    _add_main_grads(module, weights if fuse_wgrad_accumulation else [], name)
 
 
 def _add_main_grads(module: _WeightCache, weights: list[nn.Parameter], name: str) -> None:
