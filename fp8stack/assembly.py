@@ -40,7 +40,7 @@ from fp8stack.backends.te import fp8_weight_caches, mark_fp8_weights_stale
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import BF16
 from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, has_te_modules,
-                                        recompute_regions)
+                                        recompute_regions, recomputes_itself)
 
 __all__ = ["STAGES", "AssemblyState", "AssemblyWarning", "OrderingError", "apply_ac", "apply_compile", "apply_fp8",
            "apply_fsdp", "apply_tp", "assemble", "assembly_state", "post_optimizer_step_hook"]
@@ -281,8 +281,8 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
     """Checkpoint, in the given blocks of model.layers (indices, or 'all'), the regions `modules`
     names (RECOMPUTE_MODULES: 'block' is the whole block; 'mlp', 'attn', 'core_attn', 'moe',
     'moe_act', 'shared_experts', 'layernorm' its parts, as Megatron's --recompute-modules). A region
-    runs its recompute through TE's checkpoint when convert_fp8 put TE FP8 layers in it (see
-    checkpoint_module). A name no chosen block has, or regions nested in one another, raise ValueError."""
+    runs its recompute through TE's checkpoint when convert_fp8 put TE FP8 layers in it, and a TE
+    LayerNormMLP (fuse_mlp) through its own checkpoint option, which skips FC2 (see checkpoint_module). A name no chosen block has, or regions nested in one another, raise ValueError."""
     state = _begin(model, "recompute")
     children = dict(_blocks(model))
     chosen = list(children) if blocks == "all" else [str(i) for i in blocks]
@@ -310,8 +310,9 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
             fp8_active = any(f.startswith(f"{fqn}.") for f in fp8_fqns)
             parent_fqn, _, name = fqn.rpartition(".")
             parent = model.get_submodule(parent_fqn)
-            parent.register_module(name, checkpoint_module(parent.get_submodule(name), fp8_active=fp8_active))
-            wrapped.append(fqn)
+            region = checkpoint_module(parent.get_submodule(name), fp8_active=fp8_active)
+            parent.register_module(name, region)
+            wrapped.append(f"{fqn} (TE LayerNormMLP's own recompute: not FC2)" if recomputes_itself(region) else fqn)
     log.info("recompute: checkpointing %s", ", ".join(wrapped))
     _stamp(model, state, "recompute")
 
@@ -406,6 +407,8 @@ def _traces(model: nn.Module) -> dict[str, str]:
             found.setdefault("compile", f"{name} is compiled")
         if isinstance(module, CheckpointWrapper):
             found.setdefault("recompute", f"{name} is wrapped for activation checkpointing")
+        if recomputes_itself(module):
+            found.setdefault("recompute", f"{name} is a TE LayerNormMLP set to recompute (checkpoint=True)")
     if "fully_shard" not in found:
         for fqn, param in model.named_parameters():
             if isinstance(param, DTensor):

@@ -1,7 +1,8 @@
 """Activation recompute: a module's forward runs again in backward instead of keeping its activations.
 
-One wrapper for every region (`checkpoint_module`): TE's checkpoint when the region runs TE FP8
-modules, torch.utils.checkpoint otherwise. Which regions of a block are recomputed is chosen by name,
+One entry point for every region (`checkpoint_module`): a TE LayerNormMLP recomputes itself (TE's
+own selective recompute, which skips FC2), other regions are wrapped: TE's checkpoint when the region
+runs TE FP8 modules, torch.utils.checkpoint otherwise. Which regions of a block are recomputed is chosen by name,
 as Megatron's --recompute-modules, through RECOMPUTE_MODULES. `PrecisionProbe` checks the rule that
 matters most: the recompute runs in the same FP8 recipe and context as the forward (Megatron-LM
 PR 7538 recomputed outside fp8_autocast).
@@ -20,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
 from torchao.float8.float8_linear import Float8Linear
 
 __all__ = ["RECOMPUTE_MODULES", "CheckpointWrapper", "PrecisionProbe", "checkpoint_module", "has_te_modules",
-           "is_te_module", "precision_context", "recompute_regions"]
+           "is_te_module", "precision_context", "recompute_regions", "recomputes_itself"]
 
 RECOMPUTE_MODULES: dict[str, tuple[str, ...]] = {
     "core_attn": ("attention.core",),
@@ -48,10 +49,25 @@ def has_te_modules(module: nn.Module) -> bool:
     return any(map(is_te_module, module.modules()))
 
 
-def checkpoint_module(module: nn.Module, *, fp8_active: bool) -> CheckpointWrapper:
-    """`module` wrapped so its forward is recomputed in backward.
+def _is_te_layernorm_mlp(module: nn.Module) -> bool:
+    return any(cls.__module__.startswith("transformer_engine.") and cls.__name__ == "LayerNormMLP"
+               for cls in type(module).__mro__)
 
-    A module with TE layers running FP8 goes through TE's checkpoint: the recompute must run under
+
+def recomputes_itself(module: nn.Module) -> bool:
+    """Whether `module` is a TE LayerNormMLP that checkpoint_module set to recompute in backward."""
+    return _is_te_layernorm_mlp(module) and getattr(module, "checkpoint", False) is True
+
+
+def checkpoint_module(module: nn.Module, *, fp8_active: bool) -> nn.Module:
+    """`module`, set or wrapped so its forward is recomputed in backward.
+
+    A TE LayerNormMLP is not wrapped: its `checkpoint` option is set (TE's selective recompute). It
+    then saves only its input and recomputes norm, FC1 and SwiGLU in backward, but not FC2, whose
+    output backward does not need (a wrapper would recompute that GEMM too), and it replays
+    delayed-scaling scales itself.
+
+    Other regions are wrapped. A region with TE layers running FP8 goes through TE's checkpoint: the recompute must run under
     the same FP8 autocast and scales as the forward and must not update amax histories twice, which
     TE's checkpoint arranges (it re-enters the autocast found at the forward and replays
     delayed-scaling scales; Megatron takes the same branch on --fp8). Everything else uses
@@ -60,6 +76,9 @@ def checkpoint_module(module: nn.Module, *, fp8_active: bool) -> CheckpointWrapp
     recomputed from the same inputs with the module's own config, so they come out identical.
     This is a correctness rule, not a knob.
     """
+    if _is_te_layernorm_mlp(module):
+        module.checkpoint = True
+        return module
     if fp8_active and has_te_modules(module):
         from transformer_engine.pytorch.distributed import checkpoint as te_checkpoint
 

@@ -1,7 +1,8 @@
 """The runtime on a GPU: a training step captured as a CUDA graph with each backend (bf16 must capture;
 the others capture or say exactly why not), and TE-checkpoint recompute under FP8: the same gradients
 as without recompute, the recompute in the forward's FP8 recipe, and the Megatron-LM PR 7538 bug
-(torch's checkpoint recomputing outside a model-wide te.autocast) caught by the same probe.
+(torch's checkpoint recomputing outside a model-wide te.autocast) caught by the same probe; a fused
+LayerNormMLP recomputing itself (TE's checkpoint option): same gradients, FC1's output not kept.
 Run with `pytest -m gpu tests/gpu/test_runtime_gpu.py`."""
 
 import copy
@@ -14,7 +15,8 @@ from fp8stack.backends.te import TEBackend, te_recipe
 from fp8stack.bench.runtime import CAPTURE_VARIANTS, build, capture, token_loss
 from fp8stack.plan import PolicyConfig
 from fp8stack.runtime import PrecisionProbe, checkpoint_module
-from fp8stack.runtime.recompute import CheckpointWrapper
+from fp8stack.models.llama import LlamaConfig
+from fp8stack.runtime.recompute import CheckpointWrapper, recomputes_itself
 
 pytestmark = pytest.mark.gpu
 
@@ -112,3 +114,36 @@ def test_the_probe_catches_a_recompute_outside_a_model_wide_autocast():
                                  determinism_check="none"))
     problems = bad.mismatches()
     assert problems and all("'te_module_fp8': False" in p for p in problems), problems
+
+
+@needs_te
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_a_fused_mlp_recomputes_itself_keeps_less_and_matches(recipe):
+    """recompute_modules mlp on fuse_mlp's LayerNormMLP sets TE's own checkpoint option instead of wrapping it:
+    the forward keeps no FC1 output (BF16, 2 x ffn_dim per token) and the gradients match the run without
+    recompute, also in a second round, after delayed scaling has updated its scales once (the recompute
+    replays the forward's scales and does not update them twice)."""
+    policy = PolicyConfig(recipe=recipe, backend="te", small_gemm_filter="off")
+    fused = {"te": {"fuse_mlp": True}}
+    torch.manual_seed(0)
+    plain = build("tiny", policy, backend_options=fused)
+    torch.manual_seed(0)
+    recomputed = build("tiny", policy, backend_options=fused, recompute="all", recompute_modules=("mlp",))
+    config = LlamaConfig.tiny()
+    assert sum(map(recomputes_itself, recomputed.modules())) == config.n_layers
+    assert not any(isinstance(m, CheckpointWrapper) for m in recomputed.modules()), "a LayerNormMLP is not wrapped"
+    tokens = torch.randint(0, 256, (8, 1025), device="cuda")
+    fc1_output_bytes = config.n_layers * tokens[:, 1:].numel() * 2 * config.ffn_dim * 2
+    for round_ in range(2):
+        held = {}
+        for name, model in (("plain", plain), ("recomputed", recomputed)):
+            model.zero_grad(set_to_none=True)
+            before = torch.cuda.memory_allocated()
+            loss = token_loss(model, tokens)
+            held[name] = torch.cuda.memory_allocated() - before
+            loss.backward()
+            del loss
+        assert held["plain"] - held["recomputed"] > 0.9 * fc1_output_bytes, (held, fc1_output_bytes)
+        expected = dict(plain.named_parameters())
+        for name, p in recomputed.named_parameters():
+            assert rel_err(p.grad, expected[name].grad) < RECOMPUTE_REL_ERR, (round_, name)
