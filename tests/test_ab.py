@@ -189,9 +189,12 @@ def test_second_bf16_run_sets_the_noise():
 
 def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     code = main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2",
-                 "--seq-len", "64", "--device", "cpu", "--out-dir", str(tmp_path)])
+                 "--seq-len", "64", "--device", "cpu", "--fp8-recompute", "mlp", "--out-dir", str(tmp_path)])
     assert code == 0
     record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    assert [record["runs"][arm]["config"]["recompute"] for arm in ("bf16", "tensorwise")] == [None, "all"]
+    assert record["train_config"]["fp8_recompute"] == ["mlp"]
+    assert "The FP8 arms recompute mlp in every block in backward." in (tmp_path / "ab-tiny-cpu.md").read_text()
     assert "2 sequences per optimizer step in micro-batches of 2" in (tmp_path / "ab-tiny-cpu.md").read_text()
     assert {"device", "versions", "date", "command", "model", "steps", "arms"} <= set(record)
     # 4 steps x 2 sequences x 64 tokens over the training split read from the default 8 MiB of sources
@@ -299,6 +302,11 @@ def test_ab_subcommand_plugs_into_a_parser():
     args = parser.parse_args(["ab", "--bf16-on-te", "--fuse-mlp", "--gradient-accumulation-fusion", "--backend", "te"])
     on_te = speed_levers(args, "bf16")  # the BF16 baseline on TE modules gets the TE levers, not the FP8-only ones
     assert (on_te["backend"], on_te["fuse_mlp"], on_te["gradient_accumulation_fusion"]) == ("te", True, True)
+    assert "recompute" not in on_te
+    args = parser.parse_args(["ab", "--fp8-recompute", "mlp,core_attn", "--fuse-mlp", "--backend", "te"])
+    assert "recompute" not in speed_levers(args, "bf16")  # a memory lever of the FP8 runs only
+    fp8_run = speed_levers(args, "delayed")
+    assert (fp8_run["recompute"], fp8_run["recompute_modules"]) == ("all", ("mlp", "core_attn"))
     with pytest.raises(ValueError, match="megatron's BF16 run is on TE already"):
         speed_levers(parser.parse_args(["ab", "--bf16-on-te", "--model-impl", "megatron"]), "bf16")
     assert args.baseline_runs == 2 and parser.parse_args(["ab", "--no-repeat-baseline"]).baseline_runs == 1

@@ -58,6 +58,11 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress-activations", action="store_true",
                         help="FP8 runs store the BF16 activations saved for backward in FP8 (a memory "
                              "lever; rolled back on llama-1b-like: +12%% loss, slower, profiles/NOTES.md 7)")
+    parser.add_argument("--fp8-recompute", type=lambda text: tuple(n.strip() for n in text.split(",") if n.strip()),
+                        metavar="MODULE[,MODULE]",
+                        help="FP8 runs recompute these regions of every block in backward (--recompute-modules names; "
+                             "mlp on a --fuse-mlp LayerNormMLP recomputes norm, FC1 and SwiGLU, not FC2): a memory "
+                             "lever paid for in speed")
     parser.add_argument("--fp8-margin", type=int, default=0, metavar="N",
                         help="delayed runs: scales leave 2^N headroom below the FP8 maximum (Megatron's --fp8-margin)")
     parser.add_argument("--global-batch-size", dest="global_batch", type=int, metavar="N",
@@ -92,6 +97,8 @@ def speed_levers(args: argparse.Namespace, recipe: str, bf16_on_te: bool | None 
             "fp8_margin": args.fp8_margin if recipe == "delayed" else 0,
             "fuse_mlp": args.fuse_mlp and on_te,
             "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
+            **({"recompute": "all", "recompute_modules": args.fp8_recompute}
+               if args.fp8_recompute and recipe != BF16 else {}),
             "global_batch": args.global_batch,
             "gradient_accumulation_fusion": args.gradient_accumulation_fusion and (
                 args.model_impl == "megatron" or on_te)}
@@ -194,6 +201,7 @@ def run_ab(args: argparse.Namespace) -> int:
             **({"bf16_on_te": True} if args.bf16_on_te else {}),
             **({"fastest_bf16": True} if args.fastest_bf16 else {}),
             "compress_activations": args.compress_activations,  # FP8 arms only
+            **({"fp8_recompute": args.fp8_recompute} if args.fp8_recompute else {}),  # FP8 arms only
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
                                 if args.continue_from else ({}, []))
@@ -256,9 +264,11 @@ def run_ab(args: argparse.Namespace) -> int:
                      "which the bf16 repeats rerun"
                      if args.fastest_bf16 else
                      f"the bf16 arm is the plan without FP8{', on TE modules' if args.bf16_on_te else ''}")
+        recomputed = (f" The FP8 arms recompute {', '.join(args.fp8_recompute)} in every block in backward."
+                      if args.fp8_recompute else "")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
-                 f"({bf16_arms}). Noise: {payload['noise_method']}"
+                 f"({bf16_arms}).{recomputed} Noise: {payload['noise_method']}"
                  f"{repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
