@@ -350,6 +350,10 @@ def test_blockwise_experts_may_run_on_te_grouped_linear():
     assert (d.backend, d.recipe) == ("te", "blockwise")
     assert d.reason.endswith("via TransformerEngine GroupedLinear (blockwise_experts=te, not fp8stack's grouped "
                              "kernels)")
+    chosen = PolicyConfig(recipe="blockwise", blockwise_experts="te", blockwise_experts_why="auto, DeepGEMM cannot be "
+                          "loaded")  # a tool chose te for the user: the reason says why
+    assert make_plan(moe_model(), chosen).decision("layers.1.moe.experts.w13").reason.endswith(
+        "GroupedLinear (blockwise_experts=te: auto, DeepGEMM cannot be loaded; not fp8stack's grouped kernels)")
     with pytest.raises(PlanError, match="blockwise_experts='deepgemm': use grouped_fp8 or te"):
         PolicyConfig(recipe="blockwise", blockwise_experts="deepgemm")
 

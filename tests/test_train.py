@@ -308,6 +308,30 @@ def test_blockwise_experts_reach_the_plan():
         TrainConfig(blockwise_experts="x")
 
 
+def test_auto_blockwise_experts_on_te_say_why_in_the_plan():
+    from fp8stack.backends import deepgemm
+    from fp8stack.plan import PolicyConfig, make_plan
+    from fp8stack.plan.from_module import describe_module
+    from fp8stack.train.loop import blockwise_expert_options, build_model
+
+    if deepgemm.load()[0] is not None:
+        pytest.skip("DeepGEMM loads here, so auto keeps blockwise experts on fp8stack's grouped kernels")
+    assert blockwise_expert_options("auto", on_gpu=False) == {"blockwise_experts": "grouped_fp8"}
+    cfg = TrainConfig(model="tiny-moe", recipe="blockwise", device="cpu")
+    model = build_model(cfg, torch.device("cpu"))
+    description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
+
+    def expert_reason(choice: str) -> str:  # build_plan's resolution, as on a GPU (where DeepGEMM is missing)
+        policy = PolicyConfig(recipe="blockwise", **blockwise_expert_options(choice, on_gpu=True))
+        d = next(d for d in make_plan(description, policy).decisions if d.component.kind == "expert")
+        assert (d.backend, d.recipe) == ("te", "blockwise")
+        return d.reason
+
+    assert expert_reason("auto").endswith(
+        "GroupedLinear (blockwise_experts=te: auto, DeepGEMM cannot be loaded; not fp8stack's grouped kernels)")
+    assert expert_reason("te").endswith("GroupedLinear (blockwise_experts=te, not fp8stack's grouped kernels)")
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     def parts(model):
         optimizer = torch.optim.AdamW(model.parameters())

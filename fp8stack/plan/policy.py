@@ -84,6 +84,9 @@ class PolicyConfig:
     blockwise_experts: str = "grouped_fp8"
     """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM when installed, else torch scaled_mm per expert) or
     te (TE GroupedLinear, Float8BlockScaling)."""
+    blockwise_experts_why: str = ""
+    """Why blockwise_experts is te when a tool chose it (train's auto: 'auto, DeepGEMM cannot be loaded'); the
+    plan's reason for those expert GEMMs says it. Empty: chosen by the user."""
     overrides: tuple[Override, ...] = field(default=())
     """Per-block / per-fqn rules; the last matching one wins."""
 
@@ -207,7 +210,8 @@ def fp8(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision:
     if c.kind == "expert" and recipe != cfg.recipe and not override_reason:
         why += f"; grouped expert GEMMs have no {cfg.recipe} kernel, so they use {recipe}"
     if c.kind == "expert" and recipe == "blockwise" and backend == "te":
-        why += " GroupedLinear (blockwise_experts=te, not fp8stack's grouped kernels)"
+        chosen = f"te: {cfg.blockwise_experts_why};" if cfg.blockwise_experts_why else "te,"
+        why += f" GroupedLinear (blockwise_experts={chosen} not fp8stack's grouped kernels)"
     return Decision(c, backend, recipe, f"{override_reason}: {why}" if override_reason else why)
 
 

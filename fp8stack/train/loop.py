@@ -73,9 +73,7 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
     else:
         arch = CPU_ARCH
     options = {"small_gemm_filter": ("off" if not on_gpu else None) if cfg.small_gemm_filter == "auto"
-               else cfg.small_gemm_filter,
-               "blockwise_experts": cfg.blockwise_experts if cfg.blockwise_experts != "auto" else (
-                   "te" if on_gpu and deepgemm.load()[0] is None else "grouped_fp8")}
+               else cfg.small_gemm_filter, **blockwise_expert_options(cfg.blockwise_experts, on_gpu)}
     policy = PolicyConfig(recipe=cfg.recipe, fp8_format=cfg.fp8_format, backend=cfg.backend, arch=arch,
                           first_last_layers_bf16=cfg.first_last_layers_bf16,
                           num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
@@ -83,6 +81,16 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
                           **{k: v for k, v in options.items() if v is not None})
     description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
     return make_plan(description, policy)
+
+
+def blockwise_expert_options(choice: str, on_gpu: bool) -> dict[str, str]:
+    """PolicyConfig's blockwise_experts for TrainConfig.blockwise_experts `choice`: auto is te on a GPU where DeepGEMM
+    cannot be loaded (and then blockwise_experts_why says so, for the plan's reasons), else grouped_fp8."""
+    if choice != "auto":
+        return {"blockwise_experts": choice}
+    if on_gpu and deepgemm.load()[0] is None:
+        return {"blockwise_experts": "te", "blockwise_experts_why": "auto, DeepGEMM cannot be loaded"}
+    return {"blockwise_experts": "grouped_fp8"}
 
 
 @dataclass
