@@ -171,7 +171,7 @@ def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = Fa
                          f"(it uses {', '.join(names)}): drop them or fix the plan")
     backends = [get_backend(name, **options.get(name, {})) for name in names]
     for backend in backends:  # all checked before any module is touched
-        ok, why = backend.available()
+        ok, why = backend.available(sorted({d.recipe for d in plan.for_backend(backend.name)}))
         if not ok:
             raise BackendUnavailable(
                 f"the plan runs {len(plan.for_backend(backend.name))} component(s) on {backend.name}: {why}")

@@ -1,5 +1,6 @@
 """The backend protocol: every FP8 (or BF16) implementation offers the same three things."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,8 +42,8 @@ class Backend(Protocol):
     name: str
     """The plan's backend name."""
 
-    def available(self) -> tuple[bool, str]:
-        """(True, '') when it can run here, else (False, why and how to fix)."""
+    def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
+        """(True, '') when it can run here, the plan's `recipes` for it included, else (False, why and how to fix)."""
         ...
 
     def convert(self, model: nn.Module, decisions: list[Decision], plan: Plan) -> tuple[nn.Module, ConversionRecord]:

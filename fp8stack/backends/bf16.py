@@ -1,6 +1,7 @@
 """bf16 backend: the components the plan keeps in high precision stay as they are. It still checks
 that each planned fqn is in the model, so a plan written for another model cannot pass unnoticed."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,7 +20,7 @@ class BF16Backend:
     name: ClassVar[str] = BF16
     """The plan's backend name."""
 
-    def available(self) -> tuple[bool, str]:
+    def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
         """Runs anywhere."""
         return True, ""
 

@@ -23,6 +23,7 @@ eager quantizer costs ~7 FP32 passes of its input instead):
 - host syncs: blockwise reads the group sizes once per forward (.tolist()), reused by backward; rowwise none.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -305,7 +306,7 @@ class GroupedFP8Backend:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"grouped_fp8 kernels={self.kernels!r}: use one of {', '.join(KERNEL_CHOICES)}")
 
-    def available(self) -> tuple[bool, str]:
+    def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
         if not torch.cuda.is_available():
             return False, ("no CUDA GPU: grouped_fp8 runs torch's FP8 grouped GEMMs (sm90/sm100) and block-scaled "
                            "GEMMs (sm90); run on a Hopper GPU, or plan the experts in BF16 (--recipe bf16)")

@@ -10,6 +10,7 @@ TransformerEngine and CUDA are looked up only when asked for: importing this mod
 
 import importlib.util
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
@@ -106,10 +107,9 @@ class TEBackend:
 
     name: ClassVar[str] = "te"
 
-    def available(self, recipes: tuple[str, ...] | list[str] = ()) -> tuple[bool, str]:
+    def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
         """(True, '') when TE imports with CUDA here and this GPU runs every FP8 recipe in `recipes`; else why.
-        Only FP8 recipes ask for FP8 support: a bf16 plan on te runs on a GPU without it, and the assembly's
-        check before converting names no recipes (convert checks the plan's own before its first swap)."""
+        Only FP8 recipes ask for FP8 support: a bf16 plan on te runs on a GPU without it."""
         reason = _import_problem()
         if reason:
             return False, reason
@@ -221,7 +221,7 @@ def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], d
     return linears, _expert_pairs([d for d in decisions if d.component.kind == "expert"], plan), recipes
 
 
-def _support_checks(recipes: tuple[str, ...] | list[str]) -> dict[str, str]:
+def _support_checks(recipes: Sequence[str]) -> dict[str, str]:
     """FP8 recipe of `recipes` -> the transformer_engine.pytorch function that says whether this GPU runs it;
     bf16 needs none (TE's modules without FP8). PlanError for a recipe TE does not have."""
     for recipe in recipes:

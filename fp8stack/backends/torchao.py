@@ -2,6 +2,7 @@
 convert_to_float8_training, one call per recipe, and the result is checked to be exactly that."""
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -63,7 +64,7 @@ class TorchaoBackend:
     name: ClassVar[str] = "torchao"
     """The plan's backend name."""
 
-    def available(self) -> tuple[bool, str]:
+    def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
         """FP8 GEMMs need SM89+ on CUDA; without a GPU torch's CPU scaled GEMMs run them (tests)."""
         if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
             major, minor = torch.cuda.get_device_capability()

@@ -101,7 +101,7 @@ def convert(model: nn.Module, plan: Plan, decisions: list[Decision], options: di
             entry: dict) -> nn.Module:
     """Convert through the planned backend, as the assembly does; note in `entry` what now runs the GEMM."""
     backend = get_backend(decisions[0].backend, **options)
-    ok, reason = backend.available()
+    ok, reason = backend.available(sorted({d.recipe for d in decisions}))
     if not ok:
         raise BackendUnavailable(reason)
     model, record = backend.convert(model, decisions, plan)

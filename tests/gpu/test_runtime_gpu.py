@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
 
-_TE_OK, _TE_WHY = TEBackend().available()
+_TE_OK, _TE_WHY = TEBackend().available(["tensorwise", "delayed"])  # the FP8 recipes these tests run
 needs_te = pytest.mark.skipif(not _TE_OK, reason=_TE_WHY or "TransformerEngine unavailable")
 
 RECOMPUTE_REL_ERR = 0.01
