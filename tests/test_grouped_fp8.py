@@ -269,6 +269,12 @@ def test_deepgemm_m_indices_and_k_grouped_flattening():
     assert m_indices([2, 0, 3], torch.device("cpu")).dtype == torch.int32
     data = torch.arange(2 * 5).view(2, 5)  # [dim 2, tokens 5], experts own 2, 0, 3 tokens
     assert flatten_k_grouped(data, [2, 0, 3]).tolist() == [0, 1, 5, 6, 2, 3, 4, 7, 8, 9]
+    # FP8 in groups of 8-token multiples moves as 8-byte words, other counts byte by byte: the same layout.
+    for counts in ([128, 0, 256, 16], [130, 0, 7, 3]):
+        fp8 = torch.randn(3, sum(counts)).to(torch.float8_e4m3fn)
+        blocks = fp8.view(torch.uint8).split(counts, dim=1)
+        expected = torch.cat([block.contiguous().view(-1) for block in blocks])
+        assert torch.equal(flatten_k_grouped(fp8, counts).view(torch.uint8), expected), counts
 
 
 # ---- the autograd functions on the kernels' contracts ---------------------------------------------------
@@ -526,3 +532,10 @@ def test_compiled_quantizers_equal_eager_bit_for_bit_without_recompiling():
     source = padding.unpad_source
     y = torch.randn(padding.rows, 32)
     assert torch.equal(fp8_quant.gather_rows_fused.compiled(y, source), padding.unpad(y))
+    blocks = fp8_quant.quantize_blocks_128x128(w)
+    transposed = fp8_quant.transpose_blocks(blocks)  # eager here; the compiled byte transpose must agree
+    assert torch.equal(fp8_quant._transposed_bytes.compiled(blocks.data.view(torch.uint8)),
+                       transposed.data.view(torch.uint8))
+    direct = quantize_128x128(w.transpose(1, 2))
+    assert transposed.data.is_contiguous() and torch.equal(transposed.scale, direct.scale)
+    assert torch.equal(transposed.data.view(torch.uint8), direct.data.view(torch.uint8))

@@ -45,12 +45,22 @@ def m_indices(counts: list[int] | tuple[int, ...], device: torch.device) -> torc
 
 
 def flatten_k_grouped(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """[dim, tokens] -> 1-D: expert by expert, its [dim, expert_tokens] block, K (tokens) innermost."""
-    blocks, start = [], 0
+    """[dim, tokens] -> 1-D: expert by expert, its [dim, expert_tokens] block, K (tokens) innermost.
+    Each block is copied straight into place, in 8-byte words where the token counts allow it (DeepGEMM's
+    groups are 128-token multiples): torch copies a strided FP8 tensor one byte per element, ~8x slower."""
+    dim, tokens = data.shape
+    out = data.new_empty(dim * sum(counts))
+    per_word = max(1, 8 // data.element_size())
+    if data.is_contiguous() and all(n % per_word == 0 for n in (tokens, *counts)):
+        source, target = data.view(torch.int64), out.view(torch.int64)
+    else:
+        source, target, per_word = data, out, 1
+    start = 0
     for count in counts:
-        blocks.append(data[:, start:start + count].contiguous().view(-1))
+        words, first = count // per_word, start // per_word
+        target[dim * first:dim * (first + words)].view(dim, words).copy_(source[:, first:first + words])
         start += count
-    return torch.cat(blocks)
+    return out
 
 
 class DeepGemmKernels:

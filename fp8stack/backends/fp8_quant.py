@@ -75,6 +75,18 @@ def quantize_blocks_128x128(w: torch.Tensor) -> Fp8Tensor:
     return quantize_128x128(w)
 
 
+@fused(dynamic_dims=())
+def _transposed_bytes(data: torch.Tensor) -> torch.Tensor:
+    return data.transpose(-2, -1).contiguous()
+
+
+def transpose_blocks(w: Fp8Tensor) -> Fp8Tensor:
+    """quantize_blocks_128x128(w^T) from w's quantization: a 128x128 block of w^T is a block of w transposed.
+    The data moves as bytes through one compiled transpose on CUDA (torch copies strided FP8 a byte per thread)."""
+    data = _transposed_bytes(w.data.view(torch.uint8)).view(w.data.dtype)
+    return Fp8Tensor(data, w.scale.transpose(-2, -1).contiguous())
+
+
 # ---- rowwise: one scale per row; per token group and column for the weight gradient ----------------------
 
 def quantize_rowwise(x: torch.Tensor) -> Fp8Tensor:

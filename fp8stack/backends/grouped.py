@@ -201,8 +201,7 @@ class BlockwiseGroupedMM(torch.autograd.Function):
             grad_t = fp8_quant.quantize_cols_1x128(grad_padded)
         grad_x = grad_w = None
         if need_x:
-            # A 128x128 block of w^T is the transpose of a block of w: the forward's quantization, transposed.
-            weight_t = Fp8Tensor(weight_data.transpose(1, 2).contiguous(), weight_scale.transpose(1, 2).contiguous())
+            weight_t = fp8_quant.transpose_blocks(Fp8Tensor(weight_data, weight_scale))  # the forward's, transposed
             grad_x = kernels.m_grouped(grad_fp8, weight_t, layout.padded)
             grad_x = layout.unpad(grad_x, ctx.rows).to(ctx.x_dtype)
         if need_w:
