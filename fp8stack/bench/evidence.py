@@ -20,7 +20,7 @@ PACKAGES = {
     "transformer_engine": ("transformer-engine", "transformer-engine-torch"),
     "torchao": ("torchao",),
     "megatron_core": ("megatron-core",),
-    "deep_gemm": ("deep-gemm",),
+    "deep_gemm": ("deep-gemm", "deepinfer-gemm", "sgl-deep-gemm"),  # launch/build_deepgemm.sh: deepinfer-gemm
     "triton": ("triton",),
 }
 """Reported name -> installed distribution names tried in order (read from metadata: importing TE
