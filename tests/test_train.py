@@ -302,33 +302,31 @@ def test_blockwise_experts_reach_the_plan():
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
         return next(d.backend for d in plan.decisions if d.component.kind == "expert")
 
-    assert expert_backend() == "grouped_fp8"  # auto on a CPU: the grouped kernels (te only on a GPU without DeepGEMM)
+    assert expert_backend() == "grouped_fp8"  # auto on a CPU: the grouped kernels (te only where TE runs)
     assert expert_backend(blockwise_experts="te") == "te"
     with pytest.raises(TrainConfigError, match="unknown blockwise_experts 'x': use auto, grouped_fp8 or te"):
         TrainConfig(blockwise_experts="x")
 
 
 def test_auto_blockwise_experts_on_te_say_why_in_the_plan():
-    from fp8stack.backends import deepgemm
     from fp8stack.plan import PolicyConfig, make_plan
     from fp8stack.plan.from_module import describe_module
-    from fp8stack.train.loop import blockwise_expert_options, build_model
+    from fp8stack.train.loop import AUTO_BLOCKWISE_EXPERTS_ON_TE, blockwise_expert_options, build_model
 
-    if deepgemm.load()[0] is not None:
-        pytest.skip("DeepGEMM loads here, so auto keeps blockwise experts on fp8stack's grouped kernels")
-    assert blockwise_expert_options("auto", on_gpu=False) == {"blockwise_experts": "grouped_fp8"}
+    assert blockwise_expert_options("auto", te_runs_blockwise=False) == {"blockwise_experts": "grouped_fp8"}
+    assert blockwise_expert_options("grouped_fp8", te_runs_blockwise=True) == {"blockwise_experts": "grouped_fp8"}
     cfg = TrainConfig(model="tiny-moe", recipe="blockwise", device="cpu")
     model = build_model(cfg, torch.device("cpu"))
     description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
 
-    def expert_reason(choice: str) -> str:  # build_plan's resolution, as on a GPU (where DeepGEMM is missing)
-        policy = PolicyConfig(recipe="blockwise", **blockwise_expert_options(choice, on_gpu=True))
+    def expert_reason(choice: str) -> str:  # build_plan's resolution, as on a GPU where TE runs blockwise
+        policy = PolicyConfig(recipe="blockwise", **blockwise_expert_options(choice, te_runs_blockwise=True))
         d = next(d for d in make_plan(description, policy).decisions if d.component.kind == "expert")
         assert (d.backend, d.recipe) == ("te", "blockwise")
         return d.reason
 
     assert expert_reason("auto").endswith(
-        "GroupedLinear (blockwise_experts=te: auto, DeepGEMM cannot be loaded; not fp8stack's grouped kernels)")
+        f"GroupedLinear (blockwise_experts=te: {AUTO_BLOCKWISE_EXPERTS_ON_TE}; not fp8stack's grouped kernels)")
     assert expert_reason("te").endswith("GroupedLinear (blockwise_experts=te, not fp8stack's grouped kernels)")
 
 

@@ -85,8 +85,8 @@ class PolicyConfig:
     """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM when installed, else torch scaled_mm per expert) or
     te (TE GroupedLinear, Float8BlockScaling)."""
     blockwise_experts_why: str = ""
-    """Why blockwise_experts is te when a tool chose it (train's auto: 'auto, DeepGEMM cannot be loaded'); the
-    plan's reason for those expert GEMMs says it. Empty: chosen by the user."""
+    """Why blockwise_experts is te when a tool chose it (train's auto); the plan's reason for those expert GEMMs
+    says it. Empty: chosen by the user."""
     overrides: tuple[Override, ...] = field(default=())
     """Per-block / per-fqn rules; the last matching one wins."""
 

@@ -43,7 +43,7 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--blockwise-experts", "blockwise_experts", {
         "choices": ("auto", *BLOCKWISE_EXPERT_BACKENDS),
         "help": "blockwise expert GEMMs on fp8stack's grouped kernels or TE GroupedLinear "
-                "(auto: te on a GPU without DeepGEMM)"}),
+                "(auto: te where TE runs blockwise FP8, measured faster)"}),
     ("--train-iters", "steps", {"type": int, "metavar": "N", "help": "optimizer steps"}),
     ("--lr-warmup-iters", "warmup", {"type": int, "metavar": "N"}),
     ("--lr", "lr", {"type": float}),

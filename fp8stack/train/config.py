@@ -52,8 +52,8 @@ class TrainConfig:
     the CPU run exists to exercise FP8 numerics) and the policy's default on a GPU."""
     blockwise_experts: str = "auto"
     """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM, else torch scaled_mm per expert), te (TE
-    GroupedLinear), or auto: te on a GPU where DeepGEMM cannot be loaded (torch's per-expert fallback is slower
-    than BF16 at issue 7's shape, profiles/backends-h200.md), else grouped_fp8."""
+    GroupedLinear), or auto: te where TE runs blockwise FP8 (faster than grouped_fp8 on either kernels at issue 7's
+    shape, profiles/backends-issue7-experts-deepgemm-h200.md), else grouped_fp8."""
     steps: int = 40
     """Optimizer steps."""
     warmup: int = 4

@@ -25,8 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.tensorboard import SummaryWriter
 
-from fp8stack.backends import deepgemm
-from fp8stack.backends.te import import_before_cudnn
+from fp8stack.backends.te import TEBackend, import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan, PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
@@ -73,7 +72,8 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
     else:
         arch = CPU_ARCH
     options = {"small_gemm_filter": ("off" if not on_gpu else None) if cfg.small_gemm_filter == "auto"
-               else cfg.small_gemm_filter, **blockwise_expert_options(cfg.blockwise_experts, on_gpu)}
+               else cfg.small_gemm_filter,
+               **blockwise_expert_options(cfg.blockwise_experts, on_gpu and TEBackend().available(["blockwise"])[0])}
     policy = PolicyConfig(recipe=cfg.recipe, fp8_format=cfg.fp8_format, backend=cfg.backend, arch=arch,
                           first_last_layers_bf16=cfg.first_last_layers_bf16,
                           num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
@@ -83,13 +83,18 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
     return make_plan(description, policy)
 
 
-def blockwise_expert_options(choice: str, on_gpu: bool) -> dict[str, str]:
-    """PolicyConfig's blockwise_experts for TrainConfig.blockwise_experts `choice`: auto is te on a GPU where DeepGEMM
-    cannot be loaded (and then blockwise_experts_why says so, for the plan's reasons), else grouped_fp8."""
+AUTO_BLOCKWISE_EXPERTS_ON_TE = ("auto, measured faster than grouped_fp8 on DeepGEMM or torch kernels at issue 7's "
+                                "expert shape: profiles/backends-issue7-experts-deepgemm-h200.md")
+"""Why auto puts blockwise experts on TE GroupedLinear where TE runs blockwise FP8 (the plan's reason says it)."""
+
+
+def blockwise_expert_options(choice: str, te_runs_blockwise: bool) -> dict[str, str]:
+    """PolicyConfig's blockwise_experts for TrainConfig.blockwise_experts `choice`: auto is te where TE runs blockwise
+    FP8 (and then blockwise_experts_why says why, for the plan's reasons), else grouped_fp8."""
     if choice != "auto":
         return {"blockwise_experts": choice}
-    if on_gpu and deepgemm.load()[0] is None:
-        return {"blockwise_experts": "te", "blockwise_experts_why": "auto, DeepGEMM cannot be loaded"}
+    if te_runs_blockwise:
+        return {"blockwise_experts": "te", "blockwise_experts_why": AUTO_BLOCKWISE_EXPERTS_ON_TE}
     return {"blockwise_experts": "grouped_fp8"}
 
 
