@@ -282,7 +282,8 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
     names (RECOMPUTE_MODULES: 'block' is the whole block; 'mlp', 'attn', 'core_attn', 'moe',
     'moe_act', 'shared_experts', 'layernorm' its parts, as Megatron's --recompute-modules). A region
     runs its recompute through TE's checkpoint when convert_fp8 put TE FP8 layers in it, and a TE
-    LayerNormMLP (fuse_mlp) through its own checkpoint option, which skips FC2 (see checkpoint_module). A name no chosen block has, or regions nested in one another, raise ValueError."""
+    LayerNormMLP (fuse_mlp) through its own checkpoint option, which skips FC2 (see checkpoint_module).
+    A name no chosen block has, or regions nested in one another, raise ValueError."""
     state = _begin(model, "recompute")
     children = dict(_blocks(model))
     chosen = list(children) if blocks == "all" else [str(i) for i in blocks]

@@ -67,10 +67,10 @@ def checkpoint_module(module: nn.Module, *, fp8_active: bool) -> nn.Module:
     output backward does not need (a wrapper would recompute that GEMM too), and it replays
     delayed-scaling scales itself.
 
-    Other regions are wrapped. A region with TE layers running FP8 goes through TE's checkpoint: the recompute must run under
-    the same FP8 autocast and scales as the forward and must not update amax histories twice, which
-    TE's checkpoint arranges (it re-enters the autocast found at the forward and replays
-    delayed-scaling scales; Megatron takes the same branch on --fp8). Everything else uses
+    Other regions are wrapped. A region with TE layers running FP8 goes through TE's checkpoint: the
+    recompute must run under the same FP8 autocast and scales as the forward and must not update amax
+    histories twice, which TE's checkpoint arranges (it re-enters the autocast found at the forward and
+    replays delayed-scaling scales; Megatron takes the same branch on --fp8). Everything else uses
     torch.utils.checkpoint, non-reentrant, which restores torch autocast and the RNG state (dropout
     masks repeat): BF16 TE layers recompute like any module, and torchao's dynamic scales are
     recomputed from the same inputs with the module's own config, so they come out identical.
