@@ -59,7 +59,7 @@ def test_only_fp8_recipes_ask_te_for_fp8_support():
     recipes = sorted({d.recipe for d in plan.for_backend("te")})
     assert recipes == ["bf16"]
     assert _support_checks(recipes) == {}  # a bf16 plan on te runs on a GPU without FP8 (Ampere)
-    assert _support_checks(()) == {}  # the assembly's check before converting: TE and CUDA only
+    assert _support_checks(()) == {}  # no recipe named: only that TE imports with CUDA
     assert _support_checks(["bf16", "delayed", "blockwise"]) == {
         "delayed": "is_fp8_available", "blockwise": "is_fp8_block_scaling_available"}
     with pytest.raises(PlanError, match="'rowwise' has no TransformerEngine implementation"):
