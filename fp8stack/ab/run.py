@@ -36,6 +36,11 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 program using it can take the host's GPUs out of service for everyone."""
 
 
+def comma_separated(text: str) -> tuple[str, ...]:
+    """An option's 'a, b,c' -> ('a', 'b', 'c'): items stripped, empty ones dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `ab` subcommand to an argparse subparsers object; it runs run_ab(args)."""
     parser = subparsers.add_parser(
@@ -58,7 +63,7 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress-activations", action="store_true",
                         help="FP8 runs store the BF16 activations saved for backward in FP8 (a memory "
                              "lever; rolled back on llama-1b-like: +12%% loss, slower, profiles/NOTES.md 7)")
-    parser.add_argument("--fp8-recompute", type=lambda text: tuple(n.strip() for n in text.split(",") if n.strip()),
+    parser.add_argument("--fp8-recompute", type=comma_separated,
                         metavar="MODULE[,MODULE]",
                         help="FP8 runs recompute these regions of every block in backward (--recompute-modules names; "
                              "mlp on a --fuse-mlp LayerNormMLP recomputes norm, FC1 and SwiGLU, not FC2): a memory "
@@ -144,7 +149,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "spread between runs unmeasured")
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone with FSDP2")
-    parser.add_argument("--gpus", type=lambda text: [g.strip() for g in text.split(",") if g.strip()], metavar="0,1",
+    parser.add_argument("--gpus", type=comma_separated, metavar="0,1",
                         help="run the arms side by side, one per listed GPU (CUDA_VISIBLE_DEVICES), in waves, the bf16 "
                              "repeat included: for long loss runs; each arm's step time is then taken while the "
                              "others run")
@@ -348,7 +353,7 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
 
 def _recipes(text: str) -> list[str]:
     """The arms in order, bf16 first (added when missing: every verdict compares with it)."""
-    names = list(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))
+    names = list(dict.fromkeys(comma_separated(text)))
     unknown = [r for r in names if r != BF16 and r not in RECIPES]
     if unknown:
         raise PlanError(f"unknown recipe(s) {', '.join(unknown)} in --recipes: use {', '.join([BF16, *RECIPES])}")

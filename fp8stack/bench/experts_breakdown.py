@@ -7,30 +7,22 @@ needs), the quantizers, and the step's CUDA kernels by time. Writes profiles/exp
 """
 
 import argparse
+import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fp8stack.backends import deepgemm, fp8_quant
 from fp8stack.backends.grouped import BlockwiseGroupedMM, TorchBlockwiseKernels
+from fp8stack.bench.backends import time_steps
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 
 KERNELS = {"deepgemm": deepgemm.DeepGemmKernels, "torch": TorchBlockwiseKernels}
 
 
-def median_ms(fn, iters: int, warmup: int) -> float:
-    """Median CUDA-event time of fn() over `iters` calls after `warmup`."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def median_ms(fn, grads_of: list[torch.Tensor], iters: int) -> float:
+    """Median CUDA-event time of fn() (backends.time_steps: `grads_of` dropped before each call) after 5 warm-ups."""
+    return statistics.median(time_steps(lambda _: fn(), grads_of, iters, warmup=5))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,11 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     gemm_flop = 2 * e * t * d * n
 
     def fp8_step():
-        x.grad = w.grad = None
         BlockwiseGroupedMM.apply(x, w, offsets, kernels).backward(grad)
 
     def bf16_step():
-        x.grad = w.grad = None
         torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad)
 
     steps = {"bf16 step": bf16_step, "fp8 step": fp8_step}
@@ -77,11 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         "transpose w's FP8 blocks": lambda: fp8_quant.transpose_blocks(weight_fp8),
         "quantize grad, rows and columns": lambda: fp8_quant.quantize_both_1x128(grad),
     }
-    timings = {name: median_ms(fn, args.iters, warmup=5) for name, fn in {**steps, **parts}.items()}
+    timings = {name: median_ms(fn, [x, w] if name in steps else [], args.iters)
+               for name, fn in {**steps, **parts}.items()}
     flop = {"bf16 step": 3 * gemm_flop, "fp8 step": 3 * gemm_flop,
             **{name: gemm_flop for name in parts if "GEMM" in name}}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
+            x.grad = w.grad = None
             fp8_step()
         torch.cuda.synchronize()
     kernel_rows = [[e.key[:100], round(e.device_time_total / 3 / 1e3, 4), e.count // 3]
