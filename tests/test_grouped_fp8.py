@@ -119,7 +119,9 @@ class ContractDeepGemm:
 
     @staticmethod
     def k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks, ks_tensor, c, recipe):
-        assert recipe == (1, 1, 128) and c is not d and d.dtype == c.dtype == torch.float32
+        assert recipe == (1, 1, 128) and d.dtype == c.dtype == torch.float32
+        if c is not d:  # DeepGEMM copies c into d first, then accumulates in d
+            d.copy_(c)
         assert ks_tensor.tolist() == ks and all(k % 128 == 0 for k in ks)
         (a_flat, a_scale), (b_flat, b_scale) = a, b
         m, n = d.shape[1:]
@@ -129,7 +131,7 @@ class ContractDeepGemm:
             tiles = slice(start // 128, (start + k) // 128)
             a_e = dequantize_1x128(Fp8Tensor(a_flat[start * m:(start + k) * m].view(m, k), a_scale[:, tiles]))
             b_e = dequantize_1x128(Fp8Tensor(b_flat[start * n:(start + k) * n].view(n, k), b_scale[:, tiles]))
-            d[e] = c[e] + a_e @ b_e.T
+            d[e] += a_e @ b_e.T
             start += k
 
 

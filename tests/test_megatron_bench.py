@@ -75,8 +75,8 @@ def test_trains_and_against_bf16():
 
 def test_arguments_need_enough_windows_for_the_noise(capsys):
     args = bench.parse_args([])
-    assert (args.steps, args.window, args.recipes) == (50, 5, ["bf16", "delayed", "tensorwise", "blockwise"])
-    assert args.moe_recipes == ["bf16", "tensorwise", "blockwise"]
+    assert (args.steps, args.window, args.recipes) == (50, 5, ("bf16", "delayed", "tensorwise", "blockwise"))
+    assert args.moe_recipes == ("bf16", "tensorwise", "blockwise")
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "20", "--window", "5"])
     assert "gives 4 timed windows per arm; the noise needs at least 6" in capsys.readouterr().err

@@ -91,11 +91,11 @@ class DeepGemmKernels:
 
     def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32."""
-        out = torch.empty(len(counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
-        # The Hopper kernel computes d = c + a @ b^T and needs c and d to be distinct buffers.
-        accumulator = torch.zeros_like(out)
+        # The Hopper kernel computes d = c + a @ b^T in place in d; DeepGEMM first copies c into d unless c is d,
+        # so c is d, zeroed (an expert without tokens keeps a zero gradient).
+        out = torch.zeros(len(counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
         ks = list(counts)
         self.k_grouped_gemm(
             (flatten_k_grouped(a.data, ks), a.scale), (flatten_k_grouped(b.data, ks), b.scale), out, ks,
-            torch.tensor(ks, dtype=torch.int32, device=a.data.device), accumulator, recipe=(1, 1, BLOCK))
+            torch.tensor(ks, dtype=torch.int32, device=a.data.device), out, recipe=(1, 1, BLOCK))
         return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fp8stack.ab import comma_separated
 from fp8stack.backends import BackendUnavailable, get_backend
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import GroupedExperts
@@ -301,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     major, minor = torch.cuda.get_device_capability()
     s = Settings(tokens=args.tokens, iters=args.iters, warmup=args.warmup, arch=10 * major + minor,
                  compile=args.compile)
-    names = [n for n in args.shapes.split(",") if n]
+    names = list(comma_separated(args.shapes))
     dense = []
     for shape in linear_shapes(names):
         for backend, recipe in DENSE_VARIANTS:

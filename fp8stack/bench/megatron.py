@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fp8stack.ab import LAST_FRACTION, final_loss
+from fp8stack.ab import LAST_FRACTION, comma_separated, final_loss
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 from fp8stack.bench.megatron_verdicts import (LOSS_TOLERANCE, MIN_WINDOWS, NOISE_METHOD, against, judge_pair,
                                               rounds_for, trains, window_order, window_summary)
@@ -257,7 +257,7 @@ def dense_group(recipe: str) -> list[Arm]:
             for name, spec_fn in zip(SPECS, (megatron_spec, fp8stack_spec))]
 
 
-def moe_group(recipes: list[str]) -> list[Arm]:
+def moe_group(recipes: Sequence[str]) -> list[Arm]:
     """MoE arms on fp8stack's factory spec, BF16 (config without --fp8) and FP8 grouped experts alike."""
     return [Arm(f"moe {recipe} fp8stack-spec", recipe, _builder(MOE, recipe, fp8stack_spec)) for recipe in recipes]
 
@@ -360,8 +360,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if windows < MIN_WINDOWS:
         parser.error(f"--steps {args.steps} / --window {args.window} gives {windows} timed windows per arm; the "
                      f"noise needs at least {MIN_WINDOWS}: raise --steps or lower --window")
-    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    args.moe_recipes = [r.strip() for r in args.moe_recipes.split(",") if r.strip()]
+    args.recipes, args.moe_recipes = comma_separated(args.recipes), comma_separated(args.moe_recipes)
     return args
 
 

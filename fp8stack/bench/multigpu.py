@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fp8stack.ab import comma_separated
 from fp8stack.bench.evidence import device_slug, environment, markdown_table, provenance, write_evidence
 from fp8stack.train.fault import KILL_AT_ENV
 from fp8stack.train.timing import relative_spread, steady_state
@@ -499,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="keep the parts not run now from the existing evidence file (each part records its "
                              "own date and command), e.g. to rerun one part")
     args = parser.parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    parts = comma_separated(args.parts)
     unknown = sorted(set(parts) - set(PARTS))
     if not parts:
         parser.error(f"--parts is empty: name some of {','.join(PARTS)}")

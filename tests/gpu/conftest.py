@@ -1,4 +1,5 @@
-"""Shared by the GPU tests: `requires_cuda` skips a test without a CUDA device, saying so.
+"""Shared by the GPU tests: `requires_cuda` skips a test without a CUDA device, saying so (module-level skips:
+gpu_skips.py).
 
 Use it as a fixture argument (it returns the device) or for a whole module with
 `pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("requires_cuda")]`.
@@ -6,11 +7,12 @@ Use it as a fixture argument (it returns the device) or for a whole module with
 
 import pytest
 import torch
+from gpu_skips import NO_CUDA
 
 
 @pytest.fixture
 def requires_cuda() -> torch.device:
     """The current CUDA device; skips the test when torch sees none."""
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False")
+        pytest.skip(NO_CUDA)
     return torch.device("cuda", torch.cuda.current_device())

@@ -18,10 +18,11 @@ from fp8stack.backends.fp8_quant import quantize_rowwise
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 
+from gpu_skips import require_cuda
+
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
+require_cuda()
 if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip(f"needs an sm90 (Hopper) GPU: torch's DeepSeek-style scaled_mm is sm90-only, this is "
                 f"sm{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)

@@ -6,14 +6,11 @@ without. Run with `pytest -m gpu tests/gpu/test_megatron_gpu.py`."""
 import pytest
 import torch
 
-from fp8stack.megatron.precision import te_usable
+from gpu_skips import require_te
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-if not te_usable():
-    pytest.skip("needs TransformerEngine importable with CUDA (pip install 'fp8stack[gpu]')", allow_module_level=True)
+require_te()
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common import recipe as te_recipes  # noqa: E402

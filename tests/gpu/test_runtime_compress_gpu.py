@@ -9,19 +9,17 @@ import copy
 import pytest
 import torch
 
-from fp8stack.backends.te import TEBackend
 from fp8stack.bench.runtime import build, token_loss
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig
 from fp8stack.runtime import compress_saved_activations
 
+from gpu_skips import require_cuda, te_mark
+
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-
-_TE_OK, _TE_WHY = TEBackend().available(["tensorwise"])
-needs_te = pytest.mark.skipif(not _TE_OK, reason=_TE_WHY or "TransformerEngine unavailable")
+require_cuda()
+needs_te = te_mark(["tensorwise"])
 
 COMPRESSED_GRAD_REL_ERR = 0.08
 """||g_compressed - g|| / ||g|| for a weight whose gradient takes one compressed activation in

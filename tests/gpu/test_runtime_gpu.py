@@ -11,20 +11,20 @@ import pytest
 import torch
 from torch import nn
 
-from fp8stack.backends.te import TEBackend, te_recipe
+from fp8stack.backends.te import te_recipe
 from fp8stack.bench.runtime import CAPTURE_VARIANTS, build, capture, token_loss
 from fp8stack.plan import PolicyConfig
 from fp8stack.runtime import PrecisionProbe, checkpoint_module
 from fp8stack.models.llama import LlamaConfig
 from fp8stack.runtime.recompute import CheckpointWrapper, recomputes_itself
 
+from gpu_skips import require_cuda, te_runs
+
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-
-_TE_OK, _TE_WHY = TEBackend().available(["tensorwise", "delayed"])  # the FP8 recipes these tests run
-needs_te = pytest.mark.skipif(not _TE_OK, reason=_TE_WHY or "TransformerEngine unavailable")
+require_cuda()
+_TE_OK, _TE_WHY = te_runs(["tensorwise", "delayed"])  # the FP8 recipes these tests run
+needs_te = pytest.mark.skipif(not _TE_OK, reason=_TE_WHY)
 
 RECOMPUTE_REL_ERR = 0.01
 """TE's checkpoint replays the forward with the same inputs and scales: the gradients agree up to the

@@ -11,16 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from fp8stack.backends.te import TEBackend, te_recipe
+from fp8stack.backends.te import te_recipe
 from fp8stack.runtime import te_graphed
+
+from gpu_skips import require_te
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-_TE_OK, _TE_WHY = TEBackend().available(["delayed", "tensorwise"])
-if not _TE_OK:
-    pytest.skip(_TE_WHY, allow_module_level=True)
+require_te(["delayed", "tensorwise"])
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402

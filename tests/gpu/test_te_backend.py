@@ -13,13 +13,11 @@ from fp8stack.models import GroupedExperts, Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.plan.recipes import FP8_FORMATS, get_recipe
 
+from gpu_skips import require_te
+
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-_TE_OK, _TE_WHY = TEBackend().available(["tensorwise"])  # its tests run FP8
-if not _TE_OK:
-    pytest.skip(_TE_WHY, allow_module_level=True)
+require_te(["tensorwise"])  # its tests run FP8
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common import recipe as te_recipes  # noqa: E402

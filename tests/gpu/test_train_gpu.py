@@ -8,20 +8,17 @@ import pickle
 import pytest
 import torch
 
-from fp8stack.backends.te import TEBackend
 from fp8stack.models import Llama
 from fp8stack.train import checkpoint
 from fp8stack.train.checkpoint import EXTRA_STATE_SUFFIX
 from fp8stack.train.config import TrainConfig
 from fp8stack.train.loop import session, train
 
+from gpu_skips import require_te
+
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-_TE_OK, _TE_WHY = TEBackend().available(["delayed"])
-if not _TE_OK:
-    pytest.skip(_TE_WHY, allow_module_level=True)
+require_te(["delayed"])
 
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402

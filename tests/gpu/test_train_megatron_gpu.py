@@ -8,14 +8,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from fp8stack.megatron.precision import te_usable
+from gpu_skips import require_te
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False", allow_module_level=True)
-if not te_usable():
-    pytest.skip("needs TransformerEngine importable with CUDA (pip install 'fp8stack[gpu]')", allow_module_level=True)
+require_te()
 
 import transformer_engine.pytorch as te  # noqa: E402
 

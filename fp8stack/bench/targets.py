@@ -1,0 +1,192 @@
+"""Issue 7's targets against the evidence files that measured them, read on any machine:
+
+    python -m fp8stack.bench.targets --label issue7 --ab profiles/ab-...-h200.json [...] \\
+        --experts profiles/backends-...-h200.json --profile profiles/profile-...-h200.json \\
+        --loss-band profiles/loss-band-...-h200.json
+
+Per target: the best value the files hold, the file and arm it comes from, and met / not met / inconclusive (a
+loss gap beyond the tolerance while the FP8 run lies among the BF16 runs, whose own spread exceeds it).
+Ratios are against each A/B file's reference arm (`fp8stack ab`'s baseline: the faster BF16 configuration under
+--fastest-bf16, else plain BF16). A file run without --fastest-bf16 can show a target not met (its reference is
+no faster than the fastest BF16 configuration), never met: such a row says "not judged". Writes
+profiles/targets-<model>-<label>-<device>.json and .md.
+"""
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fp8stack.ab.verdicts import BF16_ARMS
+from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of issue 7's targets."""
+
+    key: str
+    """Short name, the row's id."""
+    what: str
+    """What is measured, in words."""
+    limit: float
+    """The target value."""
+    at_least: bool
+    """True: the value must be >= limit (a speed-up); False: <= limit (memory, overhead, loss gap)."""
+
+    def met(self, value: float) -> bool:
+        return value >= self.limit if self.at_least else value <= self.limit
+
+
+TARGETS = {t.key: t for t in (
+    Target("speed", "fastest FP8 arm, tokens/s over the reference BF16 arm", 1.45, True),
+    Target("memory", "peak memory of that fastest arm over the reference's", 0.90, False),
+    Target("memory-lean", "the FP8 arm with the lowest peak memory over the reference's (its speed beside)", 0.90,
+           False),
+    Target("blockwise", "fastest blockwise (1x128 / 128x128) arm, tokens/s over the reference", 1.30, True),
+    Target("moe", "grouped blockwise FP8 expert GEMM (w13, fwd+bwd) over the BF16 grouped GEMM", 1.75, True),
+    Target("quantize", "quantize + scale time over GEMM time in the FP8 profile", 0.10, False),
+    Target("loss", "FP8 final loss after 2 000 steps over the BF16 runs' mean, relative (either way)", 0.0025, False),
+)}
+
+
+def ab_arms(path: Path) -> list[dict]:
+    """Each FP8 arm of an A/B file with its tokens/s and peak memory over the file's reference arm."""
+    record = json.loads(path.read_text())
+    arms = [a for a in record["arms"] if a.get("tokens_per_s")]
+    reference = next((a for a in arms if a.get("verdict") == "baseline"), None)
+    if reference is None:
+        raise ValueError(f"{path} has no reference (baseline) arm that ran: nothing to compare the FP8 arms with")
+    levers = record["train_config"].get("fp8_recompute")
+    note = "" if record["train_config"].get("fastest_bf16") else "reference: plain BF16 only (no --fastest-bf16)"
+    return [{"file": path.name, "arm": a["recipe"] + (f", recompute {','.join(levers)}" if levers else ""),
+             "recipe": a["recipe"], "reference": reference["recipe"], "note": note, "device": record["device"],
+             "model": record["model"], "speedup": a["tokens_per_s"] / reference["tokens_per_s"],
+             "memory": a["peak_mem_gib"] / reference["peak_mem_gib"]}
+            for a in arms if a["recipe"] not in BF16_ARMS]
+
+
+def ab_rows(arms: list[dict]) -> list[dict]:
+    """The speed, memory, memory-lean and blockwise rows from every A/B file's FP8 arms."""
+    if not arms:
+        raise ValueError("the A/B files hold no FP8 arm that ran")
+    # Arms judged against the fastest BF16 configuration first: a higher ratio over plain BF16 proves nothing.
+    fastest = max(arms, key=lambda a: (not a["note"], a["speedup"]))
+    leanest = min(arms, key=lambda a: (bool(a["note"]), a["memory"]))
+    rows = [arm_row("speed", fastest["speedup"], fastest),
+            arm_row("memory", fastest["memory"], fastest),
+            arm_row("memory-lean", leanest["memory"], leanest, f"{leanest['speedup']:.3f}x tokens/s.")]
+    blockwise = [a for a in arms if a["recipe"] == "blockwise"]
+    if blockwise:
+        best = max(blockwise, key=lambda a: (not a["note"], a["speedup"]))
+        rows.append(arm_row("blockwise", best["speedup"], best))
+    return rows
+
+
+def arm_row(key: str, value: float, arm: dict, note: str = "") -> dict:
+    """A row from an A/B arm: 'met' only against a --fastest-bf16 reference (arm note empty)."""
+    status = "not judged" if arm["note"] and TARGETS[key].met(value) else None
+    return row(key, value, arm, f"{note} {arm['note']}", status)
+
+
+def row(key: str, value: float, source: dict, note: str = "", status: str | None = None) -> dict:
+    target = TARGETS[key]
+    return {"target": key, "what": target.what, "limit": target.limit, "at_least": target.at_least, "value": value,
+            "status": status or ("met" if target.met(value) else "not met"), "file": source["file"],
+            "arm": source["arm"], "reference": source.get("reference", ""), "note": note.strip()}
+
+
+def experts_row(path: Path) -> dict:
+    """The best grouped blockwise FP8 w13 entry at issue 7's expert shape of a backends file."""
+    record = json.loads(path.read_text())
+    entries = [e for e in record.get("grouped", []) if e.get("source") == "issue-7" and e.get("gemm") == "w13"
+               and e.get("recipe") == "blockwise" and e.get("speedup_vs_bf16")]
+    if not entries:
+        raise ValueError(f"{path} has no timed blockwise w13 entry at issue 7's expert shape")
+    best = max(entries, key=lambda e: e["speedup_vs_bf16"])
+    others = ", ".join(f"{describe(e)} {e['speedup_vs_bf16']:.3f}x" for e in entries if e is not best)
+    return row("moe", best["speedup_vs_bf16"], {"file": path.name, "arm": describe(best), "reference": "bf16"},
+               f"others: {others}" if others else "")
+
+
+def describe(entry: dict) -> str:
+    options = ", ".join(f"{k} {v}" for k, v in (entry.get("options") or {}).items())
+    return f"{entry['module']}" + (f" ({options})" if options else "")
+
+
+def profile_row(path: Path) -> dict:
+    record = json.loads(path.read_text())
+    return row("quantize", record["quantize_over_gemm"], {"file": path.name, "arm": record["recipe"]},
+               f"Amdahl bound of this configuration at a 2x FP8 GEMM: {record['amdahl_bound']:.3f}x")
+
+
+def loss_rows(path: Path) -> list[dict]:
+    """Each FP8 run of a loss-band file: its gap to the BF16 mean; inconclusive when beyond the tolerance but
+    among the BF16 runs while their spread exceeds the tolerance."""
+    record = json.loads(path.read_text())
+    band, limit = record["bf16_band"], TARGETS["loss"].limit
+    rows = []
+    for run in record["fp8_runs"]:
+        gap = abs(run["gap_to_mean"])
+        spread = band["stdev"] / band["mean"]
+        status = ("met" if gap <= limit else "inconclusive" if run["position"] == "within the BF16 runs"
+                  and spread > limit else "not met")
+        rows.append(row("loss", gap, {"file": run["file"], "arm": run["run"], "reference": "BF16 mean"},
+                        f"signed {run['gap_to_mean']:+.2%}; {band['runs']} BF16 runs, standard deviation "
+                        f"{spread:.2%} of their mean; {run['position']} (band file {path.name})", status))
+    return rows
+
+
+def render(value: float, key: str) -> str:
+    return f"{value:.2%}" if key in ("quantize", "loss") else f"{value:.3f}x"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fp8stack.bench.targets", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ab", nargs="+", type=Path, required=True, help="A/B evidence files (speed, memory)")
+    parser.add_argument("--experts", type=Path, help="a backends evidence file with issue 7's expert shape")
+    parser.add_argument("--profile", type=Path, help="a profile evidence file of the fastest FP8 configuration")
+    parser.add_argument("--loss-band", type=Path, help="a loss-band file of the 2 000-step runs")
+    parser.add_argument("--label", required=True, help="names the evidence: targets-<model>-<label>-<device>")
+    parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
+    args = parser.parse_args(argv)
+    try:
+        arms = [arm for path in args.ab for arm in ab_arms(path)]
+        rows = ab_rows(arms)
+        rows += [experts_row(args.experts)] if args.experts else []
+        rows += [profile_row(args.profile)] if args.profile else []
+        rows += loss_rows(args.loss_band) if args.loss_band else []
+    except (OSError, KeyError, ValueError) as err:
+        print(f"targets: error: {err}", file=sys.stderr)
+        return 2
+    devices, models = {a["device"] for a in arms}, {a["model"] for a in arms}
+    if len(devices) > 1 or len(models) > 1:
+        print(f"targets: error: the A/B files are of several devices or models ({sorted(devices | models)})",
+              file=sys.stderr)
+        return 2
+    (device,), (model,) = devices, models
+    rows.sort(key=lambda r: list(TARGETS).index(r["target"]))
+    table = [[r["target"], ("≥ " if r["at_least"] else "≤ ") + render(r["limit"], r["target"]),
+              render(r["value"], r["target"]), r["status"], f"`{r['file']}`", r["arm"], r["note"]] for r in rows]
+    markdown = (f"Read on this machine from evidence files measured on {device} ({model}); each file has its own "
+                "date, command and versions. Targets (TARGETS in fp8stack/bench/targets.py):\n\n"
+                + "\n".join(f"- {t.key}: {t.what}" for t in TARGETS.values()) + "\n\n"
+                + markdown_table(["target", "limit", "measured", "status", "file", "arm", "note"], table)
+                + "\nEvery FP8 arm read:\n\n"
+                + markdown_table(["file", "arm", "reference", "tokens/s over it", "peak memory over it"],
+                                 [[f"`{a['file']}`", a["arm"],
+                                   a["reference"] + (" (no --fastest-bf16)" if a["note"] else " (--fastest-bf16)"),
+                                   f"{a['speedup']:.3f}x",
+                                   f"{a['memory']:.3f}x"] for a in arms]))
+    payload = {"targets": [asdict(t) for t in TARGETS.values()], "rows": rows, "arms": arms,
+               "sources": [str(p) for p in [*args.ab, args.experts, args.profile, args.loss_band] if p]}
+    json_path, md_path = write_evidence(f"targets-{model}-{args.label}-{device_slug(device)}", payload, markdown,
+                                        out_dir=args.out_dir)
+    print(md_path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

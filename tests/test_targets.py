@@ -1,0 +1,104 @@
+"""fp8stack.bench.targets on synthetic evidence files: which arm each target reads, the ratios, the statuses."""
+
+import json
+
+import pytest
+
+from fp8stack.bench import targets
+
+
+def ab_file(tmp_path, name, arms, fastest_bf16=True, fp8_recompute=None, device="NVIDIA H200"):
+    """An A/B evidence file with the fields targets reads: (recipe, verdict, tokens/s, peak GiB) per arm."""
+    record = {"device": device, "model": "llama-1b-like",
+              "train_config": {"fastest_bf16": fastest_bf16, "fp8_recompute": fp8_recompute},
+              "arms": [{"recipe": r, "verdict": v, "tokens_per_s": t, "peak_mem_gib": m} for r, v, t, m in arms]}
+    path = tmp_path / name
+    path.write_text(json.dumps(record))
+    return path
+
+
+def by_target(rows):
+    return {r["target"]: r for r in rows}
+
+
+def test_speed_memory_and_blockwise_rows_read_the_right_arms(tmp_path):
+    fast = ab_file(tmp_path, "fast.json", [("bf16", "alternative", 98.0, 25.0), ("bf16 on te", "baseline", 100.0, 24.0),
+                                           ("delayed", "rollback", 146.0, 23.0)])
+    lean = ab_file(tmp_path, "lean.json", [("bf16 on te", "baseline", 100.0, 24.0), ("delayed", "ship", 120.0, 21.0)],
+                   fp8_recompute=["mlp"])
+    block = ab_file(tmp_path, "block.json", [("bf16", "baseline", 100.0, 20.0), ("blockwise", "ship", 125.0, 19.0)],
+                    fastest_bf16=False)
+    rows = by_target(targets.ab_rows([a for p in (fast, lean, block) for a in targets.ab_arms(p)]))
+    speed = rows["speed"]
+    assert (speed["file"], speed["arm"], speed["reference"], speed["status"]) == ("fast.json", "delayed",
+                                                                                  "bf16 on te", "met")
+    assert speed["value"] == pytest.approx(1.46)
+    # memory is judged on the fastest arm itself, against its own file's reference (23 / 24), not the leanest arm
+    assert rows["memory"]["value"] == pytest.approx(23 / 24) and rows["memory"]["status"] == "not met"
+    lean_row = rows["memory-lean"]
+    assert (lean_row["file"], lean_row["arm"], lean_row["status"]) == ("lean.json", "delayed, recompute mlp", "met")
+    assert lean_row["value"] == pytest.approx(21 / 24) and lean_row["note"].startswith("1.200x tokens/s")
+    blockwise = rows["blockwise"]
+    assert blockwise["value"] == pytest.approx(1.25) and blockwise["status"] == "not met"
+    assert "no --fastest-bf16" in blockwise["note"]
+
+
+def test_a_target_met_only_against_plain_bf16_is_not_judged(tmp_path):
+    plain = ab_file(tmp_path, "plain.json", [("bf16", "baseline", 100.0, 20.0), ("delayed", "ship", 150.0, 17.0)],
+                    fastest_bf16=False)
+    rows = by_target(targets.ab_rows(targets.ab_arms(plain)))
+    assert rows["speed"]["status"] == rows["memory"]["status"] == "not judged"
+    assert rows["speed"]["value"] == pytest.approx(1.5)
+    # beside an arm judged against the fastest BF16 configuration, the judged one is reported
+    fastest = ab_file(tmp_path, "fastest.json", [("bf16 on te", "baseline", 100.0, 20.0), ("delayed", "ship", 140.0,
+                                                                                            19.0)])
+    rows = by_target(targets.ab_rows([*targets.ab_arms(plain), *targets.ab_arms(fastest)]))
+    assert (rows["speed"]["file"], rows["speed"]["status"]) == ("fastest.json", "not met")
+    assert rows["memory-lean"]["file"] == "fastest.json"
+
+
+def test_a_file_without_a_reference_that_ran_is_refused(tmp_path):
+    path = ab_file(tmp_path, "x.json", [("bf16", "baseline", None, None), ("delayed", "rollback", 100.0, 20.0)])
+    with pytest.raises(ValueError, match="no reference"):
+        targets.ab_arms(path)
+
+
+def test_experts_profile_and_loss_rows(tmp_path):
+    entry = {"source": "issue-7", "gemm": "w13", "recipe": "blockwise"}
+    experts = tmp_path / "backends.json"
+    experts.write_text(json.dumps({"grouped": [
+        {**entry, "recipe": "bf16", "module": "GroupedExperts.w13", "speedup_vs_bf16": 1.0},
+        {**entry, "module": "Float8GroupedExperts", "options": {"kernels": "deepgemm"}, "speedup_vs_bf16": 0.99},
+        {**entry, "module": "TEGroupedExperts", "speedup_vs_bf16": 1.36},
+        {**entry, "gemm": "experts", "module": "TEGroupedExperts", "speedup_vs_bf16": 1.9},  # another GEMM: ignored
+        {**entry, "module": "Float8GroupedExperts", "error": "no kernel"}]}))
+    moe = targets.experts_row(experts)
+    assert (moe["arm"], moe["value"], moe["status"]) == ("TEGroupedExperts", 1.36, "not met")
+    assert "Float8GroupedExperts (kernels deepgemm) 0.990x" in moe["note"]
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"recipe": "delayed", "quantize_over_gemm": 0.092, "amdahl_bound": 1.46}))
+    quantize = targets.profile_row(profile)
+    assert quantize["status"] == "met" and "1.460x" in quantize["note"]
+
+    band = tmp_path / "band.json"
+    runs = [{"file": "a.json", "run": "delayed", "gap_to_mean": -0.0045, "position": "within the BF16 runs"},
+            {"file": "b.json", "run": "delayed", "gap_to_mean": 0.002, "position": "within the BF16 runs"},
+            {"file": "c.json", "run": "tensorwise", "gap_to_mean": 0.02, "position": "above every BF16 run"}]
+    band.write_text(json.dumps({"bf16_band": {"runs": 4, "mean": 0.668, "stdev": 0.0039}, "fp8_runs": runs}))
+    statuses = [(r["file"], r["status"]) for r in targets.loss_rows(band)]
+    assert statuses == [("a.json", "inconclusive"), ("b.json", "met"), ("c.json", "not met")]
+
+
+def test_main_writes_evidence_and_refuses_mixed_devices(tmp_path, capsys):
+    h200 = ab_file(tmp_path, "a.json", [("bf16", "baseline", 100.0, 20.0), ("delayed", "ship", 140.0, 19.0)])
+    out = tmp_path / "out"
+    assert targets.main(["--ab", str(h200), "--label", "t", "--out-dir", str(out)]) == 0
+    record = json.loads((out / "targets-llama-1b-like-t-h200.json").read_text())
+    assert [r["target"] for r in record["rows"]] == ["speed", "memory", "memory-lean"]
+    assert "| speed | ≥ 1.450x | 1.400x | not met |" in (out / "targets-llama-1b-like-t-h200.md").read_text()
+
+    h100 = ab_file(tmp_path, "b.json", [("bf16", "baseline", 100.0, 20.0), ("delayed", "ship", 140.0, 19.0)],
+                   device="NVIDIA H100 80GB HBM3")
+    assert targets.main(["--ab", str(h200), str(h100), "--label", "t", "--out-dir", str(out)]) == 2
+    assert "several devices or models" in capsys.readouterr().err
