@@ -92,9 +92,13 @@ def bench_shape(n: int, k: int, tokens: int, iters: int, library) -> dict:
                        per_tensor(tex.DType.kFloat8E5M2)(dy)),
     }
 
-    def te_gemm(operands, gemm: str, split: bool) -> Callable[[], torch.Tensor]:
+    def gemm_operands(operands, gemm: str) -> tuple:
+        """(A, B) of TE's general_gemm for `gemm` from (x, w, dy) quantized."""
         xq, wq, dyq = operands
-        a, b = (xq, dyq) if gemm == "wgrad" else (wq, dyq if gemm == "dgrad" else xq)
+        return (xq, dyq) if gemm == "wgrad" else (wq, dyq if gemm == "dgrad" else xq)
+
+    def te_gemm(operands, gemm: str, split: bool) -> Callable[[], torch.Tensor]:
+        a, b = gemm_operands(operands, gemm)
         if gemm == "wgrad":
             return lambda: general_gemm(a, b, out_dtype=torch.float32, layout="NT", out=main_grad, accumulate=True,
                                         grad=True, use_split_accumulator=split)[0]
@@ -109,8 +113,7 @@ def bench_shape(n: int, k: int, tokens: int, iters: int, library) -> dict:
                     "per-tensor TE, split accumulator": te_gemm(operand_sets["per-tensor"], gemm, split=True),
                     "per-tensor TE, fast accumulation": te_gemm(operand_sets["per-tensor"], gemm, split=False)}
         if library is not None:
-            xq, wq, dyq = operand_sets["blockwise"]
-            a, b = (xq, dyq) if gemm == "wgrad" else (wq, dyq if gemm == "dgrad" else xq)
+            a, b = gemm_operands(operand_sets["blockwise"], gemm)
             out = main_grad if gemm == "wgrad" else torch.empty_like(references[gemm], dtype=torch.bfloat16)
             variants["blockwise DeepGEMM"] = (
                 lambda a=a, b=b, out=out, gemm=gemm: deepgemm_gemm(library, a, b, gemm, out))

@@ -73,7 +73,8 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
         arch = CPU_ARCH
     options = {"small_gemm_filter": ("off" if not on_gpu else None) if cfg.small_gemm_filter == "auto"
                else cfg.small_gemm_filter,
-               **blockwise_expert_options(cfg.blockwise_experts, on_gpu and TEBackend().available(["blockwise"])[0])}
+               **blockwise_expert_options(cfg.blockwise_experts, cfg.blockwise_experts == "auto" and on_gpu
+                                          and TEBackend().available(["blockwise"])[0])}
     policy = PolicyConfig(recipe=cfg.recipe, fp8_format=cfg.fp8_format, backend=cfg.backend, arch=arch,
                           first_last_layers_bf16=cfg.first_last_layers_bf16,
                           num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
