@@ -307,6 +307,9 @@ def test_ab_subcommand_plugs_into_a_parser():
     assert "recompute" not in speed_levers(args, "bf16")  # a memory lever of the FP8 runs only
     fp8_run = speed_levers(args, "delayed")
     assert (fp8_run["recompute"], fp8_run["recompute_modules"]) == ("all", ("mlp", "core_attn"))
+    args = parser.parse_args(["ab", "--blockwise-gemms", "deepgemm", "--backend", "te"])
+    assert [speed_levers(args, r)["blockwise_gemms"] for r in ("bf16", "delayed", "blockwise")] == ["te", "te",
+                                                                                                 "deepgemm"]
     with pytest.raises(ValueError, match="megatron's BF16 run is on TE already"):
         speed_levers(parser.parse_args(["ab", "--bf16-on-te", "--model-impl", "megatron"]), "bf16")
     assert args.baseline_runs == 2 and parser.parse_args(["ab", "--no-repeat-baseline"]).baseline_runs == 1

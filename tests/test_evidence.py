@@ -141,29 +141,6 @@ def test_benchmark_refuses_cpu(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_te_gemms_hands_deepgemm_te_scales_in_its_layouts():
-    # TE 2.20.2's storage as Float8BlockQuantizer writes it (its get_scale_shape): 1x128 scales [K/128, rows padded
-    # to 4], 128x128 scales [rows/128, K/128 padded to 4], data as uint8. The layout arithmetic only; on a GPU,
-    # profiles/probes/dense_blockwise_deepgemm_probe.py ran it on real TE tensors (DeepGEMM equal to TE's GEMM).
-    from types import SimpleNamespace
-    from fp8stack.bench.te_gemms import deepgemm_operand
-
-    rows_1d, k = 6, 256
-    activation = SimpleNamespace(_is_2D_scaled=False, _rowwise_data=torch.arange(rows_1d * k).to(torch.uint8)
-                                 .view(rows_1d, k), _rowwise_scale_inv=torch.rand(k // 128, 8))
-    data, scale = deepgemm_operand(activation, rowwise=True)
-    assert data.dtype == torch.float8_e4m3fn and data.view(torch.uint8).equal(activation._rowwise_data)
-    # DeepGEMM's MN-major, TMA-aligned layout: [rows, K/128] with the rows contiguous, padded to 4 apart.
-    assert scale.shape == (rows_1d, 2) and scale.stride() == (1, 8)
-    assert scale.equal(activation._rowwise_scale_inv.t()[:rows_1d])
-
-    weight_t = SimpleNamespace(_is_2D_scaled=True, _columnwise_data=torch.zeros(384, 256, dtype=torch.uint8),
-                               _columnwise_scale_inv=torch.rand(3, 4))
-    data, scale = deepgemm_operand(weight_t, rowwise=False)
-    assert data.shape == (384, 256)
-    assert scale.shape == (3, 2) and scale.is_contiguous() and scale.equal(weight_t._columnwise_scale_inv[:, :2])
-
-
 @cpu_only
 def test_te_gemms_refuses_cpu(tmp_path, capsys):
     from fp8stack.bench import te_gemms

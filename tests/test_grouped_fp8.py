@@ -511,12 +511,14 @@ def test_aligned_token_group_quantization_equals_the_reference():
         _bits(quantize_token_groups(x, padding.offsets))
 
 
-def test_compiled_quantizers_equal_eager_bit_for_bit_without_recompiling():
+def test_compiled_quantizers_equal_eager_bit_for_bit_without_recompiling(tmp_path, monkeypatch):
     """What runs on CUDA is the same Python compiled by inductor; here on CPU. Max and abs are exact and
     inductor keeps x / scale a correctly rounded division (div_rn in Triton), so the FP8 bits match.
-    A second row count reuses the compiled graph (the token dim is dynamic)."""
+    A second row count reuses the compiled graph (the token dim is dynamic). No compiled graph is stored
+    on disk for another process to reuse with kernels tuned for other sizes."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     w = torch.randn(2, 256, 384) * torch.logspace(-3, 3, 384)
     padding = TokenGroupPadding.build(offsets_of([20, 0, 45, 64]), num_tokens=134, alignment=16)
@@ -541,3 +543,4 @@ def test_compiled_quantizers_equal_eager_bit_for_bit_without_recompiling():
     direct = quantize_128x128(w.transpose(1, 2))
     assert transposed.data.is_contiguous() and torch.equal(transposed.scale, direct.scale)
     assert torch.equal(transposed.data.view(torch.uint8), direct.data.view(torch.uint8))
+    assert not {"fxgraph", "aotautograd"} & {path.name for path in tmp_path.iterdir()}

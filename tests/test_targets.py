@@ -7,10 +7,10 @@ import pytest
 from fp8stack.bench import targets
 
 
-def ab_file(tmp_path, name, arms, fastest_bf16=True, fp8_recompute=None, device="NVIDIA H200"):
+def ab_file(tmp_path, name, arms, fastest_bf16=True, fp8_recompute=None, device="NVIDIA H200", **train_config):
     """An A/B evidence file with the fields targets reads: (recipe, verdict, tokens/s, peak GiB) per arm."""
     record = {"device": device, "model": "llama-1b-like",
-              "train_config": {"fastest_bf16": fastest_bf16, "fp8_recompute": fp8_recompute},
+              "train_config": {"fastest_bf16": fastest_bf16, "fp8_recompute": fp8_recompute, **train_config},
               "arms": [{"recipe": r, "verdict": v, "tokens_per_s": t, "peak_mem_gib": m} for r, v, t, m in arms]}
     path = tmp_path / name
     path.write_text(json.dumps(record))
@@ -26,8 +26,9 @@ def test_speed_memory_and_blockwise_rows_read_the_right_arms(tmp_path):
                                            ("delayed", "rollback", 146.0, 23.0)])
     lean = ab_file(tmp_path, "lean.json", [("bf16 on te", "baseline", 100.0, 24.0), ("delayed", "ship", 120.0, 21.0)],
                    fp8_recompute=["mlp"])
-    block = ab_file(tmp_path, "block.json", [("bf16", "baseline", 100.0, 20.0), ("blockwise", "ship", 125.0, 19.0)],
-                    fastest_bf16=False)
+    block = ab_file(tmp_path, "block.json", [("bf16", "baseline", 100.0, 20.0), ("blockwise", "ship", 125.0, 19.0),
+                                             ("delayed", "ship", 130.0, 19.0)],
+                    fastest_bf16=False, blockwise_gemms="deepgemm")
     rows = by_target(targets.ab_rows([a for p in (fast, lean, block) for a in targets.ab_arms(p)]))
     speed = rows["speed"]
     assert (speed["file"], speed["arm"], speed["reference"], speed["status"]) == ("fast.json", "delayed",
@@ -41,6 +42,9 @@ def test_speed_memory_and_blockwise_rows_read_the_right_arms(tmp_path):
     blockwise = rows["blockwise"]
     assert blockwise["value"] == pytest.approx(1.25) and blockwise["status"] == "not met"
     assert "no --fastest-bf16" in blockwise["note"]
+    # --blockwise-gemms moves the blockwise arms' GEMMs only
+    assert blockwise["arm"] == "blockwise, GEMMs on DeepGEMM"
+    assert {a["arm"] for a in targets.ab_arms(block)} == {"blockwise, GEMMs on DeepGEMM", "delayed"}
 
 
 def test_a_target_met_only_against_plain_bf16_is_not_judged(tmp_path):

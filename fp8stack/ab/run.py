@@ -25,7 +25,8 @@ from fp8stack.ab.verdicts import (BF16_ARMS, BF16_ON_TE_ARM, CPU_LOSS_TOLERANCE,
                                   MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops,
                                   reference_arm, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
-from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES, dense_backend, get_recipe
+from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, RECIPES, dense_backend,
+                                   get_recipe)
 
 CPU_RECIPES = (BF16, "tensorwise", "rowwise", "rowwise_gw_hp")
 """The default arms: torchao recipes, which also run on a CPU."""
@@ -77,6 +78,9 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="TE's wgrad GEMMs accumulate into FP32 main_grad buffers: --model-impl megatron, every "
                              "run (megatron DDP's buffers; the BF16 run's TE linears too); torch: the FP8 runs' TE "
                              "layers (the BF16 run has none)")
+    parser.add_argument("--blockwise-gemms", choices=BLOCKWISE_GEMMS, default="te",
+                        help="blockwise runs: TE's GEMMs on cuBLAS (te, default) or on DeepGEMM's dense kernels, "
+                             "bit-identical (deepgemm)")
     parser.add_argument("--bf16-on-te", action="store_true",
                         help="the bf16 run's linears are TE modules without FP8 (recipe bf16, --backend te), with the "
                              "TE levers asked of the FP8 runs (--fuse-norm, --fuse-mlp, "
@@ -105,6 +109,7 @@ def speed_levers(args: argparse.Namespace, recipe: str, bf16_on_te: bool | None 
             **({"recompute": "all", "recompute_modules": args.fp8_recompute}
                if args.fp8_recompute and recipe != BF16 else {}),
             "global_batch": args.global_batch,
+            "blockwise_gemms": args.blockwise_gemms if recipe == "blockwise" else "te",
             "gradient_accumulation_fusion": args.gradient_accumulation_fusion and (
                 args.model_impl == "megatron" or on_te)}
 
@@ -207,6 +212,7 @@ def run_ab(args: argparse.Namespace) -> int:
             **({"fastest_bf16": True} if args.fastest_bf16 else {}),
             "compress_activations": args.compress_activations,  # FP8 arms only
             **({"fp8_recompute": args.fp8_recompute} if args.fp8_recompute else {}),  # FP8 arms only
+            **({"blockwise_gemms": args.blockwise_gemms} if args.blockwise_gemms != "te" else {}),  # blockwise only
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
                                 if args.continue_from else ({}, []))

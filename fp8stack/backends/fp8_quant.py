@@ -17,6 +17,12 @@ import torch
 from fp8stack.backends.blockwise import Fp8Tensor, cast_to_fp8, decode_scale, quantize_1x128, quantize_128x128
 
 
+# Inductor's on-disk graph and autotuning caches would hand a process the Triton kernels another process compiled
+# and tuned for its first (dynamic-dim) sizes: after the GPU tests' small expert groups, the expert benchmark's
+# quantizers ran 2.3x slower (profiles/NOTES.md section 20). Each process compiles for the sizes it sees first.
+PER_PROCESS_COMPILE = {"fx_graph_cache": False, "autotune_local_cache": False}
+
+
 def fused(dynamic_dims: tuple[int, ...] = (0,)) -> Callable:
     """Decorator: the function compiled (fullgraph) for CUDA inputs, eager for others. Tensor arguments'
     `dynamic_dims` (the token dim) are marked dynamic so new group sizes reuse the compiled kernels."""
@@ -24,7 +30,7 @@ def fused(dynamic_dims: tuple[int, ...] = (0,)) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.cache
         def compiled() -> Callable:
-            return torch.compile(fn, fullgraph=True)
+            return torch.compile(fn, fullgraph=True, options=PER_PROCESS_COMPILE)
 
         def run_compiled(*args):
             for arg in args:

@@ -20,7 +20,7 @@ from torch import nn
 
 from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_module
 from fp8stack.plan import Decision, Plan, PlanError
-from fp8stack.plan.recipes import BF16, FP8_FORMATS
+from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS
 
 INSTALL_HINT = "pip install 'fp8stack[gpu]' on a CUDA machine"
 """The fix for a machine without TransformerEngine."""
@@ -104,6 +104,9 @@ class TEBackend:
     """Each TE weight-gradient GEMM accumulates into the weight's FP32 main_grad, which is its .grad (TE's
     fuse_wgrad_accumulation, Megatron's --gradient-accumulation-fusion): no BF16 weight gradient, no BF16 -> FP32
     copy and no add per micro-batch. Needs FP32 weights on the GPU, one process (nothing reduces main_grad)."""
+    blockwise_gemms: str = "te"
+    """Where the blockwise (Float8BlockScaling) modules' GEMMs run: te (cuBLAS) or deepgemm (DeepGEMM's dense
+    kernels on TE's operands, bit-identical; fp8stack.backends.te_deepgemm). Quantization stays TE's."""
 
     name: ClassVar[str] = "te"
 
@@ -136,6 +139,7 @@ class TEBackend:
         if not ok:
             raise BackendUnavailable(f"the plan for {plan.model} runs {len(decisions)} component(s) on "
                                      f"TransformerEngine, but {reason}")
+        gemm_library = self._blockwise_gemm_library(recipes)
         from fp8stack.backends import te_modules
 
         te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin) for name in recipes}
@@ -172,6 +176,13 @@ class TEBackend:
             model = swap_module(model, fqn, new)
             record.converted.update(dict.fromkeys(runs, type(new).__name__))
         record.recipe = ", ".join(recipes)
+        if gemm_library is not None:
+            from fp8stack.backends.te_deepgemm import route_blockwise_gemms
+
+            route_blockwise_gemms(gemm_library)
+            record.notes.append("blockwise_gemms=deepgemm: the blockwise modules' fprop, dgrad and wgrad GEMMs run on "
+                                "DeepGEMM's dense kernels, bit-identical to TE's cuBLAS ones "
+                                "(profiles/te-gemms-h200.md); quantization and every other GEMM stay TE's")
         if "delayed" in recipes:
             record.notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
                                 f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin "
@@ -192,6 +203,22 @@ class TEBackend:
             record.notes.append(f"fuse_mlp: {len(mlps)} ffn_norm + SwiGLU FeedForward(s) fused into te LayerNormMLP "
                                 f"(e.g. {next(iter(mlps))}); the norms' fqns now run nn.Identity")
         return model, record
+
+    def _blockwise_gemm_library(self, recipes: list[str]):
+        """deep_gemm when blockwise_gemms is deepgemm (None for te); refuses a plan without blockwise or no DeepGEMM."""
+        if self.blockwise_gemms not in BLOCKWISE_GEMMS:
+            raise PlanError(f"blockwise_gemms={self.blockwise_gemms!r}: use {' or '.join(BLOCKWISE_GEMMS)}")
+        if self.blockwise_gemms == "te":
+            return None
+        if "blockwise" not in recipes:
+            raise PlanError(f"blockwise_gemms=deepgemm moves the blockwise modules' GEMMs, and the plan's TE recipes "
+                            f"are {', '.join(recipes)}: plan recipe blockwise or drop --blockwise-gemms")
+        from fp8stack.backends import deepgemm
+
+        library, why = deepgemm.load()
+        if library is None:
+            raise BackendUnavailable(f"blockwise_gemms=deepgemm: {why} (launch/build_deepgemm.sh builds it)")
+        return library
 
 
 def fp8_weight_caches(model: nn.Module) -> list[nn.Module]:

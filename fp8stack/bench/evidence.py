@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -81,18 +82,33 @@ def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path 
     if clash:
         raise ValueError(f"payload keys {sorted(clash)} are reserved for the evidence header: rename them")
     record = {**meta, **payload}
-    env = meta["environment"]
-    versions = ", ".join(f"{k} {v or 'not installed'}" for k, v in env.items()
-                         if k not in ("device", "compute_capability"))
-    header = (f"# {stem}\n\n"
-              f"- device: {env['device']} (compute capability {env['compute_capability'] or '-'})\n"
-              f"- versions: {versions}\n- date: {meta['date']}\n- command: `{meta['command']}`\n\n")
-    text_json, text_md = json.dumps(record, indent=2, default=str) + "\n", header + markdown.rstrip() + "\n"
+    text_json = json.dumps(record, indent=2, default=str) + "\n"
+    text_md = _header(stem, record) + markdown.rstrip() + "\n"
     for folder in [Path(out_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{stem}.json").write_text(text_json)
         (folder / f"{stem}.md").write_text(text_md)
     return Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.md"
+
+
+def _header(stem: str, record: dict) -> str:
+    """The Markdown header naming the device, versions, date and command of an evidence record."""
+    env = record["environment"]
+    versions = ", ".join(f"{k} {v or 'not installed'}" for k, v in env.items()
+                         if k not in ("device", "compute_capability"))
+    return (f"# {stem}\n\n"
+            f"- device: {env['device']} (compute capability {env['compute_capability'] or '-'})\n"
+            f"- versions: {versions}\n- date: {record['date']}\n- command: `{record['command']}`\n\n")
+
+
+def rerender(json_path: str | Path, render: Callable[[dict], str]) -> Path:
+    """Rewrite the .md beside an evidence JSON from its record, its header unchanged (the measuring run's device,
+    date and command): for a table added to a renderer after the GPU run that measured it."""
+    json_path = Path(json_path)
+    record = json.loads(json_path.read_text())
+    md_path = json_path.with_suffix(".md")
+    md_path.write_text(_header(json_path.stem, record) + render(record).rstrip() + "\n")
+    return md_path
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -18,37 +18,13 @@ from collections.abc import Callable
 import torch
 
 from fp8stack.ab import comma_separated
-from fp8stack.backends import deepgemm
+from fp8stack.backends import deepgemm, te_deepgemm
 from fp8stack.bench.backends import linear_shapes, time_steps
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import device_slug, markdown_table, rerender, write_evidence
 
 GEMMS = ("fprop", "dgrad", "wgrad")
-LAYOUTS = {"fprop": "TN", "dgrad": "NN", "wgrad": "NT"}
-"""TE general_gemm's layout per GEMM: D = op(B) @ op(A)^T with A the weight (fprop, dgrad) or the input (wgrad)."""
-
-
-def deepgemm_operand(tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """TE Float8BlockwiseQTensor storage -> DeepGEMM's (E4M3 [rows, K], FP32 scales). TE keeps 1x128 scales
-    as [K/128, rows padded to 4] and 128x128 scales as [rows/128, K/128 padded to 4]: the first transposed is
-    DeepGEMM's MN-major TMA-aligned layout as is, the second is sliced to its K blocks."""
-    data = tensor._rowwise_data if rowwise else tensor._columnwise_data
-    scale = tensor._rowwise_scale_inv if rowwise else tensor._columnwise_scale_inv
-    data = data.reshape(-1, data.shape[-1]).view(torch.float8_e4m3fn)
-    rows, k = data.shape
-    scale = scale[:, : -(-k // 128)].contiguous() if tensor._is_2D_scaled else scale.t()[:rows]
-    return data, scale
-
-
-def deepgemm_gemm(library, a_te, b_te, gemm: str, out: torch.Tensor) -> torch.Tensor:
-    """The GEMM TE's general_gemm(a_te, b_te, layout) computes, on DeepGEMM: out = B' @ A'^T, wgrad accumulated."""
-    layout = LAYOUTS[gemm]
-    a = deepgemm_operand(b_te, rowwise=layout[1] == "N")
-    b = deepgemm_operand(a_te, rowwise=layout[0] == "T")
-    if gemm == "wgrad":
-        library.fp8_gemm_nt(a, b, out, c=out, recipe=(1, 1, 128))
-    else:
-        library.fp8_gemm_nt(a, b, out, disable_ue8m0_cast=True)
-    return out
+HEAD = "head (BF16 in the plan; for scale)"
+"""The output head's shape entry, timed for scale and left out of the block totals."""
 
 
 def measure(fn: Callable[[], torch.Tensor], reference: torch.Tensor, flop: int, iters: int,
@@ -65,8 +41,8 @@ def measure(fn: Callable[[], torch.Tensor], reference: torch.Tensor, flop: int, 
 
 def bench_shape(n: int, k: int, tokens: int, iters: int, library) -> dict:
     """Every variant of the three GEMMs of a [tokens, k] x [n, k]^T linear."""
+    from transformer_engine.pytorch.cpp_extensions import general_gemm  # loads and registers transformer_engine_torch
     import transformer_engine_torch as tex
-    from transformer_engine.pytorch.cpp_extensions import general_gemm
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
@@ -102,8 +78,8 @@ def bench_shape(n: int, k: int, tokens: int, iters: int, library) -> dict:
         if gemm == "wgrad":
             return lambda: general_gemm(a, b, out_dtype=torch.float32, layout="NT", out=main_grad, accumulate=True,
                                         grad=True, use_split_accumulator=split)[0]
-        return lambda: general_gemm(a, b, out_dtype=torch.bfloat16, layout=LAYOUTS[gemm], grad=gemm == "dgrad",
-                                    use_split_accumulator=split)[0]
+        return lambda: general_gemm(a, b, out_dtype=torch.bfloat16, layout=te_deepgemm.LAYOUTS[gemm],
+                                    grad=gemm == "dgrad", use_split_accumulator=split)[0]
 
     result = {"n": n, "k": k, "tokens": tokens, "gemms": {}}
     for gemm in GEMMS:
@@ -115,8 +91,10 @@ def bench_shape(n: int, k: int, tokens: int, iters: int, library) -> dict:
         if library is not None:
             a, b = gemm_operands(operand_sets["blockwise"], gemm)
             out = main_grad if gemm == "wgrad" else torch.empty_like(references[gemm], dtype=torch.bfloat16)
-            variants["blockwise DeepGEMM"] = (
-                lambda a=a, b=b, out=out, gemm=gemm: deepgemm_gemm(library, a, b, gemm, out))
+            layout = te_deepgemm.LAYOUTS[gemm]
+            variants["blockwise DeepGEMM"] = (  # the operands' layout conversion timed with the GEMM
+                lambda a=a, b=b, out=out, layout=layout: te_deepgemm.gemm(library, te_deepgemm.operands(a, b, layout),
+                                                                          layout, out))
         result["gemms"][gemm] = {name: measure(fn, references[gemm], flop, iters, reset)
                                  for name, fn in variants.items()}
     return result
@@ -128,30 +106,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="rows of every GEMM (M): micro-batch x sequence")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="profiles")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the .md beside this evidence JSON from it")
     args = parser.parse_args(argv)
+    if args.render:
+        print(rerender(args.render, render).read_text())
+        return 0
     if not torch.cuda.is_available():
         print("fp8stack.bench.te_gemms needs a CUDA GPU with TransformerEngine: nothing was run")
         return 1
     library, why = deepgemm.load()
     torch.manual_seed(0)
     shapes = linear_shapes(list(comma_separated(args.models)))
-    shapes.append({"source": "head (BF16 in the plan; for scale)", "n": 32000, "k": 4096, "names": ["output"]})
+    shapes.append({"source": HEAD, "n": 32000, "k": 4096, "names": ["output"]})
     results = [{**shape, **bench_shape(shape["n"], shape["k"], args.tokens, args.iters, library)} for shape in shapes]
+    payload = {"tokens": args.tokens, "iters": args.iters, "deepgemm": why or "installed", "shapes": results}
+    _, md_path = write_evidence(f"te-gemms-{device_slug()}", payload, render(payload), args.out)
+    print(md_path.read_text())
+    return 0
+
+
+def block_totals(shapes: list[dict]) -> dict[str, dict[str, float]]:
+    """Per variant, each GEMM's ms summed over one block's linears (the head excluded), and their total; a variant
+    missing or failed on any of them is left out."""
+    block = [shape for shape in shapes if shape["source"] != HEAD]
+    totals = {}
+    for variant in block[0]["gemms"]["fprop"]:
+        try:
+            per_gemm = {gemm: sum(shape["gemms"][gemm][variant]["median_ms"] * len(shape["names"]) for shape in block)
+                        for gemm in GEMMS}
+        except KeyError:
+            continue
+        totals[variant] = {**{gemm: round(ms, 4) for gemm, ms in per_gemm.items()},
+                           "total": round(sum(per_gemm.values()), 4)}
+    return totals
+
+
+def render(payload: dict) -> str:
+    """The evidence's Markdown: per-block totals per variant, then every GEMM of every shape."""
     rows = []
-    for r in results:
+    for r in payload["shapes"]:
         for gemm, variants in r["gemms"].items():
             for name, v in variants.items():
                 base = r["gemms"][gemm]["bf16"].get("median_ms")
                 cells = ([v["median_ms"], v["tflops"], round(base / v["median_ms"], 3) if base else "", v["rel_error"]]
                          if "median_ms" in v else [v["error"], "", "", ""])
                 rows.append([",".join(r["names"]), f"{r['n']}x{r['k']}", gemm, name, *cells])
-    markdown = (f"M = {args.tokens} tokens; operands quantized by TE's quantizers; wgrad accumulates into FP32. "
-                + ("" if library is not None else f"DeepGEMM not measured: {why}. ") + "\n\n"
-                + markdown_table(["linear", "n x k", "GEMM", "variant", "ms", "TF/s", "over bf16", "rel. error"], rows))
-    payload = {"tokens": args.tokens, "iters": args.iters, "deepgemm": why or "installed", "shapes": results}
-    _, md_path = write_evidence(f"te-gemms-{device_slug()}", payload, markdown, args.out)
-    print(md_path.read_text())
-    return 0
+    totals = block_totals(payload["shapes"])
+    bf16 = totals.get("bf16", {}).get("total")
+    total_rows = [[name, *(t[key] for key in (*GEMMS, "total")), round(bf16 / t["total"], 3) if bf16 else ""]
+                  for name, t in totals.items()]
+    why = payload["deepgemm"]
+    return (f"M = {payload['tokens']} tokens; operands quantized by TE's quantizers; wgrad accumulates into FP32. "
+            + ("" if why == "installed" else f"DeepGEMM not measured: {why}. ") + "\n\n"
+            + "One block's linears (each GEMM's ms summed over them, the head excluded):\n\n"
+            + markdown_table(["variant", *(f"{gemm} ms" for gemm in GEMMS), "total ms", "over bf16"], total_rows)
+            + "\nEvery GEMM:\n\n"
+            + markdown_table(["linear", "n x k", "GEMM", "variant", "ms", "TF/s", "over bf16", "rel. error"], rows))
 
 
 if __name__ == "__main__":

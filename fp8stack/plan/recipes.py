@@ -94,6 +94,9 @@ BLOCKWISE_EXPERT_BACKENDS = ("grouped_fp8", "te")
 """Where blockwise expert GEMMs may run: fp8stack's grouped kernels (DeepGEMM, else torch scaled_mm per expert)
 or TE GroupedLinear with Float8BlockScaling."""
 
+BLOCKWISE_GEMMS = ("te", "deepgemm")
+"""Where TE's blockwise (Float8BlockScaling) modules run their GEMMs: cuBLAS, or DeepGEMM's dense kernels."""
+
 
 def expert_backend(recipe: Recipe, dense: str, blockwise_experts: str = "grouped_fp8") -> tuple[str, str]:
     """(backend, recipe) for MoE expert GEMMs: TE GroupedLinear follows a TE dense path except for

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from fp8stack.plan import PlanError
 from fp8stack.plan.policy import SMALL_GEMM_FILTERS
-from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS, RECIPES
+from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS, FP8_FORMATS,
+                                   RECIPES)
 
 PROG = "python -m fp8stack.train"
 USAGE_ERROR = 2
@@ -44,6 +45,9 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
         "choices": ("auto", *BLOCKWISE_EXPERT_BACKENDS),
         "help": "blockwise expert GEMMs on fp8stack's grouped kernels or TE GroupedLinear "
                 "(auto: te where TE runs blockwise FP8, measured faster)"}),
+    ("--blockwise-gemms", "blockwise_gemms", {
+        "choices": BLOCKWISE_GEMMS,
+        "help": "TE blockwise modules' GEMMs on cuBLAS (te) or DeepGEMM's dense kernels, bit-identical (deepgemm)"}),
     ("--train-iters", "steps", {"type": int, "metavar": "N", "help": "optimizer steps"}),
     ("--lr-warmup-iters", "warmup", {"type": int, "metavar": "N"}),
     ("--lr", "lr", {"type": float}),

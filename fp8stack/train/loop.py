@@ -312,7 +312,8 @@ def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[s
             raise TrainConfigError(f"{option} {what}, but the plan for recipe {cfg.recipe!r} has no TE layers: use "
                                    f"--backend te with an FP8 recipe, or drop --{option.replace('_', '-')}")
     options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "cache_fp8_weights": micro_batches > 1,
-               "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion}
+               "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion,
+               **({"blockwise_gemms": cfg.blockwise_gemms} if cfg.blockwise_gemms != "te" else {})}
     return {"te": options} if plan.for_backend("te") and any(options.values()) else None
 
 

@@ -40,6 +40,10 @@ def check_config(cfg: TrainConfig) -> None:
     if given:
         raise TrainConfigError(f"--model-impl megatron does not take {', '.join(given)}: drop those options or "
                                "use --model-impl torch")
+    if cfg.blockwise_gemms != "te":
+        raise TrainConfigError(f"--blockwise-gemms {cfg.blockwise_gemms} routes the plain model's TE modules' GEMMs "
+                               "(fp8stack's TE backend installs it); the Megatron path does not: drop it or use "
+                               "--model-impl torch")
     if not cfg.fused_projections:
         raise TrainConfigError("--no-fused-projections shapes the plain Llama; megatron's GPTModel always fuses "
                                "q/k/v and gate/up and shards them per rank itself: drop it with --model-impl megatron")

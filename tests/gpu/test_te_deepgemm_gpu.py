@@ -1,0 +1,73 @@
+"""TE's blockwise modules with their GEMMs on DeepGEMM (TEBackend blockwise_gemms='deepgemm') against the same
+model on TE's cuBLAS GEMMs. Run with `pytest -m gpu tests/gpu/test_te_deepgemm_gpu.py`."""
+
+import copy
+
+import pytest
+import torch
+
+from fp8stack.backends import deepgemm, te_deepgemm
+from fp8stack.backends.te import TEBackend
+from fp8stack.models import Llama, LlamaConfig
+from fp8stack.plan import PolicyConfig, load_description, make_plan
+
+from gpu_skips import require_te
+
+pytestmark = pytest.mark.gpu
+
+require_te(["blockwise"])
+LIBRARY, WHY_NOT = deepgemm.load()
+if LIBRARY is None:
+    pytest.skip(WHY_NOT, allow_module_level=True)
+
+from transformer_engine.pytorch import LayerNormMLP  # noqa: E402
+from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402
+
+MAIN_GRAD_REL_ERR = 1e-6
+"""Both libraries promote each 128-deep partial product to FP32 with the same scales in the same order (fprop and
+dgrad come out bit-identical); wgrad adds into the FP32 main_grad, where the two may add the earlier micro-batch's
+sum at a different point: one FP32 rounding apart, far below an FP8 GEMM's ~3% error."""
+
+
+def test_blockwise_gemms_on_deepgemm_match_cublas_and_take_every_gemm():
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # FP32 master weights under BF16 autocast, as the trainer runs them
+        base = Llama(LlamaConfig.tiny())  # every GEMM dim a multiple of 128, as DeepGEMM's kernels need
+    plan = make_plan(load_description("tiny"), PolicyConfig(recipe="blockwise", backend="te",
+                                                            small_gemm_filter="off", arch=90))
+    options = {"fuse_norm": True, "fuse_mlp": True, "fuse_wgrad_accumulation": True}
+    batches = torch.randint(0, 256, (2, 4, 129), device="cuda")  # 4 x 128 tokens per micro-batch
+
+    def two_micro_batches(model):
+        """Logits of each micro-batch and the gradients summed over both (main_grad overwritten, then added to)."""
+        model.zero_grad(set_to_none=True)
+        logits = []
+        for tokens in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(tokens[:, :-1])
+                loss = Llama.loss(out, tokens[:, 1:])
+            loss.backward()
+            logits.append(out.detach())
+        return logits, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    on_cublas, _ = TEBackend(**options).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    reference = two_micro_batches(on_cublas)  # before the router exists: it replaces TE's general_gemm process-wide
+    try:
+        on_deepgemm, record = TEBackend(**options, blockwise_gemms="deepgemm").convert(
+            copy.deepcopy(base), plan.for_backend("te"), plan)
+        router = te_deepgemm.route_blockwise_gemms(LIBRARY)  # the one convert installed
+        router.calls.update(deepgemm=0, te=0)
+        logits, grads = two_micro_batches(on_deepgemm)
+    finally:
+        te_deepgemm.unroute()
+    assert any("blockwise_gemms=deepgemm" in note for note in record.notes), record.notes
+    te_modules = [m for m in on_deepgemm.modules() if isinstance(m, TransformerEngineBaseModule)]
+    gemms = sum(6 if isinstance(m, LayerNormMLP) else 3 for m in te_modules) * len(batches)
+    assert router.calls == {"deepgemm": gemms, "te": 0}
+    for got, want in zip(logits, reference[0]):
+        assert torch.equal(got, want)
+    assert grads.keys() == reference[1].keys()
+    for name, grad in grads.items():
+        want = reference[1][name]
+        err = ((grad.float() - want.float()).norm() / want.float().norm()).item()
+        assert err <= MAIN_GRAD_REL_ERR, f"{name}: {err:.2e} from the cuBLAS model's gradient"
