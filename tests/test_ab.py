@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fp8stack.ab import add_ab_parser, final_loss, main, run_ab, speed_levers
+from fp8stack.ab.run import arm_configs
 from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
                                   loss_unresolved, peak_tflops, reference_arm, repeat_arms, verdict)
@@ -288,6 +289,23 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     assert "Runs bf16 from an earlier call" in (tmp_path / "ab-tiny-killed-cpu.md").read_text()
 
 
+def test_blockwise_runs_once_per_gemm_library():
+    """--blockwise-gemms te,deepgemm: the blockwise recipe twice in one A/B, on cuBLAS and on DeepGEMM, beside the
+    other arms (which take no GEMM library); refused where no blockwise run would take it."""
+    parser = argparse.ArgumentParser(prog="fp8stack")
+    add_ab_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["ab", "--model", "tiny", "--recipes", "bf16,delayed,blockwise", "--backend", "te",
+                              "--blockwise-gemms", "te,deepgemm", "--fastest-bf16"])
+    configs = arm_configs(args, ["bf16", "delayed", "blockwise"], {"model": "tiny", "steps": 4})
+    assert {name: (cfg.recipe, cfg.blockwise_gemms) for name, cfg in configs.items()} == {
+        "bf16": ("bf16", "te"), "bf16 on te": ("bf16", "te"), "delayed": ("delayed", "te"),
+        "blockwise": ("blockwise", "te"), "blockwise on deepgemm": ("blockwise", "deepgemm")}
+    with pytest.raises(ValueError, match="add blockwise to --recipes or drop --blockwise-gemms"):
+        arm_configs(parser.parse_args(["ab", "--blockwise-gemms", "deepgemm"]), ["bf16", "delayed"], {})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ab", "--blockwise-gemms", "te,cutlass"])
+
+
 def test_ab_subcommand_plugs_into_a_parser():
     parser = argparse.ArgumentParser(prog="fp8stack")
     add_ab_parser(parser.add_subparsers(dest="command"))
@@ -307,9 +325,6 @@ def test_ab_subcommand_plugs_into_a_parser():
     assert "recompute" not in speed_levers(args, "bf16")  # a memory lever of the FP8 runs only
     fp8_run = speed_levers(args, "delayed")
     assert (fp8_run["recompute"], fp8_run["recompute_modules"]) == ("all", ("mlp", "core_attn"))
-    args = parser.parse_args(["ab", "--blockwise-gemms", "deepgemm", "--backend", "te"])
-    assert [speed_levers(args, r)["blockwise_gemms"] for r in ("bf16", "delayed", "blockwise")] == ["te", "te",
-                                                                                                 "deepgemm"]
     with pytest.raises(ValueError, match="megatron's BF16 run is on TE already"):
         speed_levers(parser.parse_args(["ab", "--bf16-on-te", "--model-impl", "megatron"]), "bf16")
     assert args.baseline_runs == 2 and parser.parse_args(["ab", "--no-repeat-baseline"]).baseline_runs == 1

@@ -42,9 +42,15 @@ def test_speed_memory_and_blockwise_rows_read_the_right_arms(tmp_path):
     blockwise = rows["blockwise"]
     assert blockwise["value"] == pytest.approx(1.25) and blockwise["status"] == "not met"
     assert "no --fastest-bf16" in blockwise["note"]
-    # --blockwise-gemms moves the blockwise arms' GEMMs only
+    # --blockwise-gemms deepgemm alone: a file whose one blockwise run is named blockwise
     assert blockwise["arm"] == "blockwise, GEMMs on DeepGEMM"
     assert {a["arm"] for a in targets.ab_arms(block)} == {"blockwise, GEMMs on DeepGEMM", "delayed"}
+    # --blockwise-gemms te,deepgemm: one run per library, each a blockwise arm
+    both = ab_file(tmp_path, "both.json", [("bf16 on te", "baseline", 100.0, 20.0), ("blockwise", "ship", 126.0, 19.0),
+                                           ("blockwise on deepgemm", "ship", 131.0, 19.0)],
+                   blockwise_gemms=["te", "deepgemm"])
+    rows = by_target(targets.ab_rows(targets.ab_arms(both)))
+    assert (rows["blockwise"]["arm"], rows["blockwise"]["status"]) == ("blockwise on deepgemm", "met")
 
 
 def test_a_target_met_only_against_plain_bf16_is_not_judged(tmp_path):

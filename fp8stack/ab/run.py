@@ -42,6 +42,38 @@ def comma_separated(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+def blockwise_gemm_libraries(text: str) -> tuple[str, ...]:
+    """--blockwise-gemms' comma list, each one of BLOCKWISE_GEMMS."""
+    libraries = tuple(dict.fromkeys(comma_separated(text)))
+    unknown = [name for name in libraries if name not in BLOCKWISE_GEMMS]
+    if unknown or not libraries:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a comma list of {', '.join(BLOCKWISE_GEMMS)}")
+    return libraries
+
+
+def blockwise_arm(library: str) -> str:
+    """The A/B arm of recipe blockwise with its GEMMs on `library`: 'blockwise' on TE's own (cuBLAS)."""
+    return "blockwise" if library == "te" else f"blockwise on {library}"
+
+
+def arm_configs(args: argparse.Namespace, recipes: list[str], overrides: dict) -> dict:
+    """Arm name -> TrainConfig: bf16 (and bf16 on te with --fastest-bf16), then each FP8 recipe; blockwise once per
+    --blockwise-gemms library."""
+    from fp8stack.train.config import TrainConfig, TrainConfigError  # torch is imported only once the options are read
+
+    if args.blockwise_gemms != ("te",) and "blockwise" not in recipes:
+        raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)} sets the blockwise runs' GEMMs, "
+                               "and --recipes has no blockwise: add blockwise to --recipes or drop --blockwise-gemms")
+    arms = [(BF16, BF16, {}), *([(BF16_ON_TE_ARM, BF16, {})] if args.fastest_bf16 else [])]
+    for recipe in recipes[1:]:
+        libraries = args.blockwise_gemms if recipe == "blockwise" else ("te",)
+        arms += [(blockwise_arm(library) if recipe == "blockwise" else recipe, recipe,
+                  {"blockwise_gemms": library} if library != "te" else {}) for library in libraries]
+    return {name: TrainConfig(**overrides, recipe=recipe, **extra,
+                              **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
+                              log_interval=max(1, args.steps // 4)) for name, recipe, extra in arms}
+
+
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `ab` subcommand to an argparse subparsers object; it runs run_ab(args)."""
     parser = subparsers.add_parser(
@@ -78,9 +110,10 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="TE's wgrad GEMMs accumulate into FP32 main_grad buffers: --model-impl megatron, every "
                              "run (megatron DDP's buffers; the BF16 run's TE linears too); torch: the FP8 runs' TE "
                              "layers (the BF16 run has none)")
-    parser.add_argument("--blockwise-gemms", choices=BLOCKWISE_GEMMS, default="te",
-                        help="blockwise runs: TE's GEMMs on cuBLAS (te, default) or on DeepGEMM's dense kernels, "
-                             "bit-identical (deepgemm)")
+    parser.add_argument("--blockwise-gemms", type=blockwise_gemm_libraries, default=("te",), metavar="te,deepgemm",
+                        help="one blockwise run per library: TE's GEMMs on cuBLAS (te, the run 'blockwise'; default) "
+                             "and/or on DeepGEMM's dense kernels, bit-identical (deepgemm, the run "
+                             f"'{blockwise_arm('deepgemm')}')")
     parser.add_argument("--bf16-on-te", action="store_true",
                         help="the bf16 run's linears are TE modules without FP8 (recipe bf16, --backend te), with the "
                              "TE levers asked of the FP8 runs (--fuse-norm, --fuse-mlp, "
@@ -109,7 +142,6 @@ def speed_levers(args: argparse.Namespace, recipe: str, bf16_on_te: bool | None 
             **({"recompute": "all", "recompute_modules": args.fp8_recompute}
                if args.fp8_recompute and recipe != BF16 else {}),
             "global_batch": args.global_batch,
-            "blockwise_gemms": args.blockwise_gemms if recipe == "blockwise" else "te",
             "gradient_accumulation_fusion": args.gradient_accumulation_fusion and (
                 args.model_impl == "megatron" or on_te)}
 
@@ -172,7 +204,7 @@ def run_ab(args: argparse.Namespace) -> int:
 
     from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
-    from fp8stack.train.config import TrainConfig, TrainConfigError
+    from fp8stack.train.config import TrainConfigError
     from fp8stack.train.loop import model_config
 
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -197,11 +229,7 @@ def run_ab(args: argparse.Namespace) -> int:
             raise TrainConfigError("--fastest-bf16 runs both BF16 configurations, the --bf16-on-te one included: "
                                    "drop --bf16-on-te")
         recipes = _recipes(args.recipes)
-        arms = [(BF16, BF16), *([(BF16_ON_TE_ARM, BF16)] if args.fastest_bf16 else []),
-                *((recipe, recipe) for recipe in recipes[1:])]
-        configs = {name: TrainConfig(**overrides, recipe=recipe,
-                                     **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
-                                     log_interval=max(1, args.steps // 4)) for name, recipe in arms}
+        configs = arm_configs(args, recipes, overrides)
         first = configs[BF16]
         train_config = json.loads(json.dumps({  # as the evidence holds it (JSON types), to compare with earlier files
             **{k: v for k, v in asdict(first).items() if k != "recipe"},
@@ -212,7 +240,7 @@ def run_ab(args: argparse.Namespace) -> int:
             **({"fastest_bf16": True} if args.fastest_bf16 else {}),
             "compress_activations": args.compress_activations,  # FP8 arms only
             **({"fp8_recompute": args.fp8_recompute} if args.fp8_recompute else {}),  # FP8 arms only
-            **({"blockwise_gemms": args.blockwise_gemms} if args.blockwise_gemms != "te" else {}),  # blockwise only
+            **({"blockwise_gemms": list(args.blockwise_gemms)} if args.blockwise_gemms != ("te",) else {}),
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
                                 if args.continue_from else ({}, []))
@@ -277,6 +305,9 @@ def run_ab(args: argparse.Namespace) -> int:
                      f"the bf16 arm is the plan without FP8{', on TE modules' if args.bf16_on_te else ''}")
         recomputed = (f" The FP8 arms recompute {', '.join(args.fp8_recompute)} in every block in backward."
                       if args.fp8_recompute else "")
+        if any(library != "te" for library in args.blockwise_gemms):
+            recomputed += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
+                           "dense kernels (--blockwise-gemms).")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{recomputed} Noise: {payload['noise_method']}"

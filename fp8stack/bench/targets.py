@@ -60,11 +60,12 @@ def ab_arms(path: Path) -> list[dict]:
     if reference is None:
         raise ValueError(f"{path} has no reference (baseline) arm that ran: nothing to compare the FP8 arms with")
     levers = record["train_config"].get("fp8_recompute")
-    on_deepgemm = record["train_config"].get("blockwise_gemms") == "deepgemm"  # the blockwise arms' GEMMs only
+    # Files of one blockwise run with --blockwise-gemms deepgemm named it blockwise; later ones, blockwise on deepgemm.
+    on_deepgemm = record["train_config"].get("blockwise_gemms") == "deepgemm"
     note = "" if record["train_config"].get("fastest_bf16") else "reference: plain BF16 only (no --fastest-bf16)"
     return [{"file": path.name, "arm": a["recipe"] + (f", recompute {','.join(levers)}" if levers else "")
              + (", GEMMs on DeepGEMM" if on_deepgemm and a["recipe"] == "blockwise" else ""),
-             "recipe": a["recipe"], "reference": reference["recipe"], "note": note, "device": record["device"],
+             "recipe": a["recipe"].split(" on ")[0], "reference": reference["recipe"], "note": note, "device": record["device"],
              "model": record["model"], "speedup": a["tokens_per_s"] / reference["tokens_per_s"],
              "memory": a["peak_mem_gib"] / reference["peak_mem_gib"]}
             for a in arms if a["recipe"] not in BF16_ARMS]
