@@ -303,14 +303,14 @@ def run_ab(args: argparse.Namespace) -> int:
                      "which the bf16 repeats rerun"
                      if args.fastest_bf16 else
                      f"the bf16 arm is the plan without FP8{', on TE modules' if args.bf16_on_te else ''}")
-        recomputed = (f" The FP8 arms recompute {', '.join(args.fp8_recompute)} in every block in backward."
+        arm_notes = (f" The FP8 arms recompute {', '.join(args.fp8_recompute)} in every block in backward."
                       if args.fp8_recompute else "")
         if any(library != "te" for library in args.blockwise_gemms):
-            recomputed += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
+            arm_notes += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
                            "dense kernels (--blockwise-gemms).")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
-                 f"({bf16_arms}).{recomputed} Noise: {payload['noise_method']}"
+                 f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"
                  f"{repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
