@@ -304,10 +304,10 @@ def run_ab(args: argparse.Namespace) -> int:
                      if args.fastest_bf16 else
                      f"the bf16 arm is the plan without FP8{', on TE modules' if args.bf16_on_te else ''}")
         arm_notes = (f" The FP8 arms recompute {', '.join(args.fp8_recompute)} in every block in backward."
-                      if args.fp8_recompute else "")
+                     if args.fp8_recompute else "")
         if any(library != "te" for library in args.blockwise_gemms):
             arm_notes += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
-                           "dense kernels (--blockwise-gemms).")
+                          "dense kernels (--blockwise-gemms).")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"
