@@ -66,6 +66,8 @@ class Router:
 
     library: ModuleType
     te_general_gemm: object
+    blockwise_storage: type
+    """TE's Float8BlockwiseQTensorStorage: the operands DeepGEMM's path takes."""
     calls: dict[str, int] = field(default_factory=lambda: {"deepgemm": 0, "te": 0})
     """GEMM calls sent to each library since the router was installed."""
 
@@ -79,11 +81,8 @@ class Router:
 
     def _on_deepgemm(self, a_te, b_te, kwargs: dict) -> torch.Tensor | None:
         """The GEMM's output computed on DeepGEMM, or None where it is not a blockwise GEMM DeepGEMM takes."""
-        from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
-            Float8BlockwiseQTensorStorage)
-
         layout = kwargs.get("layout", "TN")
-        if not (isinstance(a_te, Float8BlockwiseQTensorStorage) and isinstance(b_te, Float8BlockwiseQTensorStorage)
+        if not (isinstance(a_te, self.blockwise_storage) and isinstance(b_te, self.blockwise_storage)
                 and all(_is_default(kwargs.get(key, default), default) for key, default in TAKEN.items())):
             return None
         pair = operands(a_te, b_te, layout)
@@ -111,11 +110,14 @@ def _is_default(value, default) -> bool:
 
 def route_blockwise_gemms(library: ModuleType) -> Router:
     """Install (once per process) the router in TE's Linear, LayerNormLinear and LayerNormMLP; returns it."""
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage)
+
     callers = [importlib.import_module(name) for name in TE_CALLERS]
     current = callers[0].general_gemm
     if isinstance(current, Router):
         return current
-    router = Router(library, current)
+    router = Router(library, current, Float8BlockwiseQTensorStorage)
     for module in callers:
         module.general_gemm = router
     return router
