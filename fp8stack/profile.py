@@ -238,7 +238,12 @@ def run_profile(args: argparse.Namespace) -> int:
                      "steps": args.warmup + 1 + args.steps, "progress": False,
                      **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
                      **({"seq_len": args.seq_len} if args.seq_len else {})}
-        configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe))
+        if len(args.blockwise_gemms) > 1:
+            raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)}: profile profiles one FP8 "
+                                   "run, so one GEMM library: pass te or deepgemm (fp8stack ab takes both)")
+        library = args.blockwise_gemms[0]
+        configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
+                               **({"blockwise_gemms": library} if recipe != BF16 and library != "te" else {}))
                    for recipe in dict.fromkeys((BF16, args.recipe))]
         runs, plan = {}, None
         for cfg in configs:

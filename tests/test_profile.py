@@ -127,3 +127,8 @@ def test_profile_subcommand_is_wired_into_the_cli(capsys):
         run_profile, "rowwise", 5, 3, 2.0, True)
     assert main(["--fp8-recipe", "tensorwise", "--steps", "0", "--out-dir", "unused"]) == 2
     assert "need --steps >= 1" in capsys.readouterr().err
+    # the FP8 run takes --blockwise-gemms (one library), which the blockwise recipe needs
+    assert main(["--fp8-recipe", "blockwise", "--blockwise-gemms", "te,deepgemm", "--out-dir", "unused"]) == 2
+    assert "profile profiles one FP8 run, so one GEMM library" in capsys.readouterr().err
+    assert main(["--fp8-recipe", "delayed", "--blockwise-gemms", "deepgemm", "--out-dir", "unused"]) == 2
+    assert "use --fp8-recipe blockwise or drop --blockwise-gemms" in capsys.readouterr().err

@@ -53,6 +53,27 @@ def test_speed_memory_and_blockwise_rows_read_the_right_arms(tmp_path):
     assert (rows["blockwise"]["arm"], rows["blockwise"]["status"]) == ("blockwise on deepgemm", "met")
 
 
+def test_a_target_met_in_one_run_of_an_arm_and_missed_in_its_repeat_says_so(tmp_path):
+    first = ab_file(tmp_path, "first.json", [("bf16 on te", "baseline", 100.0, 20.0),
+                                             ("blockwise", "ship", 124.0, 19.0),
+                                             ("blockwise on deepgemm", "ship", 130.5, 19.0)],
+                    blockwise_gemms=["te", "deepgemm"])
+    repeat = ab_file(tmp_path, "repeat.json", [("bf16 on te", "baseline", 100.0, 20.0),
+                                               ("blockwise on deepgemm", "ship", 129.9, 19.0)],
+                     blockwise_gemms=["deepgemm"])
+    other = ab_file(tmp_path, "other.json", [("bf16 on te", "baseline", 100.0, 20.0),
+                                             ("blockwise on deepgemm", "ship", 120.0, 19.0)],
+                    blockwise_gemms=["deepgemm"], compile=False)  # other settings: not a repeat
+    rows = by_target(targets.ab_rows([a for p in (first, repeat, other) for a in targets.ab_arms(p)]))
+    blockwise = rows["blockwise"]
+    assert (blockwise["file"], blockwise["status"]) == ("first.json", "met in 1 of 2 runs")
+    assert blockwise["value"] == pytest.approx(1.305)
+    assert "Repeats: 1.299x (repeat.json)." in blockwise["note"] and "other.json" not in blockwise["note"]
+    # both runs met: plain met, the repeat named
+    rows = by_target(targets.ab_rows([*targets.ab_arms(first), *targets.ab_arms(first)]))
+    assert rows["blockwise"]["status"] == "met"
+
+
 def test_a_target_met_only_against_plain_bf16_is_not_judged(tmp_path):
     plain = ab_file(tmp_path, "plain.json", [("bf16", "baseline", 100.0, 20.0), ("delayed", "ship", 150.0, 17.0)],
                     fastest_bf16=False)

@@ -177,12 +177,10 @@ class TEBackend:
             record.converted.update(dict.fromkeys(runs, type(new).__name__))
         record.recipe = ", ".join(recipes)
         if gemm_library is not None:
-            from fp8stack.backends.te_deepgemm import route_blockwise_gemms
+            from fp8stack.backends import te_deepgemm
 
-            route_blockwise_gemms(gemm_library)
-            record.notes.append("blockwise_gemms=deepgemm: the blockwise modules' fprop, dgrad and wgrad GEMMs run on "
-                                "DeepGEMM's dense kernels, bit-identical to TE's cuBLAS ones "
-                                "(profiles/te-gemms-h200.md); quantization and every other GEMM stay TE's")
+            te_deepgemm.route_blockwise_gemms(gemm_library)
+            record.notes.append(te_deepgemm.ROUTED_NOTE)
         if "delayed" in recipes:
             record.notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
                                 f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin "
@@ -213,12 +211,9 @@ class TEBackend:
         if "blockwise" not in recipes:
             raise PlanError(f"blockwise_gemms=deepgemm moves the blockwise modules' GEMMs, and the plan's TE recipes "
                             f"are {', '.join(recipes)}: plan recipe blockwise or drop --blockwise-gemms")
-        from fp8stack.backends import deepgemm
+        from fp8stack.backends import te_deepgemm
 
-        library, why = deepgemm.load()
-        if library is None:
-            raise BackendUnavailable(f"blockwise_gemms=deepgemm: {why} (launch/build_deepgemm.sh builds it)")
-        return library
+        return te_deepgemm.load_library()
 
 
 def fp8_weight_caches(model: nn.Module) -> list[nn.Module]:

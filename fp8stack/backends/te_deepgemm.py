@@ -6,7 +6,8 @@ MN-major TMA-aligned layout as they are, and its 128x128 scales sliced to their 
 bit-identical and faster at llama-1b-like's shapes (profiles/te-gemms-h200.md). `route_blockwise_gemms` gives the
 `general_gemm` that TE's Linear, LayerNormLinear and LayerNormMLP call a front that sends the blockwise GEMMs
 DeepGEMM takes to it (fprop and dgrad on its 1D2D kernel, BF16 out; wgrad on its 1D1D kernel, accumulating into
-an FP32 buffer in place, as fused wgrad accumulation does) and every other call to TE unchanged.
+an FP32 buffer in place, as fused wgrad accumulation does) and every other call to TE unchanged. Megatron's TE
+linears subclass those modules, so the Megatron path routes through the same front.
 """
 
 import importlib
@@ -14,6 +15,14 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
+
+from fp8stack.backends.base import BackendUnavailable
+
+ROUTED_NOTE = ("blockwise_gemms=deepgemm: the blockwise TE modules' fprop and dgrad GEMMs, and their wgrad GEMMs where "
+               "they accumulate into FP32 main_grad (gradient_accumulation_fusion), run on DeepGEMM's dense kernels, "
+               "bit-identical to TE's cuBLAS ones (profiles/te-gemms-h200.md); quantization and every other GEMM "
+               "stay TE's")
+"""What the router changes, for the conversion record or the log of the path that installs it."""
 
 LAYOUTS = {"fprop": "TN", "dgrad": "NN", "wgrad": "NT"}
 """TE general_gemm's layout per GEMM: D = op(B) @ op(A)^T with A the weight (fprop, dgrad) or the input (wgrad)."""
@@ -106,6 +115,16 @@ class Router:
 
 def _is_default(value, default) -> bool:
     return value is default or (not isinstance(value, torch.Tensor) and value == default)
+
+
+def load_library() -> ModuleType:
+    """deep_gemm, or BackendUnavailable naming how to get it."""
+    from fp8stack.backends import deepgemm
+
+    library, why = deepgemm.load()
+    if library is None:
+        raise BackendUnavailable(f"blockwise_gemms=deepgemm: {why} (launch/build_deepgemm.sh builds it)")
+    return library
 
 
 def route_blockwise_gemms(library: ModuleType) -> Router:

@@ -8,8 +8,9 @@ Per target: the best value the files hold, the file and arm it comes from, and m
 loss gap beyond the tolerance while the FP8 run lies among the BF16 runs, whose own spread exceeds it).
 Ratios are against each A/B file's reference arm (`fp8stack ab`'s baseline: the faster BF16 configuration under
 --fastest-bf16, else plain BF16). A file run without --fastest-bf16 can show a target not met (its reference is
-no faster than the fastest BF16 configuration), never met: such a row says "not judged". Writes
-profiles/targets-<model>-<label>-<device>.json and .md.
+no faster than the fastest BF16 configuration), never met: such a row says "not judged". Where other files repeat
+the chosen arm (same name and settings), the row lists them and, when they straddle the limit, reads "met in k of n
+runs". Writes profiles/targets-<model>-<label>-<device>.json and .md.
 """
 
 import argparse
@@ -63,10 +64,14 @@ def ab_arms(path: Path) -> list[dict]:
     # Files of one blockwise run with --blockwise-gemms deepgemm named it blockwise; later ones, blockwise on deepgemm.
     on_deepgemm = record["train_config"].get("blockwise_gemms") == "deepgemm"
     note = "" if record["train_config"].get("fastest_bf16") else "reference: plain BF16 only (no --fastest-bf16)"
+    # The settings an arm ran with, so that repeats of one arm in several files are seen as such (the GEMM library
+    # is in the arm's name).
+    setup = json.dumps({k: v for k, v in record["train_config"].items() if k != "blockwise_gemms"}, sort_keys=True)
     return [{"file": path.name, "arm": a["recipe"] + (f", recompute {','.join(levers)}" if levers else "")
              + (", GEMMs on DeepGEMM" if on_deepgemm and a["recipe"] == "blockwise" else ""),
              "recipe": a["recipe"].split(" on ")[0],  # ab's arm "blockwise on deepgemm" runs recipe blockwise
-             "reference": reference["recipe"], "note": note, "device": record["device"], "model": record["model"],
+             "reference": reference["recipe"], "note": note, "setup": setup, "device": record["device"],
+             "model": record["model"],
              "speedup": a["tokens_per_s"] / reference["tokens_per_s"],
              "memory": a["peak_mem_gib"] / reference["peak_mem_gib"]}
             for a in arms if a["recipe"] not in BF16_ARMS]
@@ -79,19 +84,31 @@ def ab_rows(arms: list[dict]) -> list[dict]:
     # Arms judged against the fastest BF16 configuration first: a higher ratio over plain BF16 proves nothing.
     fastest = max(arms, key=lambda a: (not a["note"], a["speedup"]))
     leanest = min(arms, key=lambda a: (bool(a["note"]), a["memory"]))
-    rows = [arm_row("speed", fastest["speedup"], fastest),
-            arm_row("memory", fastest["memory"], fastest),
-            arm_row("memory-lean", leanest["memory"], leanest, f"{leanest['speedup']:.3f}x tokens/s.")]
+    rows = [arm_row("speed", "speedup", fastest, arms),
+            arm_row("memory", "memory", fastest, arms),
+            arm_row("memory-lean", "memory", leanest, arms, f"{leanest['speedup']:.3f}x tokens/s.")]
     blockwise = [a for a in arms if a["recipe"] == "blockwise"]
     if blockwise:
         best = max(blockwise, key=lambda a: (not a["note"], a["speedup"]))
-        rows.append(arm_row("blockwise", best["speedup"], best))
+        rows.append(arm_row("blockwise", "speedup", best, arms))
     return rows
 
 
-def arm_row(key: str, value: float, arm: dict, note: str = "") -> dict:
-    """A row from an A/B arm: 'met' only against a --fastest-bf16 reference (arm note empty)."""
-    status = "not judged" if arm["note"] and TARGETS[key].met(value) else None
+def arm_row(key: str, measure: str, arm: dict, arms: list[dict], note: str = "") -> dict:
+    """The row of `arm`'s `measure`: 'met' only against a --fastest-bf16 reference (arm note empty), and, where
+    other files repeat the arm (same name and settings), in how many of its runs: the best of several runs alone
+    would hide a target met once and missed once."""
+    target, value = TARGETS[key], arm[measure]
+    repeats = [a for a in arms if a is not arm and (a["arm"], a["setup"], a["note"]) == (arm["arm"], arm["setup"],
+                                                                                          arm["note"])]
+    runs_met = sum(target.met(a[measure]) for a in [arm, *repeats])
+    if repeats:
+        note += " Repeats: " + ", ".join(f"{render(a[measure], key)} ({a['file']})" for a in repeats) + "."
+    status = None
+    if arm["note"] and target.met(value):
+        status = "not judged"
+    elif runs_met and runs_met <= len(repeats):
+        status = f"met in {runs_met} of {len(repeats) + 1} runs"
     return row(key, value, arm, f"{note} {arm['note']}", status)
 
 

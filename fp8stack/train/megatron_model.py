@@ -12,6 +12,7 @@ two of megatron's finalize_model_grads duties are done here: the gradients of se
 are summed over the TP group, and the gradient norm counts each TP-replicated parameter once.
 """
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from fp8stack.plan import Plan
 from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES, get_recipe
 from fp8stack.train.config import TrainConfig, TrainConfigError
 from fp8stack.train.loop import build_model, model_config
+
+log = logging.getLogger(__name__)
 
 DENSE_MODELS = ("tiny", "llama-1b-like")
 """Trainer models the Megatron path builds (the MoE model is not mapped to megatron's MoE)."""
@@ -40,10 +43,6 @@ def check_config(cfg: TrainConfig) -> None:
     if given:
         raise TrainConfigError(f"--model-impl megatron does not take {', '.join(given)}: drop those options or "
                                "use --model-impl torch")
-    if cfg.blockwise_gemms != "te":
-        raise TrainConfigError(f"--blockwise-gemms {cfg.blockwise_gemms} routes the plain model's TE modules' GEMMs "
-                               "(fp8stack's TE backend installs it); the Megatron path does not: drop it or use "
-                               "--model-impl torch")
     if not cfg.fused_projections:
         raise TrainConfigError("--no-fused-projections shapes the plain Llama; megatron's GPTModel always fuses "
                                "q/k/v and gate/up and shards them per rank itself: drop it with --model-impl megatron")
@@ -298,6 +297,11 @@ def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=te_usable())
         # The plain Llama as --model-impl torch draws it (cfg.seed, on env.device: CUDA's generator).
         model = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
+        if cfg.blockwise_gemms == "deepgemm":  # megatron's TE linears call the general_gemm TE's own modules call
+            from fp8stack.backends import te_deepgemm
+
+            te_deepgemm.route_blockwise_gemms(te_deepgemm.load_library())
+            log.info(te_deepgemm.ROUTED_NOTE)
         if cfg.gradient_accumulation_fusion:
             model = with_main_grads(model, config)
         yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,
