@@ -94,7 +94,7 @@ def test_megatron_path_routes_its_te_linears_blockwise_gemms_and_trains_as_on_cu
         calls = dict(te_deepgemm.route_blockwise_gemms(LIBRARY).calls)  # the router the Megatron path installed
     finally:
         te_deepgemm.unroute()
-    layers, micro_batches = 4, 2
+    layers, micro_batches = LlamaConfig.tiny().n_layers, settings["global_batch"] // settings["micro_batch"]
     assert calls == {"deepgemm": 4 * 3 * layers * micro_batches * settings["steps"], "te": 0}
     assert on_deepgemm.losses[0] == on_cublas.losses[0]
     # main_grad from DeepGEMM's wgrad: the first step's gradient norm as cuBLAS's, up to FP32 rounding (and the
