@@ -104,6 +104,32 @@ def test_rope_keeps_norms_and_position_zero():
     torch.testing.assert_close(rotated[:, 0], x[:, 0])
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_rope_is_the_complex_rotation_by_position_times_frequency(traced):
+    """Eager RoPE is a complex product; traced by torch.compile, real arithmetic: both rotate by the same angles."""
+    x = torch.randn(2, 7, 3, 16)
+    freqs = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    rotations = torch.polar(torch.ones(7, 8), torch.outer(torch.arange(7).float(), freqs))
+    expected = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rotations[:, None]).flatten(-2)
+    rope = torch.compile(apply_rope, backend="eager", fullgraph=True) if traced else apply_rope
+    torch.testing.assert_close(rope(x, rope_table(16, 7, 10000.0)), expected)
+    assert rope(x.bfloat16(), rope_table(16, 7, 10000.0)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_residual_stream_runs_in_the_activation_dtype(autocast):
+    """Under BF16 autocast every block gets (and returns) BF16, as the plan's embedding and norm rows say; the FP32
+    table's lookup is cast once. Without autocast (FP32 activations) nothing is cast."""
+    model = Llama(LlamaConfig.tiny())
+    seen = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda _, args, out: seen.append((args[0].dtype, out.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(torch.randint(0, 256, (1, 16)))
+    dtype = torch.bfloat16 if autocast else torch.float32
+    assert seen == [(dtype, dtype)] * len(model.layers)
+
+
 def test_init_is_seeded_and_leaves_global_rng_alone():
     config = LlamaConfig.tiny()
     torch.manual_seed(1)

@@ -228,8 +228,8 @@ def run_record(run: Run) -> dict:
 ONE_RANK_TWINS = {"fp8_all_gather": "one_rank_fp8_all_gather", "bf16_all_gather": "one_rank_bf16_all_gather"}
 """2-rank arm -> the 1-rank run its loss is compared with: the same flags on one process with FSDP2 over a 1-rank
 mesh (--fsdp-one-rank) and micro-batch 2x, so both run FSDP's numerics (BF16 parameters, the same weight casts)
-and differ only by the sharding. A plain 1-GPU run is autocast over FP32 parameters: an FP32 residual stream and
-FP32 norm weights, a difference in precision policy, not in sharding."""
+and differ only by the sharding. A plain 1-GPU run is autocast over FP32 parameters, which casts each weight per use
+and accumulates FP32 gradients itself: a difference in precision policy, not in sharding."""
 
 
 def fsdp_arms(steps: int, model: str, micro_batch: int, seq_len: int, seed: int,

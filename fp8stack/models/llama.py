@@ -79,17 +79,31 @@ class LlamaConfig:
 
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """Complex FP32 rotations [seq_len, head_dim / 2]. Built per forward, not kept as a buffer:
-    it costs microseconds, and a buffer would be cast (imaginary part dropped) by .to(bfloat16)."""
+    """FP32 rotations [seq_len, head_dim / 2, 2]: the cosine and sine of each position's angle per pair. Built per
+    forward, not kept as a buffer: it costs microseconds, and a buffer would be cast to BF16 by .to(bfloat16)."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x [B, S, H, head_dim] by rope [S, head_dim / 2], in FP32."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(pairs * rope[:, None, :]).flatten(-2).type_as(x)
+    """Rotate adjacent pairs of x [B, S, H, head_dim] by rope [S, head_dim / 2, 2], in FP32. Compiled, in real
+    arithmetic (Inductor has no complex kernels and fuses it into one kernel each way); eager, as one complex
+    product, fewer kernels than the real form (profiles/probes/rope-glue-probe-h200.md)."""
+    if torch.compiler.is_compiling():
+        even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * torch.view_as_complex(rope)[:, None, :]).flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with its FP32 weight cast to the input's dtype: BF16 activations then take torch's fused kernel,
+    which reduces in FP32 and writes BF16 (with mismatched dtypes torch falls back to a chain of unfused kernels)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 class AttentionCore(nn.Module):
@@ -129,14 +143,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
+        heads = (batch, seq, -1, self.head_dim)
         if self.fused:
-            q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            # q and k rotated as one tensor of heads: rotated apart, Inductor's backward wrote their gradients into
+            # wqkv's at a third of memory speed (profiles/probes/rope-glue-probe-h200.md).
+            qk, v = self.wqkv(x).split([(self.n_heads + self.n_kv_heads) * self.head_dim,
+                                        self.n_kv_heads * self.head_dim], dim=-1)
+            q, k = apply_rope(qk.view(heads), rope).split([self.n_heads, self.n_kv_heads], dim=2)
         else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = apply_rope(q.view(batch, seq, -1, self.head_dim), rope)
-        k = apply_rope(k.view(batch, seq, -1, self.head_dim), rope)
-        v = v.view(batch, seq, -1, self.head_dim)
+            q, k, v = apply_rope(self.wq(x).view(heads), rope), apply_rope(self.wk(x).view(heads), rope), self.wv(x)
+        v = v.view(heads)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -151,9 +167,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, config: LlamaConfig):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         if config.is_moe_layer(layer_id):
             self.moe = MoE(config.dim, config.moe, fused_projections=config.fused_projections)
         else:
@@ -185,7 +201,7 @@ class Llama(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, config) for i in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.init_weights()
 
@@ -194,6 +210,10 @@ class Llama(nn.Module):
         cfg = self.config
         rope = rope_table(cfg.head_dim, tokens.shape[1], cfg.rope_theta, device=tokens.device)
         x = self.tok_embeddings(tokens)
+        if torch.is_autocast_enabled(x.device.type):
+            # The residual stream runs in the activation dtype, as the plan says (embedding and norms BF16 in and
+            # out) and as Megatron and DeepSeek-V3 run it; autocast leaves the FP32 table's lookup in FP32.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for layer in self.layers:
             x = layer(x, rope)
         return self.output(self.norm(x))
