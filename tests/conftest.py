@@ -7,6 +7,16 @@ import operator
 import pytest
 import torch
 
+from fp8stack.train.loop import cpu_fp8_gemms
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cpu_fp8_gemms_as_training_runs_them():
+    """FP8 GEMMs that tests call directly run as a CPU training run's do (torch's emulation, not oneDNN's reference
+    loop: see fp8stack.train.loop.cpu_fp8_gemms)."""
+    with cpu_fp8_gemms(torch.device("cpu")):
+        yield
+
 
 @pytest.fixture(scope="session")
 def model_parallel(tmp_path_factory):

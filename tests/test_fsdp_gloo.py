@@ -31,6 +31,7 @@ from fp8stack.assembly import apply_fp8, apply_tp, assembly_state
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
 from fp8stack.plan.from_module import describe_module
+from fp8stack.train.loop import cpu_fp8_gemms
 
 pytestmark = pytest.mark.slow
 
@@ -121,8 +122,9 @@ def _two_ranks(rank: int, world: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)  # two ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        results = {"fsdp": fsdp_losses(rank, world), "tp": tp_errors(rank, world),
-                   "tp_refusals": tp_refusals(world)}
+        with cpu_fp8_gemms(torch.device("cpu")):  # a spawned process does not inherit conftest's setting
+            results = {"fsdp": fsdp_losses(rank, world), "tp": tp_errors(rank, world),
+                       "tp_refusals": tp_refusals(world)}
         if rank == 0:
             torch.save(results, out)
     finally:

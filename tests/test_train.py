@@ -12,7 +12,7 @@ from fp8stack.train.__main__ import build_parser, config_from_args
 from fp8stack.train.__main__ import main as train_main
 from fp8stack.train.data import SPLITS, TextData, load_split, source_files, source_roots, split_of, stdlib_root
 from fp8stack.train.config import TrainConfig, TrainConfigError
-from fp8stack.train.loop import lr_at, session, train
+from fp8stack.train.loop import cpu_fp8_gemms, lr_at, session, train
 
 SMALL_DATA = 1 << 20
 """1 MiB of stdlib source: plenty for a few short steps, quick to read."""
@@ -86,6 +86,25 @@ def test_python_source_adds_site_packages_after_the_stdlib():
     assert load_split("train", more, source="python").numel() > load_split("train", more).numel()
     with pytest.raises(TrainConfigError, match="unknown data_source 'pypi': use stdlib or python"):
         TrainConfig(data_source="pypi")
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_cpu_fp8_gemms_take_torchs_emulation_with_onednns_results(rowwise):
+    """A CPU run's FP8 GEMMs leave oneDNN (its FP8 matmul is a reference loop on CPUs without AMX-FP8) for torch's
+    emulation, which gives the same bits."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 128, generator=generator).to(torch.float8_e4m3fn)
+    b = torch.randn(96, 128, generator=generator).to(torch.float8_e4m3fn).t()
+    scales = (torch.rand(64, 1, generator=generator), torch.rand(1, 96, generator=generator)) if rowwise else (
+        torch.tensor(0.5), torch.tensor(2.0))
+    gemm = lambda: torch._scaled_mm(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=torch.bfloat16)  # noqa: E731
+    with torch.backends.mkldnn.flags(enabled=True):
+        by_onednn = gemm()
+        with cpu_fp8_gemms(torch.device("cpu")):
+            assert not torch.backends.mkldnn.enabled
+            assert torch.equal(gemm(), by_onednn)
+        with cpu_fp8_gemms(torch.device("cuda")):
+            assert torch.backends.mkldnn.enabled
 
 
 def test_lr_warms_up_then_decays_to_min_lr():

@@ -79,23 +79,24 @@ class LlamaConfig:
 
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """FP32 rotations [seq_len, head_dim / 2, 2]: the cosine and sine of each position's angle per pair. Built per
-    forward, not kept as a buffer: it costs microseconds, and a buffer would be cast to BF16 by .to(bfloat16)."""
+    """Complex FP32 rotations [seq_len, head_dim / 2]. Built per forward, not kept as a buffer: it costs microseconds,
+    and a buffer would be cast (imaginary part dropped) by .to(bfloat16). Complex, not (cos, sin) pairs, because FSDP's
+    mixed precision casts floating-point block inputs to BF16 and leaves complex ones alone."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x [B, S, H, head_dim] by rope [S, head_dim / 2, 2], in FP32. Compiled, in real
+    """Rotate adjacent pairs of x [B, S, H, head_dim] by rope [S, head_dim / 2], in FP32. Compiled, in real
     arithmetic (Inductor has no complex kernels and fuses it into one kernel each way); eager, as one complex
     product, fewer kernels than the real form (profiles/probes/rope-glue-probe-h200.md)."""
     if torch.compiler.is_compiling():
         even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-        cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]
+        cos, sin = torch.view_as_real(rope)[:, None].unbind(-1)
         return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.view_as_complex(rope)[:, None, :]).flatten(-2).type_as(x)
+    return torch.view_as_real(pairs * rope[:, None, :]).flatten(-2).type_as(x)
 
 
 class RMSNorm(nn.RMSNorm):

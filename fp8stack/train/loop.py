@@ -178,7 +178,7 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
     """Set up the processes, then build model, plan, assembly, optimizer and data; ends the processes on exit."""
     from fp8stack.assembly import assemble, post_optimizer_step_hook  # the assembly pulls in every backend
 
-    with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device), ExitStack() as stack:
+    with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device), cpu_fp8_gemms(env.device), ExitStack() as stack:
         device, dtype = env.device, _activation_dtype(cfg, env.device)
         micro_batches = _micro_batches(cfg, env.dp_size)
         if cfg.compress_activations and dtype == torch.float32:
@@ -279,6 +279,13 @@ def train(cfg: TrainConfig) -> TrainResult:
             result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
         result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
         return result
+
+
+def cpu_fp8_gemms(device: torch.device):
+    """On a CPU, FP8 GEMMs by torch's own emulation, not oneDNN's: oneDNN 3.12's FP8 matmul is its reference
+    implementation on CPUs without AMX-FP8 (1.5 s for one 512x256x768 GEMM), while without oneDNN torch's _scaled_mm
+    runs FP32 GEMMs on the upcast operands, bit-identical and hundreds of times faster (tests/test_train.py)."""
+    return torch.backends.mkldnn.flags(enabled=False) if device.type == "cpu" else nullcontext()
 
 
 def _sdpa_backend(cfg: TrainConfig, device: torch.device):
