@@ -53,6 +53,10 @@ TOP_KERNELS = 30
 """Kernels listed in the evidence, by time."""
 NAME_WIDTH = 110
 """Kernel names longer than this are cut in the Markdown table (the JSON keeps them whole)."""
+GAP_MIN_US = 20.0
+"""GPU idle gaps at least this long are listed by the kernels around them; shorter ones are launch latency."""
+TOP_GAPS = 15
+"""Kernel pairs listed in the evidence, by idle time between them."""
 
 
 def classify(name: str) -> str:
@@ -88,6 +92,20 @@ class Kernel:
 
 
 @dataclass
+class Gap:
+    """GPU idle time between two kernels, summed over the profiled steps: where the GPU waited on the host."""
+
+    previous_kernel: str
+    """The kernel whose end opened the gap (the latest-ending kernel so far, any stream)."""
+    next_kernel: str
+    """The kernel whose start closed it."""
+    ms_per_step: float
+    """Idle time per profiled step."""
+    count_per_step: float
+    """Gaps between this pair per profiled step."""
+
+
+@dataclass
 class RunProfile:
     """Where one recipe's steps spend their time."""
 
@@ -103,6 +121,10 @@ class RunProfile:
     """category -> {'ms_per_step', 'share'}, in CATEGORIES order."""
     top_kernels: list[Kernel]
     """The TOP_KERNELS longest, longest first."""
+    idle_ms_per_step: float | None = None
+    """GPU time with no kernel running on any stream, from the first profiled kernel to the last (None on a CPU)."""
+    gaps: list[Gap] | None = None
+    """The TOP_GAPS kernel pairs with the most idle time between them, in gaps of at least GAP_MIN_US."""
 
     def share(self, category: str) -> float:
         return self.categories[category]["share"]
@@ -134,6 +156,24 @@ def summarize(times_us: dict[str, float], calls: dict[str, int], steps: int, rec
                             share=times_us[n] / busy_us, calls_per_step=calls[n] / steps) for n in ranked])
 
 
+def idle_gaps(kernels: Sequence[tuple[str, float, float]], steps: int) -> tuple[float, list[Gap]]:
+    """(idle ms per step, the TOP_GAPS longest-waiting kernel pairs) from (name, start us, end us) kernel intervals
+    on any stream: idle is where no kernel runs, between the first start and the last end."""
+    idle_us, by_pair, counts = 0.0, defaultdict(float), defaultdict(int)
+    busy_until, last = None, ""
+    for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
+        if busy_until is not None and start > busy_until:
+            idle_us += start - busy_until
+            if start - busy_until >= GAP_MIN_US:
+                by_pair[last, name] += start - busy_until
+                counts[last, name] += 1
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, name
+    ranked = sorted(by_pair, key=by_pair.get, reverse=True)[:TOP_GAPS]
+    return idle_us / steps / 1000, [Gap(previous_kernel=p, next_kernel=n, ms_per_step=by_pair[p, n] / steps / 1000,
+                                        count_per_step=counts[p, n] / steps) for p, n in ranked]
+
+
 def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
     """Profile `steps` steps of cfg's run after `warmup` unprofiled ones (and one profiler warm-up
     step); returns the profile and the run's plan."""
@@ -149,7 +189,7 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         cycles = []  # the profiler clears its events when the cycle ends: keep them as it ends
         with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
-                     on_trace_ready=lambda done: cycles.append(done.key_averages())) as profiler:
+                     on_trace_ready=lambda done: cycles.append((done.key_averages(), done.events()))) as profiler:
             step_ms = []
             for _ in range(1 + steps):
                 began = time.perf_counter()
@@ -160,7 +200,8 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
         kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
         times: dict[str, float] = defaultdict(float)
         calls: dict[str, int] = defaultdict(int)
-        for event in cycles[0]:
+        averages, events = cycles[0]
+        for event in averages:
             if event.device_type != kind or _is_annotation(event):
                 continue
             name = re.sub(r"#\d+$", "", event.key)  # ProfilerStep#3 -> ProfilerStep
@@ -168,7 +209,12 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
             calls[name] += event.count
         basis = ("CUDA kernel time, summed over streams" if on_gpu else
                  "CPU self time of the profiled ops (the main thread's view; intra-op threads inside)")
-        return summarize(times, calls, steps, cfg.recipe, basis, wall_ms), run.plan
+        profiled = summarize(times, calls, steps, cfg.recipe, basis, wall_ms)
+        if on_gpu:  # CPU ops nest, so only kernels have gaps worth reading
+            profiled.idle_ms_per_step, profiled.gaps = idle_gaps(
+                [(e.name, e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == DeviceType.CUDA and not _is_annotation(e)], steps)
+        return profiled, run.plan
 
 
 def _is_annotation(event) -> bool:
@@ -308,8 +354,17 @@ def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str
         ["kernel", "category", "ms/step", "share", "calls/step"],
         [[_cut(k.name), k.category, f"{k.ms_per_step:.3f}", f"{k.share:.1%}", f"{k.calls_per_step:g}"]
          for k in profiled.top_kernels])
-    return (markdown_table(header, rows) + "\n" + "\n\n".join(lines) + "\n\n"
+    text = (markdown_table(header, rows) + "\n" + "\n\n".join(lines) + "\n\n"
             + f"Top {len(profiled.top_kernels)} in {recipe}:\n\n" + kernels)
+    if profiled.gaps is None:
+        return text
+    idle = ", ".join(f"{r} {run.idle_ms_per_step:.3f}" for r, run in runs.items())
+    gaps = markdown_table(
+        ["previous kernel", "next kernel", "idle ms/step", "gaps/step"],
+        [[_cut(g.previous_kernel), _cut(g.next_kernel), f"{g.ms_per_step:.3f}", f"{g.count_per_step:g}"] for g in profiled.gaps])
+    return (text + f"\n\nGPU idle (no kernel on any stream) per step, ms: {idle}; the steps' host syncs and the "
+            f"profiler's own per-step work sit in the gaps between steps. Longest waits in {recipe} (gaps of at "
+            f"least {GAP_MIN_US:g} us, by the kernels around them):\n\n" + gaps)
 
 
 def _cut(name: str) -> str:

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from fp8stack.cli import build_parser
-from fp8stack.profile import CATEGORIES, amdahl_bound, classify, main, measured_gain, run_profile
+from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, idle_gaps, main, measured_gain,
+                              run_profile)
 
 KERNELS = {
     # cuBLAS / cuBLASLt / CUTLASS GEMMs, FP8 ones included (their operand types must not make them 'quantize')
@@ -73,6 +74,19 @@ def test_amdahl_bound():
     assert amdahl_bound(0.6, 0.5, 2.0) == pytest.approx(1 / (1 - 0.3 + 0.15))
 
 
+def test_idle_gaps_count_time_with_no_kernel_on_any_stream():
+    kernels = [("gemm", 0.0, 100.0), ("copy", 10.0, 150.0),  # overlapping streams: busy until 150
+               ("norm", 400.0, 450.0),  # 250 us idle after copy, the latest-ending kernel
+               ("add", 455.0, 460.0),  # 5 us: launch latency, idle but not listed
+               ("gemm", 1000.0, 1100.0), ("copy", 1010.0, 1150.0), ("norm", 1400.0, 1450.0)]  # the pattern again
+    idle_ms, gaps = idle_gaps(kernels, steps=2)
+    assert idle_ms == pytest.approx((250 + 5 + 540 + 250) / 2 / 1000)
+    assert [(g.previous_kernel, g.next_kernel) for g in gaps] == [("add", "gemm"), ("copy", "norm")]
+    assert gaps[1].ms_per_step == pytest.approx(250 / 1000) and gaps[1].count_per_step == 1
+    assert all(g.ms_per_step * 1000 >= GAP_MIN_US for g in gaps)
+    assert idle_gaps([], steps=1) == (0.0, [])
+
+
 def _ab_json(path, arms, reference="bf16"):
     """An A/B evidence file's arms: tokens/s by arm, `reference` the baseline's verdict."""
     path.write_text(json.dumps({"arms": [{"recipe": r, "tokens_per_s": t, "verdict": "baseline" if r == reference
@@ -107,6 +121,7 @@ def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
         assert 0 < len(run["top_kernels"]) <= 30
         times = [k["ms_per_step"] for k in run["top_kernels"]]
         assert times == sorted(times, reverse=True)
+        assert run["idle_ms_per_step"] is None and run["gaps"] is None  # CPU ops nest: no gaps to read
     kernels = {k["name"]: k["category"] for k in record["runs"]["tensorwise"]["top_kernels"]}
     assert kernels["aten::mm"] == "gemm"
     assert record["runs"]["bf16"]["categories"]["quantize"]["share"] == 0.0
