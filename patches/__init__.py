@@ -15,7 +15,7 @@ from importlib import import_module, metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-REGISTRY = ("patches.recompute_fp8_context", "patches.fp8_wgrad_ignored")
+REGISTRY = ("patches.recompute_fp8_context", "patches.fp8_wgrad_ignored", "patches.te_swiglu_fp8_dgrad")
 """Patch modules, applied in this order."""
 
 
@@ -31,11 +31,13 @@ def applies(module) -> tuple[bool, str]:
     return True, ""
 
 
+def apply_patch(name: str) -> str:
+    """Apply the patch module `name` (e.g. 'patches.te_swiglu_fp8_dgrad') if it applies here; what happened."""
+    module = import_module(name)
+    ok, why = applies(module)
+    return module.apply() if ok else f"skipped: {why}"
+
+
 def apply_all() -> dict[str, str]:
     """Apply every registered patch that applies here; patch name -> what happened."""
-    report = {}
-    for name in REGISTRY:
-        module = import_module(name)
-        ok, why = applies(module)
-        report[name.rpartition(".")[2]] = module.apply() if ok else f"skipped: {why}"
-    return report
+    return {name.rpartition(".")[2]: apply_patch(name) for name in REGISTRY}

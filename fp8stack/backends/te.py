@@ -93,7 +93,9 @@ class TEBackend:
     """Fuse ffn_norm + feed_forward (w13, SwiGLU, w2) of dense fp8stack Llama blocks into
     te.pytorch.LayerNormMLP(normalization='RMSNorm', activation='swiglu'): TE's SwiGLU kernel writes
     FC2's input (FP8 under delayed scaling) and the backward keeps FC1's output only, not torch's three
-    SwiGLU tensors. Blocks whose w13 and w2 do not share one TE recipe keep unfused modules (noted)."""
+    SwiGLU tensors. Under delayed scaling the SwiGLU backward writes FC1's FP8 gradient in one kernel too
+    (patches/te_swiglu_fp8_dgrad.py, applied at conversion). Blocks whose w13 and w2 do not share one TE recipe
+    keep unfused modules (noted)."""
     delayed_margin: int = 0
     """Headroom of delayed-scaling scales below the FP8 maximum, as a power of 2 (Megatron's --fp8-margin)."""
     cache_fp8_weights: bool = False
@@ -200,6 +202,11 @@ class TEBackend:
         if mlps:
             record.notes.append(f"fuse_mlp: {len(mlps)} ffn_norm + SwiGLU FeedForward(s) fused into te LayerNormMLP "
                                 f"(e.g. {next(iter(mlps))}); the norms' fqns now run nn.Identity")
+        if any(w13.recipe == "delayed" for _, w13, _ in mlps.values()):
+            import patches  # fp8stack's fixes for upstream bugs, installed beside it
+
+            record.notes.append(f"fuse_mlp, delayed: {patches.apply_patch('patches.te_swiglu_fp8_dgrad')} "
+                                "(patches/te_swiglu_fp8_dgrad.py)")
         return model, record
 
     def _blockwise_gemm_library(self, recipes: list[str]):
