@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fp8stack.ab import GEMM_OPTIONS, add_speed_levers, speed_levers
+from fp8stack.ab import add_speed_levers, speed_levers
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES
 
@@ -284,16 +284,12 @@ def run_profile(args: argparse.Namespace) -> int:
                      "steps": args.warmup + 1 + args.steps, "progress": False,
                      **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
                      **({"seq_len": args.seq_len} if args.seq_len else {})}
-        libraries = {}
-        for option in GEMM_OPTIONS:
-            chosen = getattr(args, option)
-            if len(chosen) > 1:
-                raise TrainConfigError(f"--{option.replace('_', '-')} {','.join(chosen)}: profile profiles one FP8 "
-                                       "run, so one GEMM library: pass te or deepgemm (fp8stack ab takes both)")
-            if chosen != ("te",):
-                libraries[option] = chosen[0]
+        if len(args.blockwise_gemms) > 1:
+            raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)}: profile profiles one FP8 "
+                                   "run, so one GEMM library: pass te or deepgemm (fp8stack ab takes both)")
+        library = args.blockwise_gemms[0]
         configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
-                               **(libraries if recipe != BF16 else {}))
+                               **({"blockwise_gemms": library} if recipe != BF16 and library != "te" else {}))
                    for recipe in dict.fromkeys((BF16, args.recipe))]
         runs, plan = {}, None
         for cfg in configs:

@@ -306,21 +306,6 @@ def test_blockwise_runs_once_per_gemm_library():
         parser.parse_args(["ab", "--blockwise-gemms", "te,cutlass"])
 
 
-def test_per_tensor_runs_once_per_fprop_gemm_library():
-    """--fprop-gemms te,deepgemm: delayed and tensorwise twice each, forward GEMMs on cuBLAS and on DeepGEMM; the
-    blockwise run takes --blockwise-gemms instead; refused without a per-tensor run."""
-    parser = argparse.ArgumentParser(prog="fp8stack")
-    add_ab_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["ab", "--model", "tiny", "--backend", "te", "--fprop-gemms", "te,deepgemm"])
-    configs = arm_configs(args, ["bf16", "delayed", "tensorwise", "blockwise"], {"model": "tiny", "steps": 4})
-    assert {name: (cfg.recipe, cfg.fprop_gemms, cfg.blockwise_gemms) for name, cfg in configs.items()} == {
-        "bf16": ("bf16", "te", "te"), "delayed": ("delayed", "te", "te"),
-        "delayed, fprop on deepgemm": ("delayed", "deepgemm", "te"), "tensorwise": ("tensorwise", "te", "te"),
-        "tensorwise, fprop on deepgemm": ("tensorwise", "deepgemm", "te"), "blockwise": ("blockwise", "te", "te")}
-    with pytest.raises(ValueError, match="add delayed or tensorwise to --recipes or drop --fprop-gemms"):
-        arm_configs(parser.parse_args(["ab", "--fprop-gemms", "deepgemm"]), ["bf16", "blockwise"], {})
-
-
 def test_ab_subcommand_plugs_into_a_parser():
     parser = argparse.ArgumentParser(prog="fp8stack")
     add_ab_parser(parser.add_subparsers(dest="command"))

@@ -1,5 +1,5 @@
-"""TE's GEMMs on DeepGEMM without a GPU: the operand layouts handed over (blockwise, and per-tensor forward), the
-options' checks, and te_gemms' per-block totals. The router itself runs in tests/gpu/test_te_deepgemm_gpu.py (TE needs CUDA)."""
+"""TE's blockwise GEMMs on DeepGEMM without a GPU: the operand layouts handed over, the option's checks, and
+te_gemms' per-block totals. The router itself runs in tests/gpu/test_te_deepgemm_gpu.py (TE needs CUDA)."""
 
 import json
 from types import SimpleNamespace
@@ -7,12 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fp8stack.backends.te_deepgemm import operand, per_tensor_fprop_operands
+from fp8stack.backends.te_deepgemm import operand
 from fp8stack.bench import te_gemms
 from fp8stack.bench.evidence import write_evidence
-from fp8stack.models import Llama, LlamaConfig
 from fp8stack.train.config import TrainConfig, TrainConfigError
-from fp8stack.train.loop import _backend_options, build_plan
 
 
 def test_te_scales_reach_deepgemm_in_its_layouts():
@@ -58,38 +56,6 @@ def test_blockwise_gemms_on_deepgemm_needs_the_blockwise_recipe():
     # megatron's TE linears call the general_gemm the router replaces (megatron_model.build installs it)
     megatron = TrainConfig(recipe="blockwise", blockwise_gemms="deepgemm", model_impl="megatron", model="llama-1b-like")
     assert megatron.blockwise_gemms == "deepgemm"
-
-
-def test_fprop_gemms_on_deepgemm_needs_a_per_tensor_recipe_on_te():
-    for recipe in ("delayed", "tensorwise"):
-        assert TrainConfig(recipe=recipe, fprop_gemms="deepgemm").fprop_gemms == "deepgemm"
-    with pytest.raises(TrainConfigError, match="use --fp8-recipe delayed or drop --fprop-gemms"):
-        TrainConfig(recipe="blockwise", fprop_gemms="deepgemm")
-    with pytest.raises(TrainConfigError, match="unknown fprop_gemms 'cutlass': use te or deepgemm"):
-        TrainConfig(recipe="delayed", fprop_gemms="cutlass")
-    # tensorwise on torchao has no TE module whose forward GEMM could move: refused, not silently ignored
-    plan = build_plan(TrainConfig(recipe="tensorwise", backend="torchao"), Llama(LlamaConfig.tiny()),
-                      torch.device("cpu"))
-    with pytest.raises(TrainConfigError, match="use --backend te or drop --fprop-gemms"):
-        _backend_options(TrainConfig(recipe="tensorwise", backend="torchao", fprop_gemms="deepgemm"), plan, 1)
-
-
-def test_a_per_tensor_scale_reaches_deepgemm_spread_over_its_grids():
-    """The forward GEMM's input (lhs) and weight (rhs) as TE's Float8TensorStorage holds them: uint8 data, one
-    scale_inv each. On a GPU the router's test compares DeepGEMM's results with TE's own GEMM."""
-    e4m3, e5m2 = "E4M3", "E5M2"  # stand-ins for TE's DType members
-    x = SimpleNamespace(_data=torch.arange(2 * 3 * 256).to(torch.uint8).view(2, 3, 256), _fp8_dtype=e4m3,
-                        _scale_inv=torch.tensor([0.5]))
-    w = SimpleNamespace(_data=torch.zeros(384, 256, dtype=torch.uint8), _fp8_dtype=e4m3, _scale_inv=torch.tensor([2.]))
-    (x_data, x_scale), (w_data, w_scale) = per_tensor_fprop_operands(w, x, e4m3)
-    assert x_data.dtype == torch.float8_e4m3fn and x_data.view(torch.uint8).equal(x._data.reshape(6, 256))
-    # [rows, K/128], rows contiguous and 4 apart (6 rows padded to 8): DeepGEMM's MN-major TMA-aligned layout
-    assert x_scale.shape == (6, 2) and x_scale.stride() == (1, 8) and bool((x_scale == 0.5).all())
-    assert w_data.shape == (384, 256) and w_scale.shape == (3, 2) and w_scale.is_contiguous()
-    assert bool((w_scale == 2.0).all())
-    # an E5M2 operand (a gradient under the hybrid format) or a missing rowwise copy: TE's GEMM keeps it
-    assert per_tensor_fprop_operands(w, SimpleNamespace(**{**vars(x), "_fp8_dtype": e5m2}), e4m3) is None
-    assert per_tensor_fprop_operands(SimpleNamespace(**{**vars(w), "_data": None}), x, e4m3) is None
 
 
 def _shape(source, names, ms_by_variant):

@@ -25,8 +25,8 @@ from fp8stack.ab.verdicts import (BF16_ARMS, BF16_ON_TE_ARM, CPU_LOSS_TOLERANCE,
                                   MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops,
                                   reference_arm, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
-from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, PER_TENSOR_TE_RECIPES,
-                                   RECIPES, dense_backend, get_recipe)
+from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, RECIPES, dense_backend,
+                                   get_recipe)
 
 CPU_RECIPES = (BF16, "tensorwise", "rowwise", "rowwise_gw_hp")
 """The default arms: torchao recipes, which also run on a CPU."""
@@ -42,8 +42,8 @@ def comma_separated(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
-def gemm_libraries(text: str) -> tuple[str, ...]:
-    """--blockwise-gemms' or --fprop-gemms' comma list, each one of BLOCKWISE_GEMMS."""
+def blockwise_gemm_libraries(text: str) -> tuple[str, ...]:
+    """--blockwise-gemms' comma list, each one of BLOCKWISE_GEMMS."""
     libraries = tuple(dict.fromkeys(comma_separated(text)))
     unknown = [name for name in libraries if name not in BLOCKWISE_GEMMS]
     if unknown or not libraries:
@@ -51,35 +51,24 @@ def gemm_libraries(text: str) -> tuple[str, ...]:
     return libraries
 
 
-GEMM_OPTIONS = {"blockwise_gemms": ("blockwise",), "fprop_gemms": PER_TENSOR_TE_RECIPES}
-"""ab's GEMM-library options -> the recipes whose runs they multiply (one run per library)."""
-
-
-def gemm_arm(recipe: str, library: str) -> str:
-    """The A/B arm of `recipe` with the GEMMs its GEMM-library option moves on `library`: the recipe's own name on
-    TE's (cuBLAS); 'blockwise on deepgemm' (every GEMM); '<per-tensor recipe>, fprop on deepgemm'."""
-    if library == "te":
-        return recipe
-    return f"{recipe} on {library}" if recipe == "blockwise" else f"{recipe}, fprop on {library}"
+def blockwise_arm(library: str) -> str:
+    """The A/B arm of recipe blockwise with its GEMMs on `library`: 'blockwise' on TE's own (cuBLAS)."""
+    return "blockwise" if library == "te" else f"blockwise on {library}"
 
 
 def arm_configs(args: argparse.Namespace, recipes: list[str], overrides: dict) -> dict:
     """Arm name -> TrainConfig: bf16 (and bf16 on te with --fastest-bf16), then each FP8 recipe; blockwise once per
-    --blockwise-gemms library, delayed and tensorwise once per --fprop-gemms library."""
+    --blockwise-gemms library."""
     from fp8stack.train.config import TrainConfig, TrainConfigError  # torch is imported only once the options are read
 
+    if args.blockwise_gemms != ("te",) and "blockwise" not in recipes:
+        raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)} sets the blockwise runs' GEMMs, "
+                               "and --recipes has no blockwise: add blockwise to --recipes or drop --blockwise-gemms")
     arms = [(BF16, BF16, {}), *([(BF16_ON_TE_ARM, BF16, {})] if args.fastest_bf16 else [])]
-    for option, moved in GEMM_OPTIONS.items():
-        if getattr(args, option) != ("te",) and not set(moved) & set(recipes):
-            flag = f"--{option.replace('_', '-')}"
-            raise TrainConfigError(f"{flag} {','.join(getattr(args, option))} sets the {' and '.join(moved)} runs' "
-                                   f"GEMMs, and --recipes has none: add {' or '.join(moved)} to --recipes or drop "
-                                   f"{flag}")
     for recipe in recipes[1:]:
-        option = next((name for name, moved in GEMM_OPTIONS.items() if recipe in moved), None)
-        libraries = getattr(args, option) if option else ("te",)
-        arms += [(gemm_arm(recipe, library), recipe, {option: library} if library != "te" else {})
-                 for library in libraries]
+        libraries = args.blockwise_gemms if recipe == "blockwise" else ("te",)
+        arms += [(blockwise_arm(library) if recipe == "blockwise" else recipe, recipe,
+                  {"blockwise_gemms": library} if library != "te" else {}) for library in libraries]
     return {name: TrainConfig(**overrides, recipe=recipe, **extra,
                               **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
                               log_interval=max(1, args.steps // 4)) for name, recipe, extra in arms}
@@ -121,14 +110,10 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="TE's wgrad GEMMs accumulate into FP32 main_grad buffers: --model-impl megatron, every "
                              "run (megatron DDP's buffers; the BF16 run's TE linears too); torch: the FP8 runs' TE "
                              "layers (the BF16 run has none)")
-    parser.add_argument("--blockwise-gemms", type=gemm_libraries, default=("te",), metavar="te,deepgemm",
+    parser.add_argument("--blockwise-gemms", type=blockwise_gemm_libraries, default=("te",), metavar="te,deepgemm",
                         help="one blockwise run per library: TE's GEMMs on cuBLAS (te, the run 'blockwise'; default) "
                              "and/or on DeepGEMM's dense kernels, bit-identical (deepgemm, the run "
-                             f"'{gemm_arm('blockwise', 'deepgemm')}')")
-    parser.add_argument("--fprop-gemms", type=gemm_libraries, default=("te",), metavar="te,deepgemm",
-                        help="one delayed and one tensorwise run per library: TE's forward GEMMs on cuBLAS (te; "
-                             "default) and/or on DeepGEMM's 1D2D kernel (deepgemm, the run "
-                             f"'{gemm_arm('delayed', 'deepgemm')}'); backward GEMMs stay on cuBLAS")
+                             f"'{blockwise_arm('deepgemm')}')")
     parser.add_argument("--bf16-on-te", action="store_true",
                         help="the bf16 run's linears are TE modules without FP8 (recipe bf16, --backend te), with the "
                              "TE levers asked of the FP8 runs (--fuse-norm, --fuse-mlp, "
@@ -255,7 +240,7 @@ def run_ab(args: argparse.Namespace) -> int:
             **({"fastest_bf16": True} if args.fastest_bf16 else {}),
             "compress_activations": args.compress_activations,  # FP8 arms only
             **({"fp8_recompute": args.fp8_recompute} if args.fp8_recompute else {}),  # FP8 arms only
-            **{option: list(getattr(args, option)) for option in GEMM_OPTIONS if getattr(args, option) != ("te",)},
+            **({"blockwise_gemms": list(args.blockwise_gemms)} if args.blockwise_gemms != ("te",) else {}),
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
                                 if args.continue_from else ({}, []))
@@ -321,11 +306,8 @@ def run_ab(args: argparse.Namespace) -> int:
         arm_notes = (f" The FP8 arms recompute {', '.join(args.fp8_recompute)} in every block in backward."
                      if args.fp8_recompute else "")
         if any(library != "te" for library in args.blockwise_gemms):
-            arm_notes += (f" {gemm_arm('blockwise', 'deepgemm')}: TE's blockwise modules with their GEMMs on "
-                          "DeepGEMM's dense kernels (--blockwise-gemms).")
-        if any(library != "te" for library in args.fprop_gemms):
-            arm_notes += (" <recipe>, fprop on deepgemm: TE's per-tensor modules with their forward GEMMs on "
-                          "DeepGEMM's 1D2D kernel, their backward GEMMs on cuBLAS (--fprop-gemms).")
+            arm_notes += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
+                          "dense kernels (--blockwise-gemms).")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"

@@ -20,7 +20,7 @@ from torch import nn
 
 from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_module
 from fp8stack.plan import Decision, Plan, PlanError
-from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS, PER_TENSOR_TE_RECIPES
+from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS
 
 INSTALL_HINT = "pip install 'fp8stack[gpu]' on a CUDA machine"
 """The fix for a machine without TransformerEngine."""
@@ -109,10 +109,6 @@ class TEBackend:
     blockwise_gemms: str = "te"
     """Where the blockwise (Float8BlockScaling) modules' GEMMs run: te (cuBLAS) or deepgemm (DeepGEMM's dense
     kernels on TE's operands, bit-identical; fp8stack.backends.te_deepgemm). Quantization stays TE's."""
-    fprop_gemms: str = "te"
-    """Where the per-tensor (delayed, tensorwise) modules' forward GEMMs run: te (cuBLAS) or deepgemm (DeepGEMM's
-    1D2D kernel on TE's E4M3 operands, FP32 promotion every 128 deep; fp8stack.backends.te_deepgemm). Their
-    backward GEMMs and quantization stay TE's."""
 
     name: ClassVar[str] = "te"
 
@@ -145,7 +141,7 @@ class TEBackend:
         if not ok:
             raise BackendUnavailable(f"the plan for {plan.model} runs {len(decisions)} component(s) on "
                                      f"TransformerEngine, but {reason}")
-        gemm_library, routes = self._deepgemm_routes(recipes)
+        gemm_library = self._blockwise_gemm_library(recipes)
         from fp8stack.backends import te_modules
 
         te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin) for name in recipes}
@@ -182,11 +178,11 @@ class TEBackend:
             model = swap_module(model, fqn, new)
             record.converted.update(dict.fromkeys(runs, type(new).__name__))
         record.recipe = ", ".join(recipes)
-        for kind, note in routes:
+        if gemm_library is not None:
             from fp8stack.backends import te_deepgemm
 
-            te_deepgemm.route_gemms(gemm_library, kind)
-            record.notes.append(note)
+            te_deepgemm.route_blockwise_gemms(gemm_library)
+            record.notes.append(te_deepgemm.ROUTED_NOTE)
         if "delayed" in recipes:
             record.notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
                                 f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin "
@@ -213,27 +209,18 @@ class TEBackend:
                                 "(patches/te_swiglu_fp8_dgrad.py)")
         return model, record
 
-    def _deepgemm_routes(self, recipes: list[str]) -> tuple[object, list[tuple[str, str]]]:
-        """(deep_gemm, [(te_deepgemm route kind, its note)]) for the options set to deepgemm, (None, []) when none is;
-        refuses an unknown library, an option whose recipes the plan lacks, or a missing DeepGEMM."""
-        from fp8stack.backends import te_deepgemm  # imports no TE: the routes are installed by route_gemms
+    def _blockwise_gemm_library(self, recipes: list[str]):
+        """deep_gemm when blockwise_gemms is deepgemm (None for te); refuses a plan without blockwise or no DeepGEMM."""
+        if self.blockwise_gemms not in BLOCKWISE_GEMMS:
+            raise PlanError(f"blockwise_gemms={self.blockwise_gemms!r}: use {' or '.join(BLOCKWISE_GEMMS)}")
+        if self.blockwise_gemms == "te":
+            return None
+        if "blockwise" not in recipes:
+            raise PlanError(f"blockwise_gemms=deepgemm moves the blockwise modules' GEMMs, and the plan's TE recipes "
+                            f"are {', '.join(recipes)}: plan recipe blockwise or drop --blockwise-gemms")
+        from fp8stack.backends import te_deepgemm
 
-        routes = []
-        for option, recipes_moved, kind, note in (
-                ("blockwise_gemms", ("blockwise",), "blockwise", te_deepgemm.ROUTED_NOTE),
-                ("fprop_gemms", PER_TENSOR_TE_RECIPES, "per_tensor_fprop", te_deepgemm.FPROP_NOTE)):
-            library = getattr(self, option)
-            if library not in BLOCKWISE_GEMMS:
-                raise PlanError(f"{option}={library!r}: use {' or '.join(BLOCKWISE_GEMMS)}")
-            if library == "te":
-                continue
-            if not set(recipes_moved) & set(recipes):
-                raise PlanError(f"{option}=deepgemm moves the GEMMs of recipe {' or '.join(recipes_moved)}, and the "
-                                f"plan's TE recipes are {', '.join(recipes)}: plan one of them or drop the option")
-            routes.append((option, kind, note))
-        if not routes:
-            return None, []
-        return te_deepgemm.load_library(routes[0][0]), [(kind, note) for _, kind, note in routes]
+        return te_deepgemm.load_library()
 
 
 def fp8_weight_caches(model: nn.Module) -> list[nn.Module]:

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fp8stack.ab import GEMM_OPTIONS
 from fp8stack.ab.verdicts import BF16_ARMS
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 
@@ -67,11 +66,10 @@ def ab_arms(path: Path) -> list[dict]:
     note = "" if record["train_config"].get("fastest_bf16") else "reference: plain BF16 only (no --fastest-bf16)"
     # The settings an arm ran with, so that repeats of one arm in several files are seen as such (the GEMM library
     # is in the arm's name).
-    setup = json.dumps({k: v for k, v in record["train_config"].items() if k not in GEMM_OPTIONS}, sort_keys=True)
+    setup = json.dumps({k: v for k, v in record["train_config"].items() if k != "blockwise_gemms"}, sort_keys=True)
     return [{"file": path.name, "arm": a["recipe"] + (f", recompute {','.join(levers)}" if levers else "")
              + (", GEMMs on DeepGEMM" if on_deepgemm and a["recipe"] == "blockwise" else ""),
-             # ab's arms "blockwise on deepgemm" and "delayed, fprop on deepgemm" run recipes blockwise and delayed
-             "recipe": a["recipe"].split(" on ")[0].split(",")[0],
+             "recipe": a["recipe"].split(" on ")[0],  # ab's arm "blockwise on deepgemm" runs recipe blockwise
              "reference": reference["recipe"], "note": note, "setup": setup, "device": record["device"],
              "model": record["model"],
              "speedup": a["tokens_per_s"] / reference["tokens_per_s"],

@@ -6,8 +6,7 @@ accumulating into an FP32 main_grad as with fused wgrad accumulation), against t
 - blockwise (1x128 activations and gradients, 128x128 weights): TE's cuBLAS GEMM, and DeepGEMM's dense
   kernels on the same bytes and scales (1D2D for fprop/dgrad, 1D1D for wgrad), where DeepGEMM is installed;
 - per-tensor current scaling: TE's cuBLAS GEMM with the split accumulator TE uses for dgrad and wgrad,
-  and with fast accumulation (the recipe's MMParams switch); and the forward GEMM on DeepGEMM's 1D2D kernel
-  (fprop_gemms), each operand's one scale spread over its scale grids.
+  and with fast accumulation (the recipe's MMParams switch).
 Each entry has its median ms, TF/s and relative error against the FP32 product of the unquantized inputs.
 Writes profiles/te-gemms-<gpu>.json and .md.
 """
@@ -96,12 +95,6 @@ def bench_shape(n: int, k: int, tokens: int, iters: int, library) -> dict:
             variants["blockwise DeepGEMM"] = (  # the operands' layout conversion timed with the GEMM
                 lambda a=a, b=b, out=out, layout=layout: te_deepgemm.gemm(library, te_deepgemm.operands(a, b, layout),
                                                                           layout, out))
-        if library is not None and gemm == "fprop":  # fprop_gemms: E4M3 operands; TE's gradients are E5M2
-            a, b = gemm_operands(operand_sets["per-tensor"], gemm)
-            out = torch.empty_like(references[gemm], dtype=torch.bfloat16)
-            variants["per-tensor DeepGEMM"] = (  # the scales' spreading timed with the GEMM
-                lambda a=a, b=b, out=out: te_deepgemm.gemm(
-                    library, te_deepgemm.per_tensor_fprop_operands(a, b, tex.DType.kFloat8E4M3), "TN", out))
         result["gemms"][gemm] = {name: measure(fn, references[gemm], flop, iters, reset)
                                  for name, fn in variants.items()}
     return result

@@ -95,10 +95,7 @@ BLOCKWISE_EXPERT_BACKENDS = ("grouped_fp8", "te")
 or TE GroupedLinear with Float8BlockScaling."""
 
 BLOCKWISE_GEMMS = ("te", "deepgemm")
-"""Where TE's blockwise (Float8BlockScaling) modules run their GEMMs, and its per-tensor modules their forward GEMMs
-(blockwise_gemms, fprop_gemms): cuBLAS, or DeepGEMM's dense kernels."""
-PER_TENSOR_TE_RECIPES = ("delayed", "tensorwise")
-"""TE recipes with one scale per tensor (DelayedScaling, Float8CurrentScaling): fprop_gemms moves their forward GEMMs."""
+"""Where TE's blockwise (Float8BlockScaling) modules run their GEMMs: cuBLAS, or DeepGEMM's dense kernels."""
 
 
 def expert_backend(recipe: Recipe, dense: str, blockwise_experts: str = "grouped_fp8") -> tuple[str, str]:

@@ -48,10 +48,6 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--blockwise-gemms", "blockwise_gemms", {
         "choices": BLOCKWISE_GEMMS,
         "help": "TE blockwise modules' GEMMs on cuBLAS (te) or DeepGEMM's dense kernels, bit-identical (deepgemm)"}),
-    ("--fprop-gemms", "fprop_gemms", {
-        "choices": BLOCKWISE_GEMMS,
-        "help": "TE per-tensor (delayed, tensorwise) modules' forward GEMMs on cuBLAS (te) or DeepGEMM's 1D2D "
-                "kernel (deepgemm); their backward GEMMs stay on cuBLAS"}),
     ("--train-iters", "steps", {"type": int, "metavar": "N", "help": "optimizer steps"}),
     ("--lr-warmup-iters", "warmup", {"type": int, "metavar": "N"}),
     ("--lr", "lr", {"type": float}),

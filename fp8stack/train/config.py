@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8stack.models import LlamaConfig
-from fp8stack.plan.recipes import BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS, PER_TENSOR_TE_RECIPES
+from fp8stack.plan.recipes import BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS
 from fp8stack.runtime.attention import SDPA_BACKENDS
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train.data import DATA_SOURCES, DEFAULT_MAX_BYTES
@@ -116,9 +116,6 @@ class TrainConfig:
     blockwise_gemms: str = "te"
     """Where TE's blockwise modules run their GEMMs: te (cuBLAS) or deepgemm (DeepGEMM's dense kernels on TE's
     operands, bit-identical; needs DeepGEMM, launch/build_deepgemm.sh)."""
-    fprop_gemms: str = "te"
-    """Where TE's per-tensor (delayed, tensorwise) modules run their forward GEMMs: te (cuBLAS) or deepgemm
-    (DeepGEMM's 1D2D kernel on TE's E4M3 operands; backward GEMMs stay on cuBLAS; needs DeepGEMM)."""
     fsdp_one_rank: bool = False
     """Shard with FSDP2 even when there is one data-parallel rank (a 1-rank mesh), so a 1-GPU run takes a sharded
     run's numerics (BF16 parameters by FSDP's mixed-precision policy, FP8 all-gather casts) instead of autocast
@@ -170,14 +167,12 @@ class TrainConfig:
         if self.blockwise_experts not in ("auto", *BLOCKWISE_EXPERT_BACKENDS):
             raise TrainConfigError(f"unknown blockwise_experts {self.blockwise_experts!r}: use auto, "
                                    f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
-        for option, recipes in (("blockwise_gemms", ("blockwise",)), ("fprop_gemms", PER_TENSOR_TE_RECIPES)):
-            library = getattr(self, option)
-            if library not in BLOCKWISE_GEMMS:
-                raise TrainConfigError(f"unknown {option} {library!r}: use {' or '.join(BLOCKWISE_GEMMS)}")
-            if library != "te" and self.recipe not in recipes:
-                raise TrainConfigError(f"{option}={library} moves GEMMs of recipe {' or '.join(recipes)}, and the "
-                                       f"recipe is {self.recipe}: use --fp8-recipe {recipes[0]} or drop "
-                                       f"--{option.replace('_', '-')}")
+        if self.blockwise_gemms not in BLOCKWISE_GEMMS:
+            raise TrainConfigError(f"unknown blockwise_gemms {self.blockwise_gemms!r}: use "
+                                   f"{' or '.join(BLOCKWISE_GEMMS)}")
+        if self.blockwise_gemms != "te" and self.recipe != "blockwise":
+            raise TrainConfigError(f"blockwise_gemms={self.blockwise_gemms} moves the GEMMs of recipe blockwise, and "
+                                   f"the recipe is {self.recipe}: use --fp8-recipe blockwise or drop --blockwise-gemms")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise TrainConfigError(f"unknown sdpa_backend {self.sdpa_backend!r}: use {', '.join(SDPA_BACKENDS)}")
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):

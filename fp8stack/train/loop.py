@@ -320,11 +320,7 @@ def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[s
                                    f"--backend te with an FP8 recipe, or drop --{option.replace('_', '-')}")
     options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "cache_fp8_weights": micro_batches > 1,
                "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion,
-               **{option: getattr(cfg, option) for option in ("blockwise_gemms", "fprop_gemms")
-                  if getattr(cfg, option) != "te"}}
-    if cfg.fprop_gemms != "te" and not plan.for_backend("te"):
-        raise TrainConfigError(f"fprop_gemms={cfg.fprop_gemms} moves the forward GEMMs of TE's per-tensor modules, but "
-                               f"the plan for recipe {cfg.recipe!r} has none: use --backend te or drop --fprop-gemms")
+               **({"blockwise_gemms": cfg.blockwise_gemms} if cfg.blockwise_gemms != "te" else {})}
     return {"te": options} if plan.for_backend("te") and any(options.values()) else None
 
 

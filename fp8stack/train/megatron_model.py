@@ -297,14 +297,11 @@ def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=te_usable())
         # The plain Llama as --model-impl torch draws it (cfg.seed, on env.device: CUDA's generator).
         model = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
-        # megatron's TE linears call the general_gemm TE's own modules call
-        for option, kind, note in (("blockwise_gemms", "blockwise", "ROUTED_NOTE"),
-                                   ("fprop_gemms", "per_tensor_fprop", "FPROP_NOTE")):
-            if getattr(cfg, option) == "deepgemm":
-                from fp8stack.backends import te_deepgemm
+        if cfg.blockwise_gemms == "deepgemm":  # megatron's TE linears call the general_gemm TE's own modules call
+            from fp8stack.backends import te_deepgemm
 
-                te_deepgemm.route_gemms(te_deepgemm.load_library(option), kind)
-                log.info(getattr(te_deepgemm, note))
+            te_deepgemm.route_blockwise_gemms(te_deepgemm.load_library())
+            log.info(te_deepgemm.ROUTED_NOTE)
         if cfg.gradient_accumulation_fusion:
             model = with_main_grads(model, config)
         yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,
