@@ -5,8 +5,10 @@ kernel's time into a category by its name (CLASSIFIER) and bounds the plan's FP8
 law: with GEMMs at share s of the bf16 step's time, FP8 GEMMs `r` times faster and the plan's FP8
 share f of the GEMM FLOPs, a step gets at most 1 / (1 - s*f + s*f/r) faster. s comes from a bf16
 profile of the same model (profiled first for an FP8 recipe: in the FP8 run the GEMMs are already the
-faster ones). Also reports quantize/scale time over GEMM time in the FP8 run (target: at most 10%),
-and the measured gain when `fp8stack ab` evidence for the same model and device exists.
+faster ones). Also reports quantize/scale time over GEMM time in the FP8 run (target: at most 10%), whole
+and as overhead (quantize_overhead: a norm or activation kernel that writes FP8 counts by its excess over the
+bf16 run's kernel of the same family), and the measured gain when `fp8stack ab` evidence for the same model and
+device exists.
 Writes profiles/profile-<model>-<device>.json and .md.
 """
 
@@ -125,9 +127,41 @@ class RunProfile:
     """GPU time with no kernel running on any stream, from the first profiled kernel to the last (None on a CPU)."""
     gaps: list[Gap] | None = None
     """The TOP_GAPS kernel pairs with the most idle time between them, in gaps of at least GAP_MIN_US."""
+    family_ms: dict[str, dict[str, float]] | None = None
+    """category -> kernel_family -> ms per step, over every kernel (None in files written before it existed)."""
 
     def share(self, category: str) -> float:
         return self.categories[category]["share"]
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's function without its template arguments and parameters, so that the same work at other dtypes
+    is one family: 'void ns::dgated_act_kernel<16, true, float, ...>(...)' -> 'ns::dgated_act_kernel'."""
+    return re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0].strip()
+
+
+def family_ms(kernels: Sequence[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """category -> kernel_family -> summed ms, from (kernel name, ms) pairs."""
+    families: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for name, ms in kernels:
+        families[classify(name)][kernel_family(name)] += ms
+    return {category: dict(found) for category, found in families.items()}
+
+
+def quantize_overhead(quantize_ms: float, fp8_families: dict[str, dict[str, float]],
+                      bf16_families: dict[str, dict[str, float]]) -> tuple[float, list[dict]]:
+    """(quantize ms net of fused work, the fused families): a quantize kernel of a family the bf16 run runs outside
+    quantize (a norm or an activation that writes FP8 here and BF16 there, fused with its cast) counts only by its
+    excess over that counterpart; every other quantize kernel counts whole. Family times missing from the bf16 side
+    (a file's top kernels only) subtract nothing, so the overhead is never understated."""
+    counterparts: dict[str, float] = defaultdict(float)
+    for category, families in bf16_families.items():
+        if category != "quantize":
+            for family, ms in families.items():
+                counterparts[family] += ms
+    fused = [{"family": family, "ms_per_step": ms, "bf16_ms_per_step": counterparts[family]}
+             for family, ms in fp8_families.get("quantize", {}).items() if family in counterparts]
+    return quantize_ms - sum(min(f["ms_per_step"], f["bf16_ms_per_step"]) for f in fused), fused
 
 
 def fp8_matmul_share(plan: Plan) -> float:
@@ -153,7 +187,8 @@ def summarize(times_us: dict[str, float], calls: dict[str, int], steps: int, rec
         busy_ms_per_step=busy_us / steps / 1000,
         categories={c: {"ms_per_step": us / steps / 1000, "share": us / busy_us} for c, us in per_category.items()},
         top_kernels=[Kernel(name=n, category=classify(n), ms_per_step=times_us[n] / steps / 1000,
-                            share=times_us[n] / busy_us, calls_per_step=calls[n] / steps) for n in ranked])
+                            share=times_us[n] / busy_us, calls_per_step=calls[n] / steps) for n in ranked],
+        family_ms=family_ms([(n, us / steps / 1000) for n, us in times_us.items()]))
 
 
 def idle_gaps(kernels: Sequence[tuple[str, float, float]], steps: int) -> tuple[float, list[Gap]]:
@@ -307,6 +342,8 @@ def run_profile(args: argparse.Namespace) -> int:
     profiled, baseline = runs[args.recipe], runs[BF16]
     gemm_share, fp8_share = baseline.share("gemm"), fp8_matmul_share(plan)
     gemm_ms = profiled.categories["gemm"]["ms_per_step"]
+    overhead_ms, fused = quantize_overhead(profiled.categories["quantize"]["ms_per_step"], profiled.family_ms,
+                                           baseline.family_ms)
     payload = {
         "model": args.model, "recipe": args.recipe, "steps": args.steps, "warmup": args.warmup,
         "train_config": {k: v for k, v in asdict(configs[-1]).items() if k != "steps"},
@@ -316,6 +353,8 @@ def run_profile(args: argparse.Namespace) -> int:
         "gemm_speedup": args.gemm_speedup,
         "amdahl_bound": amdahl_bound(gemm_share, fp8_share, args.gemm_speedup),
         "quantize_over_gemm": profiled.categories["quantize"]["ms_per_step"] / gemm_ms if gemm_ms else None,
+        "quantize_overhead_over_gemm": overhead_ms / gemm_ms if gemm_ms else None,
+        "quantize_fused_families": fused,
         "quantize_target": QUANTIZE_TARGET,
         "measured_gain": measured_gain(ab_path, args.recipe) if args.recipe != BF16 else None,
         "ab_evidence": str(ab_path) if ab_path.is_file() else None,
@@ -348,7 +387,9 @@ def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str
                                     f"none (no {recipe} and bf16 arms in {payload['ab_evidence'] or 'an A/B JSON'}: "
                                     f"run `fp8stack ab --model {payload['model']} --recipes {recipe}`)") + ".",
         f"Quantize/scale time over GEMM time in {recipe}: "
-        + (f"{ratio:.1%}" if ratio is not None else "- (no GEMM time)") + f" (target <= {QUANTIZE_TARGET:.0%}).",
+        + (f"{ratio:.1%} whole, {payload['quantize_overhead_over_gemm']:.1%} as overhead"
+           if ratio is not None else "- (no GEMM time)") + f" (target <= {QUANTIZE_TARGET:.0%}). "
+        + fused_note(payload["quantize_fused_families"]),
     ]
     kernels = markdown_table(
         ["kernel", "category", "ms/step", "share", "calls/step"],
@@ -365,6 +406,15 @@ def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str
     return (text + f"\n\nGPU idle (no kernel on any stream) per step, ms: {idle}; the steps' host syncs and the "
             f"profiler's own per-step work sit in the gaps between steps. Longest waits in {recipe} (gaps of at "
             f"least {GAP_MIN_US:g} us, by the kernels around them):\n\n" + gaps)
+
+
+def fused_note(fused: list[dict]) -> str:
+    """What the overhead figure leaves out: each fused family's time here and its counterpart's in the bf16 run."""
+    if not fused:
+        return "No quantize kernel is fused with work the bf16 run does too: overhead = whole."
+    return ("Overhead counts these quantize kernels, fused with work the bf16 run does too, by their excess over it: "
+            + "; ".join(f"{f['family']} {f['ms_per_step']:.3f} ms (bf16 {f['bf16_ms_per_step']:.3f})" for f in fused)
+            + ".")
 
 
 def _cut(name: str) -> str:

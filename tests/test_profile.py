@@ -5,8 +5,8 @@ import json
 import pytest
 
 from fp8stack.cli import build_parser
-from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, idle_gaps, main, measured_gain,
-                              run_profile)
+from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, family_ms, idle_gaps, kernel_family,
+                              main, measured_gain, quantize_overhead, run_profile)
 
 KERNELS = {
     # cuBLAS / cuBLASLt / CUTLASS GEMMs, FP8 ones included (their operand types must not make them 'quantize')
@@ -130,6 +130,10 @@ def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert s == record["runs"]["bf16"]["categories"]["gemm"]["share"] and 0.9 < f <= 1.0
     assert record["amdahl_bound"] == pytest.approx(amdahl_bound(s, f, 2.0)) and record["amdahl_bound"] > 1.0
     assert record["quantize_over_gemm"] > 0
+    # the bf16 run shares no family with torchao's casts: the overhead is all of it
+    assert record["quantize_overhead_over_gemm"] == pytest.approx(record["quantize_over_gemm"])
+    assert record["quantize_fused_families"] == []
+    assert set(record["runs"]["tensorwise"]["family_ms"]) <= set(CATEGORIES)
     assert record["measured_gain"] == pytest.approx(0.9)
     out = capsys.readouterr().out
     assert "Amdahl bound on tensorwise's gain" in out and "measured (A/B tokens/s over bf16): 0.90x" in out
@@ -147,3 +151,22 @@ def test_profile_subcommand_is_wired_into_the_cli(capsys):
     assert "profile profiles one FP8 run, so one GEMM library" in capsys.readouterr().err
     assert main(["--fp8-recipe", "delayed", "--blockwise-gemms", "deepgemm", "--out-dir", "unused"]) == 2
     assert "use --fp8-recipe blockwise or drop --blockwise-gemms" in capsys.readouterr().err
+
+
+def test_quantize_overhead_counts_fused_kernels_by_their_excess_over_bf16():
+    """TE's SwiGLU kernels write FP8 in the FP8 run (quantize) and BF16 in the bf16 run (elementwise): the same
+    family, whose BF16 time is work FP8 did not add. Pure casts count whole."""
+    fp8 = family_ms([("void transformer_engine::gated_act_kernel<16, true, float, __nv_fp8_e4m3>(int)", 7.7),
+                     ("void transformer_engine::dgated_act_kernel<16, true, float, __nv_fp8_e5m2>(int)", 9.9),
+                     ("cast_transpose_optimized_kernel(__nv_bfloat16 const*, __nv_fp8_e5m2*)", 4.2)])
+    bf16 = family_ms([("void transformer_engine::gated_act_kernel<16, true, float, __nv_bfloat16>(int)", 5.8),
+                      ("void transformer_engine::dgated_act_kernel<16, true, float, __nv_bfloat16>(int)", 10.5)])
+    assert kernel_family("void transformer_engine::gated_act_kernel<16, true>(int)") == \
+        "transformer_engine::gated_act_kernel"
+    assert fp8["quantize"] == {"transformer_engine::gated_act_kernel": 7.7,
+                               "transformer_engine::dgated_act_kernel": 9.9, "cast_transpose_optimized_kernel": 4.2}
+    overhead, fused = quantize_overhead(21.8, fp8, bf16)
+    # gated: 7.7 - 5.8 counts; dgated: faster than its BF16 counterpart, counts 0; the cast counts whole
+    assert overhead == pytest.approx(1.9 + 0.0 + 4.2)
+    assert [f["family"] for f in fused] == ["transformer_engine::gated_act_kernel",
+                                            "transformer_engine::dgated_act_kernel"]

@@ -108,9 +108,27 @@ def test_experts_profile_and_loss_rows(tmp_path):
     assert "Float8GroupedExperts (kernels deepgemm) 0.990x" in moe["note"]
 
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"recipe": "delayed", "quantize_over_gemm": 0.092, "amdahl_bound": 1.46}))
+    profile.write_text(json.dumps({"recipe": "delayed", "quantize_over_gemm": 0.108,
+                                   "quantize_overhead_over_gemm": 0.053, "amdahl_bound": 1.46}))
     quantize = targets.profile_row(profile)
-    assert quantize["status"] == "met" and "1.460x" in quantize["note"]
+    assert (quantize["value"], quantize["status"]) == (0.053, "met")
+    assert "whole quantize kernels 10.80% of GEMM time" in quantize["note"] and "1.460x" in quantize["note"]
+
+    # A file from before the overhead figure: derived from each run's top kernels. The FP8 run's SwiGLU backward
+    # writes FP8 (quantize), the bf16 run's the same family in BF16: only its excess counts.
+    def run(recipe, quantize_ms, kernels):
+        return {"recipe": recipe, "top_kernels": [{"name": name, "ms_per_step": ms} for name, ms in kernels],
+                "categories": {"quantize": {"ms_per_step": quantize_ms}, "gemm": {"ms_per_step": 100.0}}}
+
+    dgated = "void transformer_engine::dgated_act_kernel<16, true, float, {}>(...)"
+    profile.write_text(json.dumps({"recipe": "delayed", "quantize_over_gemm": 0.12, "amdahl_bound": 1.5, "runs": {
+        "bf16": run("bf16", 0.0, [(dgated.format("__nv_bfloat16"), 9.5)]),
+        "delayed": run("delayed", 12.0, [(dgated.format("__nv_fp8_e5m2"), 9.9),
+                                         ("cast_transpose_kernel(...)", 2.1)])}}))
+    quantize = targets.profile_row(profile)
+    assert quantize["value"] == pytest.approx((12.0 - 9.5) / 100.0) and quantize["status"] == "met"
+    assert "Derived here from each run's top 2 kernels" in quantize["note"]
+    assert "transformer_engine::dgated_act_kernel 9.900 ms (bf16 9.500)" in quantize["note"]
 
     band = tmp_path / "band.json"
     runs = [{"file": "a.json", "run": "delayed", "gap_to_mean": -0.0045, "position": "within the BF16 runs"},
