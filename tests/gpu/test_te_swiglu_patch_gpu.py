@@ -1,6 +1,7 @@
 """patches/te_swiglu_fp8_dgrad.py on a GPU: where it fuses (a bias-free swiglu LayerNormMLP under delayed scaling,
 recomputing or not), where it leaves TE alone (a biased MLP, current scaling), what its one rounding does to the
-gradient against TE's two, and the te backend applying it. Run with `pytest -m gpu tests/gpu/test_te_swiglu_patch_gpu.py`."""
+gradient against TE's two, and the te backend applying it.
+Run with `pytest -m gpu tests/gpu/test_te_swiglu_patch_gpu.py`."""
 
 import copy
 
