@@ -148,10 +148,9 @@ def profile_row(path: Path) -> dict:
     overhead, derived = record.get("quantize_overhead_over_gemm"), ""
     if overhead is None:
         fp8, bf16 = record["runs"][record["recipe"]], record["runs"]["bf16"]
-        tops = {run["recipe"]: family_ms([(k["name"], k["ms_per_step"]) for k in run["top_kernels"]])
-                for run in (fp8, bf16)}
-        overhead_ms, fused = quantize_overhead(fp8["categories"]["quantize"]["ms_per_step"], tops[fp8["recipe"]],
-                                               tops["bf16"])
+        fp8_top, bf16_top = (family_ms([(k["name"], k["ms_per_step"]) for k in run["top_kernels"]])
+                             for run in (fp8, bf16))
+        overhead_ms, fused = quantize_overhead(fp8["categories"]["quantize"]["ms_per_step"], fp8_top, bf16_top)
         overhead = overhead_ms / fp8["categories"]["gemm"]["ms_per_step"]
         derived = f" Derived here from each run's top {len(fp8['top_kernels'])} kernels: {fused_note(fused)}"
     return row("quantize", overhead, {"file": path.name, "arm": record["recipe"]},
