@@ -322,8 +322,12 @@ def run_profile(args: argparse.Namespace) -> int:
         if len(args.blockwise_gemms) > 1:
             raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)}: profile profiles one FP8 "
                                    "run, so one GEMM library: pass te or deepgemm (fp8stack ab takes both)")
+        if len(args.param_dtypes) > 1:
+            raise TrainConfigError(f"--param-dtypes {','.join(args.param_dtypes)}: profile profiles one "
+                                   "configuration per recipe: pass fp32 or bf16 (fp8stack ab takes both)")
         library = args.blockwise_gemms[0]
         configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
+                               param_dtype=args.param_dtypes[0],
                                **({"blockwise_gemms": library} if recipe != BF16 and library != "te" else {}))
                    for recipe in dict.fromkeys((BF16, args.recipe))]
         runs, plan = {}, None

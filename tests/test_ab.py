@@ -306,6 +306,37 @@ def test_blockwise_runs_once_per_gemm_library():
         parser.parse_args(["ab", "--blockwise-gemms", "te,cutlass"])
 
 
+def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_reference(tmp_path):
+    """--param-dtypes fp32,bf16: each arm with FP32 parameters and with BF16 ones (FP32 masters), the latter named
+    '<arm>, bf16 params'; a BF16 configuration either way, so the faster BF16 run is the reference."""
+    parser = argparse.ArgumentParser(prog="fp8stack")
+    add_ab_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["ab", "--recipes", "bf16,delayed", "--backend", "te", "--fastest-bf16",
+                              "--param-dtypes", "fp32,bf16", "--dtype", "bf16"])
+    configs = arm_configs(args, ["bf16", "delayed"], {"model": "tiny", "steps": 4, "dtype": "bf16"})
+    assert {name: (cfg.recipe, cfg.backend, cfg.param_dtype) for name, cfg in configs.items()} == {
+        "bf16": ("bf16", "auto", "fp32"), "bf16, bf16 params": ("bf16", "auto", "bf16"),
+        "bf16 on te": ("bf16", "te", "fp32"), "bf16 on te, bf16 params": ("bf16", "te", "bf16"),
+        "delayed": ("delayed", "te", "fp32"), "delayed, bf16 params": ("delayed", "te", "bf16")}
+    results = {"bf16": _result(100.0, 2.0, 0.0), "bf16, bf16 params": _result(97.0, 2.0, 0.0),
+               "delayed": _result(70.0, 2.0, 0.8)}
+    assert reference_arm(results) == "bf16, bf16 params"
+    arms, _ = judge(results, {"bf16": "bf16", "bf16, bf16 params": "bf16", "delayed": "te"}, tolerance=0.0025,
+                    peaks=None)
+    assert [a.verdict for a in arms] == ["alternative", "baseline", "ship"]
+    assert "than bf16, bf16 params " in arms[2].reason
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ab", "--param-dtypes", "fp16"])
+    common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "2", "--micro-batch", "2", "--seq-len", "64",
+              "--device", "cpu", "--dtype", "bf16", "--no-repeat-baseline", "--out-dir", str(tmp_path)]
+    assert main([*common, "--param-dtypes", "bf16"]) == 0
+    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    assert [a["recipe"] for a in record["arms"]] == ["bf16, bf16 params", "tensorwise, bf16 params"]
+    assert record["arms"][0]["verdict"] == "baseline" and record["arms"][1]["rel_loss_gap"] is not None
+    assert record["train_config"]["param_dtypes"] == ["bf16"]
+    assert "keep BF16 parameters with FP32 masters" in (tmp_path / "ab-tiny-cpu.md").read_text()
+
+
 def test_ab_subcommand_plugs_into_a_parser():
     parser = argparse.ArgumentParser(prog="fp8stack")
     add_ab_parser(parser.add_subparsers(dest="command"))

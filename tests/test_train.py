@@ -198,9 +198,12 @@ def test_priming_passes_leave_weights_optimizer_and_data_as_they_were():
         TrainConfig(fp8_priming_passes=-1)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
-def test_resume_continues_bit_identically(recipe, tmp_path):
-    settings = dict(recipe=recipe, steps=4, warmup=1, **FAST)
+@pytest.mark.parametrize("recipe, params", [("bf16", {}), ("tensorwise", {}),
+                                            ("tensorwise", {"dtype": "bf16", "param_dtype": "bf16"})],
+                         ids=["bf16", "tensorwise", "tensorwise-bf16-params"])
+def test_resume_continues_bit_identically(recipe, params, tmp_path):
+    """With BF16 parameters too: the checkpoint holds the FP32 masters, which BF16 copies could not restore."""
+    settings = dict(recipe=recipe, steps=4, warmup=1, **FAST, **params)
     uninterrupted = train(TrainConfig(**settings))
     train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), checkpoint_interval=2))
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["step-00000002", "step-00000004"]

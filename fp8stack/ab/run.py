@@ -21,9 +21,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fp8stack.ab.plot import plot
-from fp8stack.ab.verdicts import (BF16_ARMS, BF16_ON_TE_ARM, CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE, LAST_FRACTION,
-                                  MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, judge, peak_tflops,
-                                  reference_arm, repeat_arms, repeat_note)
+from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE,
+                                  LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, is_bf16_arm, judge,
+                                  peak_tflops, reference_arm, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
 from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, RECIPES, dense_backend,
                                    get_recipe)
@@ -51,6 +51,15 @@ def blockwise_gemm_libraries(text: str) -> tuple[str, ...]:
     return libraries
 
 
+def param_dtypes(text: str) -> tuple[str, ...]:
+    """--param-dtypes' value: comma-separated TrainConfig.param_dtype values."""
+    dtypes = comma_separated(text)
+    unknown = [dtype for dtype in dtypes if dtype not in ("fp32", "bf16")]
+    if unknown or not dtypes:
+        raise argparse.ArgumentTypeError(f"{text!r}: list fp32 and/or bf16")
+    return dtypes
+
+
 def blockwise_arm(library: str) -> str:
     """The A/B arm of recipe blockwise with its GEMMs on `library`: 'blockwise' on TE's own (cuBLAS)."""
     return "blockwise" if library == "te" else f"blockwise on {library}"
@@ -58,7 +67,7 @@ def blockwise_arm(library: str) -> str:
 
 def arm_configs(args: argparse.Namespace, recipes: list[str], overrides: dict) -> dict:
     """Arm name -> TrainConfig: bf16 (and bf16 on te with --fastest-bf16), then each FP8 recipe; blockwise once per
-    --blockwise-gemms library."""
+    --blockwise-gemms library; each of them once per --param-dtypes dtype (BF16_PARAMS_SUFFIX after bf16's)."""
     from fp8stack.train.config import TrainConfig, TrainConfigError  # torch is imported only once the options are read
 
     if args.blockwise_gemms != ("te",) and "blockwise" not in recipes:
@@ -69,9 +78,11 @@ def arm_configs(args: argparse.Namespace, recipes: list[str], overrides: dict) -
         libraries = args.blockwise_gemms if recipe == "blockwise" else ("te",)
         arms += [(blockwise_arm(library) if recipe == "blockwise" else recipe, recipe,
                   {"blockwise_gemms": library} if library != "te" else {}) for library in libraries]
-    return {name: TrainConfig(**overrides, recipe=recipe, **extra,
-                              **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
-                              log_interval=max(1, args.steps // 4)) for name, recipe, extra in arms}
+    return {name + (BF16_PARAMS_SUFFIX if param_dtype == "bf16" else ""): TrainConfig(
+                **overrides, recipe=recipe, **extra, param_dtype=param_dtype,
+                **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
+                log_interval=max(1, args.steps // 4))
+            for name, recipe, extra in arms for param_dtype in args.param_dtypes}
 
 
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
@@ -114,6 +125,10 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="one blockwise run per library: TE's GEMMs on cuBLAS (te, the run 'blockwise'; default) "
                              "and/or on DeepGEMM's dense kernels, bit-identical (deepgemm, the run "
                              f"'{blockwise_arm('deepgemm')}')")
+    parser.add_argument("--param-dtypes", type=param_dtypes, default=("fp32",), metavar="fp32,bf16",
+                        help="one run of every arm per parameter dtype: fp32 (FP32 parameters, cast at every forward; "
+                             f"default) and/or bf16 (BF16 parameters with FP32 masters in the optimizer, Megatron's "
+                             f"--bf16; the arm's name ends in '{BF16_PARAMS_SUFFIX}')")
     parser.add_argument("--bf16-on-te", action="store_true",
                         help="the bf16 run's linears are TE modules without FP8 (recipe bf16, --backend te), with the "
                              "TE levers asked of the FP8 runs (--fuse-norm, --fuse-mlp, "
@@ -230,7 +245,7 @@ def run_ab(args: argparse.Namespace) -> int:
                                    "drop --bf16-on-te")
         recipes = _recipes(args.recipes)
         configs = arm_configs(args, recipes, overrides)
-        first = configs[BF16]
+        first = next(iter(configs.values()))
         train_config = json.loads(json.dumps({  # as the evidence holds it (JSON types), to compare with earlier files
             **{k: v for k, v in asdict(first).items() if k != "recipe"},
             "backend": args.backend,  # the FP8 arms'
@@ -241,6 +256,7 @@ def run_ab(args: argparse.Namespace) -> int:
             "compress_activations": args.compress_activations,  # FP8 arms only
             **({"fp8_recompute": args.fp8_recompute} if args.fp8_recompute else {}),  # FP8 arms only
             **({"blockwise_gemms": list(args.blockwise_gemms)} if args.blockwise_gemms != ("te",) else {}),
+            **({"param_dtypes": list(args.param_dtypes)} if args.param_dtypes != ("fp32",) else {}),
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
                                 if args.continue_from else ({}, []))
@@ -265,7 +281,7 @@ def run_ab(args: argparse.Namespace) -> int:
     def pending() -> list[str]:
         """The arms still to run, in order (the bf16 repeats unless every BF16 configuration failed)."""
         todo = [name for name in configs if name not in results]
-        if reference_arm(results) or any(name in configs and name not in results for name in BF16_ARMS):
+        if reference_arm(results) or any(is_bf16_arm(name) and name not in results for name in configs):
             todo += [name for name in repeat_names if name not in repeats]
         return todo
 
@@ -308,6 +324,11 @@ def run_ab(args: argparse.Namespace) -> int:
         if any(library != "te" for library in args.blockwise_gemms):
             arm_notes += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
                           "dense kernels (--blockwise-gemms).")
+        if "bf16" in args.param_dtypes:
+            arm_notes += (f" Arms named '...{BF16_PARAMS_SUFFIX}' keep BF16 parameters with FP32 masters in the "
+                          "optimizer, copied to them once per step (Megatron's --bf16); the others FP32 parameters, "
+                          "cast at every forward (the BF16 ones, each a BF16 configuration, are candidates for the "
+                          "reference).")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"
@@ -327,9 +348,10 @@ def run_ab(args: argparse.Namespace) -> int:
         return arms, repeat_records, table, markdown, json_path, md_path
 
     slots = args.gpus or [None]
-    # A repeat reruns the reference, known once every BF16 configuration ran: with two of them (--fastest-bf16) the
-    # repeats wait for the arms' waves; with one they take the last wave's free GPUs when there are some.
-    phases = [[name for name in configs], repeat_names] if args.fastest_bf16 else [[*configs, *repeat_names]]
+    # A repeat reruns the reference, known once every BF16 configuration ran: with several (--fastest-bf16,
+    # --param-dtypes) the repeats wait for the arms' waves; with one they take the last wave's free GPUs if any.
+    several = sum(map(is_bf16_arm, configs)) > 1
+    phases = [[name for name in configs], repeat_names] if several else [[*configs, *repeat_names]]
     phases = [[name for name in phase if name in pending()] for phase in phases]  # not those an earlier call ran
     jobs = sum(phases, [])
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:

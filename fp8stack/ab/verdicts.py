@@ -39,7 +39,9 @@ REPEAT_ARM = "bf16 (repeat)"
 BF16_ON_TE_ARM = "bf16 on te"
 """The second BF16 configuration of --fastest-bf16: the bf16 plan on TE modules without FP8."""
 BF16_ARMS = (BF16, BF16_ON_TE_ARM)
-"""The arms that are BF16 configurations, candidates for the reference."""
+"""The arms that are BF16 configurations, candidates for the reference (with BF16_PARAMS_SUFFIX too)."""
+BF16_PARAMS_SUFFIX = ", bf16 params"
+"""After an arm's name when its run keeps BF16 parameters with FP32 masters (--param-dtypes bf16)."""
 SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
                      "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
 """Added to a ship verdict judged against a single bf16 run."""
@@ -140,16 +142,21 @@ def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolera
     return "ship", f"{speed}, loss {loss_gap:+.2%} within +-{tolerance:.2%}"
 
 
+def is_bf16_arm(name: str) -> bool:
+    """Whether the arm `name` is a BF16 configuration (BF16_ARMS, with FP32 or BF16 parameters)."""
+    return name.removesuffix(BF16_PARAMS_SUFFIX) in BF16_ARMS
+
+
 def repeat_arms(baseline_runs: int) -> list[str]:
     """Names of the bf16 runs after the first: REPEAT_ARM, then 'bf16 (repeat 2)', ..."""
     return [REPEAT_ARM, *(f"{BF16} (repeat {i})" for i in range(2, baseline_runs))] if baseline_runs > 1 else []
 
 
 def reference_arm(results: dict[str, dict | str]) -> str | None:
-    """The BF16 configuration (BF16_ARMS) that ran with the shortest median steady-state step, or None while none
+    """The BF16 configuration (is_bf16_arm) that ran with the shortest median steady-state step, or None while none
     has: the baseline of every verdict, and the configuration the bf16 repeats rerun."""
     ran = {name: statistics.median(steady_state(result["step_ms"])) for name, result in results.items()
-           if name in BF16_ARMS and isinstance(result, dict)}
+           if is_bf16_arm(name) and isinstance(result, dict)}
     return min(ran, key=ran.get) if ran else None
 
 
@@ -160,12 +167,12 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
     in place of a result is the error a run hit.
     `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
     arms = [_measure(name, result, backends[name], peaks) for name, result in results.items()]
-    configurations = [arm for arm in arms if arm.recipe in BF16_ARMS]
+    configurations = [arm for arm in arms if is_bf16_arm(arm.recipe)]
     reference = reference_arm(results)
     if reference is None:
         for arm in arms:
             arm.verdict, arm.reason = ("error", f"bf16 baseline failed: {results[arm.recipe]}") if (
-                arm.recipe in BF16_ARMS) else ("rollback", "no bf16 baseline to compare with")
+                is_bf16_arm(arm.recipe)) else ("rollback", "no bf16 baseline to compare with")
         return arms, []
     baseline = next(arm for arm in configurations if arm.recipe == reference)
     baseline.verdict, baseline.rel_loss_gap = "baseline", 0.0
@@ -195,7 +202,7 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
     run_to_run = max((r["run_to_run_noise"] for r in measured), default=0.0)
     unresolved = loss_unresolved(passes, [r["rel_loss_gap"] for r in measured], tolerance)
     for arm, result in zip(arms, results.values()):
-        if arm.recipe in BF16_ARMS:
+        if is_bf16_arm(arm.recipe):
             continue
         if isinstance(result, str):
             arm.verdict, arm.reason = "rollback", f"failed: {result}"

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp8stack.ab.verdicts import BF16_ARMS, REPEAT_ARM
+from fp8stack.ab.verdicts import REPEAT_ARM, is_bf16_arm
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 
 SHARED_SETTINGS = ("model", "model_impl", "steps", "warmup", "lr", "min_lr", "weight_decay", "grad_clip", "micro_batch",
@@ -49,7 +49,7 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
             if arm["final_loss"] is None:
                 continue
             run = {"file": Path(path).name, "final_loss": arm["final_loss"]}
-            if arm["recipe"] in BF16_ARMS:
+            if is_bf16_arm(arm["recipe"]):
                 bf16_runs.append({**run, "run": arm["recipe"]})
             else:
                 options = (f"{fp8_format}, margin {margin}" if arm["recipe"] == "delayed" else fp8_format) + fused

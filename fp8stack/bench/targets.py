@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fp8stack.ab.verdicts import BF16_ARMS
+from fp8stack.ab.verdicts import is_bf16_arm
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 
 
@@ -75,7 +75,7 @@ def ab_arms(path: Path) -> list[dict]:
              "model": record["model"],
              "speedup": a["tokens_per_s"] / reference["tokens_per_s"],
              "memory": a["peak_mem_gib"] / reference["peak_mem_gib"]}
-            for a in arms if a["recipe"] not in BF16_ARMS]
+            for a in arms if not is_bf16_arm(a["recipe"])]
 
 
 def ab_rows(arms: list[dict]) -> list[dict]:

@@ -61,6 +61,9 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--seq-length", "seq_len", {"type": int, "metavar": "N", "help": "default: the model's"}),
     ("--seed", "seed", {"type": int}),
     ("--dtype", "dtype", {"choices": ("auto", "bf16", "fp32"), "help": "activation dtype (auto: bf16 on CUDA)"}),
+    ("--param-dtype", "param_dtype", {"choices": ("fp32", "bf16"),
+                                      "help": "fp32: FP32 parameters, cast at every forward; bf16: BF16 parameters "
+                                              "with FP32 masters in the optimizer (Megatron's --bf16)"}),
     ("--device", "device", {"choices": ("auto", "cuda", "cpu")}),
     ("--compile", "compile", {"action": argparse.BooleanOptionalAction,
                               "help": "torch.compile each block and the loss"}),

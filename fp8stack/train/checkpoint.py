@@ -62,12 +62,14 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
 
 
 def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, data_position: int) -> Path:
-    """Write checkpoint `step` (every rank calls this); returns its folder."""
+         scheduler: torch.optim.lr_scheduler.LRScheduler, data_position: int, masters: nn.Module | None = None) -> Path:
+    """Write checkpoint `step` (every rank calls this); returns its folder. masters: the FP32 master weights under
+    the model's names when the model's parameters are BF16 copies of them (train.master_weights): saved as the
+    model's tensors, which they are up to rounding, and what the optimizer steps."""
     final = checkpoint_path(checkpoint_dir, step)
     partial = final.with_name(final.name + ".partial")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    tensors, extra = _split_extra_state(model_state)
+    model_state, optim_state = get_state_dict(masters or model, optimizer)
+    tensors, extra = _split_extra_state({**model_state, **_extra_state(model, masters)})
     with _single_process_quiet():
         dcp.save({"model": tensors, "optimizer": optim_state}, checkpoint_id=partial)
     torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict(),
@@ -82,15 +84,20 @@ def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: tor
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler) -> Resumed:
-    """Restore model, optimizer, scheduler, RNG and FP8 extra state from `path` in place."""
+         scheduler: torch.optim.lr_scheduler.LRScheduler, masters: nn.Module | None = None) -> Resumed:
+    """Restore model, optimizer, scheduler, RNG and FP8 extra state from `path` in place; with `masters` (as for
+    save) the masters take the tensors, and the caller copies them into the model's BF16 parameters (and gives the
+    masters back their gradients, which this lets go)."""
     path = Path(path)
     own = path / f"rank{_rank()}.pt"
     if not own.is_file():
         raise CheckpointError(f"{path} is not a complete fp8stack checkpoint for rank {_rank()} (no {own.name}): "
                                 "resume from another step, or with the same number of processes it was saved with")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    tensors, extra_keys = _split_extra_state(model_state)
+    # get_state_dict builds a fresh optimizer's state (to load into) only while no parameter has a gradient, and
+    # masters hold theirs from the start: without this the moments would silently stay unloaded.
+    optimizer.zero_grad(set_to_none=True)
+    model_state, optim_state = get_state_dict(masters or model, optimizer)
+    tensors, extra_keys = _split_extra_state({**model_state, **_extra_state(model, masters)})
     state = {"model": tensors, "optimizer": optim_state}
     try:
         with _single_process_quiet():
@@ -104,14 +111,25 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         raise CheckpointError(f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
                            f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
     with _te_extra_state_trusted():
-        incompatible = set_state_dict(model, optimizer, model_state_dict={**state["model"], **saved["extra_state"]},
-                                      optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
+        if masters is None:
+            incompatible = set_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
+                                          model_state_dict={**state["model"], **saved["extra_state"]},
+                                          options=StateDictOptions(strict=True))
+        else:
+            incompatible = set_state_dict(masters, optimizer, model_state_dict=state["model"],
+                                          optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
+            model.load_state_dict(saved["extra_state"], strict=False)  # the keys matched extra_keys above
     if incompatible.missing_keys or incompatible.unexpected_keys:
         raise CheckpointError(f"{path} does not fit this model: missing {incompatible.missing_keys}, "
                            f"unexpected {incompatible.unexpected_keys}; resume with the same model and plan")
     scheduler.load_state_dict(saved["scheduler"])
     _set_rng_state(saved["rng"])
     return Resumed(step=saved["step"], data_position=saved["data_position"])
+
+
+def _extra_state(model: nn.Module, masters: nn.Module | None) -> dict:
+    """The model's extra states when its tensors come from `masters` (which have none); else nothing to add."""
+    return {} if masters is None else _split_extra_state(model.state_dict())[1]
 
 
 def _split_extra_state(model_state: dict) -> tuple[dict, dict]:

@@ -15,6 +15,8 @@ MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-
 MODEL_IMPLS = ("torch", "megatron")
 """How the model is built: the plain-torch Llama, or a megatron-core GPTModel (TrainConfig.model_impl)."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PARAM_DTYPES = ("fp32", "bf16")
+"""TrainConfig.param_dtype: FP32 parameters (the master weights), or BF16 ones with FP32 masters."""
 
 
 class TrainConfigError(ValueError):
@@ -113,6 +115,10 @@ class TrainConfig:
     with no BF16 weight gradient, dtype conversion or per-micro-batch add. model_impl megatron: megatron's
     DistributedDataParallel keeps the buffers (one per parameter; DDP adds the others' gradients); torch: the TE
     backend's, which are the weights' .grad (one process; TE layers in the plan)."""
+    param_dtype: str = "fp32"
+    """fp32: the parameters are the FP32 master weights AdamW steps, cast by autocast (or to FP8) at every forward;
+    bf16: BF16 parameters with FP32 masters in the optimizer, copied to them once per step (Megatron's --bf16;
+    train.master_weights): no cast per micro-batch. One process, plain path; 2 more bytes per parameter."""
     blockwise_gemms: str = "te"
     """Where TE's blockwise modules run their GEMMs: te (cuBLAS) or deepgemm (DeepGEMM's dense kernels on TE's
     operands, bit-identical; needs DeepGEMM, launch/build_deepgemm.sh)."""
@@ -164,6 +170,12 @@ class TrainConfig:
             raise TrainConfigError("gradient_accumulation_fusion on the plain model keeps FP32 main_grad buffers that "
                                    "neither FSDP nor tensor parallelism reduce: drop --fsdp-one-rank and "
                                    "--tensor-model-parallel-size, or use --model-impl megatron")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise TrainConfigError(f"unknown param_dtype {self.param_dtype!r}: use {' or '.join(PARAM_DTYPES)}")
+        if self.param_dtype == "bf16" and (self.fsdp_one_rank or self.tensor_parallel > 1 or self.dtype == "fp32"):
+            raise TrainConfigError("param_dtype bf16 keeps FP32 masters of one process's BF16 parameters for bf16 "
+                                   "activations: drop --fsdp-one-rank and --tensor-model-parallel-size (FSDP2's "
+                                   "mixed-precision policy casts its own BF16 parameters) and --dtype fp32")
         if self.blockwise_experts not in ("auto", *BLOCKWISE_EXPERT_BACKENDS):
             raise TrainConfigError(f"unknown blockwise_experts {self.blockwise_experts!r}: use auto, "
                                    f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")

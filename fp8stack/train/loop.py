@@ -35,6 +35,7 @@ from fp8stack.runtime.numerics import zero_fp8_weight_grads
 from fp8stack.train import checkpoint, comm_stats, fault
 from fp8stack.train.config import DTYPES, MODELS, TrainConfig, TrainConfigError, TrainResult, recompute_blocks
 from fp8stack.train.data import TextData
+from fp8stack.train.master_weights import MasterWeights
 from fp8stack.train.timing import steady_state
 
 CPU_ARCH = 90
@@ -129,6 +130,8 @@ class Session:
     """After backward: the global FP32 gradient norm, gradients clipped to the given max norm if > 0."""
     compressor: ActivationCompressor | None = None
     """Stores each forward's saved activations in FP8 (TrainConfig.compress_activations); counts the bytes."""
+    masters: MasterWeights | None = None
+    """The FP32 masters the optimizer steps when the model's parameters are BF16 (TrainConfig.param_dtype)."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -207,16 +210,25 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
             # As torchtitan compiles its loss: Inductor fuses the FP32 log-softmax into reductions over the BF16
             # logits, where eager cross_entropy keeps FP32 copies of them (3 x 4 bytes per logit at the peak).
             loss = torch.compile(Llama.loss) if cfg.compile else Llama.loss
-            loss_fn, clip_fn = functools.partial(_llama_loss, model, loss), functools.partial(_clip, model)
+            loss_fn = functools.partial(_llama_loss, model, loss)
+            clip_fn = functools.partial(_clip, [p for p in model.parameters() if p.requires_grad])
             after_step = post_optimizer_step_hook(model)
-        optimizer = _adamw(model, cfg, device)
+        masters = None
+        if cfg.param_dtype == "bf16":
+            if dtype != torch.bfloat16 or env.world_size > 1:
+                raise TrainConfigError(f"param_dtype bf16 needs bf16 activations in one process; this run has {dtype} "
+                                       f"in {env.world_size}: pass --dtype bf16 (a CPU's default is fp32), one process")
+            masters = MasterWeights(model)
+            clip_fn, after_step = functools.partial(_clip, masters.masters), _then(masters.after_step, after_step)
+        optimizer = _adamw(masters.module if masters else model, cfg, device)
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
                       data=TextData(seq_len, cfg.micro_batch * micro_batches, cfg.seed, "train", rank=env.dp_rank,
                                     ranks=env.dp_size, max_bytes=cfg.max_data_bytes, source=cfg.data_source),
                       micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
-                      compressor=compress_saved_activations(model) if cfg.compress_activations else None)
+                      compressor=compress_saved_activations(model) if cfg.compress_activations else None,
+                      masters=masters)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -224,11 +236,14 @@ def train(cfg: TrainConfig) -> TrainResult:
     with session(cfg) as run:
         env, device, dtype, seq_len = run.env, run.env.device, run.dtype, run.seq_len
         model, optimizer, scheduler, data = run.model, run.optimizer, run.scheduler, run.data
+        master_module = run.masters.module if run.masters else None
 
         start = 0
         if cfg.resume:
-            resumed = checkpoint.load(_resume_path(cfg), model, optimizer, scheduler)
+            resumed = checkpoint.load(_resume_path(cfg), model, optimizer, scheduler, masters=master_module)
             start, data.position = resumed.step, resumed.data_position
+            if run.masters:
+                run.masters.after_step()  # the BF16 parameters from the loaded masters
         if start >= cfg.steps and env.rank == 0:
             print(f"the checkpoint is at step {start} and steps={cfg.steps}: nothing left to train "
                   "(raise --train-iters to continue)", file=sys.stderr)
@@ -265,7 +280,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
                                 "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
                 if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg):
-                    checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, scheduler, data.position)
+                    checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, scheduler, data.position,
+                                    masters=master_module)
                 comms.step_done()
         result.collectives = asdict(comms.result) if comms.result else None
         if run.compressor and result.losses:
@@ -339,15 +355,25 @@ def _check_cpu_support(cfg: TrainConfig, plan: Plan, device: torch.device, dtype
 
 
 def _adamw(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the FP32 parameters, so its moments are FP32 too; no decay on norm weights."""
+    """AdamW over the FP32 parameters of `model` (the model, or MasterWeights.module), so its moments are FP32
+    too; no decay on norm weights."""
     params = [p for p in model.parameters() if p.requires_grad]
     wrong = {p.dtype for p in params} - {torch.float32}
     if wrong:
         raise RuntimeError(f"parameters must stay FP32 master weights, found {sorted(map(str, wrong))}: "
-                           "keep the model FP32 and let autocast / FP8 modules cast activations")
+                           "keep the model FP32 and let autocast / FP8 modules cast activations, or keep FP32 "
+                           "masters of BF16 parameters (param_dtype bf16)")
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    """One call running first, then second."""
+    def both() -> None:
+        first()
+        second()
+    return both
 
 
 def _llama_loss(model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -355,10 +381,11 @@ def _llama_loss(model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tens
     return loss(model(tokens), targets)
 
 
-def _clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Global gradient norm in FP32 (reduced over ranks under FSDP/TP), clipping to max_norm if > 0.
-    Returned as a device tensor: reading it on the host here would stall the step."""
-    params = [p for p in model.parameters() if p.grad is not None]
+def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global gradient norm of `params` (the model's FP32 parameters or the masters) in FP32 (reduced over ranks
+    under FSDP/TP), clipping to max_norm if > 0. Returned as a device tensor: reading it on the host here would
+    stall the step."""
+    params = [p for p in params if p.grad is not None]
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:

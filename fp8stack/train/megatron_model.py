@@ -43,6 +43,10 @@ def check_config(cfg: TrainConfig) -> None:
     if given:
         raise TrainConfigError(f"--model-impl megatron does not take {', '.join(given)}: drop those options or "
                                "use --model-impl torch")
+    if cfg.param_dtype != "fp32":
+        raise TrainConfigError(f"param_dtype {cfg.param_dtype}: fp8stack's FP32 masters of BF16 parameters serve the "
+                               "plain path; megatron's own (Float16Module, its optimizer's main params) is not wired "
+                               "here: drop --param-dtype or use --model-impl torch")
     if not cfg.fused_projections:
         raise TrainConfigError("--no-fused-projections shapes the plain Llama; megatron's GPTModel always fuses "
                                "q/k/v and gate/up and shards them per rank itself: drop it with --model-impl megatron")
