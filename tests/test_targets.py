@@ -7,10 +7,12 @@ import pytest
 from fp8stack.bench import targets
 
 
-def ab_file(tmp_path, name, arms, fastest_bf16=True, fp8_recompute=None, device="NVIDIA H200", **train_config):
+def ab_file(tmp_path, name, arms, fastest_bf16=True, fp8_recompute=None, device="NVIDIA H200",
+            param_dtypes=("fp32", "bf16"), **train_config):
     """An A/B evidence file with the fields targets reads: (recipe, verdict, tokens/s, peak GiB) per arm."""
     record = {"device": device, "model": "llama-1b-like",
-              "train_config": {"fastest_bf16": fastest_bf16, "fp8_recompute": fp8_recompute, **train_config},
+              "train_config": {"fastest_bf16": fastest_bf16, "fp8_recompute": fp8_recompute,
+                               "param_dtypes": list(param_dtypes), **train_config},
               "arms": [{"recipe": r, "verdict": v, "tokens_per_s": t, "peak_mem_gib": m} for r, v, t, m in arms]}
     path = tmp_path / name
     path.write_text(json.dumps(record))
@@ -41,7 +43,7 @@ def test_speed_memory_and_blockwise_rows_read_the_right_arms(tmp_path):
     assert lean_row["value"] == pytest.approx(21 / 24) and lean_row["note"].startswith("1.200x tokens/s")
     blockwise = rows["blockwise"]
     assert blockwise["value"] == pytest.approx(1.25) and blockwise["status"] == "not met"
-    assert "no --fastest-bf16" in blockwise["note"]
+    assert blockwise["note"].endswith("run without --fastest-bf16")
     # --blockwise-gemms deepgemm alone: a file whose one blockwise run is named blockwise
     assert blockwise["arm"] == "blockwise, GEMMs on DeepGEMM"
     assert {a["arm"] for a in targets.ab_arms(block)} == {"blockwise, GEMMs on DeepGEMM", "delayed"}
@@ -86,6 +88,25 @@ def test_a_target_met_only_against_plain_bf16_is_not_judged(tmp_path):
     rows = by_target(targets.ab_rows([*targets.ab_arms(plain), *targets.ab_arms(fastest)]))
     assert (rows["speed"]["file"], rows["speed"]["status"]) == ("fastest.json", "not met")
     assert rows["memory-lean"]["file"] == "fastest.json"
+
+
+def test_a_target_met_against_fp32_parameter_bf16_runs_only_is_not_judged(tmp_path):
+    """BF16 parameters with FP32 masters make the BF16 runs faster (profiles/NOTES.md 24): a file whose BF16 runs
+    all had FP32 parameters (files before --param-dtypes hold no param_dtypes) judges against a slower reference."""
+    older = ab_file(tmp_path, "older.json", [("bf16 on te", "baseline", 100.0, 20.0), ("delayed", "ship", 146.0, 17.0)],
+                    param_dtypes=())
+    rows = by_target(targets.ab_rows(targets.ab_arms(older)))
+    assert rows["speed"]["status"] == rows["memory"]["status"] == "not judged"
+    assert rows["speed"]["note"].endswith("run without --param-dtypes bf16")
+    both = ab_file(tmp_path, "both.json", [("bf16 on te", "alternative", 100.0, 20.0),
+                                           ("bf16 on te, bf16 params", "baseline", 102.0, 20.5),
+                                           ("delayed", "ship", 140.0, 19.0), ("delayed, bf16 params", "ship", 141.0,
+                                                                              21.0)])
+    rows = by_target(targets.ab_rows([*targets.ab_arms(older), *targets.ab_arms(both)]))
+    assert (rows["speed"]["file"], rows["speed"]["arm"], rows["speed"]["status"]) == (
+        "both.json", "delayed, bf16 params", "not met")
+    assert rows["speed"]["value"] == pytest.approx(141 / 102) and rows["memory"]["value"] == pytest.approx(21 / 20.5)
+    assert (rows["memory-lean"]["arm"], rows["memory-lean"]["value"]) == ("delayed", pytest.approx(19 / 20.5))
 
 
 def test_a_file_without_a_reference_that_ran_is_refused(tmp_path):
