@@ -77,6 +77,14 @@ def amdahl_bound(gemm_share: float, fp8_share: float, speedup: float) -> float:
     return 1.0 / (1.0 - sped_up + sped_up / speedup)
 
 
+def measured_gemm_speedup(bf16_gemm_ms: float, fp8_gemm_ms: float, fp8_share: float) -> float | None:
+    """How much faster the FP8 GEMMs ran than in BF16, from two profiled runs' GEMM time: the BF16 run's split by
+    the plan's FP8 FLOP share `fp8_share`, the GEMMs the plan keeps in BF16 taken at their BF16-run time in the FP8
+    run too. None where the FP8 run's GEMMs took no longer than those alone would."""
+    kept = (1.0 - fp8_share) * bf16_gemm_ms
+    return fp8_share * bf16_gemm_ms / (fp8_gemm_ms - kept) if fp8_gemm_ms > kept else None
+
+
 @dataclass
 class Kernel:
     """One kernel (GPU) or op (CPU), summed over the profiled steps."""
@@ -346,6 +354,7 @@ def run_profile(args: argparse.Namespace) -> int:
     profiled, baseline = runs[args.recipe], runs[BF16]
     gemm_share, fp8_share = baseline.share("gemm"), fp8_matmul_share(plan)
     gemm_ms = profiled.categories["gemm"]["ms_per_step"]
+    measured = measured_gemm_speedup(baseline.categories["gemm"]["ms_per_step"], gemm_ms, fp8_share)
     overhead_ms, fused = quantize_overhead(profiled.categories["quantize"]["ms_per_step"], profiled.family_ms,
                                            baseline.family_ms)
     payload = {
@@ -356,6 +365,8 @@ def run_profile(args: argparse.Namespace) -> int:
         "gemm_share": gemm_share,
         "gemm_speedup": args.gemm_speedup,
         "amdahl_bound": amdahl_bound(gemm_share, fp8_share, args.gemm_speedup),
+        "measured_gemm_speedup": measured,
+        "amdahl_bound_at_measured_speedup": amdahl_bound(gemm_share, fp8_share, measured) if measured else None,
         "quantize_over_gemm": profiled.categories["quantize"]["ms_per_step"] / gemm_ms if gemm_ms else None,
         "quantize_overhead_over_gemm": overhead_ms / gemm_ms if gemm_ms else None,
         "quantize_fused_families": fused,
@@ -390,6 +401,10 @@ def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str
         f"tokens/s over bf16): " + (f"{gain:.2f}x" if gain is not None else
                                     f"none (no {recipe} and bf16 arms in {payload['ab_evidence'] or 'an A/B JSON'}: "
                                     f"run `fp8stack ab --model {payload['model']} --recipes {recipe}`)") + ".",
+        "The FP8 GEMMs ran " + (f"{payload['measured_gemm_speedup']:.2f}x faster than in bf16 (the GEMM time split "
+                                f"by f, the BF16 GEMMs at their bf16-run time): the bound at that speed-up is "
+                                f"{payload['amdahl_bound_at_measured_speedup']:.3f}x."
+                                if payload["measured_gemm_speedup"] else "no faster than in bf16."),
         f"Quantize/scale time over GEMM time in {recipe}: "
         + (f"{ratio:.1%} whole, {payload['quantize_overhead_over_gemm']:.1%} as overhead"
            if ratio is not None else "- (no GEMM time)") + f" (target <= {QUANTIZE_TARGET:.0%}). "

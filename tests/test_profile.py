@@ -66,6 +66,14 @@ def test_classifier_on_real_kernel_names(name, category):
     assert classify(name) == category
 
 
+def test_measured_gemm_speedup_counts_the_bf16_gemms_at_their_bf16_time():
+    from fp8stack.profile import measured_gemm_speedup
+
+    assert measured_gemm_speedup(100.0, 60.0, 0.8) == pytest.approx(80 / 40)  # 20 ms stay BF16: 80 ms became 40
+    assert measured_gemm_speedup(100.0, 100.0, 1.0) == pytest.approx(1.0)
+    assert measured_gemm_speedup(100.0, 15.0, 0.8) is None  # less than the BF16 GEMMs alone: not a speed-up
+
+
 def test_amdahl_bound():
     assert amdahl_bound(0.30, 1.0, 2.0) == pytest.approx(1.18, abs=0.005)  # GEMMs at 30% -> at most 1.18x
     assert amdahl_bound(0.30, 1.0, 2.0) == pytest.approx(1 / 0.85)

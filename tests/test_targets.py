@@ -137,17 +137,20 @@ def test_experts_profile_and_loss_rows(tmp_path):
 
     # A file from before the overhead figure: derived from each run's top kernels. The FP8 run's SwiGLU backward
     # writes FP8 (quantize), the bf16 run's the same family in BF16: only its excess counts.
-    def run(recipe, quantize_ms, kernels):
+    def run(recipe, quantize_ms, kernels, gemm_ms):
         return {"recipe": recipe, "top_kernels": [{"name": name, "ms_per_step": ms} for name, ms in kernels],
-                "categories": {"quantize": {"ms_per_step": quantize_ms}, "gemm": {"ms_per_step": 100.0}}}
+                "categories": {"quantize": {"ms_per_step": quantize_ms}, "gemm": {"ms_per_step": gemm_ms}}}
 
     dgated = "void transformer_engine::dgated_act_kernel<16, true, float, {}>(...)"
-    profile.write_text(json.dumps({"recipe": "delayed", "quantize_over_gemm": 0.12, "amdahl_bound": 1.5, "runs": {
-        "bf16": run("bf16", 0.0, [(dgated.format("__nv_bfloat16"), 9.5)]),
+    profile.write_text(json.dumps({"recipe": "delayed", "quantize_over_gemm": 0.12, "amdahl_bound": 1.5,
+                                   "fp8_share_of_gemm_flops": 0.8, "gemm_share": 0.75, "runs": {
+        "bf16": run("bf16", 0.0, [(dgated.format("__nv_bfloat16"), 9.5)], 160.0),
         "delayed": run("delayed", 12.0, [(dgated.format("__nv_fp8_e5m2"), 9.9),
-                                         ("cast_transpose_kernel(...)", 2.1)])}}))
+                                         ("cast_transpose_kernel(...)", 2.1)], 100.0)}}))
     quantize = targets.profile_row(profile)
     assert quantize["value"] == pytest.approx((12.0 - 9.5) / 100.0) and quantize["status"] == "met"
+    # 128 of bf16's 160 ms of GEMMs in FP8 took 100 - 32 = 68 ms: 1.88x, and the bound at it
+    assert f"measured 1.88x: {1 / (1 - 0.6 + 0.6 / (128 / 68)):.3f}x" in quantize["note"]
     assert "Derived here from each run's top 2 kernels" in quantize["note"]
     assert "transformer_engine::dgated_act_kernel 9.900 ms (bf16 9.500)" in quantize["note"]
 

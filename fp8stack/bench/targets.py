@@ -149,7 +149,7 @@ def profile_row(path: Path) -> dict:
     """The quantize row: quantize time net of fused norm and activation work (fp8stack.profile.quantize_overhead)
     over GEMM time, from the file's own figure, or, in files written before it, derived from each run's top
     kernels (families outside them subtract nothing: never an understatement); the whole-kernel share beside."""
-    from fp8stack.profile import family_ms, fused_note, quantize_overhead
+    from fp8stack.profile import amdahl_bound, family_ms, fused_note, measured_gemm_speedup, quantize_overhead
 
     record = json.loads(path.read_text())
     overhead, derived = record.get("quantize_overhead_over_gemm"), ""
@@ -160,9 +160,15 @@ def profile_row(path: Path) -> dict:
         overhead_ms, fused = quantize_overhead(fp8["categories"]["quantize"]["ms_per_step"], fp8_top, bf16_top)
         overhead = overhead_ms / fp8["categories"]["gemm"]["ms_per_step"]
         derived = f" Derived here from each run's top {len(fp8['top_kernels'])} kernels: {fused_note(fused)}"
+    bound = f"Amdahl bound of this configuration at a 2x FP8 GEMM: {record['amdahl_bound']:.3f}x"
+    if "runs" in record:  # the bound at the speed-up the profile measured (computed here for older files too)
+        bf16_gemm, fp8_gemm = (record["runs"][r]["categories"]["gemm"]["ms_per_step"] for r in ("bf16", record["recipe"]))
+        speedup = measured_gemm_speedup(bf16_gemm, fp8_gemm, record["fp8_share_of_gemm_flops"])
+        if speedup:
+            bound += (f"; at the FP8 GEMMs' measured {speedup:.2f}x: "
+                      f"{amdahl_bound(record['gemm_share'], record['fp8_share_of_gemm_flops'], speedup):.3f}x")
     return row("quantize", overhead, {"file": path.name, "arm": record["recipe"]},
-               f"whole quantize kernels {record['quantize_over_gemm']:.2%} of GEMM time.{derived} Amdahl bound of "
-               f"this configuration at a 2x FP8 GEMM: {record['amdahl_bound']:.3f}x")
+               f"whole quantize kernels {record['quantize_over_gemm']:.2%} of GEMM time.{derived} {bound}")
 
 
 def loss_rows(path: Path) -> list[dict]:
