@@ -327,8 +327,7 @@ def run_ab(args: argparse.Namespace) -> int:
         if "bf16" in args.param_dtypes:
             arm_notes += (f" Arms named '...{BF16_PARAMS_SUFFIX}' keep BF16 parameters with FP32 masters in the "
                           "optimizer, copied to them once per step (Megatron's --bf16); the others FP32 parameters, "
-                          "cast at every forward (the BF16 ones, each a BF16 configuration, are candidates for the "
-                          "reference).")
+                          "cast at every forward. Every BF16 run, with either, is a candidate for the reference.")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"
