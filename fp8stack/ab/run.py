@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,8 +25,8 @@ from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_T
                                   LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, is_bf16_arm, judge,
                                   peak_tflops, reference_arm, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
-from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, RECIPES, dense_backend,
-                                   get_recipe)
+from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, PARAM_DTYPES, RECIPES,
+                                   dense_backend, get_recipe)
 
 CPU_RECIPES = (BF16, "tensorwise", "rowwise", "rowwise_gw_hp")
 """The default arms: torchao recipes, which also run on a CPU."""
@@ -42,22 +42,14 @@ def comma_separated(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
-def blockwise_gemm_libraries(text: str) -> tuple[str, ...]:
-    """--blockwise-gemms' comma list, each one of BLOCKWISE_GEMMS."""
-    libraries = tuple(dict.fromkeys(comma_separated(text)))
-    unknown = [name for name in libraries if name not in BLOCKWISE_GEMMS]
-    if unknown or not libraries:
-        raise argparse.ArgumentTypeError(f"{text!r}: use a comma list of {', '.join(BLOCKWISE_GEMMS)}")
-    return libraries
-
-
-def param_dtypes(text: str) -> tuple[str, ...]:
-    """--param-dtypes' value: comma-separated TrainConfig.param_dtype values."""
-    dtypes = comma_separated(text)
-    unknown = [dtype for dtype in dtypes if dtype not in ("fp32", "bf16")]
-    if unknown or not dtypes:
-        raise argparse.ArgumentTypeError(f"{text!r}: list fp32 and/or bf16")
-    return dtypes
+def comma_list_of(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma list of one or more of `allowed`, repeats dropped."""
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(dict.fromkeys(comma_separated(text)))
+        if not items or any(item not in allowed for item in items):
+            raise argparse.ArgumentTypeError(f"{text!r}: use a comma list of {', '.join(allowed)}")
+        return items
+    return parse
 
 
 def blockwise_arm(library: str) -> str:
@@ -121,11 +113,11 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="TE's wgrad GEMMs accumulate into FP32 main_grad buffers: --model-impl megatron, every "
                              "run (megatron DDP's buffers; the BF16 run's TE linears too); torch: the FP8 runs' TE "
                              "layers (the BF16 run has none)")
-    parser.add_argument("--blockwise-gemms", type=blockwise_gemm_libraries, default=("te",), metavar="te,deepgemm",
+    parser.add_argument("--blockwise-gemms", type=comma_list_of(BLOCKWISE_GEMMS), default=("te",), metavar="te,deepgemm",
                         help="one blockwise run per library: TE's GEMMs on cuBLAS (te, the run 'blockwise'; default) "
                              "and/or on DeepGEMM's dense kernels, bit-identical (deepgemm, the run "
                              f"'{blockwise_arm('deepgemm')}')")
-    parser.add_argument("--param-dtypes", type=param_dtypes, default=("fp32",), metavar="fp32,bf16",
+    parser.add_argument("--param-dtypes", type=comma_list_of(PARAM_DTYPES), default=("fp32",), metavar="fp32,bf16",
                         help="one run of every arm per parameter dtype: fp32 (FP32 parameters, cast at every forward; "
                              f"default) and/or bf16 (BF16 parameters with FP32 masters in the optimizer, Megatron's "
                              f"--bf16; the arm's name ends in '{BF16_PARAMS_SUFFIX}')")

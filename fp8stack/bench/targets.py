@@ -63,17 +63,17 @@ def ab_arms(path: Path) -> list[dict]:
     reference = next((a for a in arms if a.get("verdict") == "baseline"), None)
     if reference is None:
         raise ValueError(f"{path} has no reference (baseline) arm that ran: nothing to compare the FP8 arms with")
-    levers = record["train_config"].get("fp8_recompute")
-    # Files of one blockwise run with --blockwise-gemms deepgemm named it blockwise; later ones, blockwise on deepgemm.
-    on_deepgemm = record["train_config"].get("blockwise_gemms") == "deepgemm"
     config = record["train_config"]
+    levers = config.get("fp8_recompute")
+    # Files of one blockwise run with --blockwise-gemms deepgemm named it blockwise; later ones, blockwise on deepgemm.
+    on_deepgemm = config.get("blockwise_gemms") == "deepgemm"
     missing = [flag for flag, given in (("--fastest-bf16", config.get("fastest_bf16")),
                                         ("--param-dtypes bf16", "bf16" in config.get("param_dtypes", ())))
                if not given]
     note = f"reference not the fastest BF16 configuration: run without {' and '.join(missing)}" if missing else ""
     # The settings an arm ran with, so that repeats of one arm in several files are seen as such (the GEMM library
     # is in the arm's name).
-    setup = json.dumps({k: v for k, v in record["train_config"].items() if k != "blockwise_gemms"}, sort_keys=True)
+    setup = json.dumps({k: v for k, v in config.items() if k != "blockwise_gemms"}, sort_keys=True)
     return [{"file": path.name, "arm": a["recipe"] + (f", recompute {','.join(levers)}" if levers else "")
              + (", GEMMs on DeepGEMM" if on_deepgemm and a["recipe"] == "blockwise" else ""),
              "recipe": a["recipe"].split(" on ")[0],  # ab's arm "blockwise on deepgemm" runs recipe blockwise

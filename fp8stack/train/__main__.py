@@ -16,7 +16,7 @@ from pathlib import Path
 from fp8stack.plan import PlanError
 from fp8stack.plan.policy import SMALL_GEMM_FILTERS
 from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS, FP8_FORMATS,
-                                   RECIPES)
+                                   PARAM_DTYPES, RECIPES)
 
 PROG = "python -m fp8stack.train"
 USAGE_ERROR = 2
@@ -61,7 +61,7 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--seq-length", "seq_len", {"type": int, "metavar": "N", "help": "default: the model's"}),
     ("--seed", "seed", {"type": int}),
     ("--dtype", "dtype", {"choices": ("auto", "bf16", "fp32"), "help": "activation dtype (auto: bf16 on CUDA)"}),
-    ("--param-dtype", "param_dtype", {"choices": ("fp32", "bf16"),
+    ("--param-dtype", "param_dtype", {"choices": PARAM_DTYPES,
                                       "help": "fp32: FP32 parameters, cast at every forward; bf16: BF16 parameters "
                                               "with FP32 masters in the optimizer (Megatron's --bf16)"}),
     ("--device", "device", {"choices": ("auto", "cuda", "cpu")}),

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8stack.models import LlamaConfig
-from fp8stack.plan.recipes import BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS
+from fp8stack.plan.recipes import BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS, PARAM_DTYPES
 from fp8stack.runtime.attention import SDPA_BACKENDS
 from fp8stack.runtime.recompute import RECOMPUTE_MODULES
 from fp8stack.train.data import DATA_SOURCES, DEFAULT_MAX_BYTES
@@ -15,8 +15,6 @@ MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-
 MODEL_IMPLS = ("torch", "megatron")
 """How the model is built: the plain-torch Llama, or a megatron-core GPTModel (TrainConfig.model_impl)."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PARAM_DTYPES = ("fp32", "bf16")
-"""TrainConfig.param_dtype: FP32 parameters (the master weights), or BF16 ones with FP32 masters."""
 
 
 class TrainConfigError(ValueError):
