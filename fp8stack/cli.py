@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--blockwise-experts", choices=BLOCKWISE_EXPERT_BACKENDS,
                       help="blockwise expert GEMMs on fp8stack's grouped kernels (DeepGEMM, else torch scaled_mm per "
                            "expert) or TE GroupedLinear (default: grouped_fp8)")
+    plan.add_argument("--head-on-te", action=argparse.BooleanOptionalAction, default=None,
+                      help="run the output head (BF16) as a TE module beside the TE linears, for fused weight-gradient "
+                           "accumulation (default: off)")
     plan.add_argument("--recipe-file", metavar="PATH_OR_NAME",
                       help="YAML with settings and per-block / per-fqn overrides (a path or a name in configs/recipes)")
     plan.add_argument("--format", choices=tuple(RENDERERS), default="table", help="output format (default: table)")

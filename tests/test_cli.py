@@ -50,6 +50,8 @@ BAD_INPUTS = [
     ([*PLAN, "--fp8-recipe", "mxfp8"], "recipe 'mxfp8' needs sm100+ but the target is sm90: pick another recipe or pass --arch sm100"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--format", "html"], "argument --format: invalid choice: 'html'"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--backend", "te"], "recipe 'rowwise' has no te implementation: use --backend torchao"),
+    ([*PLAN, "--fp8-recipe", "rowwise", "--head-on-te"], "head_on_te puts the output head beside the plan's "
+                                                          "TransformerEngine linears, and recipe rowwise with backend auto has none"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--fp8-format", "e5m2"], "argument --fp8-format: invalid choice: 'e5m2'"),
     (["plan", "--fp8-recipe", "rowwise", "--arch", "hopper"], "cannot read GPU arch 'hopper': write it like sm90"),
     (["plan", "--fp8-recipe", "rowwise", "--arch", "sm9"], "GPU arch 'sm9' is out of range"),
@@ -241,6 +243,12 @@ def test_first_last_layer_counts_from_flags(capsys):
     bf16_layers = sorted({int(x["fqn"].split(".")[1]) for x in plan["layers"]
                           if x["kind"] == "linear" and x["backend"] == "bf16"})
     assert bf16_layers == [0, 1]
+
+
+def test_head_on_te_flag(capsys):
+    plan = _json_plan(capsys, "--model", "llama-1b-like", "--fp8-recipe", "delayed", "--arch", "sm90", "--head-on-te")
+    head, = (x for x in plan["layers"] if x["kind"] == "head")
+    assert (head["backend"], head["recipe"]) == ("te", "bf16")
 
 
 # --- the DeepSeek-V3-like MoE -----------------------------------------------------------------------

@@ -156,6 +156,24 @@ def test_first_last_layers_default_counts_are_one_and_one():
     assert plan.decision("output").reason == HIGH_PRECISION_REASONS["head"]  # outside the layers: own rule
 
 
+@pytest.mark.parametrize(("recipe", "backend"), [("delayed", "te"), ("delayed", "auto"), ("bf16", "te")])
+def test_head_on_te_puts_the_head_beside_the_te_linears_without_fp8(recipe, backend):
+    plan = make_plan(stack(2), PolicyConfig(recipe=recipe, backend=backend, head_on_te=True))
+    head = plan.decision("output")
+    assert (head.backend, head.recipe) == ("te", "bf16")
+    assert head.reason.startswith(HIGH_PRECISION_REASONS["head"]) and "head_on_te" in head.reason
+    assert plan.decision("tok_embeddings").backend == "bf16"  # the other high-precision kinds stay as they are
+    assert plan.decision("output").backend == make_plan(stack(2), PolicyConfig(recipe=recipe, backend=backend)
+                                                        ).decision("layers.0.proj").backend
+
+
+@pytest.mark.parametrize(("recipe", "backend"), [("tensorwise", "torchao"), ("rowwise", "auto"), ("bf16", "auto")])
+def test_head_on_te_is_refused_without_te_linears(recipe, backend):
+    with pytest.raises(PlanError, match=f"recipe {recipe} with backend {backend} has none: use backend te or drop "
+                                        "head_on_te"):
+        PolicyConfig(recipe=recipe, backend=backend, head_on_te=True)
+
+
 def test_first_last_layers_custom_counts():
     cfg = PolicyConfig(recipe="tensorwise", first_last_layers_bf16=True,
                        num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=3)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fp8stack.models import Llama
+from fp8stack.plan import Plan
 from fp8stack.train import checkpoint
 from fp8stack.train.__main__ import build_parser, config_from_args
 from fp8stack.train.__main__ import main as train_main
@@ -305,15 +306,23 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
     from fp8stack.train.loop import _backend_options, build_model, build_plan
 
-    def options(recipe: str, backend: str = "te") -> dict | None:
+    def plan(recipe: str, backend: str = "te", fusion: bool = True) -> tuple[TrainConfig, Plan]:
         cfg = TrainConfig(model="tiny", recipe=recipe, backend=backend, small_gemm_filter="off", device="cpu",
-                          gradient_accumulation_fusion=True)
-        return _backend_options(cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu")), 1)
+                          gradient_accumulation_fusion=fusion)
+        return cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
+
+    def options(recipe: str, backend: str = "te") -> dict | None:
+        return _backend_options(*plan(recipe, backend), 1)
 
     assert options("delayed")["te"]["fuse_wgrad_accumulation"] is True
     assert options("bf16")["te"]["fuse_wgrad_accumulation"] is True  # a bf16 plan on te: TE modules without FP8
     with pytest.raises(TrainConfigError, match="plan for recipe 'bf16' has no TE layers.*drop --gradient-accum"):
         options("bf16", backend="auto")
+    # The output head joins the TE linears (without FP8) so that its wgrad GEMM accumulates in FP32 too.
+    for recipe in ("delayed", "bf16"):
+        head = plan(recipe)[1].decision("output")
+        assert (head.backend, head.recipe) == ("te", "bf16")
+    assert plan("delayed", fusion=False)[1].decision("output").backend == "bf16"
 
 
 def test_blockwise_experts_reach_the_plan():

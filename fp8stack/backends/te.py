@@ -239,14 +239,15 @@ def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], d
     strays = [d.fqn for d in decisions if d.backend != "te"]
     if strays:
         raise ValueError(f"TEBackend.convert got decisions planned for other backends: {strays[:3]}")
-    others = [d for d in decisions if d.component.kind not in ("linear", "expert")]
+    others = [d for d in decisions if d.component.kind not in ("linear", "expert")
+              and not (d.component.kind == "head" and d.recipe == BF16)]
     if others:
-        raise PlanError(f"{others[0].fqn}: the te backend converts linear and expert components, "
-                        f"not kind {others[0].component.kind!r}: run it in bf16")
+        raise PlanError(f"{others[0].fqn}: the te backend converts linear and expert components (and the output head "
+                        f"without FP8), not kind {others[0].component.kind!r} in {others[0].recipe}: run it in bf16")
     recipes = sorted({d.recipe for d in decisions})
     for recipe in recipes:
         _check_recipe_name(recipe)
-    linears = [d for d in decisions if d.component.kind == "linear"]
+    linears = [d for d in decisions if d.component.kind in ("linear", "head")]
     return linears, _expert_pairs([d for d in decisions if d.component.kind == "expert"], plan), recipes
 
 

@@ -37,6 +37,10 @@ BF16_ON_TE_REASON = ("recipe bf16 with backend te: a TransformerEngine module wi
                      "baseline gets TE's fused norm, MLP and weight-gradient accumulation too")
 """Why a linear or expert GEMM of a bf16 plan runs on TE (the policy's recipe bf16 and backend te)."""
 
+HEAD_ON_TE_REASON = ("on a TransformerEngine module without FP8 (head_on_te), so its weight gradient accumulates in "
+                     "FP32 like the TE linears'")
+"""Why the output head runs on TE under head_on_te."""
+
 
 @dataclass(frozen=True)
 class Override:
@@ -87,6 +91,9 @@ class PolicyConfig:
     blockwise_experts_why: str = ""
     """Why blockwise_experts is te when a tool chose it (train's auto); the plan's reason for those expert GEMMs
     says it. Empty: chosen by the user."""
+    head_on_te: bool = False
+    """The output head (BF16 by rule) runs as a TE module without FP8 beside the plan's TE linears, so TE's fused
+    weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad."""
     overrides: tuple[Override, ...] = field(default=())
     """Per-block / per-fqn rules; the last matching one wins."""
 
@@ -98,8 +105,9 @@ class PolicyConfig:
                             f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
         if self.fp8_format is not None:
             _require_name(self.fp8_format, "fp8_format")
-        if not isinstance(self.first_last_layers_bf16, bool):
-            raise PlanError(f"first_last_layers_bf16 must be true or false, got {self.first_last_layers_bf16!r}")
+        for name in ("first_last_layers_bf16", "head_on_te"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for o in self.overrides:
             for name in ("recipe", "backend"):
                 if getattr(o, name) is not None:
@@ -115,6 +123,9 @@ class PolicyConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
         self._check_recipe(self.recipe, self.backend)
+        if self.head_on_te and not self.dense_linears_on_te:
+            raise PlanError(f"head_on_te puts the output head beside the plan's TransformerEngine linears, and recipe "
+                            f"{self.recipe} with backend {self.backend} has none: use backend te or drop head_on_te")
         for o in self.overrides:
             if o.backend not in (None, BF16, *BACKEND_PREFERENCES):
                 raise PlanError(f"{o.source}: override backend {o.backend!r}: use bf16, auto, te or torchao")
@@ -125,6 +136,13 @@ class PolicyConfig:
                 self._check_recipe(o.recipe or self.recipe, o.backend)
             except PlanError as err:
                 raise PlanError(f"{o.source}: override for block {o.block!r}, fqn {o.fqn!r}: {err}") from None
+
+    @property
+    def dense_linears_on_te(self) -> bool:
+        """Whether the policy runs dense linears on TransformerEngine (overrides aside)."""
+        if self.recipe == BF16:
+            return self.backend == "te"
+        return dense_backend(get_recipe(self.recipe), self.backend) == "te"
 
     def _check_recipe(self, name: str, backend: str | None) -> None:
         if name == BF16:
@@ -149,7 +167,10 @@ Rule = Callable[[Component, PolicyConfig, ModelDescription], Decision | None]
 
 
 def high_precision_kinds(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
-    """Embeddings, head, router, norms, attention core and SSM scans never run in FP8."""
+    """Embeddings, head, router, norms, attention core and SSM scans never run in FP8 (the head on a TE module
+    without FP8 with head_on_te)."""
+    if c.kind == "head" and cfg.head_on_te:
+        return Decision(c, "te", BF16, f"{HIGH_PRECISION_REASONS['head']}; {HEAD_ON_TE_REASON}")
     if c.kind in HIGH_PRECISION_REASONS:
         return Decision(c, BF16, BF16, HIGH_PRECISION_REASONS[c.kind])
     return None

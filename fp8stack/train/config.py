@@ -110,7 +110,8 @@ class TrainConfig:
     """Tensor-parallel degree; the remaining ranks shard data and parameters with FSDP2."""
     gradient_accumulation_fusion: bool = False
     """The TE linears' weight-gradient GEMMs accumulate into FP32 main_grad buffers (TE fuse_wgrad_accumulation),
-    with no BF16 weight gradient, dtype conversion or per-micro-batch add. model_impl megatron: megatron's
+    with no BF16 weight gradient, dtype conversion or per-micro-batch add; on the plain path the plan puts the
+    output head on a TE module without FP8 to get the same (PolicyConfig.head_on_te). model_impl megatron: megatron's
     DistributedDataParallel keeps the buffers (one per parameter; DDP adds the others' gradients); torch: the TE
     backend's, which are the weights' .grad (one process; TE layers in the plan)."""
     param_dtype: str = "fp32"

@@ -81,6 +81,9 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
                           num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
                           num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
                           **{k: v for k, v in options.items() if v is not None})
+    if cfg.gradient_accumulation_fusion and policy.dense_linears_on_te:
+        # The head's wgrad GEMM then accumulates into its FP32 main_grad too, as megatron's output layer does.
+        policy = replace(policy, head_on_te=True)
     description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
     return make_plan(description, policy)
 

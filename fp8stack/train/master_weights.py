@@ -6,7 +6,9 @@ BF16, so forwards read them as they are; AdamW steps FP32 copies (the masters), 
 copied from them once per step. Each micro-batch's gradient lands in an FP32 main_grad per parameter: TE's
 fused weight-gradient GEMMs (fuse_wgrad_accumulation) write into it themselves, every other parameter's BF16
 gradient is added into it by a hook as soon as autograd has it (no BF16 accumulation across micro-batches).
-The masters' .grad are those main_grads, so clipping and AdamW read FP32 gradients.
+Embeddings hand that hook sparse gradients (nn.Embedding.sparse), so only the rows a micro-batch looked up are added
+instead of a dense table-sized gradient. The masters' .grad are those main_grads, so clipping and AdamW read FP32
+gradients.
 """
 
 import torch
@@ -34,6 +36,10 @@ class MasterWeights:
         for module in model.modules():
             if getattr(module, "main_grad_weights", ()):
                 module.main_grad_weights = ()
+        ours = set(map(id, self.params))
+        for module in model.modules():
+            if isinstance(module, nn.Embedding) and id(module.weight) in ours:
+                module.sparse = True
         for param in self.params:
             if getattr(param, "main_grad", None) is None:
                 param.main_grad = torch.zeros_like(param)
@@ -57,7 +63,11 @@ class MasterWeights:
 
 def _into_main_grad(param: torch.Tensor) -> None:
     """Add a micro-batch's BF16 gradient into the FP32 main_grad, then drop it."""
-    param.main_grad.add_(param.grad)
+    grad = param.grad
+    if grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
+        param.main_grad.index_add_(0, grad._indices()[0], grad._values().to(param.main_grad.dtype))
+    else:
+        param.main_grad.add_(grad)
     param.grad = None
 
 

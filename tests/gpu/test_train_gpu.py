@@ -141,6 +141,8 @@ def test_gradient_accumulation_fusion_trains_as_autograd_accumulation(compile):
     would move it by tens of percent."""
     settings = {**SETTINGS, "recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_norm": True,
                 "fuse_mlp": True, "compile": compile}
+    with session(TrainConfig(**settings, gradient_accumulation_fusion=True)) as run:  # the head's wgrad fused too
+        assert isinstance(run.model.output, TransformerEngineBaseModule) and run.model.output.autocast_recipe is None
     fused, plain = (train(TrainConfig(**settings, gradient_accumulation_fusion=True)), train(TrainConfig(**settings)))
     assert fused.grad_norms == pytest.approx(plain.grad_norms, rel=0.02), (fused.grad_norms, plain.grad_norms)
     assert fused.losses == pytest.approx(plain.losses, rel=1e-2), (fused.losses, plain.losses)
