@@ -153,6 +153,12 @@ def test_fp8_plan_needs_config_fp8(model_parallel):
         block_spec(config, plan_for(config), use_te=True)
 
 
+def test_a_plan_with_the_head_on_te_is_refused(model_parallel):
+    config = dense(fp8="hybrid", fp8_recipe="tensorwise")
+    with pytest.raises(PlanError, match="megatron's output layer stays its own ColumnParallelLinear.*drop head_on_te"):
+        block_spec(config, plan_for(config, head_on_te=True), use_te=True)
+
+
 def test_bf16_spec_for_moe_uses_megatron_local_modules(model_parallel):
     config = moe()
     spec = block_spec(config, plan_for(config, recipe="bf16"))

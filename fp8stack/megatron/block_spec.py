@@ -88,6 +88,11 @@ def check_config(config, plan: Plan, precisions: list[LayerPrecision], te: bool,
                         "for FP8 and recomputes through TE's checkpoint; the plan still decides every layer")
     if fp8_layers and config.fp8 != plan.fp8_format:
         raise PlanError(f"config.fp8={config.fp8!r} but the plan was made for {plan.fp8_format!r}: make them agree")
+    heads_on_te = [d.fqn for d in plan.decisions if d.component.kind == "head" and d.backend == "te"]
+    if heads_on_te:
+        raise PlanError(f"the plan puts {heads_on_te[0]} on a TE module (head_on_te), which fp8stack's plain path "
+                        "builds; megatron's output layer stays its own ColumnParallelLinear (its --gradient-"
+                        "accumulation-fusion covers it): drop head_on_te for a megatron model")
     if getattr(config, "cuda_graph_impl", "none") != "none":
         raise PlanError(f"cuda_graph_impl={config.cuda_graph_impl!r}: CUDA-graphed layers bypass the layer forward "
                         "that enters the plan's FP8 context; set cuda_graph_impl='none'")
