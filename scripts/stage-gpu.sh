@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
-# Stage the pinned FP8 stack for the GPU machine (../shared/gpu/stage.sh), then move small.tar out of .gpu/p0 into a
-# part of its own: p0 (59 MB) plus this working tree (13 MB and growing with profiles/) passes the device's 64 MiB
-# per call. receive.sh installs once every part has arrived, in any order. Prints the parts to send.
+# Stage the pinned FP8 stack for the GPU machine (../shared/gpu/stage.sh), then cut its TransformerEngine wheel into
+# 40 MiB parts and give small.tar a part of its own: each call carries one part plus this working tree, under the
+# device's 64 MiB per call while the tree stays under 24 MiB (17 MB now, growing with profiles/; the 48 MiB parts
+# of stage.sh stopped fitting at 16.5 MB). receive.sh installs once every part has arrived, in any order, joining
+# the parts in name order. Prints the parts to send.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 bash ../shared/gpu/stage.sh > /dev/null
-last=$(ls -d .gpu/p* | sort -V | tail -1)
-own=".gpu/p$(( ${last#.gpu/p} + 1 ))"
-mkdir -p "$own" && mv .gpu/p0/small.tar "$own/" && cp .gpu/p0/receive.sh "$own/"
+work=.gpu/restage
+mkdir -p "$work"
+cat $(ls .gpu/p*/core.part.* | awk -F/ '{print $NF " " $0}' | sort | cut -d' ' -f2) > "$work/core"
+mv .gpu/p0/core.sha256 .gpu/p0/receive.sh .gpu/p0/small.tar "$work/"
+rm -rf .gpu/p[0-9]*
+split -b 40m -d "$work/core" "$work/core.part."
+parts=0
+for piece in $(ls "$work"/core.part.* | sort); do
+  mkdir -p ".gpu/p$parts" && mv "$piece" ".gpu/p$parts/" && cp "$work/receive.sh" ".gpu/p$parts/"
+  parts=$((parts + 1))
+done
+mv "$work/core.sha256" .gpu/p0/ && echo "$parts" > .gpu/p0/parts
+mkdir -p ".gpu/p$parts" && mv "$work/small.tar" "$work/receive.sh" ".gpu/p$parts/"
+rm -rf "$work"
 echo "Send each part in its own run call (carry [\".gpu/pN\"], command bash .gpu/pN/receive.sh):"
 ls -d .gpu/p* | sort -V | while read -r part; do echo "  $part ($(du -sh "$part" | cut -f1))"; done
