@@ -31,13 +31,12 @@ class MasterWeights:
         """The FP32 masters, in the order of params."""
         self.module = _holding(masters)
         """An nn.Module with the FP32 masters under the model's parameter names."""
-        # TE modules with fuse_wgrad_accumulation gave their weights a main_grad and make it the weight's .grad at
-        # each step's first forward, which a BF16 parameter cannot take: from here on these main_grads are ours.
-        for module in model.modules():
-            if getattr(module, "main_grad_weights", ()):
-                module.main_grad_weights = ()
         ours = set(map(id, self.params))
         for module in model.modules():
+            # TE modules with fuse_wgrad_accumulation gave their weights a main_grad and make it the weight's .grad
+            # at each step's first forward, which a BF16 parameter cannot take: from here on these main_grads are ours.
+            if getattr(module, "main_grad_weights", ()):
+                module.main_grad_weights = ()
             if isinstance(module, nn.Embedding) and id(module.weight) in ours:
                 module.sparse = True
         for param in self.params:
