@@ -337,6 +337,19 @@ def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_refe
     assert "keep BF16 parameters with FP32 masters" in (tmp_path / "ab-tiny-cpu.md").read_text()
 
 
+def test_fp8_parameters_are_an_arm_of_each_fp8_recipe_only():
+    """--param-dtypes bf16,fp8: the FP8 arms once more with their TE weights in FP8 only ('<arm>, fp8 params'); the
+    BF16 arms have no FP8 weights, so they run with BF16 parameters alone."""
+    parser = argparse.ArgumentParser(prog="fp8stack")
+    add_ab_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["ab", "--recipes", "bf16,delayed", "--backend", "te", "--fastest-bf16",
+                              "--param-dtypes", "bf16,fp8", "--dtype", "bf16"])
+    configs = arm_configs(args, ["bf16", "delayed"], {"model": "tiny", "steps": 4, "dtype": "bf16"})
+    assert {name: (cfg.recipe, cfg.param_dtype) for name, cfg in configs.items()} == {
+        "bf16, bf16 params": ("bf16", "bf16"), "bf16 on te, bf16 params": ("bf16", "bf16"),
+        "delayed, bf16 params": ("delayed", "bf16"), "delayed, fp8 params": ("delayed", "fp8")}
+
+
 def test_ab_subcommand_plugs_into_a_parser():
     parser = argparse.ArgumentParser(prog="fp8stack")
     add_ab_parser(parser.add_subparsers(dest="command"))

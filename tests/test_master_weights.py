@@ -82,3 +82,18 @@ def test_bf16_parameters_refuse_what_they_cannot_serve():
     with pytest.raises(TrainConfigError, match="pass --dtype bf16"), session(
             TrainConfig(**{**FAST, "dtype": "auto"}, device="cpu", param_dtype="bf16", steps=1)):
         pass
+
+
+@pytest.mark.parametrize(("settings", "why"), [
+    ({"recipe": "bf16"}, "has no FP8 layer"),
+    ({"recipe": "tensorwise", "backend": "torchao"}, "in FP8 on torchao"),
+])
+def test_fp8_parameters_need_every_fp8_layer_on_te(settings, why):
+    """param_dtype fp8 holds TE's FP8 weights in FP8 only (the TE path is a GPU test): a plan without FP8 layers, or
+    with FP8 layers on another backend, is refused by name before anything is built."""
+    with pytest.raises(TrainConfigError, match=f"param_dtype fp8 .*{why}.*--param-dtype bf16"), session(
+            TrainConfig(**FAST, **settings, param_dtype="fp8", steps=1)):
+        pass
+    for refused in ({"fsdp_one_rank": True}, {"dtype": "fp32"}):
+        with pytest.raises(TrainConfigError, match="param_dtype fp8 keeps FP32 masters.*drop --fsdp-one-rank"):
+            TrainConfig(param_dtype="fp8", **refused)

@@ -106,6 +106,12 @@ def test_experts_split_across_backends_are_refused_before_looking_for_te():
         TEBackend().convert(meta_llama(LlamaConfig.tiny_moe()), decisions, plan)
 
 
+def test_fp8_weights_refuse_te_experts_before_looking_for_te():
+    plan = te_plan("tiny-moe")
+    with pytest.raises(PlanError, match="fp8_weights holds dense TE linears' weights in FP8.*param_dtype bf16"):
+        TEBackend(fp8_weights=True).convert(meta_llama(LlamaConfig.tiny_moe()), plan.for_backend("te"), plan)
+
+
 def test_decisions_for_another_backend_are_a_caller_error():
     plan = te_plan()
     with pytest.raises(ValueError, match="other backends"):

@@ -21,9 +21,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fp8stack.ab.plot import plot
-from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, GPU_LOSS_TOLERANCE,
-                                  LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE, Arm, is_bf16_arm, judge,
-                                  peak_tflops, reference_arm, repeat_arms, repeat_note)
+from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_PARAMS_SUFFIX,
+                                  GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
+                                  Arm, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms, repeat_note)
 from fp8stack.plan import PlanError
 from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, PARAM_DTYPES, RECIPES,
                                    dense_backend, get_recipe)
@@ -59,7 +59,8 @@ def blockwise_arm(library: str) -> str:
 
 def arm_configs(args: argparse.Namespace, recipes: list[str], overrides: dict) -> dict:
     """Arm name -> TrainConfig: bf16 (and bf16 on te with --fastest-bf16), then each FP8 recipe; blockwise once per
-    --blockwise-gemms library; each of them once per --param-dtypes dtype (BF16_PARAMS_SUFFIX after bf16's)."""
+    --blockwise-gemms library; each of them once per --param-dtypes dtype (BF16_PARAMS_SUFFIX after bf16's,
+    FP8_PARAMS_SUFFIX after fp8's, which the BF16 arms, having no FP8 weights, skip)."""
     from fp8stack.train.config import TrainConfig, TrainConfigError  # torch is imported only once the options are read
 
     if args.blockwise_gemms != ("te",) and "blockwise" not in recipes:
@@ -70,11 +71,13 @@ def arm_configs(args: argparse.Namespace, recipes: list[str], overrides: dict) -
         libraries = args.blockwise_gemms if recipe == "blockwise" else ("te",)
         arms += [(blockwise_arm(library) if recipe == "blockwise" else recipe, recipe,
                   {"blockwise_gemms": library} if library != "te" else {}) for library in libraries]
-    return {name + (BF16_PARAMS_SUFFIX if param_dtype == "bf16" else ""): TrainConfig(
+    suffixes = {"fp32": "", "bf16": BF16_PARAMS_SUFFIX, "fp8": FP8_PARAMS_SUFFIX}
+    return {name + suffixes[param_dtype]: TrainConfig(
                 **overrides, recipe=recipe, **extra, param_dtype=param_dtype,
                 **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
                 log_interval=max(1, args.steps // 4))
-            for name, recipe, extra in arms for param_dtype in args.param_dtypes}
+            for name, recipe, extra in arms for param_dtype in args.param_dtypes
+            if not (param_dtype == "fp8" and recipe == BF16)}
 
 
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
@@ -120,7 +123,9 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-dtypes", type=comma_list_of(PARAM_DTYPES), default=("fp32",), metavar="fp32,bf16",
                         help="one run of every arm per parameter dtype: fp32 (FP32 parameters, cast at every forward; "
                              f"default) and/or bf16 (BF16 parameters with FP32 masters in the optimizer, Megatron's "
-                             f"--bf16; the arm's name ends in '{BF16_PARAMS_SUFFIX}')")
+                             f"--bf16; the arm's name ends in '{BF16_PARAMS_SUFFIX}') and/or fp8 (the FP8 arms' TE "
+                             "layers hold their weights in FP8 only, FP32 masters in the optimizer, Megatron's "
+                             f"--fp8-param-gather; '{FP8_PARAMS_SUFFIX}')")
     parser.add_argument("--bf16-on-te", action="store_true",
                         help="the bf16 run's linears are TE modules without FP8 (recipe bf16, --backend te), with the "
                              "TE levers asked of the FP8 runs (--fuse-norm, --fuse-mlp, "
@@ -320,6 +325,10 @@ def run_ab(args: argparse.Namespace) -> int:
             arm_notes += (f" Arms named '...{BF16_PARAMS_SUFFIX}' keep BF16 parameters with FP32 masters in the "
                           "optimizer, copied to them once per step (Megatron's --bf16); the others FP32 parameters, "
                           "cast at every forward. Every BF16 run, with either, is a candidate for the reference.")
+        if "fp8" in args.param_dtypes:
+            arm_notes += (f" Arms named '...{FP8_PARAMS_SUFFIX}' keep the FP8 layers' weights in FP8 only (TE's "
+                          "quantized_model_init) and the others in BF16, with FP32 masters in the optimizer "
+                          "quantized into them once per step.")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"

@@ -42,6 +42,8 @@ BF16_ARMS = (BF16, BF16_ON_TE_ARM)
 """The arms that are BF16 configurations, candidates for the reference (with BF16_PARAMS_SUFFIX too)."""
 BF16_PARAMS_SUFFIX = ", bf16 params"
 """After an arm's name when its run keeps BF16 parameters with FP32 masters (--param-dtypes bf16)."""
+FP8_PARAMS_SUFFIX = ", fp8 params"
+"""After an FP8 arm's name when its TE layers hold their weights in FP8 only, FP32 masters (--param-dtypes fp8)."""
 SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
                      "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
 """Added to a ship verdict judged against a single bf16 run."""

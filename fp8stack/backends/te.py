@@ -109,6 +109,11 @@ class TEBackend:
     blockwise_gemms: str = "te"
     """Where the blockwise (Float8BlockScaling) modules' GEMMs run: te (cuBLAS) or deepgemm (DeepGEMM's dense
     kernels on TE's operands, bit-identical; fp8stack.backends.te_deepgemm). Quantization stays TE's."""
+    fp8_weights: bool = False
+    """The FP8 modules hold their weights in FP8 only (TE quantized_model_init, Megatron's --fp8-param-gather): no
+    high-precision copy, and no cast in forward. For a trainer whose optimizer steps FP32 masters (fp8_weight_masters
+    gives their initial values) and copies them into these weights after each step, which quantizes them
+    (TrainConfig.param_dtype fp8). Dense linears, LayerNormLinear and LayerNormMLP; not GroupedLinear experts."""
 
     name: ClassVar[str] = "te"
 
@@ -133,6 +138,10 @@ class TEBackend:
         if not decisions:
             return model, record
         linears, expert_pairs, recipes = _validated(decisions, plan)
+        if self.fp8_weights and expert_pairs:
+            raise PlanError(f"fp8_weights holds dense TE linears' weights in FP8, and the plan runs experts on TE "
+                            f"({next(iter(expert_pairs))}): keep high-precision weights for MoE models (param_dtype "
+                            "bf16) or plan the experts on another backend")
         if self.delayed_margin and "delayed" not in recipes:
             raise PlanError(f"delayed_margin={self.delayed_margin} applies to delayed scaling, and the plan's TE "
                             f"recipes are {', '.join(recipes)}: drop the margin or plan recipe delayed")
@@ -145,7 +154,8 @@ class TEBackend:
         from fp8stack.backends import te_modules
 
         te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin) for name in recipes}
-        options = {"cache_weights": self.cache_fp8_weights, "fuse_wgrad_accumulation": self.fuse_wgrad_accumulation}
+        options = {"cache_weights": self.cache_fp8_weights, "fuse_wgrad_accumulation": self.fuse_wgrad_accumulation,
+                   **({"fp8_weights": True} if self.fp8_weights else {})}
         shared = _shared_parameters(model)
         swaps = []  # (fqn to swap, factory of its new module, plan fqns it then runs)
         for mlp_fqn, (norm_fqn, w13, w2) in mlps.items():
@@ -191,6 +201,10 @@ class TEBackend:
         if self.cache_fp8_weights:
             record.notes.append("cache_fp8_weights: each weight is cast to FP8 on a step's first micro-batch and the "
                                 "copy reused by its other micro-batches (TE is_first_microbatch)")
+        if self.fp8_weights:
+            count = len(fp8_weight_masters(model, take=False))
+            record.notes.append(f"fp8_weights: {count} TE weight(s) held in FP8 only (quantized_model_init); the "
+                                "optimizer's FP32 masters are quantized into them after each step")
         if self.fuse_wgrad_accumulation:
             count = sum(len(getattr(m, "main_grad_weights", ())) for _, m, _ in built)
             record.notes.append(f"fuse_wgrad_accumulation: the weight-gradient GEMMs of {count} TE weight(s) "
@@ -226,6 +240,20 @@ class TEBackend:
 def fp8_weight_caches(model: nn.Module) -> list[nn.Module]:
     """The TE modules of `model` that cache their FP8 weights across micro-batches (cache_fp8_weights)."""
     return [m for m in model.modules() if getattr(m, "is_first_microbatch", None) is not None]
+
+
+def fp8_weight_masters(model: nn.Module, take: bool = True) -> dict[int, torch.Tensor]:
+    """id(weight) -> the FP32 values each weight held in FP8 only (fp8_weights) was quantized from, on the CPU: the
+    initial values of its optimizer master. TE keeps them from the module's construction (preserve_high_precision_
+    init_val); take: hand them over and let TE free its copy."""
+    values = {}
+    for param in model.parameters():
+        value = param.get_high_precision_init_val() if hasattr(param, "get_high_precision_init_val") else None
+        if value is not None:
+            values[id(param)] = value
+            if take:
+                param.clear_high_precision_init_val()
+    return values
 
 
 def mark_fp8_weights_stale(modules: list[nn.Module]) -> None:

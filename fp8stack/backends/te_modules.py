@@ -115,57 +115,63 @@ class TEGroupedExperts(_WeightCache, nn.Module):
 
 
 def linear_from(linear: nn.Linear, recipe: Recipe | None, name: str, cache_weights: bool = False,
-                fuse_wgrad_accumulation: bool = False) -> TELinear:
+                fuse_wgrad_accumulation: bool = False, fp8_weights: bool = False) -> TELinear:
     """A TELinear with `linear`'s shape, dtype, device and (bit-exact) weights; cache_weights: see _WeightCache;
-    fuse_wgrad_accumulation: see _add_main_grads."""
+    fuse_wgrad_accumulation: see _add_main_grads; fp8_weights: see _weights_built."""
     weight = linear.weight
-    with _rng_kept(weight.device):
+    with _rng_kept(weight.device), _weights_built(recipe, fp8_weights, weight, name):
         new = TELinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                        params_dtype=weight.dtype, device=str(weight.device), name=name,
-                       fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                       fuse_wgrad_accumulation=fuse_wgrad_accumulation, init_method=_set_to(weight))
     _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.weight], name)
-    _copy(new.weight, weight)
+    new.weight.requires_grad_(weight.requires_grad)
     if linear.bias is not None:
         _copy(new.bias, linear.bias)
     return new.train(linear.training)
 
 
 def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe | None, name: str,
-                          cache_weights: bool = False, fuse_wgrad_accumulation: bool = False) -> TELayerNormLinear:
+                          cache_weights: bool = False, fuse_wgrad_accumulation: bool = False,
+                          fp8_weights: bool = False) -> TELayerNormLinear:
     """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly;
-    cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads."""
+    cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads; fp8_weights: see
+    _weights_built."""
     weight = linear.weight
     eps = _rms_norm_eps(norm, weight, linear.in_features, "fuse_norm", name)
-    with _rng_kept(weight.device):
+    with _rng_kept(weight.device), _weights_built(recipe, fp8_weights, weight, name):
         new = TELayerNormLinear(linear.in_features, linear.out_features, eps=eps, bias=linear.bias is not None,
                                 normalization="RMSNorm", params_dtype=weight.dtype, device=str(weight.device),
-                                name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                                name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                                init_method=_set_to(weight))
     _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.weight], name)
     _copy(new.layer_norm_weight, norm.weight)
-    _copy(new.weight, weight)
+    new.weight.requires_grad_(weight.requires_grad)
     if linear.bias is not None:
         _copy(new.bias, linear.bias)
     return new.train(linear.training)
 
 
 def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe | None, name: str,
-                       cache_weights: bool = False, fuse_wgrad_accumulation: bool = False) -> TELayerNormMLP:
+                       cache_weights: bool = False, fuse_wgrad_accumulation: bool = False,
+                       fp8_weights: bool = False) -> TELayerNormMLP:
     """A TELayerNormMLP computing mlp(norm(x)) for an RMSNorm `norm` and an fp8stack FeedForward `mlp`
     (w13 = [gate; up], w2(silu(gate) * up); TE's SwiGLU also gates with the first half), weights copied
-    bit-exactly; cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads."""
+    bit-exactly; cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads; fp8_weights: see
+    _weights_built."""
     w13, w2 = mlp.w13, mlp.w2
     if w13.bias is not None or w2.bias is not None:
         raise PlanError(f"fuse_mlp: {name} has biased projections; fp8stack's FeedForward has none: turn fuse_mlp off")
     dim, hidden = w13.in_features, w2.in_features
     eps = _rms_norm_eps(norm, w13.weight, dim, "fuse_mlp", name)
-    with _rng_kept(w13.weight.device):
+    with _rng_kept(w13.weight.device), _weights_built(recipe, fp8_weights, w13.weight, name):
         new = TELayerNormMLP(dim, hidden, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
                              params_dtype=w13.weight.dtype, device=str(w13.weight.device), name=name,
-                             fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                             fuse_wgrad_accumulation=fuse_wgrad_accumulation, init_method=_set_to(w13.weight),
+                             output_layer_init_method=_set_to(w2.weight))
     _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.fc1_weight, new.fc2_weight], name)
     _copy(new.layer_norm_weight, norm.weight)
-    _copy(new.fc1_weight, w13.weight)
-    _copy(new.fc2_weight, w2.weight)
+    new.fc1_weight.requires_grad_(w13.weight.requires_grad)
+    new.fc2_weight.requires_grad_(w2.weight.requires_grad)
     return new.train(mlp.training)
 
 
@@ -207,7 +213,7 @@ def _add_main_grads(module: _WeightCache, weights: list[nn.Parameter], name: str
                             "the FP32 main_grad TE accumulates into becomes the weight's .grad, which needs FP32 "
                             "master weights on the GPU: keep the model FP32 (autocast casts the activations), "
                             "build it on the GPU, or turn fuse_wgrad_accumulation off")
-        weight.main_grad = torch.zeros_like(weight)
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # FP8 weights too
     module.main_grad_weights = tuple(weights)
 
 
@@ -228,6 +234,37 @@ def _rms_norm_eps(norm: nn.Module, weight: torch.Tensor, width: int, option: str
                         f"{weight.dtype}; TE keeps one dtype: cast the model to one dtype or turn {option} off")
     # torch.nn.RMSNorm(eps=None) uses the input dtype's machine epsilon.
     return norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
+
+
+def _weights_built(recipe: Recipe | None, fp8_weights: bool, weight: torch.Tensor,
+                   name: str) -> AbstractContextManager:
+    """Where a module from weights like `weight` is built. fp8_weights, for an FP8 recipe: in TE's
+    quantized_model_init, so that the module holds its weights in FP8 only (Float8Tensor, or the recipe's quantized
+    tensor), quantized from the copied weights (_set_to), whose FP32 values TE keeps on the CPU for the optimizer's
+    masters (get_high_precision_init_val; fp8stack.backends.te.fp8_weight_masters takes them). Needs weights on the
+    GPU. Without FP8 (recipe None) the weights stay as they are."""
+    if not fp8_weights or recipe is None:
+        return nullcontext()
+    if weight.device.type != "cuda":
+        raise PlanError(f"fp8_weights: {name} has its weights on {weight.device}, and TE quantizes FP8 weights when "
+                        "it builds the module: build the model on the GPU, initialised (not on 'meta')")
+    return te.quantized_model_init(enabled=True, recipe=recipe, preserve_high_precision_init_val=True)
+
+
+def _set_to(source: torch.Tensor):
+    """A TE init_method giving the weight `source`'s values bit-exactly (TE builds a module's weights with it; in
+    quantized_model_init it quantizes them after). On 'meta' TE defers it, as it does its own initialisation. TE
+    keeps a module's init_method for later reset_parameters calls, so this one lets go of `source` once used: the
+    replaced module's weights are freed with it."""
+    held = [source]
+
+    def init(weight: torch.Tensor) -> None:
+        if not held:
+            raise RuntimeError("this TE module was converted from another module's weights, which it no longer "
+                               "holds, so reset_parameters cannot restore them: build and convert the model again")
+        with torch.no_grad():
+            weight.copy_(held.pop())
+    return init
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -96,9 +96,10 @@ or TE GroupedLinear with Float8BlockScaling."""
 
 BLOCKWISE_GEMMS = ("te", "deepgemm")
 """Where TE's blockwise (Float8BlockScaling) modules run their GEMMs: cuBLAS, or DeepGEMM's dense kernels."""
-PARAM_DTYPES = ("fp32", "bf16")
-"""What a training run keeps its parameters in: FP32 (the master weights themselves), or BF16 with FP32 masters in the
-optimizer (TrainConfig.param_dtype)."""
+PARAM_DTYPES = ("fp32", "bf16", "fp8")
+"""What a training run keeps its parameters in: FP32 (the master weights themselves), BF16 with FP32 masters in the
+optimizer, or BF16 with the TE FP8 linears' weights in FP8 only, FP32 masters in the optimizer
+(TrainConfig.param_dtype)."""
 
 
 def expert_backend(recipe: Recipe, dense: str, blockwise_experts: str = "grouped_fp8") -> tuple[str, str]:

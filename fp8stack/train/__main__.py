@@ -63,7 +63,9 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--dtype", "dtype", {"choices": ("auto", "bf16", "fp32"), "help": "activation dtype (auto: bf16 on CUDA)"}),
     ("--param-dtype", "param_dtype", {"choices": PARAM_DTYPES,
                                       "help": "fp32: FP32 parameters, cast at every forward; bf16: BF16 parameters "
-                                              "with FP32 masters in the optimizer (Megatron's --bf16)"}),
+                                              "with FP32 masters in the optimizer (Megatron's --bf16); fp8: as bf16, "
+                                              "the TE FP8 layers' weights in FP8 only (Megatron's "
+                                              "--fp8-param-gather)"}),
     ("--device", "device", {"choices": ("auto", "cuda", "cpu")}),
     ("--compile", "compile", {"action": argparse.BooleanOptionalAction,
                               "help": "torch.compile each block and the loss"}),

@@ -117,7 +117,9 @@ class TrainConfig:
     param_dtype: str = "fp32"
     """fp32: the parameters are the FP32 master weights AdamW steps, cast by autocast (or to FP8) at every forward;
     bf16: BF16 parameters with FP32 masters in the optimizer, copied to them once per step (Megatron's --bf16;
-    train.master_weights): no cast per micro-batch. One process, plain path; 2 more bytes per parameter."""
+    train.master_weights): no cast per micro-batch. One process, plain path; 2 more bytes per parameter.
+    fp8: as bf16, but the TE FP8 linears hold their weights in FP8 only (TE quantized_model_init, Megatron's
+    --fp8-param-gather), quantized from the masters once per step: no BF16 copy beside the FP8 one."""
     blockwise_gemms: str = "te"
     """Where TE's blockwise modules run their GEMMs: te (cuBLAS) or deepgemm (DeepGEMM's dense kernels on TE's
     operands, bit-identical; needs DeepGEMM, launch/build_deepgemm.sh)."""
@@ -171,8 +173,9 @@ class TrainConfig:
                                    "--tensor-model-parallel-size, or use --model-impl megatron")
         if self.param_dtype not in PARAM_DTYPES:
             raise TrainConfigError(f"unknown param_dtype {self.param_dtype!r}: use {' or '.join(PARAM_DTYPES)}")
-        if self.param_dtype == "bf16" and (self.fsdp_one_rank or self.tensor_parallel > 1 or self.dtype == "fp32"):
-            raise TrainConfigError("param_dtype bf16 keeps FP32 masters of one process's BF16 parameters for bf16 "
+        if self.param_dtype != "fp32" and (self.fsdp_one_rank or self.tensor_parallel > 1 or self.dtype == "fp32"):
+            raise TrainConfigError(f"param_dtype {self.param_dtype} keeps FP32 masters of one process's "
+                                   f"{self.param_dtype.upper()} parameters for bf16 "
                                    "activations: drop --fsdp-one-rank and --tensor-model-parallel-size (FSDP2's "
                                    "mixed-precision policy casts its own BF16 parameters) and --dtype fp32")
         if self.blockwise_experts not in ("auto", *BLOCKWISE_EXPERT_BACKENDS):

@@ -28,6 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 from fp8stack.backends.te import TEBackend, import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan, PolicyConfig, make_plan
+from fp8stack.plan.recipes import BF16
 from fp8stack.plan.from_module import describe_module
 from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
@@ -134,7 +135,7 @@ class Session:
     compressor: ActivationCompressor | None = None
     """Stores each forward's saved activations in FP8 (TrainConfig.compress_activations); counts the bytes."""
     masters: MasterWeights | None = None
-    """The FP32 masters the optimizer steps when the model's parameters are BF16 (TrainConfig.param_dtype)."""
+    """The FP32 masters the optimizer steps when the model's parameters are BF16 or FP8 (TrainConfig.param_dtype)."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -217,10 +218,11 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
             clip_fn = functools.partial(_clip, [p for p in model.parameters() if p.requires_grad])
             after_step = post_optimizer_step_hook(model)
         masters = None
-        if cfg.param_dtype == "bf16":
+        if cfg.param_dtype != "fp32":
             if dtype != torch.bfloat16 or env.world_size > 1:
-                raise TrainConfigError(f"param_dtype bf16 needs bf16 activations in one process; this run has {dtype} "
-                                       f"in {env.world_size}: pass --dtype bf16 (a CPU's default is fp32), one process")
+                raise TrainConfigError(f"param_dtype {cfg.param_dtype} needs bf16 activations in one process; this "
+                                       f"run has {dtype} in {env.world_size}: pass --dtype bf16 (a CPU's default is "
+                                       "fp32), one process")
             masters = MasterWeights(model)
             clip_fn, after_step = functools.partial(_clip, masters.masters), _then(masters.after_step, after_step)
         optimizer = _adamw(masters.module if masters else model, cfg, device)
@@ -329,15 +331,26 @@ def _micro_batches(cfg: TrainConfig, dp_size: int) -> int:
 
 def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
     """Constructor options for the plan's TE backend: fuse_norm, fuse_mlp and gradient_accumulation_fusion (which
-    need TE layers in the plan) and, with more than one micro-batch per step, FP8 weights cast once per step and
-    cached (TE's is_first_microbatch; with one micro-batch the cache would only hold memory)."""
+    need TE layers in the plan), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE) and otherwise, with
+    more than one micro-batch per step, FP8 weights cast once per step and cached (TE's is_first_microbatch; with one
+    micro-batch the cache would only hold memory; weights held in FP8 need no cast)."""
     for option, what in (("fuse_norm", "folds RMSNorms into TransformerEngine LayerNormLinear modules"),
                          ("fuse_mlp", "folds RMSNorms into TransformerEngine LayerNormMLP modules"),
                          ("gradient_accumulation_fusion", "accumulates the TE linears' weight gradients in FP32")):
         if getattr(cfg, option) and not plan.for_backend("te"):
             raise TrainConfigError(f"{option} {what}, but the plan for recipe {cfg.recipe!r} has no TE layers: use "
                                    f"--backend te with an FP8 recipe, or drop --{option.replace('_', '-')}")
-    options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "cache_fp8_weights": micro_batches > 1,
+    if cfg.param_dtype == "fp8":
+        fp8 = [d for d in plan.decisions if d.recipe != BF16]
+        elsewhere = [d for d in fp8 if d.backend != "te"]
+        if not fp8 or elsewhere:
+            raise TrainConfigError(f"param_dtype fp8 holds the weights of TE's FP8 layers in FP8, and the plan for "
+                                   f"recipe {cfg.recipe!r} has "
+                                   + (f"{elsewhere[0].fqn} in FP8 on {elsewhere[0].backend}" if elsewhere else
+                                      "no FP8 layer") + ": use --backend te with an FP8 recipe, or --param-dtype bf16")
+    fp8_weights = cfg.param_dtype == "fp8"
+    options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "fp8_weights": fp8_weights,
+               "cache_fp8_weights": micro_batches > 1 and not fp8_weights,
                "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion,
                **({"blockwise_gemms": cfg.blockwise_gemms} if cfg.blockwise_gemms != "te" else {})}
     return {"te": options} if plan.for_backend("te") and any(options.values()) else None
@@ -365,7 +378,7 @@ def _adamw(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> to
     if wrong:
         raise RuntimeError(f"parameters must stay FP32 master weights, found {sorted(map(str, wrong))}: "
                            "keep the model FP32 and let autocast / FP8 modules cast activations, or keep FP32 "
-                           "masters of BF16 parameters (param_dtype bf16)")
+                           "masters of BF16 or FP8 parameters (param_dtype bf16 or fp8)")
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")

@@ -9,24 +9,33 @@ gradient is added into it by a hook as soon as autograd has it (no BF16 accumula
 Embeddings hand that hook sparse gradients (nn.Embedding.sparse), so only the rows a micro-batch looked up are added
 instead of a dense table-sized gradient. The masters' .grad are those main_grads, so clipping and AdamW read FP32
 gradients.
+
+With param_dtype fp8 the TE linears were built holding their weights in FP8 only (TEBackend.fp8_weights): those stay
+FP8, their masters start from the FP32 values TE quantized them from, and copying a master into such a weight
+quantizes it (TE's QuantizedTensor.copy_), with the scale the recipe keeps for that weight.
 """
 
 import torch
 from torch import nn
 
+from fp8stack.backends.te import fp8_weight_masters
+
 
 class MasterWeights:
-    """The FP32 masters of a model whose parameters this makes BF16; `module` holds them under the model's names
-    (what the optimizer steps and a checkpoint saves); call after_step() after each optimizer step."""
+    """The FP32 masters of a model whose parameters this makes BF16 (TE weights held in FP8 only stay FP8); `module`
+    holds them under the model's names (what the optimizer steps and a checkpoint saves); call after_step() after
+    each optimizer step."""
 
     def __init__(self, model: nn.Module):
         named = {name: p for name, p in model.named_parameters() if p.requires_grad}
         wrong = sorted({str(p.dtype) for p in named.values()} - {"torch.float32"})
         if wrong:
             raise RuntimeError(f"BF16 parameters start from FP32 ones, found {wrong}: build the model in FP32")
+        fp8_values = fp8_weight_masters(model)
         self.params = list(named.values())
-        """The model's parameters, BF16 once constructed."""
-        masters = {name: nn.Parameter(p.detach().clone()) for name, p in named.items()}
+        """The model's parameters, BF16 (or FP8) once constructed."""
+        masters = {name: nn.Parameter(fp8_values[id(p)].to(p.device) if id(p) in fp8_values else p.detach().clone())
+                   for name, p in named.items()}
         self.masters = list(masters.values())
         """The FP32 masters, in the order of params."""
         self.module = _holding(masters)
@@ -41,13 +50,14 @@ class MasterWeights:
                 module.sparse = True
         for param in self.params:
             if getattr(param, "main_grad", None) is None:
-                param.main_grad = torch.zeros_like(param)
+                param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 param.register_post_accumulate_grad_hook(_into_main_grad)
-            param.data = param.data.to(torch.bfloat16)
+            if id(param) not in fp8_values:
+                param.data = param.data.to(torch.bfloat16)
         self._link_grads()
 
     def after_step(self) -> None:
-        """The BF16 parameters from the stepped masters; main_grads zeroed for the next step (and the masters'
+        """The BF16 (and FP8) parameters from the stepped masters; main_grads zeroed for the next step (and the masters'
         .grad, which optimizer.zero_grad(set_to_none=True) let go, pointed at them again)."""
         with torch.no_grad():
             for param, master in zip(self.params, self.masters, strict=True):
