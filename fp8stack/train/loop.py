@@ -340,7 +340,8 @@ def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[s
         if getattr(cfg, option) and not plan.for_backend("te"):
             raise TrainConfigError(f"{option} {what}, but the plan for recipe {cfg.recipe!r} has no TE layers: use "
                                    f"--backend te with an FP8 recipe, or drop --{option.replace('_', '-')}")
-    if cfg.param_dtype == "fp8":
+    fp8_weights = cfg.param_dtype == "fp8"
+    if fp8_weights:
         fp8 = [d for d in plan.decisions if d.recipe != BF16]
         elsewhere = [d for d in fp8 if d.backend != "te"]
         if not fp8 or elsewhere:
@@ -348,7 +349,6 @@ def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[s
                                    f"recipe {cfg.recipe!r} has "
                                    + (f"{elsewhere[0].fqn} in FP8 on {elsewhere[0].backend}" if elsewhere else
                                       "no FP8 layer") + ": use --backend te with an FP8 recipe, or --param-dtype bf16")
-    fp8_weights = cfg.param_dtype == "fp8"
     options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "fp8_weights": fp8_weights,
                "cache_fp8_weights": micro_batches > 1 and not fp8_weights,
                "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion,
