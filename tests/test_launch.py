@@ -15,7 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch_env(port: int) -> dict:
-    return {**os.environ, "PYTHON": sys.executable, "NPROC": "2", "MASTER_PORT": str(port)}
+    # The fault handler prints each thread's Python stack if a worker dies of a signal.
+    return {**os.environ, "PYTHON": sys.executable, "NPROC": "2", "MASTER_PORT": str(port), "PYTHONFAULTHANDLER": "1"}
+
+
+def workers_output(stderr: str) -> str:
+    """What the workers printed last, without torchrun's own failure summary (which names no cause)."""
+    summary = stderr.find("/distributed/elastic/multiprocessing/api.py")  # torchrun's first line after a death
+    return stderr[:stderr.rfind("\n", 0, summary) if summary >= 0 else len(stderr)][-4000:]
 
 
 @pytest.mark.slow
@@ -23,7 +30,7 @@ def test_train_sh_runs_two_processes_with_megatron_style_flags(tmp_path):
     done = subprocess.run(["launch/train.sh", "--model", "tiny", "--fp8-recipe", "tensorwise", "--fp8-format", "hybrid",
                            "--train-iters", "2", "--micro-batch-size", "2", "--tensorboard-dir", str(tmp_path)],
                           cwd=ROOT, env=launch_env(29613), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, workers_output(done.stderr)
     assert "step 2/2" in done.stdout
     assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 2  # rank 0 logs, once per step
 
@@ -43,7 +50,7 @@ def test_train_sh_tensor_parallel_matches_one_process(tmp_path):
     done = subprocess.run(["launch/train.sh", *flags, "--tensor-model-parallel-size", "2",
                            "--result-json", str(tmp_path / "tp.json")],
                           cwd=ROOT, env=launch_env(29615), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, workers_output(done.stderr)
     tp = json.loads((tmp_path / "tp.json").read_text())
     assert tp["world_size"] == 2 and tp["config"]["tensor_parallel"] == 2
     one = train(config_from_args(build_parser().parse_args([*flags, "--no-progress"])))

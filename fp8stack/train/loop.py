@@ -481,8 +481,12 @@ class _Distributed:
             self.fsdp_mesh = mesh["dp"] if self.dp_size > 1 or self.fsdp_one_rank else None
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self._owns_group:
+            if exc_type is None and self.world_size > 1:
+                # Ranks end the group together: one that closes its gloo connections while another still holds
+                # the group can make that one abort (SIGABRT, seen once in CI at the end of a two-process run).
+                dist.barrier()
             dist.destroy_process_group()
 
     def mean(self, value: torch.Tensor) -> float:
