@@ -54,15 +54,21 @@ def _saved_states(path) -> dict[str, dict[str, torch.Tensor]]:
     return {fqn: {name: state[name] for name in FP8_STATE} for fqn, state in states.items()}
 
 
-def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
-    full = train(TrainConfig(**SETTINGS, checkpoint_dir=str(tmp_path), checkpoint_interval=MIDDLE))
+def _full_and_resumed(settings: dict, tmp_path) -> list[float]:
+    """The losses of a run, after asserting that its resumed second half repeats them exactly."""
+    full = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), checkpoint_interval=MIDDLE))
     FP8GlobalStateManager.reset()  # each run starts as a new process would: no other model's FP8 buffers
     middle = checkpoint.checkpoint_path(tmp_path, MIDDLE)
-    resumed = train(TrainConfig(**SETTINGS, checkpoint_dir=str(tmp_path), resume=str(middle)))
+    resumed = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), resume=str(middle)))
     FP8GlobalStateManager.reset()
     assert resumed.first_step == MIDDLE
     assert resumed.losses == full.losses[MIDDLE:]  # exact equality, not approx
+    return full.losses
 
+
+def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
+    full_losses = _full_and_resumed(SETTINGS, tmp_path)
+    middle = checkpoint.checkpoint_path(tmp_path, MIDDLE)
     saved = _saved_states(middle)
     with session(TrainConfig(**SETTINGS)) as run:
         te_modules = {fqn: m for fqn, m in run.model.named_modules() if isinstance(m, TransformerEngineBaseModule)}
@@ -86,13 +92,20 @@ def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
                 logits = run.model(tokens)
             return float(Llama.loss(logits, targets))
 
-        assert next_loss() == full.losses[MIDDLE]
+        assert next_loss() == full_losses[MIDDLE]
         for fqn, module in te_modules.items():
             module.reset_fp8_meta_tensors()  # scales 1, amax histories 0: a fresh module's state
-        assert next_loss() != full.losses[MIDDLE], "the FP8 scaling state made no difference to the loss"
+        assert next_loss() != full_losses[MIDDLE], "the FP8 scaling state made no difference to the loss"
         for fqn, module in te_modules.items():
             module.reset_fp8_meta_tensors(restored[fqn])
-        assert next_loss() == full.losses[MIDDLE]
+        assert next_loss() == full_losses[MIDDLE]
+
+
+@pytest.mark.parametrize("param_dtype", ["bf16", "fp8"])
+def test_resume_with_low_precision_parameters_is_bit_identical(param_dtype, tmp_path):
+    """The checkpoint holds the FP32 masters; the resumed run copies them into its BF16 or FP8 parameters, the FP8
+    ones quantized with the restored delayed scales, as the uninterrupted run's last optimizer step did."""
+    _full_and_resumed({**SETTINGS, "param_dtype": param_dtype}, tmp_path)
 
 
 @pytest.mark.parametrize("fuse_mlp", [False, True], ids=["linears", "layernorm-mlp"])
