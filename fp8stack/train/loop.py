@@ -484,8 +484,8 @@ class _Distributed:
     def __exit__(self, exc_type, *exc) -> None:
         if self._owns_group:
             if exc_type is None and self.world_size > 1:
-                # Ranks end the group together: one that closes its gloo connections while another still holds
-                # the group can make that one abort (SIGABRT, seen once in CI at the end of a two-process run).
+                # Ranks end the group together: a rank closing its gloo connections while another still holds the
+                # group is the suspected cause of a SIGABRT seen once in CI at the end of a two-process run.
                 dist.barrier()
             dist.destroy_process_group()
 
