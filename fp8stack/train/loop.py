@@ -248,7 +248,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             resumed = checkpoint.load(_resume_path(cfg), model, optimizer, scheduler, masters=master_module)
             start, data.position = resumed.step, resumed.data_position
             if run.masters:
-                run.masters.after_step()  # the BF16 parameters from the loaded masters
+                run.masters.after_step()  # the BF16 (and FP8) parameters from the loaded masters
         if start >= cfg.steps and env.rank == 0:
             print(f"the checkpoint is at step {start} and steps={cfg.steps}: nothing left to train "
                   "(raise --train-iters to continue)", file=sys.stderr)
