@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8stack.bench import backends as bench
-from fp8stack.bench.evidence import device_slug, environment, write_evidence
+from fp8stack.bench.evidence import device_slug, environment, rerender, write_evidence
 from fp8stack.bench import gpu_tests
 from fp8stack.bench.gpu_tests import OutcomeCollector
 from fp8stack.plan import PlanError
@@ -93,7 +93,10 @@ def test_gpu_tests_runs_only_gpu_tests_and_writes_evidence(tmp_path):
     record = json.loads(json_path.read_text())
     assert record["exit_code"] == 0 and record["counts"] == {"passed": 1}
     assert [t["nodeid"].split("::")[-1] for t in record["tests"]] == ["test_on_gpu"]
-    assert "test_on_gpu" in json_path.with_suffix(".md").read_text()
+    written = json_path.with_suffix(".md").read_text()
+    assert "test_on_gpu" in written and "pytest exit code 0: 1 passed" in written
+    json_path.with_suffix(".md").unlink()  # the record renders the same Markdown again (rerender)
+    assert rerender(json_path, gpu_tests.render).read_text() == written
 
 
 def test_one_component_plan_targets_the_requested_backend():

@@ -103,7 +103,8 @@ def _header(stem: str, record: dict) -> str:
 
 def rerender(json_path: str | Path, render: Callable[[dict], str]) -> Path:
     """Rewrite the .md beside an evidence JSON from its record, its header unchanged (the measuring run's device,
-    date and command): for a table added to a renderer after the GPU run that measured it."""
+    date and command): for a table added to a renderer after the GPU run that measured it, or a .md that did not
+    come back from the device."""
     json_path = Path(json_path)
     record = json.loads(json_path.read_text())
     md_path = json_path.with_suffix(".md")

@@ -64,12 +64,20 @@ def run(args: list[str], out_dir: str = "profiles") -> int:
     counts = dict(Counter(r["outcome"] for r in results))
     payload = {"pytest_args": pytest_args, "exit_code": code, "wall_s": round(time.perf_counter() - start, 2),
                "counts": counts, "tests": results}
-    rows = [[f"`{r['nodeid']}`", r["outcome"], f"{r['duration_s']:.2f}", _note(r)] for r in results]
-    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests collected"
-    markdown = f"pytest exit code {code}: {summary}\n\n" + markdown_table(["test", "outcome", "s", "note"], rows)
-    json_path, _ = write_evidence(f"gpu-tests-{device_slug()}", payload, markdown, out_dir)
-    print(f"evidence: {json_path} ({summary})")
+    json_path, _ = write_evidence(f"gpu-tests-{device_slug()}", payload, render(payload), out_dir)
+    print(f"evidence: {json_path} ({_summary(counts)})")
     return code
+
+
+def render(record: dict) -> str:
+    """The Markdown of a run's record: pytest's exit code and counts, then one row per test."""
+    rows = [[f"`{r['nodeid']}`", r["outcome"], f"{r['duration_s']:.2f}", _note(r)] for r in record["tests"]]
+    return (f"pytest exit code {record['exit_code']}: {_summary(record['counts'])}\n\n"
+            + markdown_table(["test", "outcome", "s", "note"], rows))
+
+
+def _summary(counts: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests collected"
 
 
 if __name__ == "__main__":
