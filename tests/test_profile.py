@@ -5,8 +5,8 @@ import json
 import pytest
 
 from fp8stack.cli import build_parser
-from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, baseline_param_dtype, classify, family_ms,
-                              idle_gaps, kernel_family, main, measured_gain, quantize_overhead, run_profile)
+from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, family_ms, idle_gaps, kernel_family,
+                              main, measured_gain, quantize_overhead, run_profile)
 
 KERNELS = {
     # cuBLAS / cuBLASLt / CUTLASS GEMMs, FP8 ones included (their operand types must not make them 'quantize')
@@ -163,9 +163,24 @@ def test_profile_subcommand_is_wired_into_the_cli(capsys):
     assert "pass fp32, bf16 or fp8" in capsys.readouterr().err
 
 
-def test_fp8_parameters_are_profiled_against_bf16_ones():
+def test_fp8_parameters_are_profiled_against_bf16_ones(monkeypatch):
     """A BF16 plan has no FP8 weights (the trainer refuses fp8 parameters for it), so the bf16 run takes bf16."""
-    assert [baseline_param_dtype(d) for d in ("fp32", "bf16", "fp8")] == ["fp32", "bf16", "bf16"]
+    profiled = []
+
+    class Stop(Exception):
+        pass
+
+    def record(cfg, warmup, steps):  # the configurations profile runs, without TE's CUDA runs
+        profiled.append((cfg.recipe, cfg.param_dtype))
+        if cfg.recipe != "bf16":
+            raise Stop
+        return None, None
+
+    monkeypatch.setattr("fp8stack.profile.profile_run", record)
+    with pytest.raises(Stop):
+        main(["--model", "tiny", "--fp8-recipe", "delayed", "--backend", "te", "--param-dtypes", "fp8",
+              "--out-dir", "unused"])
+    assert profiled == [("bf16", "bf16"), ("delayed", "fp8")]
 
 
 def test_quantize_overhead_counts_fused_kernels_by_their_excess_over_bf16():
