@@ -313,12 +313,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "evidence read is the one `fp8stack ab --label` of the same label wrote")
 
 
-def baseline_param_dtype(param_dtype: str) -> str:
-    """The bf16 run's parameters: a BF16 plan has no FP8 weights, so FP8 parameters are profiled against BF16 ones
-    (the A/B's reference for an fp8-parameter arm, too)."""
-    return "bf16" if param_dtype == "fp8" else param_dtype
-
-
 def run_profile(args: argparse.Namespace) -> int:
     """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
     from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
@@ -339,10 +333,10 @@ def run_profile(args: argparse.Namespace) -> int:
         if len(args.param_dtypes) > 1:
             raise TrainConfigError(f"--param-dtypes {','.join(args.param_dtypes)}: profile profiles one "
                                    "configuration per recipe: pass fp32, bf16 or fp8 (fp8stack ab takes several)")
-        library = args.blockwise_gemms[0]
+        library, param_dtype = args.blockwise_gemms[0], args.param_dtypes[0]
+        # a BF16 plan has no FP8 weights: FP8 parameters are profiled against BF16 ones, as the A/B judges them
         configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
-                               param_dtype=baseline_param_dtype(args.param_dtypes[0]) if recipe == BF16
-                               else args.param_dtypes[0],
+                               param_dtype="bf16" if recipe == BF16 and param_dtype == "fp8" else param_dtype,
                                **({"blockwise_gemms": library} if recipe != BF16 and library != "te" else {}))
                    for recipe in dict.fromkeys((BF16, args.recipe))]
         runs, plan = {}, None
