@@ -120,7 +120,7 @@ def add_speed_levers(parser: argparse.ArgumentParser) -> None:
                         help="one blockwise run per library: TE's GEMMs on cuBLAS (te, the run 'blockwise'; default) "
                              "and/or on DeepGEMM's dense kernels, bit-identical (deepgemm, the run "
                              f"'{blockwise_arm('deepgemm')}')")
-    parser.add_argument("--param-dtypes", type=comma_list_of(PARAM_DTYPES), default=("fp32",), metavar="fp32,bf16",
+    parser.add_argument("--param-dtypes", type=comma_list_of(PARAM_DTYPES), default=("fp32",), metavar="fp32,bf16,fp8",
                         help="one run of every arm per parameter dtype: fp32 (FP32 parameters, cast at every forward; "
                              f"default) and/or bf16 (BF16 parameters with FP32 masters in the optimizer, Megatron's "
                              f"--bf16; the arm's name ends in '{BF16_PARAMS_SUFFIX}') and/or fp8 (the FP8 arms' TE "
