@@ -1,18 +1,38 @@
-"""fp8stack: FP8 training with a precision plan, an ordered assembly pipeline and measured deltas."""
+"""fp8stack: FP8 training with a precision plan, an ordered assembly pipeline and measured deltas.
 
-from fp8stack.plan import Decision, ModelDescription, Plan, PlanError, PolicyConfig, load_description, make_plan
+    plan = fp8stack.make_plan(fp8stack.describe_module(model, seq_len=4096, name="llama"),
+                              fp8stack.PolicyConfig(recipe="delayed"))
+    model = fp8stack.assemble(model, plan, compile=True, sdpa_backend="cudnn")
+    masters = fp8stack.MasterWeights(model)
+    optimizer = masters.track(torch.optim.AdamW(masters.parameters(), lr=3e-4, fused=True))
+"""
 
-_ASSEMBLY = ("OrderingError", "assemble")
-"""Loaded on first use: the assembly imports torch, and `fp8stack plan` should not have to."""
+import sys
+
+from fp8stack.plan import (Decision, ModelDescription, Plan, PlanError, PlanWarning, PolicyConfig, load_description,
+                           make_plan)
+
+_LAZY = {
+    "OrderingError": "fp8stack.assembly", "assemble": "fp8stack.assembly", "describe_assembly": "fp8stack.assembly",
+    "post_optimizer_step_hook": "fp8stack.assembly",
+    "describe_module": "fp8stack.plan.from_module",
+    "MasterWeights": "fp8stack.precision",
+    "unfused_state_dict": "fp8stack.backends",
+}
+"""Loaded on first use: they import torch, and `fp8stack plan` should not have to."""
 
 
 def __getattr__(name: str):
-    if name in _ASSEMBLY:
-        from fp8stack import assembly
+    if name in _LAZY:
+        from importlib import import_module
 
-        return getattr(assembly, name)
+        return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fp8stack' has no attribute {name!r}")
 
 
-__all__ = ["Decision", "ModelDescription", "OrderingError", "Plan", "PlanError", "PolicyConfig", "assemble",
-           "load_description", "make_plan"]
+if "torch" in sys.modules:  # a training process: load the backends' libraries before any model runs (TE's cuDNN)
+    import fp8stack.assembly  # noqa: F401
+
+__all__ = ["Decision", "MasterWeights", "ModelDescription", "OrderingError", "Plan", "PlanError", "PlanWarning",
+           "PolicyConfig", "assemble", "describe_assembly", "describe_module", "load_description", "make_plan",
+           "post_optimizer_step_hook", "unfused_state_dict"]

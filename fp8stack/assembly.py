@@ -16,6 +16,7 @@ hand is held to the same order.
 
 import logging
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,25 +26,24 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
-from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-from torchao.float8.config import ScalingGranularity
-from torchao.float8.float8_linear import Float8Linear
-from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
-                                                  PrepareFloat8ModuleInput)
-from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from fp8stack.backends import BackendUnavailable, ConversionRecord, get_backend
-from fp8stack.backends.te import fp8_weight_caches, mark_fp8_weights_stale
-from fp8stack.plan import Plan
+from fp8stack.backends import Backend, BackendUnavailable, ConversionRecord, available_backends, get_backend
+from fp8stack.plan import Plan, PlanError
+from fp8stack.plan.parallel import SHARD_KINDS, ShardAs, TensorParallelPlan
 from fp8stack.plan.recipes import BF16
-from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, has_te_modules,
-                                        recompute_regions, recomputes_itself)
+from fp8stack.runtime.attention import set_sdpa_backend
+from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, recompute_regions,
+                                        recomputes_itself)
 
-__all__ = ["STAGES", "AssemblyState", "AssemblyWarning", "OrderingError", "apply_ac", "apply_compile", "apply_fp8",
-           "apply_fsdp", "apply_tp", "assemble", "assembly_state", "post_optimizer_step_hook"]
+__all__ = ["STAGES", "AssemblyState", "AssemblyWarning", "OrderingError", "ShardAs", "TensorParallelPlan", "apply_ac",
+           "apply_compile", "apply_fp8", "apply_fsdp", "apply_tp", "assemble", "assembly_state", "describe_assembly",
+           "post_optimizer_step_hook"]
+
+for _backend in available_backends():  # before any model runs: TE must load its cuDNN before torch loads its own
+    _backend.prepare_process()
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ class AssemblyState:
     """Stages applied so far, in order."""
     conversions: list[ConversionRecord] = field(default_factory=list)
     """One record per backend from convert_fp8: fqn -> the class that now runs it."""
+    backends: list[Backend] = field(default_factory=list)
+    """The backends convert_fp8 ran, for the lifecycle of what they converted (after each optimizer step, master
+    weights, tensor-parallel styles)."""
     precompute_fp8_scales: bool = False
     """post_optimizer_step_hook precomputes torchao's FP8 weight scales (requested and applicable)."""
 
@@ -87,6 +90,7 @@ def assemble(
     plan: Plan,
     *,
     tp_mesh: DeviceMesh | None = None,
+    tp_plan: TensorParallelPlan | None = None,
     recompute: Sequence[int] | Literal["all"] | None = None,
     recompute_modules: Sequence[str] = ("block",),
     compile: bool = False,
@@ -95,26 +99,39 @@ def assemble(
     precompute_fp8_scales: bool = False,
     fsdp_mp_policy: MixedPrecisionPolicy | None = None,
     backend_options: dict[str, dict] | None = None,
+    sdpa_backend: str | None = None,
+    allow_little_fp8: bool = False,
+    verbose: bool = False,
 ) -> nn.Module:
     """Apply `plan` and the parallelisms to `model`; returns the model to train (a new object only
     when the plan swapped the root module itself).
 
-    tp_mesh: tensor-parallel mesh, or None. recompute: block indices of model.layers to checkpoint,
+    tp_mesh: tensor-parallel mesh, or None; tp_plan: how to shard the model over it (the model's own, e.g.
+    fp8stack.models.llama.tensor_parallel_plan). recompute: block indices of model.layers to checkpoint,
     or 'all'. recompute_modules: what to checkpoint in those blocks (RECOMPUTE_MODULES names; the
     whole block by default). compile: torch.compile each block. fsdp_mesh: FSDP2 mesh, or None.
     fsdp_float8_all_gather: all-gather torchao tensorwise weights in FP8 (needs fsdp_mesh).
     precompute_fp8_scales: let post_optimizer_step_hook compute those weights' scales in one
     all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
-    backend_options: backend name -> constructor options.
+    backend_options: backend name -> constructor options. sdpa_backend: the kernel SDPA runs in this process from
+    now on ('cudnn', 'flash', 'efficient'; runtime.attention; None leaves torch's choice): attention stays BF16 in
+    every plan, and cuDNN's is the fastest measured on Hopper. allow_little_fp8: accept a plan whose FP8 recipe runs
+    little FP8 (Plan.little_fp8), which is refused otherwise. verbose: print what each stage did.
     """
-    _check_combination(plan, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, fsdp_float8_all_gather=fsdp_float8_all_gather,
-                       backend_options=backend_options)
+    if plan.little_fp8 and not allow_little_fp8:
+        raise PlanError(f"{plan.little_fp8}: pass allow_little_fp8=True if that is intended, or change the policy")
+    _check_combination(plan, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, tp_plan=tp_plan,
+                       fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=backend_options)
     if recompute is None and tuple(recompute_modules) != ("block",):
         raise ValueError(f"recompute_modules={list(recompute_modules)} has no effect without recompute: pass "
                          "recompute='all' (or block indices) too")
-    model = apply_fp8(model, plan, fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=backend_options)
+    if sdpa_backend is not None:
+        set_sdpa_backend(sdpa_backend, next(model.parameters()).device)
+    options = _with_parallel_options(plan, backend_options, distributed=fsdp_mesh is not None or tp_mesh is not None,
+                                     precompute_fp8_scales=precompute_fp8_scales)
+    model = apply_fp8(model, plan, fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=options)
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh)
+        apply_tp(model, tp_mesh, tp_plan)
     if recompute is not None:
         apply_ac(model, recompute, recompute_modules)
     if compile:
@@ -123,12 +140,46 @@ def assemble(
         apply_fsdp(model, fsdp_mesh, mp_policy=fsdp_mp_policy, precompute_fp8_scales=precompute_fp8_scales)
     elif precompute_fp8_scales:
         _record_precompute(model, requested=True)
+    if verbose:
+        print(describe_assembly(model, sdpa_backend))
     return model
 
 
+def describe_assembly(model: nn.Module, sdpa_backend: str | None = None) -> str:
+    """What the assembly did to `model`, in lines: the stages, and per backend what it converted and its notes."""
+    state = assembly_state(model)
+    lines = [f"fp8stack assembled {type(model).__name__}: {' -> '.join(state.stages) or 'no stage'}"]
+    for record in state.conversions:
+        runs = ", ".join(f"{n} {cls}" for cls, n in Counter(record.converted.values()).most_common())
+        lines.append(f"  {record.backend} ({record.recipe}): {len(record.converted)} component(s) on {runs or '-'}")
+        lines += [f"    {note}" for note in record.notes]
+    if sdpa_backend is not None:
+        lines.append(f"  attention: SDPA runs {sdpa_backend} kernels in this process")
+    if state.precompute_fp8_scales:
+        lines.append("  after each optimizer step: torchao FP8 weight scales precomputed in one all-reduce")
+    return "\n".join(lines)
+
+
+def _with_parallel_options(plan: Plan, backend_options: dict[str, dict] | None, *, distributed: bool,
+                           precompute_fp8_scales: bool) -> dict[str, dict] | None:
+    """backend_options plus what the parallelisms decide: TE's fused wgrad accumulation off under FSDP or tensor
+    parallelism (nothing reduces its main_grad), torchao's scale precompute when asked for."""
+    options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
+    used = {d.backend for d in plan.decisions}
+    if distributed and "te" in used:
+        options.setdefault("te", {}).setdefault("fuse_wgrad_accumulation", False)
+    if precompute_fp8_scales and "torchao" in used:
+        options.setdefault("torchao", {})["precompute_fp8_scales"] = True
+    return options or None
+
+
 def _check_combination(plan: Plan, *, fsdp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
-                       fsdp_float8_all_gather: bool, backend_options: dict[str, dict] | None) -> None:
+                       tp_plan: TensorParallelPlan | None, fsdp_float8_all_gather: bool,
+                       backend_options: dict[str, dict] | None) -> None:
     """Refuse, before anything is touched, the combinations no stage order can make right."""
+    if (tp_mesh is None) != (tp_plan is None):
+        raise ValueError("tensor parallelism needs both tp_mesh and tp_plan (the model's own plan, e.g. "
+                         "fp8stack.models.llama.tensor_parallel_plan): pass both or neither")
     if (backend_options or {}).get("te", {}).get("fuse_wgrad_accumulation") and (fsdp_mesh or tp_mesh):
         raise OrderingError("te fuse_wgrad_accumulation accumulates weight gradients into FP32 main_grad buffers, "
                             "which neither fully_shard nor tensor parallelism reduce or shard: train one process, "
@@ -178,6 +229,7 @@ def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = Fa
     for backend in backends:
         model, record = backend.convert(model, plan.for_backend(backend.name), plan)
         state.conversions.append(record)
+        state.backends.append(backend)
         log.info("convert_fp8: %s ran %d component(s) (%s)", record.backend, len(record.converted), record.recipe)
     _stamp(model, state, "convert_fp8")
     return model
@@ -185,93 +237,40 @@ def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = Fa
 
 # --- stage 2: tensor parallelism ---------------------------------------------------------------
 
-_FUSED = {"attention.wqkv": "q, k and v", "feed_forward.w13": "gate and up"}
-"""Fused projections: a colwise shard of the fused weight would hand one rank all of q (or gate)."""
-_UNFUSE = ("build the model with separate projections: LlamaConfig(fused_projections=False), or "
-           "--no-fused-projections for python -m fp8stack.train / launch/train.sh")
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """torchtitan's Llama TP plan with sequence parallelism: embeddings rowwise, output colwise,
-    per block wq/wk/wv/w1/w3 colwise and wo/w2 rowwise. Tensorwise Float8Linear layers get torchao's
-    Float8 styles, and an attention or MLP whose linears are all such layers gathers its input in FP8
-    (PrepareFloat8ModuleInput); other layers get torch's styles and move BF16.
-
-    The blocks must take their local head count from the projection outputs (view(..., -1, head_dim))
-    and the sequence length must divide by the TP degree (sequence parallelism shards it).
-    Fused wqkv / w13 are refused: sharding them colwise needs q/k/v (gate/up) split per rank first.
-    TE modules shard themselves: use the Megatron path for those. Everything is checked before the
-    first module is sharded."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: TensorParallelPlan) -> None:
+    """Shard `model` over `tp_mesh` as `tp_plan` says. Each converted module gets its backend's style for the kind
+    (torchao's Float8 styles for tensorwise Float8Linear, whose all-gathers move FP8; a region whose linears all run
+    there gathers its input in FP8 too); other modules get torch's styles and move BF16. A backend that cannot shard
+    its modules (TE: it shards itself) refuses. Every style is chosen before the first module is sharded."""
     state = _begin(model, "tensor_parallel")
-    if has_te_modules(model):
-        raise NotImplementedError("apply_tp cannot shard TransformerEngine modules: TE does tensor parallelism "
-                                  "itself (tp_group, sequence_parallel). Build the model with the Megatron "
-                                  "factory (fp8stack.megatron) and --tensor-model-parallel-size instead")
     blocks = dict(_blocks(model))
-    degree = tp_mesh.size()
-    for index, block in blocks.items():
-        submodules = dict(block.named_modules())
-        fused = [f"layers.{index}.{name} (fused {what})" for name, what in _FUSED.items() if name in submodules]
-        if fused:
-            raise NotImplementedError(
-                f"apply_tp does not shard {', '.join(fused)}: a colwise shard of a fused projection would give one "
-                f"rank all of q (or gate) and the other k and v (or up). Fix: {_UNFUSE}")
-        if "moe" in submodules:
-            raise NotImplementedError(f"apply_tp does not shard layers.{index}.moe: experts need expert "
-                                      "parallelism, which fp8stack does not provide. Use a dense model "
-                                      "(--model tiny or llama-1b-like) or no tensor parallelism")
-        attention = submodules.get("attention")
-        heads = {name: getattr(attention, name, None) for name in ("n_heads", "n_kv_heads")}
-        uneven = [f"{name}={count}" for name, count in heads.items() if isinstance(count, int) and count % degree]
-        if uneven:
-            raise ValueError(f"apply_tp over {degree} ranks shards layers.{index}.attention by heads, but "
-                             f"{', '.join(uneven)} does not divide by {degree}: pick a tensor-parallel degree that "
-                             "divides both head counts")
-    float8_styled = [fqn for fqn, m in model.named_modules() if _is_tensorwise_float8(m)]
-    if float8_styled and degree > 1 and tp_mesh.device_type == "cpu":
-        raise NotImplementedError(
-            f"apply_tp would give {len(float8_styled)} torchao tensorwise Float8Linear layer(s) (e.g. "
-            f"{float8_styled[0]!r}) torchao's Float8ColwiseParallel / Float8RowwiseParallel, which all-gather "
-            "float8 tensors, and gloo (the CPU backend) cannot move float8 (RuntimeError: Invalid scalar type). "
-            "Run tensorwise FP8 tensor parallelism on GPUs (NCCL), or on a CPU use --fp8-recipe rowwise or bf16 "
-            "(those layers gather in high precision)")
-
-    def colwise(module: nn.Module, **kw):
-        return (Float8ColwiseParallel if _is_tensorwise_float8(module) else ColwiseParallel)(**kw)
-
-    def rowwise(module: nn.Module, **kw):
-        return (Float8RowwiseParallel if _is_tensorwise_float8(module) else RowwiseParallel)(**kw)
-
-    def prepare_input(module: nn.Module, **kw):
-        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-        return (PrepareFloat8ModuleInput if all(map(_is_tensorwise_float8, linears)) else PrepareModuleInput)(**kw)
-
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": colwise(model.output, input_layouts=Shard(1), output_layouts=Replicate()),
-    })
-    for block in blocks.values():
-        sub = block.get_submodule
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": prepare_input(sub("attention"), input_layouts=(Shard(1), None),
-                                       desired_input_layouts=(Replicate(), None)),
-            **{f"attention.{n}": colwise(sub(f"attention.{n}")) for n in ("wq", "wk", "wv")},
-            "attention.wo": rowwise(sub("attention.wo"), output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": prepare_input(sub("feed_forward"), input_layouts=(Shard(1),),
-                                          desired_input_layouts=(Replicate(),)),
-            **{f"feed_forward.{n}": colwise(sub(f"feed_forward.{n}")) for n in ("w1", "w3")},
-            "feed_forward.w2": rowwise(sub("feed_forward.w2"), output_layouts=Shard(1)),
-        })
+    runner = {fqn: backend for backend, record in zip(state.backends, state.conversions, strict=True)
+              for fqn in record.converted}
+    styles = {fqn: _style(model, fqn, shard, runner, tp_mesh) for fqn, shard in tp_plan.outside.items()}
+    for index in blocks:
+        prefix = f"layers.{index}."
+        styles |= {prefix + name: _style(model, prefix + name, shard, runner, tp_mesh)
+                   for name, shard in tp_plan.block.items()}
+    parallelize_module(model, tp_mesh, styles)
     _stamp(model, state, "tensor_parallel")
 
 
-def _is_tensorwise_float8(module: nn.Module) -> bool:
-    """torchao's Float8 TP styles cast with per-tensor scales, so they suit tensorwise layers only."""
-    return (isinstance(module, Float8Linear)
-            and module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
+_TORCH_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel,
+                 "prepare_input": PrepareModuleInput}
+
+
+def _style(model: nn.Module, fqn: str, shard: ShardAs, runner: dict[str, Backend], mesh: DeviceMesh):
+    """The style for the module at `fqn`: its backend's, else torch's."""
+    if shard.kind not in SHARD_KINDS:
+        raise ValueError(f"tensor-parallel plan: {fqn} is to be sharded as {shard.kind!r}: use one of "
+                         f"{', '.join(SHARD_KINDS)}")
+    module = model.get_submodule(fqn)
+    inside = {f"{fqn}.{name}" if name else fqn for name, _ in module.named_modules()}
+    backends = {runner[name].name: runner[name] for name in inside if name in runner}
+    style = None
+    if len(backends) == 1 and (shard.kind == "prepare_input" or fqn in runner):
+        style = next(iter(backends.values())).tensor_parallel_style(module, shard.kind, mesh, **shard.layouts)
+    return style or _TORCH_STYLES[shard.kind](**shard.layouts)
 
 
 # --- stage 3: activation recompute -------------------------------------------------------------
@@ -350,20 +349,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
 
 
 def post_optimizer_step_hook(model: nn.Module) -> Callable[..., None]:
-    """The function to run after every optimizer step, for what changed weights invalidate: with torchao
-    tensorwise layers all-gathered in FP8 under FSDP and precompute_fp8_scales requested, all their weight
-    scales in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp); with TE layers that cache
-    FP8 weights across micro-batches (cache_fp8_weights), a fresh cast at the next forward. Otherwise it
-    does nothing. Register it with optimizer.register_step_post_hook(hook), or call hook() after optimizer.step()."""
-    precompute = assembly_state(model).precompute_fp8_scales
-    caches = fp8_weight_caches(model)
-    if not (precompute or caches):
+    """The function to run after every optimizer step for what the backends converted (with torchao tensorwise
+    weights all-gathered in FP8 under FSDP and precompute_fp8_scales: all their scales in one all-reduce); a function
+    doing nothing when nothing needs it. Register it with optimizer.register_step_post_hook(hook), or call hook()
+    after optimizer.step()."""
+    hooks = [hook for backend in assembly_state(model).backends
+             if (hook := backend.after_optimizer_step(model)) is not None]
+    if not hooks:
         return _do_nothing
 
     def after_optimizer_step(*_optimizer_hook_args) -> None:
-        if precompute:
-            precompute_float8_dynamic_scale_for_fsdp(model)
-        mark_fp8_weights_stale(caches)
+        for hook in hooks:
+            hook()
 
     return after_optimizer_step
 
@@ -373,17 +370,16 @@ def _do_nothing(*_optimizer_hook_args) -> None:
 
 
 def _record_precompute(model: nn.Module, requested: bool) -> None:
-    """Turn the precompute on when some weight uses it; say so loudly when it was asked in vain."""
-    applies = any(isinstance(m, Float8Linear) and isinstance(m.weight, DTensor)
-                  and isinstance(m.weight.to_local(), WeightWithDynamicFloat8CastTensor) for m in model.modules())
+    """Record whether the precompute runs; say so loudly when it was asked in vain."""
+    state = assembly_state(model)
+    applies = requested and any(b.after_optimizer_step(model) is not None for b in state.backends)
     if requested and not applies:
         message = ("precompute_fp8_scales=True has no effect: no weight is a torchao tensorwise Float8Linear weight "
                    "all-gathered in FP8 by FSDP. It needs fsdp_mesh, fsdp_float8_all_gather=True and torchao "
                    "tensorwise layers in the plan; otherwise drop precompute_fp8_scales")
         log.warning(message)
         warnings.warn(message, AssemblyWarning, stacklevel=3)
-    state = assembly_state(model)
-    state.precompute_fp8_scales = requested and applies
+    state.precompute_fp8_scales = applies
     model.__dict__[_STATE_ATTR] = state
 
 

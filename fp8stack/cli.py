@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from fp8stack.ab import add_ab_parser
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan, parse_arch
-from fp8stack.plan.policy import SMALL_GEMM_FILTERS
+from fp8stack.plan.policy import SMALL_GEMM_CHOICES
 from fp8stack.plan.recipe_file import SETTINGS
 from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS, RECIPES
 from fp8stack.plan.render import RENDERERS, render_table
@@ -59,14 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--num-layers-at-end-in-bf16", type=int, metavar="N",
                       help="layers kept BF16 at the end with --first-last-layers-bf16 (default: 1)")
     plan.add_argument("--arch", help=f"target GPU, e.g. sm90 or sm100 (default: the local GPU, else {DEFAULT_ARCH})")
-    plan.add_argument("--small-gemm-filter", choices=tuple(SMALL_GEMM_FILTERS),
-                      help="which torchao size thresholds keep small GEMMs in BF16 (default: rowwise)")
+    plan.add_argument("--small-gemm-filter", choices=SMALL_GEMM_CHOICES,
+                      help="which torchao size thresholds keep small GEMMs in BF16 (default: auto, the recipe's own)")
     plan.add_argument("--blockwise-experts", choices=BLOCKWISE_EXPERT_BACKENDS,
                       help="blockwise expert GEMMs on fp8stack's grouped kernels (DeepGEMM, else torch scaled_mm per "
                            "expert) or TE GroupedLinear (default: grouped_fp8)")
     plan.add_argument("--head-on-te", action=argparse.BooleanOptionalAction, default=None,
                       help="run the output head (BF16) as a TE module beside the TE linears, for fused weight-gradient "
-                           "accumulation (default: off)")
+                           "accumulation (default: wherever the dense linears run on TE)")
     plan.add_argument("--recipe-file", metavar="PATH_OR_NAME",
                       help="YAML with settings and per-block / per-fqn overrides (a path or a name in configs/recipes)")
     plan.add_argument("--format", choices=tuple(RENDERERS), default="table", help="output format (default: table)")

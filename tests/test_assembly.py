@@ -24,7 +24,9 @@ from fp8stack.assembly import (AssemblyState, AssemblyWarning, apply_ac, apply_c
 from fp8stack.backends import BackendUnavailable
 from fp8stack.backends.bf16 import BF16Backend
 from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.plan import Component, Decision, Plan
+from fp8stack.plan.parallel import TensorParallelPlan
 from fp8stack.runtime import checkpoint_module
 from fp8stack.runtime.recompute import CheckpointWrapper
 
@@ -124,7 +126,7 @@ def _stage_calls(mesh):
     plan = tiny_plan()
     return {
         "convert_fp8": lambda m: apply_fp8(m, plan),
-        "tensor_parallel": lambda m: apply_tp(m, mesh),
+        "tensor_parallel": lambda m: apply_tp(m, mesh, TensorParallelPlan(outside={}, block={})),
         "recompute": lambda m: apply_ac(m, "all"),
         "compile": apply_compile,
         "fully_shard": lambda m: apply_fsdp(m, mesh),
@@ -226,18 +228,23 @@ def test_fp8_all_gather_without_float8_layers_raises(model, mesh):
         assemble(model, tiny_plan("bf16"), fsdp_mesh=mesh, fsdp_float8_all_gather=True)
 
 
-def test_tp_refuses_fused_projections_naming_the_fix(model, mesh):
+def test_the_llama_tp_plan_refuses_fused_projections_naming_the_fix(model):
     with pytest.raises(NotImplementedError, match=r"layers\.0\.attention\.wqkv \(fused q, k and v\).*Fix: build the "
                                                   r"model with separate projections: LlamaConfig\(fused_projections="
                                                   r"False\), or --no-fused-projections"):
-        apply_tp(model, mesh)
-    assert assembly_state(model).stages == [] and not isinstance(model.output.weight, torch.distributed.tensor.DTensor)
+        tensor_parallel_plan(model, 1)
 
 
-def test_tp_refuses_experts(mesh):
+def test_the_llama_tp_plan_refuses_experts():
     model = Llama(replace(LlamaConfig.tiny_moe(), fused_projections=False))
     with pytest.raises(NotImplementedError, match=r"layers\.1\.moe: experts need expert parallelism"):
-        apply_tp(model, mesh)
+        tensor_parallel_plan(model, 1)
+
+
+def test_tp_needs_the_models_plan_with_the_mesh(model, mesh):
+    with pytest.raises(ValueError, match="needs both tp_mesh and tp_plan"):
+        assemble(model, tiny_plan(), tp_mesh=mesh)
+    assert assembly_state(model).stages == []
 
 
 # --- conversion stage: backends ------------------------------------------------------------------
@@ -250,7 +257,7 @@ def test_conversion_never_falls_back_to_bf16(model):
 
 def test_options_for_a_backend_the_plan_does_not_use_raise(model):
     with pytest.raises(ValueError, match="backend options for te, which the plan does not use"):
-        apply_fp8(model, tiny_plan(), backend_options={"te": {"fuse_norm": True}})
+        apply_fp8(model, tiny_plan(), backend_options={"te": {"delayed_margin": 1}})
 
 
 def test_bf16_backend_changes_nothing_and_records_every_component():

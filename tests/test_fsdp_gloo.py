@@ -29,6 +29,7 @@ from torchao.float8.float8_linear import Float8Linear
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
 from fp8stack.assembly import apply_fp8, apply_tp, assembly_state
 from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.plan import Plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.train.loop import cpu_fp8_gemms
@@ -91,7 +92,7 @@ def tp_errors(rank: int, world: int) -> dict[str, tuple[float, dict[str, float]]
     for recipe in TP_TOLERANCES:
         model = apply_fp8(*tp_model_and_plan(recipe))
         reference = copy.deepcopy(model)
-        apply_tp(model, mesh)
+        apply_tp(model, mesh, tensor_parallel_plan(model, world))
         assert isinstance(model.layers[0].attention.wq.weight, DTensor)
         losses = [Llama.loss(m(tokens[:, :-1]), tokens[:, 1:]) for m in (model, reference)]
         for loss in losses:
@@ -110,7 +111,7 @@ def tp_refusals(world: int) -> dict[str, str]:
     said = {}
     for case, model in models.items():
         try:
-            apply_tp(model, init_device_mesh("cpu", (world,)))
+            apply_tp(model, init_device_mesh("cpu", (world,)), tensor_parallel_plan(model, world))
             said[case] = ""
         except (NotImplementedError, ValueError) as refused:
             assert not isinstance(model.output.weight, DTensor), f"{case}: refused after sharding some modules"
@@ -183,7 +184,7 @@ def test_tensorwise_layers_get_float8_tp_styles(one_rank):
                                          for d in plan.decisions))
     model = apply_fp8(model, plan)
     reference = copy.deepcopy(model)
-    apply_tp(model, one_rank)
+    apply_tp(model, one_rank, tensor_parallel_plan(model, 1))
     seen = {}
 
     def record_input_type(module, args):

@@ -86,7 +86,7 @@ def test_unfused_model_is_described_per_projection(model):
     config = unfused(MODELS[model]())
     built = describe_module(Llama(config), seq_len=config.seq_len, name=model)
     from_yaml = load_description(model)
-    assert built == split_description(from_yaml, config)
+    assert built.components == split_description(from_yaml, config).components
     assert [c.name for c in built.components if c.layer == 0][:7] == [
         "attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.core", "attention.wo", "ffn_norm"]
     policy = PolicyConfig(recipe="tensorwise", small_gemm_filter="off")
@@ -104,8 +104,8 @@ def test_meta_device_llama_1b_like_unfused():
     config = unfused(LlamaConfig.llama_1b_like())
     with torch.device("meta"):
         model = Llama(config)
-    described = describe_module(model, seq_len=config.seq_len, name="llama-1b-like")
-    assert described == split_description(load_description("llama-1b-like"), config)
+    described = describe_module(model, seq_len=config.seq_len, name="llama-1b-like", trace=False)
+    assert described.components == split_description(load_description("llama-1b-like"), config).components
 
 
 def test_trainer_flag_builds_unfused_projections():

@@ -123,7 +123,8 @@ def test_bf16_recipe_on_te_puts_the_gemms_on_te_modules_without_fp8():
     assert (wqkv.backend, wqkv.recipe, wqkv.precision) == ("te", "bf16", "bf16")
     assert "TransformerEngine module without FP8" in wqkv.reason
     assert {(d.backend, d.recipe) for d in plan.decisions if d.component.kind == "expert"} == {("te", "bf16")}
-    assert plan.decision("output").backend == "bf16"  # the high-precision kinds stay as they are
+    assert plan.decision("output").backend == "te"  # the head too (head_on_te: auto where the linears run on TE)
+    assert plan.decision("tok_embeddings").backend == "bf16"  # the other high-precision kinds stay as they are
     assert plan.summary()["fp8_gemms"] == 0
     # A bf16 override inside an FP8 plan on te stays a plain BF16 module: only a whole bf16 plan moves to TE.
     override = Override(fqn="layers.*.attention.wo", recipe="bf16", reason="keep wo BF16")
@@ -278,8 +279,10 @@ def test_small_gemm_filter_off_keeps_tiny_gemms_in_fp8():
     assert (d.backend, d.recipe) == ("torchao", "tensorwise")
 
 
-def test_small_gemm_filter_is_the_rowwise_one_by_default():
-    assert decide(one_component(n=2048, k=8192), recipe="tensorwise").backend == "bf16"
+def test_small_gemm_filter_is_the_recipes_own_by_default():
+    assert decide(one_component(n=2048, k=8192), recipe="rowwise").backend == "bf16"
+    assert decide(one_component(n=2048, k=8192), recipe="tensorwise").backend == "torchao"  # over tensorwise's 1024
+    assert decide(one_component(n=1024, k=4096), recipe="tensorwise").backend == "bf16"
 
 
 def test_unknown_small_gemm_filter_is_refused():
@@ -386,7 +389,7 @@ def test_moe_blockwise_plan_keeps_router_embeddings_head_and_norms_bf16():
     for d in plan.decisions:
         kind = d.component.kind
         if kind in ("router", "embedding", "head", "norm", "attn_core"):
-            assert d.backend == "bf16", d.fqn
+            assert d.recipe == "bf16" and d.backend == ("te" if kind == "head" else "bf16"), d.fqn  # head_on_te
         if kind == "expert":
             assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise"), d.fqn
     assert plan.decision("layers.1.moe.shared_experts.w13").backend == "te"

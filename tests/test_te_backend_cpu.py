@@ -92,9 +92,10 @@ def test_convert_without_decisions_needs_nothing():
 
 
 def test_get_backend_passes_options():
-    backend = get_backend("te", fuse_norm=True)
-    assert isinstance(backend, TEBackend) and backend.fuse_norm and backend.name == "te"
-    assert not TEBackend().fuse_norm, "fuse_norm is a performance lever: off unless asked for"
+    backend = get_backend("te", delayed_margin=2)
+    assert isinstance(backend, TEBackend) and backend.delayed_margin == 2 and backend.name == "te"
+    assert TEBackend().cache_fp8_weights, "cast once per step: safe by default, recast after any optimizer step"
+    assert TEBackend().fuse_wgrad_accumulation is None, "auto: on where it can be"
 
 
 def test_experts_split_across_backends_are_refused_before_looking_for_te():
@@ -118,43 +119,7 @@ def test_decisions_for_another_backend_are_a_caller_error():
         TEBackend().convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("bf16"), plan)
 
 
-def test_fuse_mlp_is_an_option_off_by_default():
-    assert get_backend("te", fuse_mlp=True).fuse_mlp
-    assert not TEBackend().fuse_mlp, "fuse_mlp is a performance lever: off unless asked for"
-
-
-def test_fuse_mlp_needs_the_fused_gate_up_projection():
-    from dataclasses import replace
-
-    from fp8stack.plan.from_module import describe_module
-
-    model = meta_llama(replace(LlamaConfig.tiny(), fused_projections=False))
-    plan = make_plan(describe_module(model, seq_len=256, name="tiny-unfused"),
-                     PolicyConfig(recipe="delayed", small_gemm_filter="off"))
-    with pytest.raises(PlanError, match="feed_forward.w1 is a separate gate projection.*fused projections"):
-        TEBackend(fuse_mlp=True).convert(model, plan.for_backend("te"), plan)
-
-
-def test_fuse_mlp_refuses_a_plan_with_no_mlp_to_fuse_before_looking_for_te():
-    plan = te_plan(overrides=(Override(fqn="layers.*.feed_forward.w2", backend="bf16", reason="test"),))
-    with pytest.raises(PlanError, match="fuse_mlp found no dense SwiGLU.*layers.0.feed_forward \\(w2 is not on te\\)"):
-        TEBackend(fuse_mlp=True).convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), plan)
-
-
-def test_fuse_mlp_keeps_blocks_whose_halves_differ_and_says_so():
-    from fp8stack.backends.base import ConversionRecord
-    from fp8stack.backends.te import _fusable_mlps
-
-    plan = te_plan(overrides=(Override(fqn="layers.0.feed_forward.w2", backend="bf16", reason="test"),))
-    record = ConversionRecord(backend="te")
-    mlps = _fusable_mlps(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), record)
-    assert list(mlps) == [f"layers.{i}.feed_forward" for i in (1, 2, 3)]
-    assert [(norm, w13.fqn, w2.fqn) for norm, w13, w2 in mlps.values()][0] == (
-        "layers.1.ffn_norm", "layers.1.feed_forward.w13", "layers.1.feed_forward.w2")
-    assert record.notes == ["fuse_mlp: kept unfused, their w13 and w2 differ: layers.0.feed_forward (w2 is not on te)"]
-
-
 def test_a_delayed_margin_needs_a_delayed_plan_before_looking_for_te():
     plan = te_plan(recipe="tensorwise", backend="te")
-    with pytest.raises(PlanError, match="delayed_margin=1 applies to delayed scaling.*recipes are tensorwise"):
+    with pytest.raises(PlanError, match="delayed_margin=1 applies to delayed scaling.*recipes are bf16, tensorwise"):
         TEBackend(delayed_margin=1).convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), plan)

@@ -318,11 +318,13 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
     assert options("bf16")["te"]["fuse_wgrad_accumulation"] is True  # a bf16 plan on te: TE modules without FP8
     with pytest.raises(TrainConfigError, match="plan for recipe 'bf16' has no TE layers.*drop --gradient-accum"):
         options("bf16", backend="auto")
-    # The output head joins the TE linears (without FP8) so that its wgrad GEMM accumulates in FP32 too.
+    # The output head joins the TE linears (without FP8) so that its wgrad GEMM accumulates in FP32 too: by default
+    # wherever the linears run on TE (head_on_te auto), the wgrad fusion on or not.
     for recipe in ("delayed", "bf16"):
         head = plan(recipe)[1].decision("output")
         assert (head.backend, head.recipe) == ("te", "bf16")
-    assert plan("delayed", fusion=False)[1].decision("output").backend == "bf16"
+    assert plan("delayed", fusion=False)[1].decision("output").backend == "te"
+    assert plan("tensorwise", backend="torchao")[1].decision("output").backend == "bf16"
 
 
 def test_blockwise_experts_reach_the_plan():

@@ -1,10 +1,14 @@
-"""The backend protocol: every FP8 (or BF16) implementation offers the same three things."""
+"""The backend protocol: every FP8 (or BF16) implementation offers availability, conversion and the lifecycle its
+converted modules need (what runs after an optimizer step, master weights' initial values and gradient buffers,
+tensor-parallel styles, what must load early), so that callers never import a backend's internals."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from fp8stack.plan import Decision, Plan
 
@@ -36,18 +40,43 @@ class ConversionRecord:
     """What a user should know about how the plan was honoured (kernels chosen, formats a kernel imposes)."""
 
 
-class Backend(Protocol):
-    """One FP8 implementation (te, torchao, grouped_fp8) or bf16."""
+class Backend:
+    """One FP8 implementation (te, torchao, grouped_fp8) or bf16. Subclasses implement available() and convert();
+    the lifecycle methods' defaults say "nothing to do"."""
 
     name: str
     """The plan's backend name."""
 
+    @classmethod
+    def prepare_process(cls) -> None:
+        """Load now what must load before other libraries touch the GPU (called when fp8stack starts working in a
+        process); failures are reported later by available()."""
+
     def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
         """(True, '') when it can run here, the plan's `recipes` for it included, else (False, why and how to fix)."""
-        ...
+        raise NotImplementedError
 
     def convert(self, model: nn.Module, decisions: list[Decision], plan: Plan) -> tuple[nn.Module, ConversionRecord]:
-        """Swap exactly the modules named by `decisions` (copying weights bit-exactly); return the model
-        (a new object only when the root itself was swapped) and what was done. Raises if any decision
-        cannot be honoured: a backend never picks something else quietly."""
-        ...
+        """Swap exactly the modules named by `decisions` (copying weights bit-exactly) and run the plan's fusions for
+        this backend; return the model (a new object only when the root itself was swapped) and what was done.
+        Raises if any decision cannot be honoured: a backend never picks something else quietly."""
+        raise NotImplementedError
+
+    def after_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
+        """What must run after every optimizer step for the modules it converted in `model`; None: nothing."""
+        return None
+
+    def take_master_values(self, model: nn.Module) -> dict[int, torch.Tensor]:
+        """id(parameter) -> the FP32 values of each parameter it holds in low precision only (FP8 weights), the
+        initial values of its optimizer master; the backend lets go of its copy."""
+        return {}
+
+    def hand_over_main_grads(self, model: nn.Module) -> None:
+        """Master weights take over the FP32 main_grad buffers its modules accumulate weight gradients into: the
+        modules stop pointing their weights' .grad at them."""
+
+    def tensor_parallel_style(self, module: nn.Module, kind: str, mesh: DeviceMesh, **layouts) -> ParallelStyle | None:
+        """The style that shards `module` (one it converted) over `mesh` as `kind` ('colwise', 'rowwise' or
+        'prepare_input', the latter for a module whose linears all run on this backend); None: torch's own style.
+        Raises when the backend cannot shard its modules."""
+        return None

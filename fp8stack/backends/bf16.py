@@ -8,13 +8,13 @@ from typing import ClassVar
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
-from fp8stack.backends.base import ConversionRecord
+from fp8stack.backends.base import Backend, ConversionRecord
 from fp8stack.plan import Decision, Plan
 from fp8stack.plan.recipes import BF16
 
 
 @dataclass
-class BF16Backend:
+class BF16Backend(Backend):
     """Leaves modules unchanged; records what runs each planned component."""
 
     name: ClassVar[str] = BF16

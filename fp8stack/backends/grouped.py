@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8stack.backends import deepgemm, fp8_quant
-from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_module
+from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, swap_module
 from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, GroupLayout
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK, gather_rows
 from fp8stack.models.moe import GroupedExperts
@@ -293,7 +293,7 @@ class Float8GroupedExperts(GroupedExperts):
 
 
 @dataclass
-class GroupedFP8Backend:
+class GroupedFP8Backend(Backend):
     """Swaps the GroupedExperts a plan assigns to grouped_fp8 for Float8GroupedExperts."""
 
     kernels: str = "auto"

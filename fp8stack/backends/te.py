@@ -1,25 +1,32 @@
 """TransformerEngine backend: each planned nn.Linear becomes a te.pytorch.Linear, each planned
-GroupedExperts two te.pytorch.GroupedLinear, (with fuse_norm) an RMSNorm + Linear pair of an
-fp8stack Llama block one te.pytorch.LayerNormLinear, and (with fuse_mlp) a block's ffn_norm + SwiGLU
-FeedForward one te.pytorch.LayerNormMLP. Every converted module runs its forward under
-its own te.pytorch.autocast (see te_modules.py), so the BF16 parts of the model never enter one;
-a bf16 plan on te (recipe bf16, backend te) gets the same modules with that autocast off.
+GroupedExperts two te.pytorch.GroupedLinear, and each of the plan's fusions one fused module: a norm with
+the linears reading it one te.pytorch.LayerNormLinear (several linears merged into one GEMM whose output
+is split back, fused.ProjectionSlice), a norm with the SwiGLU MLP reading it one te.pytorch.LayerNormMLP;
+the norm's place is taken by fused.FoldedNorm, and the model's load_state_dict still takes its unfused keys
+(fused.StateKeys). Every converted module runs its forward under its own te.pytorch.autocast (see
+te_modules.py), so the BF16 parts of the model never enter one; a bf16 plan on te (recipe bf16, backend
+te) gets the same modules with that autocast off.
 
 TransformerEngine and CUDA are looked up only when asked for: importing this module needs neither.
 """
 
 import importlib.util
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_module
-from fp8stack.plan import Decision, Plan, PlanError
+from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, swap_module
+from fp8stack.backends.fused import FoldedNorm, Part, StateKeys, merged_projections
+from fp8stack.plan import Decision, Fusion, Plan, PlanError
+from fp8stack.plan.description import NormFeed, SwiGLUFeed
 from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS
 
 INSTALL_HINT = "pip install 'fp8stack[gpu]' on a CUDA machine"
@@ -50,12 +57,6 @@ receive N entries per step (N - 1 of them zero) and 'max' would see only len / N
 entry and 'most_recent', a module that did not run since its last update has amax 0, which TE
 treats as "keep the scale", so each scale moves once per step, as under one model-wide autocast."""
 
-FUSED_NORMS = {".attention.wqkv": ".attention_norm", ".feed_forward.w13": ".ffn_norm"}
-"""fuse_norm: Linear fqn suffix -> the RMSNorm feeding only it in an fp8stack.models.llama block."""
-
-MLP_SUFFIX = ".feed_forward"
-"""fuse_mlp: a dense block's FeedForward (w13, SwiGLU, w2); the RMSNorm feeding it is FUSED_NORMS' for its w13."""
-
 
 def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0):
     """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed); delayed scaling
@@ -82,40 +83,37 @@ def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0):
 
 
 @dataclass
-class TEBackend:
-    """TransformerEngine modules for the components a plan assigns to `te`."""
+class TEBackend(Backend):
+    """TransformerEngine modules for the components a plan assigns to `te`, and the plan's fusions on te."""
 
-    fuse_norm: bool = False
-    """Fuse attention_norm + attention.wqkv and ffn_norm + feed_forward.w13 of fp8stack Llama blocks
-    into te.pytorch.LayerNormLinear(normalization='RMSNorm'): one kernel normalizes and casts to FP8,
-    saving a BF16 round trip of the activations. The norm is replaced by nn.Identity."""
-    fuse_mlp: bool = False
-    """Fuse ffn_norm + feed_forward (w13, SwiGLU, w2) of dense fp8stack Llama blocks into
-    te.pytorch.LayerNormMLP(normalization='RMSNorm', activation='swiglu'): TE's SwiGLU kernel writes
-    FC2's input (FP8 under delayed scaling) and the backward keeps FC1's output only, not torch's three
-    SwiGLU tensors. Under delayed scaling the SwiGLU backward writes FC1's FP8 gradient in one kernel too
-    (patches/te_swiglu_fp8_dgrad.py, applied at conversion). Blocks whose w13 and w2 do not share one TE recipe
-    keep unfused modules (noted)."""
     delayed_margin: int = 0
     """Headroom of delayed-scaling scales below the FP8 maximum, as a power of 2 (Megatron's --fp8-margin)."""
-    cache_fp8_weights: bool = False
-    """Cast each weight to FP8 on the first micro-batch of a step and reuse that copy for the step's other
-    micro-batches (TE's is_first_microbatch); call mark_fp8_weights_stale after each optimizer step (the
-    assembly's post_optimizer_step_hook does). The copies stay allocated between steps."""
-    fuse_wgrad_accumulation: bool = False
+    cache_fp8_weights: bool = True
+    """Cast each weight to FP8 at the first forward after an optimizer step (any torch.optim optimizer's) or a write to
+    the weight, and reuse that copy for the step's other micro-batches (TE's is_first_microbatch, as megatron drives
+    it): one cast per step instead of one per micro-batch. The copies stay allocated between steps; off for weights
+    held in FP8 (nothing to cast)."""
+    fuse_wgrad_accumulation: bool | None = None
     """Each TE weight-gradient GEMM accumulates into the weight's FP32 main_grad, which is its .grad (TE's
     fuse_wgrad_accumulation, Megatron's --gradient-accumulation-fusion): no BF16 weight gradient, no BF16 -> FP32
-    copy and no add per micro-batch. Needs FP32 weights on the GPU, one process (nothing reduces main_grad)."""
+    copy and no add per micro-batch. Needs FP32 weights on the GPU and one process (nothing reduces main_grad).
+    None: on where it can be (FP32 weights on the GPU, no process group of several ranks), with a note."""
     blockwise_gemms: str = "te"
     """Where the blockwise (Float8BlockScaling) modules' GEMMs run: te (cuBLAS) or deepgemm (DeepGEMM's dense
     kernels on TE's operands, bit-identical; fp8stack.backends.te_deepgemm). Quantization stays TE's."""
     fp8_weights: bool = False
     """The FP8 modules hold their weights in FP8 only (TE quantized_model_init, Megatron's --fp8-param-gather): no
-    high-precision copy, and no cast in forward. For a trainer whose optimizer steps FP32 masters (fp8_weight_masters
+    high-precision copy, and no cast in forward. For a trainer whose optimizer steps FP32 masters (take_master_values
     gives their initial values) and copies them into these weights after each step, which quantizes them
-    (TrainConfig.param_dtype fp8). Dense linears, LayerNormLinear and LayerNormMLP; not GroupedLinear experts."""
+    (fp8stack.precision.MasterWeights). Dense linears, LayerNormLinear and LayerNormMLP; not GroupedLinear experts."""
 
     name: ClassVar[str] = "te"
+
+    @classmethod
+    def prepare_process(cls) -> None:
+        """Import TE now, when installed and CUDA is visible: TE loads the system cuDNN, which fails (undefined cuDNN
+        symbols, seen on an H200) once torch has loaded its own copy for a cuDNN or attention kernel."""
+        _import_problem()
 
     def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
         """(True, '') when TE imports with CUDA here and this GPU runs every FP8 recipe in `recipes`; else why.
@@ -132,12 +130,14 @@ class TEBackend:
         return True, ""
 
     def convert(self, model: nn.Module, decisions: list[Decision], plan: Plan) -> tuple[nn.Module, ConversionRecord]:
-        """Swap each planned Linear / GroupedExperts for its TE module, weights copied bit-exactly.
-        Everything is checked before the first swap, so a refused plan leaves the model untouched."""
+        """Swap each planned Linear / GroupedExperts for its TE module and run the plan's te fusions, weights copied
+        bit-exactly. Everything is checked and built before the first swap, so a refused plan leaves the model
+        untouched."""
         record = ConversionRecord(backend=self.name)
         if not decisions:
             return model, record
         linears, expert_pairs, recipes = _validated(decisions, plan)
+        fusions = [f for f in plan.fusions if f.backend == self.name]
         if self.fp8_weights and expert_pairs:
             raise PlanError(f"fp8_weights holds dense TE linears' weights in FP8, and the plan runs experts on TE "
                             f"({next(iter(expert_pairs))}): keep high-precision weights for MoE models (param_dtype "
@@ -145,7 +145,6 @@ class TEBackend:
         if self.delayed_margin and "delayed" not in recipes:
             raise PlanError(f"delayed_margin={self.delayed_margin} applies to delayed scaling, and the plan's TE "
                             f"recipes are {', '.join(recipes)}: drop the margin or plan recipe delayed")
-        mlps = _fusable_mlps(model, linears, record) if self.fuse_mlp else {}
         ok, reason = self.available(recipes)
         if not ok:
             raise BackendUnavailable(f"the plan for {plan.model} runs {len(decisions)} component(s) on "
@@ -154,74 +153,122 @@ class TEBackend:
         from fp8stack.backends import te_modules
 
         te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin) for name in recipes}
-        options = {"cache_weights": self.cache_fp8_weights, "fuse_wgrad_accumulation": self.fuse_wgrad_accumulation,
-                   **({"fp8_weights": True} if self.fp8_weights else {})}
+        wgrad_fusion, wgrad_note = self._wgrad_fusion(model, decisions)
+        options = {"cache_weights": self.cache_fp8_weights and not self.fp8_weights,
+                   "fuse_wgrad_accumulation": wgrad_fusion, **({"fp8_weights": True} if self.fp8_weights else {})}
         shared = _shared_parameters(model)
         swaps = []  # (fqn to swap, factory of its new module, plan fqns it then runs)
-        for mlp_fqn, (norm_fqn, w13, w2) in mlps.items():
-            norm = _checked(model.get_submodule(norm_fqn), norm_fqn, shared)
-            mlp = _checked(model.get_submodule(mlp_fqn), mlp_fqn, shared)
-            swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
-            swaps.append((mlp_fqn, partial(te_modules.layernorm_mlp_from, norm, mlp, te_recipes[w13.recipe],
-                                           name=mlp_fqn, **options), (w13.fqn, w2.fqn)))
-        in_mlps = {d.fqn for _, w13, w2 in mlps.values() for d in (w13, w2)}
-        for d in (d for d in linears if d.fqn not in in_mlps):
+        keys = []  # (fused state-dict key, the user's parts it holds)
+        for fusion in fusions:
+            fused_swaps, fused_keys = _fusion_swaps(model, fusion, te_recipes[fusion.recipe], options, shared, linears)
+            swaps += fused_swaps
+            keys += fused_keys
+        in_fusions = {fqn for f in fusions for fqn in f.feed.linears}
+        for d in (d for d in linears if d.fqn not in in_fusions):
             linear = _checked(_linear_at(model, d), d.fqn, shared)
-            norm_fqn = _fusable_norm(model, d.fqn) if self.fuse_norm else None
-            if norm_fqn:
-                norm = _checked(model.get_submodule(norm_fqn), norm_fqn, shared)
-                # The norm's weight moves into the LayerNormLinear; the norm itself becomes a no-op.
-                swaps.append((norm_fqn, nn.Identity, (norm_fqn,)))
-                swaps.append((d.fqn, partial(te_modules.layernorm_linear_from, norm, linear, te_recipes[d.recipe],
-                                             name=d.fqn, **options), (d.fqn,)))
-            else:
-                swaps.append((d.fqn, partial(te_modules.linear_from, linear, te_recipes[d.recipe], name=d.fqn,
-                                              **options), (d.fqn,)))
+            swaps.append((d.fqn, partial(te_modules.linear_from, linear, te_recipes[d.recipe], name=d.fqn,
+                                          **options), (d.fqn,)))
         for module_fqn, (w13, w2) in expert_pairs.items():
             grouped = _checked(_grouped_experts_at(model, module_fqn, w13, w2), module_fqn, shared)
             swaps.append((module_fqn, partial(te_modules.grouped_experts_from, grouped, te_recipes[w13.recipe],
-                                              name=module_fqn, **options),
+                                              name=module_fqn, cache_weights=options["cache_weights"],
+                                              fuse_wgrad_accumulation=wgrad_fusion),
                           (w13.fqn, w2.fqn)))
         # Build every module before swapping any: a module refused while built leaves the model as it was.
         built = [(fqn, factory(), runs) for fqn, factory, runs in swaps]
         for fqn, new, runs in built:
             model = swap_module(model, fqn, new)
-            record.converted.update(dict.fromkeys(runs, type(new).__name__))
+            if not isinstance(new, FoldedNorm):
+                record.converted.update(dict.fromkeys(runs, _runner_name(new)))
+        state_keys = StateKeys.of(model) if keys else None
+        for fused_key, parts in keys:
+            state_keys.add(fused_key, parts)
         record.recipe = ", ".join(recipes)
-        if gemm_library is not None:
-            from fp8stack.backends import te_deepgemm
+        record.notes += self._notes(model, fusions, built, gemm_library, wgrad_note, recipes)
+        return model, record
 
-            te_deepgemm.route_blockwise_gemms(gemm_library)
-            record.notes.append(te_deepgemm.ROUTED_NOTE)
+    def _notes(self, model: nn.Module, fusions: list[Fusion], built: list, gemm_library, wgrad_note: str,
+               recipes: list[str]) -> list[str]:
+        notes = []
+        if gemm_library is not None:
+            notes.append(_routed_to(gemm_library))
         if "delayed" in recipes:
-            record.notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
-                                f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin "
-                                f"{self.delayed_margin}, so one FP8 autocast per module updates each scale once per "
-                                "step, as one model-wide autocast would")
-        if self.cache_fp8_weights:
-            record.notes.append("cache_fp8_weights: each weight is cast to FP8 on a step's first micro-batch and the "
-                                "copy reused by its other micro-batches (TE is_first_microbatch)")
+            notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
+                         f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin {self.delayed_margin}, so "
+                         "one FP8 autocast per module updates each scale once per step, as one model-wide autocast "
+                         "would")
+        cached = sum(1 for _, m, _ in built if getattr(m, "cached_weights", ()))
+        if cached:
+            notes.append(f"cache_fp8_weights: {cached} module(s) cast their weights to FP8 once per optimizer step and "
+                         "reuse the copy for the step's other micro-batches (TE is_first_microbatch)")
         if self.fp8_weights:
-            count = len(fp8_weight_masters(model, take=False))
-            record.notes.append(f"fp8_weights: {count} TE weight(s) held in FP8 only (quantized_model_init); the "
-                                "optimizer's FP32 masters are quantized into them after each step")
-        if self.fuse_wgrad_accumulation:
-            count = sum(len(getattr(m, "main_grad_weights", ())) for _, m, _ in built)
-            record.notes.append(f"fuse_wgrad_accumulation: the weight-gradient GEMMs of {count} TE weight(s) "
-                                "accumulate into FP32 main_grad buffers, which are the weights' .grad")
-        norm_linears = [fqn for fqn, cls in record.converted.items() if cls == "TELayerNormLinear"]
-        if norm_linears:
-            record.notes.append(f"fuse_norm: {len(norm_linears)} RMSNorm(s) folded into te LayerNormLinear (e.g. into "
-                                f"{norm_linears[0]}); the norms' fqns now run nn.Identity")
+            count = sum(1 for p in model.parameters() if hasattr(p, "get_high_precision_init_val"))
+            notes.append(f"fp8_weights: {count} TE weight(s) held in FP8 only (quantized_model_init); the "
+                         "optimizer's FP32 masters are quantized into them after each step")
+        if wgrad_note:
+            notes.append(wgrad_note)
+        layernorm_linears = [f for f in fusions if isinstance(f.feed, NormFeed)]
+        if layernorm_linears:
+            merged = sum(len(f.feed.linears) > 1 for f in layernorm_linears)
+            notes.append(f"fused norms: {len(layernorm_linears)} norm(s) folded into TE LayerNormLinear (e.g. "
+                         f"{layernorm_linears[0].feed.norm} into {layernorm_linears[0].module}), {merged} of them "
+                         "over projections merged into one GEMM; the norms' places run fused.FoldedNorm")
+        mlps = [f for f in fusions if isinstance(f.feed, SwiGLUFeed)]
         if mlps:
-            record.notes.append(f"fuse_mlp: {len(mlps)} ffn_norm + SwiGLU FeedForward(s) fused into te LayerNormMLP "
-                                f"(e.g. {next(iter(mlps))}); the norms' fqns now run nn.Identity")
-        if any(w13.recipe == "delayed" for _, w13, _ in mlps.values()):
+            notes.append(f"fused MLPs: {len(mlps)} norm + SwiGLU MLP(s) run as TE LayerNormMLP (e.g. {mlps[0].module})")
+        if any(f.recipe == "delayed" for f in mlps):
             import patches  # fp8stack's fixes for upstream bugs, installed beside it
 
-            record.notes.append(f"fuse_mlp, delayed: {patches.apply_patch('patches.te_swiglu_fp8_dgrad')} "
-                                "(patches/te_swiglu_fp8_dgrad.py)")
-        return model, record
+            notes.append(f"fused MLPs, delayed: {patches.apply_patch('patches.te_swiglu_fp8_dgrad')} "
+                         "(patches/te_swiglu_fp8_dgrad.py)")
+        return notes
+
+    def _wgrad_fusion(self, model: nn.Module, decisions: list[Decision]) -> tuple[bool, str]:
+        """(fuse_wgrad_accumulation in force, the note saying so): as set, or where it can be when None."""
+        if self.fuse_wgrad_accumulation is False:
+            return False, ""
+        if self.fuse_wgrad_accumulation:
+            return True, ("fuse_wgrad_accumulation: the TE weight-gradient GEMMs accumulate into FP32 main_grad "
+                          "buffers, which are the weights' .grad")
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        dtypes = {p.dtype for d in decisions for p in _parameters_at(model, d.fqn)}
+        devices = {p.device.type for d in decisions for p in _parameters_at(model, d.fqn)}
+        if ranks > 1 or dtypes != {torch.float32} or devices != {"cuda"}:
+            why = (f"a process group of {ranks} ranks reduces .grad, not main_grad" if ranks > 1
+                   else f"the weights are {', '.join(sorted(map(str, dtypes)))} on {', '.join(sorted(devices))}, "
+                        "and main_grad needs FP32 weights on the GPU")
+            return False, f"fuse_wgrad_accumulation (auto): off, {why}"
+        return True, ("fuse_wgrad_accumulation (auto): on; the TE weight-gradient GEMMs accumulate into FP32 "
+                      "main_grad buffers, which are the weights' .grad")
+
+    def take_master_values(self, model: nn.Module) -> dict[int, torch.Tensor]:
+        """The FP32 values each weight held in FP8 only (fp8_weights) was quantized from, on the CPU: TE keeps them
+        from the module's construction (preserve_high_precision_init_val) and frees its copy here."""
+        values = {}
+        for param in model.parameters():
+            value = param.get_high_precision_init_val() if hasattr(param, "get_high_precision_init_val") else None
+            if value is not None:
+                values[id(param)] = value
+                param.clear_high_precision_init_val()
+        return values
+
+    def hand_over_main_grads(self, model: nn.Module) -> None:
+        """TE modules with fuse_wgrad_accumulation point their weights' .grad at main_grad at a step's first forward,
+        which a BF16 parameter cannot take: from now on the master weights own those buffers."""
+        for module in model.modules():
+            if getattr(module, "main_grad_weights", ()):
+                module.main_grad_weights = ()
+
+    def tensor_parallel_style(self, module: nn.Module, kind: str, mesh, **layouts):
+        raise NotImplementedError("fp8stack's tensor parallelism cannot shard TransformerEngine modules: TE does tensor "
+                                  "parallelism itself (tp_group, sequence_parallel). Build the model with the Megatron "
+                                  "factory (fp8stack.megatron) and --tensor-model-parallel-size instead")
+
+    def route_blockwise_gemms(self) -> str:
+        """With blockwise_gemms deepgemm: every TE blockwise GEMM of this process (megatron's TE modules' too) runs on
+        DeepGEMM from now on; returns the note saying so (nothing to do for te)."""
+        library = self._blockwise_gemm_library(["blockwise"])
+        return _routed_to(library) if library is not None else ""
 
     def _blockwise_gemm_library(self, recipes: list[str]):
         """deep_gemm when blockwise_gemms is deepgemm (None for te); refuses a plan without blockwise or no DeepGEMM."""
@@ -237,29 +284,69 @@ class TEBackend:
         return te_deepgemm.load_library()
 
 
-def fp8_weight_caches(model: nn.Module) -> list[nn.Module]:
-    """The TE modules of `model` that cache their FP8 weights across micro-batches (cache_fp8_weights)."""
-    return [m for m in model.modules() if getattr(m, "is_first_microbatch", None) is not None]
+def _fusion_swaps(model: nn.Module, fusion: Fusion, recipe, options: dict, shared: set[int],
+                  linears: list[Decision]) -> tuple[list, list]:
+    """(swaps, state keys) running `fusion` as one TE module: its norm's place becomes a FoldedNorm; a LayerNormMLP
+    takes the MLP module's place, a LayerNormLinear a lone linear's, ProjectionSlices several merged linears'."""
+    from fp8stack.backends import te_modules
+
+    feed = fusion.feed
+    planned = {d.fqn: d for d in linears}
+    modules = {fqn: _checked(_linear_at(model, planned[fqn]), fqn, shared) for fqn in feed.linears}
+    norm_module = _checked(_module_at(model, feed.norm), feed.norm, shared)
+    norm = te_modules.Norm(feed.normalization, feed.eps, norm_module)
+    norm_parts = [(name, [Part(f"{feed.norm}.{name}", 0, p.shape[0])])
+                  for name, p in (("weight", norm_module.weight), ("bias", getattr(norm_module, "bias", None)))
+                  if isinstance(p, torch.Tensor)]
+    swaps = [(feed.norm, partial(FoldedNorm, fusion.module), (feed.norm,))]
+    if isinstance(feed, SwiGLUFeed):
+        gate, up = (modules[r.fqn].weight[r.start:r.stop] for r in (feed.gate, feed.up))
+        down = modules[feed.down]
+        if any(modules[fqn].bias is not None for fqn in feed.linears):
+            raise PlanError(f"{feed.module}: TE LayerNormMLP runs bias-free SwiGLU projections and these have biases: "
+                            "pass fuse_mlp=False to the policy")
+        _checked(_module_at(model, feed.module), feed.module, shared)
+        swaps.append((feed.module, partial(te_modules.layernorm_mlp_from, norm, gate, up, down, recipe, name=feed.module,
+                                           **options), feed.linears))
+        keys = [(f"{feed.module}.fc1_weight", [Part(f"{r.fqn}.weight", r.start, r.stop) for r in (feed.gate, feed.up)]),
+                (f"{feed.module}.fc2_weight", [Part(f"{feed.down}.weight", 0, down.out_features)])]
+        norm_prefix = f"{feed.module}.layer_norm_"
+        return swaps, keys + [(norm_prefix + name, parts) for name, parts in norm_parts]
+    group = [modules[fqn] for fqn in feed.linears]
+    build = partial(te_modules.layernorm_linear_from, norm, group, recipe, name=fusion.module, **options)
+    if len(group) == 1:
+        swaps.append((fusion.module, build, feed.linears))
+        owner = fusion.module
+        keys = []
+    else:  # built now, so that the slices can share it; the model is not touched before every module is built
+        slices = merged_projections(build(), group)
+        swaps += [(fqn, lambda piece=piece: piece, (fqn,)) for fqn, piece in zip(feed.linears, slices)]
+        owner = f"{fusion.module}.fused"
+        keys = [(f"{owner}.{name}", [Part(f"{fqn}.{name}", 0, m.out_features) for fqn, m in modules.items()])
+                for name in ("weight", "bias") if getattr(group[0], name) is not None]
+    return swaps, keys + [(f"{owner}.layer_norm_{name}", parts) for name, parts in norm_parts]
 
 
-def fp8_weight_masters(model: nn.Module, take: bool = True) -> dict[int, torch.Tensor]:
-    """id(weight) -> the FP32 values each weight held in FP8 only (fp8_weights) was quantized from, on the CPU: the
-    initial values of its optimizer master. TE keeps them from the module's construction (preserve_high_precision_
-    init_val); take: hand them over and let TE free its copy."""
-    values = {}
-    for param in model.parameters():
-        value = param.get_high_precision_init_val() if hasattr(param, "get_high_precision_init_val") else None
-        if value is not None:
-            values[id(param)] = value
-            if take:
-                param.clear_high_precision_init_val()
-    return values
+def _routed_to(library) -> str:
+    from fp8stack.backends import te_deepgemm
+
+    te_deepgemm.route_blockwise_gemms(library)
+    return te_deepgemm.ROUTED_NOTE
 
 
-def mark_fp8_weights_stale(modules: list[nn.Module]) -> None:
-    """The weights changed (an optimizer step): the next forward of each module casts them to FP8 again."""
-    for module in modules:
-        module.is_first_microbatch = True
+def _runner_name(module: nn.Module) -> str:
+    """The class that runs a converted component: the fused module's for a slice of a merged GEMM."""
+    shared = getattr(module, "_shared", None)
+    return type(shared.fused).__name__ if shared is not None else type(module).__name__
+
+
+def _parameters_at(model: nn.Module, fqn: str) -> list[nn.Parameter]:
+    owner, _, leaf = fqn.rpartition(".")
+    try:
+        module = model.get_submodule(fqn)
+    except AttributeError:  # an expert half (<experts>.w13): the parameter of its module
+        return [getattr(model.get_submodule(owner), leaf)]
+    return list(module.parameters())
 
 
 def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], dict, list[str]]:
@@ -287,13 +374,6 @@ def _support_checks(recipes: Sequence[str]) -> dict[str, str]:
     return {recipe: _SUPPORT_CHECKS[recipe] for recipe in recipes if recipe != BF16}
 
 
-def import_before_cudnn() -> None:
-    """Import TE now, when installed and CUDA is visible, in a process that may use it later. TE
-    prefers the system cuDNN and fails to load it (undefined cuDNN symbols, seen on an H200) once torch
-    has loaded its own copy for a BF16 SDPA call. A failure is reported later by available()."""
-    _import_problem()
-
-
 def _import_problem() -> str:
     """'' when transformer_engine.pytorch imports and CUDA is visible, else the reason and the fix."""
     if importlib.util.find_spec("transformer_engine") is None:
@@ -303,9 +383,23 @@ def _import_problem() -> str:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # a native-library load failure surfaces as OSError, RuntimeError, ...
+        if "cudnn" in str(err).lower() and _loaded_libraries("libcudnn"):
+            return (f"TransformerEngine failed to load cuDNN ({type(err).__name__}: {err}) because this process had "
+                    "already loaded PyTorch's cuDNN, for a cuDNN or attention kernel that ran before TE was imported: "
+                    "import fp8stack (which loads TE first) or transformer_engine.pytorch before running any model")
         return (f"TransformerEngine is installed but fails to import ({type(err).__name__}: {err}): "
                 f"reinstall it for torch {torch.__version__} with {INSTALL_HINT}")
     return ""
+
+
+def _loaded_libraries(prefix: str) -> list[str]:
+    """Shared libraries of this process whose file name starts with `prefix` (Linux: /proc/self/maps)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({Path(path).name for path in re.findall(r"\s(/\S+)$", maps, re.MULTILINE)
+                   if Path(path).name.startswith(prefix)})
 
 
 def _check_recipe_name(recipe_name: str) -> None:
@@ -372,55 +466,6 @@ def _expert_pairs(experts: list[Decision], plan: Plan) -> dict[str, tuple[Decisi
                             f"(an override with fqn '{module_fqn}.*')")
         pairs[module_fqn] = (w13, w2)
     return pairs
-
-
-def _fusable_norm(model: nn.Module, fqn: str) -> str | None:
-    """The fqn of the RMSNorm that fuse_norm folds into the Linear at `fqn`, if it is one of FUSED_NORMS."""
-    for suffix, norm_suffix in FUSED_NORMS.items():
-        if fqn.endswith(suffix):
-            norm_fqn = fqn.removesuffix(suffix) + norm_suffix
-            try:
-                model.get_submodule(norm_fqn)
-            except AttributeError:
-                raise PlanError(f"fuse_norm folds {norm_fqn} into {fqn} (fp8stack.models.llama blocks), but this "
-                                f"{type(model).__name__} has no {norm_fqn}: turn fuse_norm off") from None
-            return norm_fqn
-    return None
-
-
-def _fusable_mlps(model: nn.Module, linears: list[Decision], record: ConversionRecord) -> dict:
-    """fuse_mlp: FeedForward fqn -> (fqn of the RMSNorm feeding it, w13 decision, w2 decision) for each dense
-    block whose w13 and w2 both run on te with one recipe; a block whose halves differ stays unfused, with a
-    note saying why."""
-    from fp8stack.models.moe import FeedForward
-
-    by_fqn = {d.fqn: d for d in linears}
-    mlps, kept = {}, []
-    for d in linears:
-        if d.fqn.endswith(f"{MLP_SUFFIX}.w1"):
-            raise PlanError(f"fuse_mlp folds a fused gate/up projection (w13) into te LayerNormMLP, but {d.fqn} "
-                            "is a separate gate projection: build the model with fused projections or turn "
-                            "fuse_mlp off")
-        if not d.fqn.endswith(f"{MLP_SUFFIX}.w13"):
-            continue
-        mlp_fqn = d.fqn.removesuffix(".w13")
-        w2 = by_fqn.get(f"{mlp_fqn}.w2")
-        if w2 is None or w2.recipe != d.recipe:
-            kept.append(f"{mlp_fqn} (w2 is {'not on te' if w2 is None else 'on recipe ' + w2.recipe})")
-            continue
-        mlp = _module_at(model, mlp_fqn)
-        if type(mlp) is not FeedForward:
-            raise PlanError(f"fuse_mlp replaces {mlp_fqn} by te LayerNormMLP, which computes fp8stack's SwiGLU "
-                            f"FeedForward, but it is a {type(mlp).__name__}: turn fuse_mlp off")
-        norm_fqn = mlp_fqn.removesuffix(MLP_SUFFIX) + FUSED_NORMS[f"{MLP_SUFFIX}.w13"]
-        _module_at(model, norm_fqn)  # the norm it folds must exist
-        mlps[mlp_fqn] = (norm_fqn, d, w2)
-    if not mlps:
-        raise PlanError("fuse_mlp found no dense SwiGLU FeedForward whose w13 and w2 both run on te with one recipe "
-                        f"({'; '.join(kept) or 'no feed_forward.w13 on te'}): turn fuse_mlp off")
-    if kept:
-        record.notes.append(f"fuse_mlp: kept unfused, their w13 and w2 differ: {'; '.join(kept)}")
-    return mlps
 
 
 def _check_device(weight: torch.Tensor, fqn: str) -> None:

@@ -13,25 +13,47 @@ would recompute with the already-updated scales).
 """
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformer_engine.common.recipe import Recipe
 from transformer_engine.pytorch.quantization import get_align_size_for_quantization
 
 from fp8stack.plan import PlanError
 
 
+_OPTIMIZER_STEPS = [0]
+"""Optimizer steps taken in this process, counted by a global torch.optim post-step hook (_count_optimizer_steps)."""
+
+
+def _count_optimizer_steps() -> None:
+    """Count every torch.optim optimizer's steps from now on (once per process): a cached FP8 weight is cast again
+    after any step, whichever optimizer and loop the user runs."""
+    if getattr(_count_optimizer_steps, "registered", False):
+        return
+
+    def count(*_optimizer_hook_args) -> None:
+        _OPTIMIZER_STEPS[0] += 1
+
+    register_optimizer_step_post_hook(count)
+    _count_optimizer_steps.registered = True
+
+
 class _WeightCache:
     """Mixin: runs TE code under this module's FP8 autocast, with TE's is_first_microbatch driven as megatron's
-    training loop drives it. None: the weights are cast to FP8 at every forward. True: the next forward casts
-    them and keeps the FP8 copy; False: forwards reuse that copy (the weights have not changed since).
-    fp8stack.backends.te.mark_fp8_weights_stale sets True again after each optimizer step. With
-    fuse_wgrad_accumulation it also keeps each weight's FP32 main_grad as its .grad (see _add_main_grads)."""
+    training loop drives it: with cached_weights, a forward casts the weights to FP8 and keeps the copy when an
+    optimizer step (any torch.optim optimizer's) or an in-place write to a weight came since the last cast, and
+    reuses the copy otherwise (the other micro-batches of a step); without, the weights are cast at every forward.
+    With fuse_wgrad_accumulation it also keeps each weight's FP32 main_grad as its .grad (see _add_main_grads)."""
 
-    is_first_microbatch: bool | None = None
+    cached_weights: tuple[nn.Parameter, ...] = ()
+    """The weights whose FP8 casts are cached across micro-batches (empty: no cache)."""
+    _cast_at: tuple | None = None
+    """(optimizer steps, the weights' versions) when the cached copy was cast."""
     autocast_recipe: Recipe | None
     """The module's FP8 recipe; None runs it without FP8 (a bf16 plan on te)."""
     main_grad_weights: tuple[nn.Parameter, ...] = ()
@@ -47,10 +69,11 @@ class _WeightCache:
             if weight.requires_grad and weight.grad is None:  # zero_grad(set_to_none=True) since: start anew
                 weight.main_grad.zero_()
                 weight.grad = weight.main_grad
-        first = self.is_first_microbatch
-        if first is not None:
-            kwargs["is_first_microbatch"] = first
-            self.is_first_microbatch = False  # later forwards of the step reuse the copy this one makes
+        if self.cached_weights:
+            # Fused AdamW writes the weights without bumping their versions: the step count catches it.
+            now = (_OPTIMIZER_STEPS[0], tuple(w._version for w in self.cached_weights))
+            kwargs["is_first_microbatch"] = now != self._cast_at
+            self._cast_at = now
         with te.autocast(enabled=self.autocast_recipe is not None, recipe=self.autocast_recipe):
             return run(*args, **kwargs)
 
@@ -67,11 +90,11 @@ class TELinear(_OwnAutocast, te.Linear):
 
 
 class TELayerNormLinear(_OwnAutocast, te.LayerNormLinear):
-    """te.pytorch.LayerNormLinear (RMSNorm fused with the FP8 cast and GEMM) in its own FP8 autocast."""
+    """te.pytorch.LayerNormLinear (the norm fused with the FP8 cast and GEMM) in its own FP8 autocast."""
 
 
 class TELayerNormMLP(_OwnAutocast, te.LayerNormMLP):
-    """te.pytorch.LayerNormMLP (RMSNorm, FC1, SwiGLU, FC2; the FP8 casts fused into the norm and, under
+    """te.pytorch.LayerNormMLP (norm, FC1, SwiGLU, FC2; the FP8 casts fused into the norm and, under
     delayed scaling, into the SwiGLU) in its own FP8 autocast."""
 
 
@@ -130,49 +153,81 @@ def linear_from(linear: nn.Linear, recipe: Recipe | None, name: str, cache_weigh
     return new.train(linear.training)
 
 
-def layernorm_linear_from(norm: nn.Module, linear: nn.Linear, recipe: Recipe | None, name: str,
+@dataclass(frozen=True)
+class Norm:
+    """A norm to fold into the TE module after it: what it computes (RMSNorm or LayerNorm), its epsilon, the module."""
+
+    normalization: str
+    eps: float
+    module: nn.Module
+
+
+def layernorm_linear_from(norm: Norm, linears: list[nn.Linear], recipe: Recipe | None, name: str,
                           cache_weights: bool = False, fuse_wgrad_accumulation: bool = False,
                           fp8_weights: bool = False) -> TELayerNormLinear:
-    """A TELayerNormLinear computing linear(norm(x)) for an RMSNorm `norm`, weights copied bit-exactly;
-    cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads; fp8_weights: see
-    _weights_built."""
-    weight = linear.weight
-    eps = _rms_norm_eps(norm, weight, linear.in_features, "fuse_norm", name)
+    """A TELayerNormLinear computing the `linears` (which read one input) of norm(x) as one GEMM, their outputs
+    concatenated in order; weights copied bit-exactly. cache_weights: see _WeightCache; fuse_wgrad_accumulation: see
+    _add_main_grads; fp8_weights: see _weights_built."""
+    weight = _stacked([linear.weight for linear in linears], name)
+    biases = [linear.bias for linear in linears]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise PlanError(f"{name}: some of the merged projections have a bias and some not: run them unfused "
+                        "(fuse_norm=False)")
     with _rng_kept(weight.device), _weights_built(recipe, fp8_weights, weight, name):
-        new = TELayerNormLinear(linear.in_features, linear.out_features, eps=eps, bias=linear.bias is not None,
-                                normalization="RMSNorm", params_dtype=weight.dtype, device=str(weight.device),
-                                name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        new = TELayerNormLinear(weight.shape[1], weight.shape[0], eps=norm.eps, bias=biases[0] is not None,
+                                normalization=norm.normalization, params_dtype=weight.dtype,
+                                device=str(weight.device), name=name, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                                 init_method=_set_to(weight))
     _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.weight], name)
-    _copy(new.layer_norm_weight, norm.weight)
-    new.weight.requires_grad_(weight.requires_grad)
-    if linear.bias is not None:
-        _copy(new.bias, linear.bias)
-    return new.train(linear.training)
+    _copy_norm(new, norm, weight, name)
+    new.weight.requires_grad_(linears[0].weight.requires_grad)
+    if biases[0] is not None:
+        _copy(new.bias, _stacked(biases, name))
+    return new.train(linears[0].training)
 
 
-def layernorm_mlp_from(norm: nn.Module, mlp: nn.Module, recipe: Recipe | None, name: str,
-                       cache_weights: bool = False, fuse_wgrad_accumulation: bool = False,
+def layernorm_mlp_from(norm: Norm, gate: torch.Tensor, up: torch.Tensor, down: nn.Linear, recipe: Recipe | None,
+                       name: str, cache_weights: bool = False, fuse_wgrad_accumulation: bool = False,
                        fp8_weights: bool = False) -> TELayerNormMLP:
-    """A TELayerNormMLP computing mlp(norm(x)) for an RMSNorm `norm` and an fp8stack FeedForward `mlp`
-    (w13 = [gate; up], w2(silu(gate) * up); TE's SwiGLU also gates with the first half), weights copied
-    bit-exactly; cache_weights: see _WeightCache; fuse_wgrad_accumulation: see _add_main_grads; fp8_weights: see
-    _weights_built."""
-    w13, w2 = mlp.w13, mlp.w2
-    if w13.bias is not None or w2.bias is not None:
-        raise PlanError(f"fuse_mlp: {name} has biased projections; fp8stack's FeedForward has none: turn fuse_mlp off")
-    dim, hidden = w13.in_features, w2.in_features
-    eps = _rms_norm_eps(norm, w13.weight, dim, "fuse_mlp", name)
-    with _rng_kept(w13.weight.device), _weights_built(recipe, fp8_weights, w13.weight, name):
-        new = TELayerNormMLP(dim, hidden, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
-                             params_dtype=w13.weight.dtype, device=str(w13.weight.device), name=name,
-                             fuse_wgrad_accumulation=fuse_wgrad_accumulation, init_method=_set_to(w13.weight),
-                             output_layer_init_method=_set_to(w2.weight))
+    """A TELayerNormMLP computing down(silu(gate x) * up x) of norm(x) (TE's SwiGLU gates with FC1's first half:
+    FC1 = [gate; up]) for bias-free projections whose weights are `gate`, `up` (rows of a linear's weight) and
+    `down`'s; weights copied bit-exactly. cache_weights: see _WeightCache; fuse_wgrad_accumulation: see
+    _add_main_grads; fp8_weights: see _weights_built."""
+    fc1 = _stacked([gate, up], name)
+    dim, hidden = fc1.shape[1], gate.shape[0]
+    with _rng_kept(fc1.device), _weights_built(recipe, fp8_weights, fc1, name):
+        new = TELayerNormMLP(dim, hidden, eps=norm.eps, bias=False, normalization=norm.normalization,
+                             activation="swiglu", params_dtype=fc1.dtype, device=str(fc1.device), name=name,
+                             fuse_wgrad_accumulation=fuse_wgrad_accumulation, init_method=_set_to(fc1),
+                             output_layer_init_method=_set_to(down.weight))
     _arm(new, recipe, cache_weights, fuse_wgrad_accumulation, [new.fc1_weight, new.fc2_weight], name)
-    _copy(new.layer_norm_weight, norm.weight)
-    new.fc1_weight.requires_grad_(w13.weight.requires_grad)
-    new.fc2_weight.requires_grad_(w2.weight.requires_grad)
-    return new.train(mlp.training)
+    _copy_norm(new, norm, fc1, name)
+    new.fc1_weight.requires_grad_(gate.requires_grad)
+    new.fc2_weight.requires_grad_(down.weight.requires_grad)
+    return new.train(down.training)
+
+
+def _stacked(tensors: list[torch.Tensor], name: str) -> torch.Tensor:
+    """The tensors concatenated along dim 0 (the one itself when alone), detached; one dtype and device."""
+    if len({(t.dtype, t.device) for t in tensors}) > 1:
+        raise PlanError(f"{name}: the projections merged into it differ in dtype or device: cast the model to one "
+                        "dtype on one device first")
+    return tensors[0] if len(tensors) == 1 else torch.cat([t.detach() for t in tensors])
+
+
+def _copy_norm(new: nn.Module, norm: Norm, weight: torch.Tensor, name: str) -> None:
+    """The norm's weight (and LayerNorm's bias) into the TE module's, which holds one dtype: the projections'."""
+    module = norm.module
+    if weight.device.type == "meta":
+        raise PlanError(f"fusing a norm into {name} replaces the norm, so the model's init_weights could not reset it "
+                        "later: convert after initialising the weights (not on 'meta'), or pass fuse_norm=False and "
+                        "fuse_mlp=False to the policy")
+    if module.weight.dtype != weight.dtype:
+        raise PlanError(f"the norm before {name} holds {module.weight.dtype} and the projections {weight.dtype}; TE "
+                        "keeps one dtype: cast the model to one dtype, or pass fuse_norm=False and fuse_mlp=False")
+    _copy(new.layer_norm_weight, module.weight)
+    if norm.normalization == "LayerNorm" and getattr(module, "bias", None) is not None:
+        _copy(new.layer_norm_bias, module.bias)
 
 
 def grouped_experts_from(experts: nn.Module, recipe: Recipe | None, name: str, cache_weights: bool = False,
@@ -194,10 +249,12 @@ def grouped_experts_from(experts: nn.Module, recipe: Recipe | None, name: str, c
 
 def _arm(module: _WeightCache, recipe: Recipe | None, cache_weights: bool, fuse_wgrad_accumulation: bool,
          weights: list[nn.Parameter], name: str) -> None:
-    """Set what _WeightCache reads: the recipe, the FP8 weight cache (on when cache_weights) and, with
-    fuse_wgrad_accumulation, FP32 main_grads for the module's `weights` (see _add_main_grads)."""
+    """Set what _WeightCache reads: the recipe, the weights whose FP8 casts are cached (with cache_weights and an FP8
+    recipe) and, with fuse_wgrad_accumulation, FP32 main_grads for the module's `weights` (see _add_main_grads)."""
     module.autocast_recipe = recipe
-    module.is_first_microbatch = True if cache_weights else None
+    if cache_weights and recipe is not None:
+        _count_optimizer_steps()
+        module.cached_weights = tuple(weights)
     _add_main_grads(module, weights if fuse_wgrad_accumulation else [], name)
 
 
@@ -217,31 +274,12 @@ def _add_main_grads(module: _WeightCache, weights: list[nn.Parameter], name: str
     module.main_grad_weights = tuple(weights)
 
 
-def _rms_norm_eps(norm: nn.Module, weight: torch.Tensor, width: int, option: str, name: str) -> float:
-    """The epsilon of `norm`, the RMSNorm before `name` that `option` folds into a TE module next to
-    `weight`: it must have a weight of `width`, no bias, and `weight`'s dtype, and be initialised."""
-    norm_weight = getattr(norm, "weight", None)
-    if (not isinstance(norm_weight, torch.Tensor) or not hasattr(norm, "eps")
-            or getattr(norm, "bias", None) is not None or tuple(norm_weight.shape) != (width,)):
-        raise PlanError(f"{option}: the norm before {name} is a {type(norm).__name__}, not an RMSNorm with a "
-                        f"weight of {width}: turn {option} off for this model")
-    if weight.device.type == "meta":
-        raise PlanError(f"{option} replaces the norm before {name} by nn.Identity, so the model's init_weights "
-                        f"could not reset it later: convert after initialising the weights (not on 'meta'), "
-                        f"or turn {option} off")
-    if norm_weight.dtype != weight.dtype:
-        raise PlanError(f"{option}: the norm before {name} holds {norm_weight.dtype} and the projection "
-                        f"{weight.dtype}; TE keeps one dtype: cast the model to one dtype or turn {option} off")
-    # torch.nn.RMSNorm(eps=None) uses the input dtype's machine epsilon.
-    return norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
-
-
 def _weights_built(recipe: Recipe | None, fp8_weights: bool, weight: torch.Tensor,
                    name: str) -> AbstractContextManager:
     """Where a module from weights like `weight` is built. fp8_weights, for an FP8 recipe: in TE's
     quantized_model_init, so that the module holds its weights in FP8 only (Float8Tensor, or the recipe's quantized
     tensor), quantized from the copied weights (_set_to), whose FP32 values TE keeps on the CPU for the optimizer's
-    masters (get_high_precision_init_val; fp8stack.backends.te.fp8_weight_masters takes them). Needs weights on the
+    masters (get_high_precision_init_val; TEBackend.take_master_values takes them). Needs weights on the
     GPU. Without FP8 (recipe None) the weights stay as they are."""
     if not fp8_weights or recipe is None:
         return nullcontext()

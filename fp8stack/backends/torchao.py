@@ -8,11 +8,16 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-from torchao.float8.config import e4m3_dtype, e5m2_dtype
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+from torchao.float8.config import ScalingGranularity, e4m3_dtype, e5m2_dtype
 from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                  PrepareFloat8ModuleInput)
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from fp8stack.backends.base import ConversionRecord
+from fp8stack.backends.base import Backend, ConversionRecord
 from fp8stack.plan import Decision, Plan
 
 TORCHAO_RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}
@@ -56,11 +61,14 @@ def float8_config(recipe: str, fp8_format: str, *, fsdp_float8_all_gather: bool 
 
 
 @dataclass
-class TorchaoBackend:
+class TorchaoBackend(Backend):
     """torchao Float8Linear for dense linears (tensorwise, rowwise, rowwise_gw_hp)."""
 
     enable_fsdp_float8_all_gather: bool = False
     """Keep weights as torchao's float8-castable subclass so FSDP2 all-gathers them in FP8 (tensorwise only)."""
+    precompute_fp8_scales: bool = False
+    """After each optimizer step, compute the scales of all weights all-gathered in FP8 in one all-reduce
+    (after_optimizer_step), instead of one per weight in the next all-gathers."""
     name: ClassVar[str] = "torchao"
     """The plan's backend name."""
 
@@ -95,6 +103,42 @@ class TorchaoBackend:
         _check_swapped_exactly(before, dict(model.named_modules()), planned)
         recipe = ", ".join(sorted(by_recipe))
         return model, ConversionRecord(self.name, {fqn: "Float8Linear" for fqn in sorted(planned)}, recipe)
+
+    def after_optimizer_step(self, model: nn.Module):
+        """With precompute_fp8_scales and tensorwise weights all-gathered in FP8 under FSDP: all their scales in one
+        all-reduce per step (torchao's precompute_float8_dynamic_scale_for_fsdp); else None."""
+        if not (self.precompute_fp8_scales and any(gathers_in_fp8(m) for m in model.modules())):
+            return None
+        return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def tensor_parallel_style(self, module: nn.Module, kind: str, mesh: DeviceMesh, **layouts):
+        """torchao's Float8 styles for tensorwise Float8Linear (their all-gathers move FP8); the module input of a
+        region whose linears are all such layers is gathered in FP8 too. Rowwise layers move BF16 (torch's styles).
+        Refused on a CPU mesh of several ranks: gloo cannot move float8 tensors."""
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        if not (linears and all(map(is_tensorwise, linears))) or kind not in ("colwise", "rowwise", "prepare_input"):
+            return None
+        if mesh.device_type == "cpu" and mesh.size() > 1:
+            raise NotImplementedError(
+                "tensor parallelism would give torchao tensorwise Float8Linear layers torchao's Float8ColwiseParallel / "
+                "Float8RowwiseParallel, which all-gather float8 tensors, and gloo (the CPU backend) cannot move float8 "
+                "(RuntimeError: Invalid scalar type). Run tensorwise FP8 tensor parallelism on GPUs (NCCL), or on a "
+                "CPU use --fp8-recipe rowwise or bf16 (those layers gather in high precision)")
+        styles = {"colwise": Float8ColwiseParallel, "rowwise": Float8RowwiseParallel,
+                  "prepare_input": PrepareFloat8ModuleInput}
+        return styles[kind](**layouts)
+
+
+def is_tensorwise(module: nn.Module) -> bool:
+    """A torchao Float8Linear casting its input with per-tensor scales (what torchao's Float8 TP styles handle)."""
+    return (isinstance(module, Float8Linear)
+            and module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
+
+
+def gathers_in_fp8(module: nn.Module) -> bool:
+    """A torchao Float8Linear whose FSDP-sharded weight is all-gathered in FP8 (fsdp_float8_all_gather)."""
+    return (isinstance(module, Float8Linear) and isinstance(module.weight, DTensor)
+            and isinstance(module.weight.to_local(), WeightWithDynamicFloat8CastTensor))
 
 
 def _check_swapped_exactly(before: dict[str, nn.Module], after: dict[str, nn.Module], planned: set[str]) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -71,8 +72,24 @@ def command_line() -> str:
 
 
 def provenance() -> dict:
-    """When and how this process measured: the UTC date and the exact command line."""
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line()}
+    """When, how and on what code this process measured: the UTC date, the exact command line and the git commit."""
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
+            "commit": commit()}
+
+
+def commit() -> str | None:
+    """The git commit measured: $FP8STACK_COMMIT (set where the tree travels without .git, as to a GPU machine), else
+    the checkout's HEAD with ' (dirty)' when it has uncommitted changes; None outside a checkout."""
+    if os.environ.get("FP8STACK_COMMIT"):
+        return os.environ["FP8STACK_COMMIT"]
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
 
 
 def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path = "profiles") -> tuple[Path, Path]:
@@ -98,7 +115,8 @@ def _header(stem: str, record: dict) -> str:
                          if k not in ("device", "compute_capability"))
     return (f"# {stem}\n\n"
             f"- device: {env['device']} (compute capability {env['compute_capability'] or '-'})\n"
-            f"- versions: {versions}\n- date: {record['date']}\n- command: `{record['command']}`\n\n")
+            f"- versions: {versions}\n- date: {record['date']}\n- command: `{record['command']}`\n"
+            f"- commit: {record.get('commit') or 'not recorded'}\n\n")
 
 
 def rerender(json_path: str | Path, render: Callable[[dict], str]) -> Path:

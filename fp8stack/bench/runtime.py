@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8stack.assembly import assemble
-from fp8stack.backends.te import import_before_cudnn
+from fp8stack.backends import backend_class
 from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, load_description, make_plan
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--out", default="profiles", help="folder for the evidence files")
     args = parser.parse_args(argv)
-    import_before_cudnn()  # the BF16 variant runs SDPA before the TE variants
+    backend_class("te").prepare_process()  # the BF16 variant runs SDPA before the TE variants
     return run(args)
 
 

@@ -48,7 +48,8 @@ def plan_from_megatron_args(config, *, vocab_size: int, seq_len: int, fp8=_UNSET
         backend="te" if flags["fp8"] else "auto", arch=arch,
         first_last_layers_bf16=bool(flags["first_last_layers_bf16"]),
         num_layers_at_start_in_bf16=flags["num_layers_at_start_in_bf16"],
-        num_layers_at_end_in_bf16=flags["num_layers_at_end_in_bf16"], small_gemm_filter="off", overrides=overrides)
+        num_layers_at_end_in_bf16=flags["num_layers_at_end_in_bf16"], small_gemm_filter="off", overrides=overrides,
+        head_on_te=False)  # megatron's output layer is its own ColumnParallelLinear
     plan = make_plan(describe_transformer_config(config, vocab_size=vocab_size, seq_len=seq_len, name=name), policy)
     experts = "TE GroupedLinear (TEGroupedMLP, --moe-grouped-gemm)" if flags["moe_grouped_gemm"] else \
         "one TE linear per expert (SequentialMLP, no --moe-grouped-gemm)"

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
+from fp8stack.plan.parallel import ShardAs, TensorParallelPlan
 from fp8stack.models.moe import FeedForward, MoE, MoEConfig, trunc_normal_as_fused_
 
 
@@ -236,3 +238,45 @@ class Llama(nn.Module):
             self.norm.reset_parameters()
             std = self.config.dim ** -0.5
             nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+
+UNFUSE = ("build the model with separate projections: LlamaConfig(fused_projections=False), or "
+          "--no-fused-projections for python -m fp8stack.train / launch/train.sh")
+
+
+def tensor_parallel_plan(model: Llama, degree: int) -> TensorParallelPlan:
+    """torchtitan's Llama TP plan with sequence parallelism over `degree` ranks: embeddings rowwise, output colwise,
+    per block wq/wk/wv/w1/w3 colwise and wo/w2 rowwise, the norms' outputs sharded along the sequence. The blocks
+    take their local head count from the projection outputs (view(..., -1, head_dim)); the sequence length must
+    divide by the degree. Fused wqkv / w13 and MoE blocks are refused, and head counts that do not divide."""
+    config = model.config
+    if config.fused_projections:
+        raise NotImplementedError(
+            "tensor parallelism does not shard layers.0.attention.wqkv (fused q, k and v) or layers.0.feed_forward.w13 "
+            "(fused gate and up): a colwise shard of a fused projection would give one rank all of q (or gate) and "
+            f"the other k and v (or up). Fix: {UNFUSE}")
+    if config.moe is not None:
+        raise NotImplementedError(f"tensor parallelism does not shard layers.{config.first_moe_layer}.moe: experts "
+                                  "need expert parallelism, which fp8stack does not provide. Use a dense model "
+                                  "(--model tiny or llama-1b-like) or no tensor parallelism")
+    uneven = [f"{name}={count}" for name, count in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads))
+              if count % degree]
+    if uneven:
+        raise ValueError(f"tensor parallelism over {degree} ranks shards the attention by heads, but "
+                         f"{', '.join(uneven)} does not divide by {degree}: pick a tensor-parallel degree that "
+                         "divides both head counts")
+    rowwise_out = ShardAs("rowwise", {"output_layouts": Shard(1)})
+    return TensorParallelPlan(
+        outside={"tok_embeddings": ShardAs("rowwise", {"input_layouts": Replicate(), "output_layouts": Shard(1)}),
+                 "norm": ShardAs("sequence"),
+                 "output": ShardAs("colwise", {"input_layouts": Shard(1), "output_layouts": Replicate()})},
+        block={"attention_norm": ShardAs("sequence"),
+               "attention": ShardAs("prepare_input", {"input_layouts": (Shard(1), None),
+                                                      "desired_input_layouts": (Replicate(), None)}),
+               **{f"attention.{n}": ShardAs("colwise") for n in ("wq", "wk", "wv")},
+               "attention.wo": rowwise_out,
+               "ffn_norm": ShardAs("sequence"),
+               "feed_forward": ShardAs("prepare_input", {"input_layouts": (Shard(1),),
+                                                         "desired_input_layouts": (Replicate(),)}),
+               **{f"feed_forward.{n}": ShardAs("colwise") for n in ("w1", "w3")},
+               "feed_forward.w2": rowwise_out})

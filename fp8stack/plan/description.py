@@ -57,6 +57,67 @@ class Component:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Output rows [start, stop) of one linear's weight: the whole projection, or one half of a fused gate/up one."""
+
+    fqn: str
+    """The linear's fqn."""
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class NormFeed:
+    """A norm whose output is read by these linears and by nothing else, so that one module can normalize and
+    project (TE LayerNormLinear; several projections merged into one GEMM whose output is split back)."""
+
+    norm: str
+    """The norm's fqn."""
+    normalization: str
+    """What it computes, checked on a traced input: RMSNorm or LayerNorm."""
+    eps: float
+    """Its epsilon."""
+    linears: tuple[str, ...]
+    """The linears reading its output, in the order the forward calls them."""
+
+
+@dataclass(frozen=True)
+class SwiGLUFeed:
+    """A norm whose output is read only by `module`, which returns down(silu(gate(x)) * up(x)): one module can
+    normalize and run the whole MLP (TE LayerNormMLP)."""
+
+    norm: str
+    """The norm's fqn."""
+    normalization: str
+    """RMSNorm or LayerNorm."""
+    eps: float
+    """The norm's epsilon."""
+    module: str
+    """The MLP module's fqn (its parameters are exactly the three projections')."""
+    gate: Rows
+    """The rows computing the gate (the input of silu)."""
+    up: Rows
+    """The rows computing what the gate multiplies."""
+    down: str
+    """The output projection's fqn."""
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """The MLP's linears, each once."""
+        return tuple(dict.fromkeys((self.gate.fqn, self.up.fqn, self.down)))
+
+
+@dataclass(frozen=True)
+class Unfusable:
+    """A norm no module can fuse with what reads it, and why (or the whole model, when it could not be traced)."""
+
+    norm: str
+    """The norm's fqn ('' for the whole model)."""
+    why: str
+    """What the trace found."""
+
+
+@dataclass(frozen=True)
 class ModelDescription:
     """A model: a name, its sequence length and its components in execution order."""
 
@@ -66,6 +127,13 @@ class ModelDescription:
     """Training sequence length (sets the attention core's shape)."""
     components: tuple[Component, ...]
     """Every component, in order."""
+    feeds: tuple[NormFeed | SwiGLUFeed, ...] = ()
+    """What norms feed, found by tracing a built model's forward (none for descriptions without a module)."""
+    unfusable: tuple[Unfusable, ...] = ()
+    """Norms found feeding something a fused module cannot compute, with why."""
+    head_replaceable: bool = True
+    """Whether a backend may replace the output head by its own module (False for megatron's GPTModel, whose output
+    layer stays its ColumnParallelLinear)."""
 
     @property
     def num_layers(self) -> int:
@@ -75,6 +143,10 @@ class ModelDescription:
 
 
 _COMPONENT_KEYS = {"name", "kind", "n", "k", "experts", "active"}
+_FEED_KEYS = {"feeds", "swiglu", "eps", "normalization"}
+"""A norm's keys saying what reads its output (what describe_module finds by tracing a built model): `feeds` the
+linears, in call order; `swiglu: {module, down}` when they are the gate and up of a SwiGLU MLP (two linears, or
+the two halves of one)."""
 _TOP_KEYS = {"name", "seq_len", "layer_prefix", "before_layers", "blocks", "layers", "after_layers"}
 
 
@@ -129,6 +201,7 @@ def description_from_dict(data: dict, source: str = "<dict>") -> ModelDescriptio
 
     components = [_component(c, _name_of(c, source), "model", None, source)
                   for c in _list(data.get("before_layers") or [], f"{source}: before_layers")]
+    feeds = [f for c in _list(data.get("before_layers") or [], "") for f in _feeds(c, "", source)]
     layer = 0
     for entry in _list(data["layers"], f"{source}: layers"):
         if not isinstance(entry, dict) or "block" not in entry:
@@ -140,10 +213,39 @@ def description_from_dict(data: dict, source: str = "<dict>") -> ModelDescriptio
             for spec in _list(blocks[block], f"{source}: block {block}"):
                 local = _name_of(spec, source)
                 components.append(_component(spec, f"{prefix}.{layer}.{local}", block, layer, source))
+                feeds += _feeds(spec, f"{prefix}.{layer}.", source)
             layer += 1
-    components += [_component(c, _name_of(c, source), "model", None, source)
-                   for c in _list(data.get("after_layers") or [], f"{source}: after_layers")]
-    return ModelDescription(name=str(data["name"]), seq_len=seq_len, components=tuple(components))
+    after = _list(data.get("after_layers") or [], f"{source}: after_layers")
+    components += [_component(c, _name_of(c, source), "model", None, source) for c in after]
+    feeds += [f for c in after for f in _feeds(c, "", source)]
+    return ModelDescription(name=str(data["name"]), seq_len=seq_len, components=tuple(components), feeds=tuple(feeds))
+
+
+def _feeds(spec: dict, prefix: str, source: str) -> list[NormFeed | SwiGLUFeed]:
+    """The NormFeed (and SwiGLUFeed) a norm component declares, fqns under `prefix`."""
+    if "feeds" not in spec:
+        return []
+    where = f"{source}: {prefix}{spec['name']}"
+    linears = spec["feeds"]
+    if spec.get("kind") != "norm" or not isinstance(linears, list) or not all(isinstance(x, str) for x in linears):
+        raise PlanError(f"{where}: 'feeds' belongs to a norm and lists the linears reading its output")
+    normalization = spec.get("normalization", "RMSNorm")
+    eps = spec.get("eps", 1e-5)
+    if normalization not in ("RMSNorm", "LayerNorm") or isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise PlanError(f"{where}: normalization must be RMSNorm or LayerNorm and eps a number")
+    norm = prefix + str(spec["name"])
+    out: list[NormFeed | SwiGLUFeed] = [NormFeed(norm, normalization, float(eps), tuple(prefix + x for x in linears))]
+    swiglu = spec.get("swiglu")
+    if swiglu is not None:
+        if not isinstance(swiglu, dict) or set(swiglu) != {"module", "down", "hidden"} or len(linears) not in (1, 2):
+            raise PlanError(f"{where}: swiglu is {{module, down, hidden}} for a norm feeding the gate and up "
+                            "projections (two linears, or one holding both)")
+        hidden = _positive_int(swiglu["hidden"], f"{where}: swiglu hidden")
+        gate, up = ((Rows(prefix + linears[0], 0, hidden), Rows(prefix + linears[0], hidden, 2 * hidden))
+                    if len(linears) == 1 else tuple(Rows(prefix + x, 0, hidden) for x in linears))
+        out.append(SwiGLUFeed(norm, normalization, float(eps), prefix + str(swiglu["module"]), gate, up,
+                              prefix + str(swiglu["down"])))
+    return out
 
 
 def _name_of(spec: object, source: str) -> str:
@@ -153,7 +255,7 @@ def _name_of(spec: object, source: str) -> str:
 
 
 def _component(spec: dict, fqn: str, block: str, layer: int | None, source: str) -> Component:
-    unknown = set(spec) - _COMPONENT_KEYS
+    unknown = set(spec) - _COMPONENT_KEYS - _FEED_KEYS
     if unknown:
         raise PlanError(f"{source}: component {fqn} has unknown key(s) {sorted(map(str, unknown))}; allowed: {sorted(_COMPONENT_KEYS)}")
     kind = spec.get("kind")

@@ -9,6 +9,7 @@ linear_fc1 of dense layers (and the MLA q/kv norms) are fused into those linears
 here as norms.
 """
 
+from dataclasses import replace
 from itertools import groupby
 
 from fp8stack.plan.description import ModelDescription, description_from_dict
@@ -54,7 +55,8 @@ def describe_transformer_config(config: object, *, vocab_size: int, seq_len: int
         "after_layers": [_norm("decoder.final_layernorm", hidden),
                          {"name": "output_layer", "kind": "head", "n": vocab_size, "k": hidden}],
     }
-    return description_from_dict(data, source=source)
+    # GPTModel's output layer is its own ColumnParallelLinear, which the plan does not move to a TE module.
+    return replace(description_from_dict(data, source=source), head_replaceable=False)
 
 
 def _self_attention(config: object, hidden: int, heads: int, seq_len: int) -> list[dict]:

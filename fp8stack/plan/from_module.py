@@ -3,8 +3,11 @@
 What each module becomes:
   nn.Embedding                                   -> embedding (n = embedding_dim, k = num_embeddings)
   RMSNorm / LayerNorm / *Norm* with a 1-D weight -> norm (n = k = width)
-  a 2-D weight with in_features / out_features   -> linear; router if its fqn names a router or
-                                                    gate, head if it is the output layer
+  a 2-D weight with in_features / out_features   -> linear; head if it sits outside the blocks and
+                                                    writes one logit per embedding row (or shares
+                                                    the embedding's weight), else the last linear
+                                                    after the blocks; router if it writes one score
+                                                    per expert of the experts beside it
   a module holding 3-D parameters [E, N, K]      -> one expert component per 3-D parameter
                                                     (per-expert biases ride along with them)
   a module with n_heads and head_dim             -> adds `<fqn>.core` (attn_core) before its last linear
@@ -12,19 +15,17 @@ What each module becomes:
   a *Mamba* / *SSM* module with d_state          -> adds `<fqn>.scan` (ssm_scan) after its first linear,
                                                     standing for all its parameters but the linears
 A module with parameters that is none of these raises PlanError: nothing is silently left out.
+What each norm feeds is found by tracing one forward (dataflow.py), so that fusions follow the model's
+data flow, whatever its modules are called.
 """
 
 from dataclasses import dataclass, replace
 
 from torch import nn
 
+from fp8stack.plan.dataflow import trace_feeds
 from fp8stack.plan.description import Component, ModelDescription
 from fp8stack.plan.errors import PlanError
-
-HEAD_NAMES = ("output", "lm_head")
-"""Last fqn segment of the output layer."""
-ROUTER_NAMES = ("router", "gate")
-"""An fqn segment 'router', or a last segment 'gate', marks an MoE router."""
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,12 @@ class _Found:
     """Inside an attention module (so it does not count as the block's MLP)."""
 
 
-def describe_module(model: nn.Module, *, seq_len: int, name: str, layers_attr: str = "layers") -> ModelDescription:
+def describe_module(model: nn.Module, *, seq_len: int, name: str, layers_attr: str = "layers",
+                    example_input: object = None, trace: bool = True) -> ModelDescription:
     """The components of `model` in registration order; `layers_attr` names the ModuleList (or
-    ModuleDict) of blocks, whose children become layers 0, 1, ... with a block type each."""
+    ModuleDict) of blocks, whose children become layers 0, 1, ... with a block type each. With `trace`, one
+    forward on `example_input` (a tensor or a tuple of arguments; default: a few token ids) finds what each
+    norm feeds, for the plan's fusions."""
     try:
         layers = model.get_submodule(layers_attr)
     except AttributeError:
@@ -46,8 +50,15 @@ def describe_module(model: nn.Module, *, seq_len: int, name: str, layers_attr: s
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         raise PlanError(f"{layers_attr!r} is a {type(layers).__name__}: pass the ModuleList of blocks as layers_attr")
     walker = _Walker(seq_len, layers_attr)
-    found = walker.visit(model, "", ())
-    return ModelDescription(name=name, seq_len=seq_len, components=tuple(_with_blocks(found)))
+    components = tuple(_with_blocks(_with_routers(_with_head(walker.visit(model, "", ()), model))))
+    feeds, unfusable = (), ()
+    if trace:
+        modules = dict(model.named_modules())
+        by_kind = {kind: {c.fqn: modules[c.fqn] for c in components if c.kind == kind and c.fqn in modules}
+                   for kind in ("norm", "linear", "head", "router")}
+        feeds, unfusable = trace_feeds(model, by_kind["norm"], {**by_kind["linear"], **by_kind["head"]},
+                                       example_input)
+    return ModelDescription(name=name, seq_len=seq_len, components=components, feeds=feeds, unfusable=unfusable)
 
 
 class _Walker:
@@ -67,7 +78,7 @@ class _Walker:
             width = _norm_width(module)
             return [leaf("norm", width, width)]
         if _is_linear(module):
-            return [leaf(_linear_kind(fqn), module.out_features, module.in_features)]
+            return [leaf("linear", module.out_features, module.in_features)]
         # Inside an SSM mixer, the scan component stands for all but the linears (conv1d, A_log, D,
         # the gated norm), as in configs/models/hybrid-mamba-moe.yaml.
         is_scan = not in_scan and _is_scan(module)
@@ -126,13 +137,34 @@ def _is_linear(module: nn.Module) -> bool:
             and hasattr(module, "in_features") and hasattr(module, "out_features"))
 
 
-def _linear_kind(fqn: str) -> str:
-    segments = fqn.split(".")
-    if segments[-1] in HEAD_NAMES:
-        return "head"
-    if "router" in segments[:-1] or segments[-1] in ROUTER_NAMES:
-        return "router"
-    return "linear"
+def _with_head(found: list[_Found], model: nn.Module) -> list[_Found]:
+    """The output head by structure: a linear outside the blocks that shares an embedding's weight or writes one
+    logit per embedding row; without embeddings, the last linear after the blocks."""
+    modules = dict(model.named_modules())
+    embeddings = [m for m in modules.values() if isinstance(m, nn.Embedding)]
+    outside = [i for i, f in enumerate(found) if f.component.kind == "linear" and f.component.layer is None]
+
+    def writes_logits(index: int) -> bool:
+        module = modules.get(found[index].component.fqn)
+        return any(getattr(module, "weight", None) is e.weight or found[index].component.n == e.num_embeddings
+                   for e in embeddings)
+
+    if embeddings:
+        heads = [i for i in outside if writes_logits(i)]
+    else:
+        last_layer = max((i for i, f in enumerate(found) if f.component.layer is not None), default=-1)
+        heads = [i for i in outside if i > last_layer][-1:]
+    return [replace(f, component=replace(f.component, kind="head")) if i in heads else f for i, f in enumerate(found)]
+
+
+def _with_routers(found: list[_Found]) -> list[_Found]:
+    """An MoE router by structure: a linear of a layer with experts that writes one score per expert, outside the
+    attention."""
+    experts = {f.component.layer: f.component.experts for f in found if f.component.kind == "expert"}
+    return [replace(f, component=replace(f.component, kind="router"))
+            if (f.component.kind == "linear" and not f.in_attention and f.component.layer in experts
+                and f.component.n == experts[f.component.layer]) else f
+            for f in found]
 
 
 def _top_k(fqn: str, module: nn.Module, ancestors: tuple[nn.Module, ...]) -> int:

@@ -1,10 +1,14 @@
 """The Plan: one Decision per component, plus what stays FP32. Pure data."""
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from fp8stack.plan.description import GEMM_KINDS, Component
+from fp8stack.plan.description import GEMM_KINDS, Component, NormFeed, SwiGLUFeed
 from fp8stack.plan.recipes import BF16
+
+MIN_FP8_SHARE = 0.25
+"""An FP8 plan running less than this share of its GEMM FLOPs in FP8 gains at most ~1.1x even at 2x faster FP8
+GEMMs, while paying every cast: make_plan warns and assemble refuses it unless told it is intended."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,30 @@ class Decision:
                 "backend": self.backend, "recipe": self.recipe, "reason": self.reason}
 
 
+@dataclass(frozen=True)
+class Fusion:
+    """Modules that run as one fused module: a norm with the linears reading its output (TE LayerNormLinear, several
+    linears merged into one GEMM whose output is split back), or a norm with the SwiGLU MLP reading it (TE
+    LayerNormMLP)."""
+
+    feed: NormFeed | SwiGLUFeed
+    """What the trace found: which norm feeds which linears or MLP."""
+    backend: str
+    """The backend whose fused module runs them."""
+    recipe: str
+    """The recipe all of them share."""
+
+    @property
+    def module(self) -> str:
+        """Where the fused module goes: the MLP module, or the first linear."""
+        return self.feed.module if isinstance(self.feed, SwiGLUFeed) else self.feed.linears[0]
+
+    def as_dict(self) -> dict:
+        kind = "layernorm_mlp" if isinstance(self.feed, SwiGLUFeed) else "layernorm_linear"
+        return {"kind": kind, "norm": self.feed.norm, "module": self.module, "linears": list(self.feed.linears),
+                "backend": self.backend, "recipe": self.recipe}
+
+
 FP32_STATE: tuple[tuple[str, str], ...] = (
     ("master weights", "an Adam step of ~1e-7 on a weight of ~1 is below the BF16/FP8 grain and would be lost"),
     ("optimizer states (Adam m, v)", "v ~ g^2 ~ 1e-8 underflows FP8 and loses its digits in BF16"),
@@ -63,6 +91,15 @@ class Plan:
     """One per component, in model order."""
     fp32: tuple[tuple[str, str], ...] = FP32_STATE
     """(what, why) that stays FP32."""
+    fusions: tuple[Fusion, ...] = ()
+    """Norms run fused with what reads them, in model order."""
+    not_fused: tuple[tuple[str, str], ...] = ()
+    """(norm fqn or '' for the model, why it runs unfused) where the policy asked for fusion."""
+
+    def __str__(self) -> str:
+        from fp8stack.plan.render import render_table  # rich is needed only to print
+
+        return render_table(self)
 
     def for_backend(self, backend: str) -> list[Decision]:
         """Decisions assigned to `backend`."""
@@ -91,7 +128,24 @@ class Plan:
             "components": len(self.decisions),
             "fp8_gemms": sum(d.precision == "fp8" for d in gemms),
             "high_precision_gemms": sum(d.precision == BF16 for d in gemms),
+            "fused_norms": len(self.fusions),
         }
+
+    @property
+    def little_fp8(self) -> str:
+        """'' unless the plan asks for an FP8 recipe and runs under MIN_FP8_SHARE of its GEMM FLOPs in FP8; then
+        what it runs and why the rest stays high precision."""
+        if self.recipe == BF16:
+            return ""
+        share = self.summary()["flops_share_by_precision"].get("fp8", 0.0)
+        if share >= MIN_FP8_SHARE:
+            return ""
+        kept = Counter(d.reason for d in self.decisions if d.component.kind in ("linear", "expert")
+                       and d.precision == BF16)
+        why = (f"; {sum(kept.values())} linear/expert GEMMs stay high precision, most because: "
+               f"{kept.most_common(1)[0][0]}" if kept else "")
+        return (f"recipe {self.recipe} asks for FP8, but the plan for {self.model} runs {share:.0%} of its GEMM FLOPs "
+                f"in FP8 (under {MIN_FP8_SHARE:.0%}){why}")
 
     def as_dict(self) -> dict:
         """The JSON shape of `fp8stack plan --format json`."""
@@ -100,5 +154,7 @@ class Plan:
             "arch": f"sm{self.arch}",
             "layers": [d.as_dict() for d in self.decisions],
             "fp32": [{"what": what, "reason": why} for what, why in self.fp32],
+            "fusions": [f.as_dict() for f in self.fusions],
+            "not_fused": [{"norm": norm, "reason": why} for norm, why in self.not_fused],
             "summary": self.summary(),
         }

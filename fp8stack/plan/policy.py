@@ -4,15 +4,20 @@ Each rule looks at one component and either decides (returns a Decision with its
 passes (returns None). The first rule that decides wins; the last rule always decides.
 """
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
 
-from fp8stack.plan.description import Component, ModelDescription
-from fp8stack.plan.errors import PlanError
-from fp8stack.plan.plan import Decision, Plan
+from fp8stack.plan.description import Component, ModelDescription, NormFeed, SwiGLUFeed
+from fp8stack.plan.errors import PlanError, PlanWarning
+from fp8stack.plan.plan import Decision, Fusion, Plan
 from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS,
                                    GROUPED_ALIGNMENT, dense_backend, expert_backend, get_recipe)
+
+if TYPE_CHECKING:
+    from torch import nn
 
 SMALL_GEMM_FILTERS: dict[str, tuple[tuple[int, int], ...]] = {
     # (max_n, max_k): a GEMM with n <= max_n and k <= max_k is "small". torchao's auto-filters.
@@ -21,7 +26,9 @@ SMALL_GEMM_FILTERS: dict[str, tuple[tuple[int, int], ...]] = {
     "off": (),
 }
 """Size thresholds below which FP8 casts cost more than the faster GEMM saves (H100 measurements
-behind torchao's _auto_filter_for_recipe)."""
+behind torchao's _auto_filter_for_recipe). The policy's `auto` takes the recipe's own (Recipe.small_gemm_filter)."""
+SMALL_GEMM_CHOICES = ("auto", *SMALL_GEMM_FILTERS)
+"""What small_gemm_filter may be set to."""
 
 HIGH_PRECISION_REASONS = {
     "embedding": "embedding lookup is not a GEMM; table and gradients stay BF16 (DeepSeek-V3)",
@@ -38,8 +45,11 @@ BF16_ON_TE_REASON = ("recipe bf16 with backend te: a TransformerEngine module wi
 """Why a linear or expert GEMM of a bf16 plan runs on TE (the policy's recipe bf16 and backend te)."""
 
 HEAD_ON_TE_REASON = ("on a TransformerEngine module without FP8 (head_on_te), so its weight gradient accumulates in "
-                     "FP32 like the TE linears'")
+                     "FP32 like the TE linears' and the final norm can fold into it")
 """Why the output head runs on TE under head_on_te."""
+
+FUSED_NORM_LINEAR = "TE LayerNormLinear"
+FUSED_NORM_MLP = "TE LayerNormMLP"
 
 
 @dataclass(frozen=True)
@@ -83,17 +93,27 @@ class PolicyConfig:
     """Layers kept BF16 at the start when first_last_layers_bf16."""
     num_layers_at_end_in_bf16: int = 1
     """Layers kept BF16 at the end when first_last_layers_bf16."""
-    small_gemm_filter: str = "rowwise"
-    """Which torchao size thresholds send small GEMMs to BF16: rowwise | tensorwise | off."""
+    small_gemm_filter: str = "auto"
+    """Which torchao size thresholds send small GEMMs to BF16: auto (the recipe's own, as torchao's
+    auto-filter picks them) | rowwise | tensorwise | off. Projections the plan merges into one GEMM are judged by the
+    merged GEMM's size."""
     blockwise_experts: str = "grouped_fp8"
     """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM when installed, else torch scaled_mm per expert) or
     te (TE GroupedLinear, Float8BlockScaling)."""
     blockwise_experts_why: str = ""
     """Why blockwise_experts is te when a tool chose it (train's auto); the plan's reason for those expert GEMMs
     says it. Empty: chosen by the user."""
-    head_on_te: bool = False
+    head_on_te: bool | None = None
     """The output head (BF16 by rule) runs as a TE module without FP8 beside the plan's TE linears, so TE's fused
-    weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad."""
+    weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad, and the final
+    norm can fold into it. None: wherever the dense linears run on TE and the model's head may be replaced
+    (ModelDescription.head_replaceable)."""
+    fuse_norm: bool = True
+    """A norm whose output only linears read runs inside them as one TE LayerNormLinear (several linears merged into
+    one GEMM, their output split back) when they share one TE recipe: one kernel normalizes and casts to FP8."""
+    fuse_mlp: bool = True
+    """A norm whose output only a SwiGLU MLP reads runs with it as one TE LayerNormMLP when its projections share one
+    TE recipe: TE's SwiGLU writes FC2's input (FP8 under delayed scaling) and the backward keeps FC1's output only."""
     overrides: tuple[Override, ...] = field(default=())
     """Per-block / per-fqn rules; the last matching one wins."""
 
@@ -105,7 +125,7 @@ class PolicyConfig:
                             f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
         if self.fp8_format is not None:
             _require_name(self.fp8_format, "fp8_format")
-        for name in ("first_last_layers_bf16", "head_on_te"):
+        for name in ("first_last_layers_bf16", "fuse_norm", "fuse_mlp"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for o in self.overrides:
@@ -116,8 +136,10 @@ class PolicyConfig:
             raise PlanError(f"unknown FP8 format {self.fp8_format!r}: use e4m3 or hybrid")
         if self.backend not in BACKEND_PREFERENCES:
             raise PlanError(f"unknown backend {self.backend!r}: use one of {', '.join(BACKEND_PREFERENCES)}")
-        if self.small_gemm_filter not in SMALL_GEMM_FILTERS:
-            raise PlanError(f"unknown small-GEMM filter {self.small_gemm_filter!r}: use one of {', '.join(SMALL_GEMM_FILTERS)}")
+        if self.head_on_te is not None and not isinstance(self.head_on_te, bool):
+            raise PlanError(f"head_on_te must be true, false or unset (auto), got {self.head_on_te!r}")
+        if self.small_gemm_filter not in SMALL_GEMM_CHOICES:
+            raise PlanError(f"unknown small-GEMM filter {self.small_gemm_filter!r}: use one of {', '.join(SMALL_GEMM_CHOICES)}")
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -136,6 +158,20 @@ class PolicyConfig:
                 self._check_recipe(o.recipe or self.recipe, o.backend)
             except PlanError as err:
                 raise PlanError(f"{o.source}: override for block {o.block!r}, fqn {o.fqn!r}: {err}") from None
+
+    @property
+    def small_gemm_thresholds(self) -> tuple[tuple[int, int], ...]:
+        """The (max_n, max_k) pairs of the filter in force: auto takes the recipe's own."""
+        if self.small_gemm_filter != "auto":
+            return SMALL_GEMM_FILTERS[self.small_gemm_filter]
+        return SMALL_GEMM_FILTERS[self.small_gemm_filter_name]
+
+    @property
+    def small_gemm_filter_name(self) -> str:
+        """The filter in force, auto resolved (off for a bf16 plan)."""
+        if self.small_gemm_filter != "auto":
+            return self.small_gemm_filter
+        return "off" if self.recipe == BF16 else get_recipe(self.recipe).small_gemm_filter
 
     @property
     def dense_linears_on_te(self) -> bool:
@@ -169,7 +205,8 @@ Rule = Callable[[Component, PolicyConfig, ModelDescription], Decision | None]
 def high_precision_kinds(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
     """Embeddings, head, router, norms, attention core and SSM scans never run in FP8 (the head on a TE module
     without FP8 with head_on_te)."""
-    if c.kind == "head" and cfg.head_on_te:
+    head_on_te = cfg.head_on_te if cfg.head_on_te is not None else cfg.dense_linears_on_te and model.head_replaceable
+    if c.kind == "head" and head_on_te:
         return Decision(c, "te", BF16, f"{HIGH_PRECISION_REASONS['head']}; {HEAD_ON_TE_REASON}")
     if c.kind in HIGH_PRECISION_REASONS:
         return Decision(c, BF16, BF16, HIGH_PRECISION_REASONS[c.kind])
@@ -211,17 +248,31 @@ def alignment(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decis
 
 
 def small_gemm(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
-    """Dense linears under the small-size thresholds stay BF16: the casts would eat the gain. Expert
-    GEMMs are exempt: the thresholds were measured on dense Float8Linear, and a grouped GEMM's size is
-    its whole token buffer, not one expert's slice."""
+    """Dense linears under the small-size thresholds stay BF16: the casts would eat the gain. Projections the plan
+    merges into one GEMM (merged_linears) are judged by that GEMM. Expert GEMMs are exempt: the thresholds were
+    measured on dense Float8Linear, and a grouped GEMM's size is its whole token buffer, not one expert's slice."""
     if c.kind != "linear":
         return None
-    for max_n, max_k in SMALL_GEMM_FILTERS[cfg.small_gemm_filter]:
-        if c.n <= max_n and c.k <= max_k:
-            bound = " and ".join(f"{d}={v} <= {m}" for d, v, m in (("n", c.n, max_n), ("k", c.k, max_k)) if m < 1 << 62)
-            return Decision(c, BF16, BF16, f"small GEMM ({bound}, torchao {cfg.small_gemm_filter} auto-filter): "
+    merged = merged_linears(c, cfg, model)
+    n = sum(m.n for m in merged) if merged else c.n
+    for max_n, max_k in cfg.small_gemm_thresholds:
+        if n <= max_n and c.k <= max_k:
+            bound = " and ".join(f"{d}={v} <= {m}" for d, v, m in (("n", n, max_n), ("k", c.k, max_k)) if m < 1 << 62)
+            return Decision(c, BF16, BF16, f"small GEMM ({bound}, torchao {cfg.small_gemm_filter_name} auto-filter): "
                                             "FP8 casts cost more than the GEMM saves")
     return None
+
+
+def merged_linears(c: Component, cfg: PolicyConfig, model: ModelDescription) -> tuple[Component, ...]:
+    """The linears (c among them) that would run merged into one GEMM with c, fused with the norm they all read, when
+    the policy fuses norms and they would run on TE; () when c runs alone."""
+    if not cfg.fuse_norm or _target(c, cfg)[0] != "te":
+        return ()
+    for feed in model.feeds:
+        if isinstance(feed, NormFeed) and c.fqn in feed.linears and len(feed.linears) > 1:
+            components = {x.fqn: x for x in model.components}
+            return tuple(components[fqn] for fqn in feed.linears)
+    return ()
 
 
 def fp8(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision:
@@ -240,8 +291,17 @@ RULES: tuple[Rule, ...] = (high_precision_kinds, no_fp8_requested, first_last_la
 """In order; the first rule that returns a Decision decides."""
 
 
-def make_plan(model: ModelDescription, cfg: PolicyConfig) -> Plan:
-    """Apply RULES to every component of `model`."""
+def make_plan(model: "ModelDescription | nn.Module", cfg: PolicyConfig, *, seq_len: int | None = None) -> Plan:
+    """Apply RULES to every component of `model`, then fuse each norm with what reads it where the policy asks for
+    it and the backend can (fusions). Warns (PlanWarning) when an FP8 recipe ends up with little FP8. A built
+    nn.Module is described first (describe_module, traced at `seq_len` for its attention cores' shape)."""
+    if not isinstance(model, ModelDescription):
+        from fp8stack.plan.from_module import describe_module  # imports torch: only for a module
+
+        if seq_len is None:
+            raise PlanError("make_plan(module, ...) needs seq_len=, the training sequence length (it sets the "
+                            "attention cores' share of the GEMM FLOPs)")
+        model = describe_module(model, seq_len=seq_len, name=type(model).__name__)
     decisions = []
     for c in model.components:
         for rule in RULES:
@@ -249,9 +309,62 @@ def make_plan(model: ModelDescription, cfg: PolicyConfig) -> Plan:
             if decision is not None:
                 decisions.append(decision)
                 break
+    fused, not_fused = fusions(model, decisions, cfg)
     fp8_format = cfg.fp8_format or (get_recipe(cfg.recipe).default_format if cfg.recipe != BF16 else "e4m3")
-    return Plan(model=model.name, recipe=cfg.recipe, fp8_format=fp8_format, arch=cfg.arch,
-                decisions=tuple(decisions))
+    plan = Plan(model=model.name, recipe=cfg.recipe, fp8_format=fp8_format, arch=cfg.arch,
+                decisions=_with_fusions(tuple(decisions), fused, model), fusions=fused, not_fused=not_fused)
+    if plan.little_fp8:
+        warnings.warn(f"{plan.little_fp8}: assemble() refuses this plan unless allow_little_fp8=True", PlanWarning,
+                      stacklevel=2)
+    return plan
+
+
+def fusions(model: ModelDescription, decisions: list[Decision],
+            cfg: PolicyConfig) -> tuple[tuple[Fusion, ...], tuple[tuple[str, str], ...]]:
+    """(fusions, (norm, why not) for each norm the policy wanted fused and could not). A norm feeding a SwiGLU MLP
+    runs with the whole MLP (fuse_mlp), else with the linears reading it (fuse_norm), when they share one backend
+    and recipe on a backend with fused norm modules (TE)."""
+    by_fqn = {d.fqn: d for d in decisions}
+    mlps = {f.norm: f for f in model.feeds if isinstance(f, SwiGLUFeed)}
+    fused, not_fused = [], []
+    for feed in (f for f in model.feeds if isinstance(f, NormFeed)):
+        choices = [(mlps[feed.norm], FUSED_NORM_MLP)] if cfg.fuse_mlp and feed.norm in mlps else []
+        choices += [(feed, FUSED_NORM_LINEAR)] if cfg.fuse_norm else []
+        problems = []
+        for candidate, module in choices:
+            runs = {(by_fqn[fqn].backend, by_fqn[fqn].recipe) for fqn in candidate.linears}
+            backend, recipe = next(iter(runs))
+            if len(runs) == 1 and backend == "te":
+                fused.append(Fusion(candidate, backend, recipe))
+                break
+            problems.append(f"not one {module}: its " + (f"linears run on {', '.join(sorted(f'{b}/{r}' for b, r in runs))}"
+                                                         if len(runs) > 1 else f"linears run on {backend}, not te"))
+        else:
+            if problems and any(by_fqn[fqn].backend == "te" for fqn in feed.linears):
+                not_fused.append((feed.norm, "; ".join(problems)))
+    if (cfg.fuse_norm or cfg.fuse_mlp) and any(d.backend == "te" for d in decisions):
+        not_fused += [(u.norm, u.why) for u in model.unfusable]
+    return tuple(fused), tuple(not_fused)
+
+
+def _with_fusions(decisions: tuple[Decision, ...], fused: tuple[Fusion, ...],
+                  model: ModelDescription) -> tuple[Decision, ...]:
+    """Each fused decision's reason, with what it runs fused with (names inside the layer, so that identical layers
+    still read alike)."""
+    names = {c.fqn: c.name for c in model.components}
+    notes = {}
+    for fusion in fused:
+        feed = fusion.feed
+        layer_prefix = feed.norm.removesuffix(names.get(feed.norm, feed.norm))  # 'layers.3.', or '' outside layers
+        norm, linears = names.get(feed.norm, feed.norm), [names.get(fqn, fqn) for fqn in feed.linears]
+        if isinstance(feed, SwiGLUFeed):
+            note = f"fused with {norm} and the SwiGLU into one {FUSED_NORM_MLP} ({feed.module.removeprefix(layer_prefix)})"
+        elif len(linears) > 1:
+            note = f"fused with {norm} into one {FUSED_NORM_LINEAR}, {', '.join(linears)} merged into one GEMM"
+        else:
+            note = f"fused with {norm} into one {FUSED_NORM_LINEAR}"
+        notes.update(dict.fromkeys(feed.linears, note))
+    return tuple(replace(d, reason=f"{d.reason}; {notes[d.fqn]}") if d.fqn in notes else d for d in decisions)
 
 
 def _matching_override(c: Component, cfg: PolicyConfig) -> Override | None:

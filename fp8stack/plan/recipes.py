@@ -37,23 +37,26 @@ class Recipe:
     """What the recipe does, for the reason column."""
     default_format: str
     """FP8 format when the user names none: the implementing library's own default for the recipe."""
+    small_gemm_filter: str
+    """The size thresholds (policy.SMALL_GEMM_FILTERS) that keep GEMMs too small to gain in BF16 under the policy's
+    auto: torchao's own for its recipes; per-tensor scaling's for delayed, per-row scaling's for block scales."""
 
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe("delayed", ("te",), "te", "delayed", 16, 89,
-               "per-tensor scales from an amax history (TE DelayedScaling)", "hybrid"),
+               "per-tensor scales from an amax history (TE DelayedScaling)", "hybrid", "tensorwise"),
         Recipe("tensorwise", ("torchao", "te"), "grouped_fp8", "rowwise", 16, 89,
-               "per-tensor dynamic scales", "hybrid"),
+               "per-tensor dynamic scales", "hybrid", "tensorwise"),
         Recipe("rowwise", ("torchao",), "grouped_fp8", "rowwise", 16, 89,
-               "per-row dynamic scales (torchao rowwise)", "e4m3"),
+               "per-row dynamic scales (torchao rowwise)", "e4m3", "rowwise"),
         Recipe("rowwise_gw_hp", ("torchao",), "grouped_fp8", "rowwise_gw_hp", 16, 89,
-               "per-row scales, weight gradient GEMM kept in BF16 (torchao rowwise_with_gw_hp)", "e4m3"),
+               "per-row scales, weight gradient GEMM kept in BF16 (torchao rowwise_with_gw_hp)", "e4m3", "rowwise"),
         Recipe("blockwise", ("te",), "grouped_fp8", "blockwise", 128, 90,
-               "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3"),
+               "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3", "rowwise"),
         Recipe("mxfp8", ("te",), "te", "mxfp8", 32, 100,
-               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3"),
+               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3", "rowwise"),
     )
 }
 

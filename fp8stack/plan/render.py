@@ -54,13 +54,31 @@ def _ranges(layers: list[int | None]) -> str:
 
 def _summary_lines(plan: Plan) -> list[str]:
     s = plan.summary()
-    return [
+    lines = [
         f"GEMM FLOPs/token (forward): {s['gemm_flops_per_token']:.3e}",
         "share by precision: " + ", ".join(f"{k} {v:.1%}" for k, v in s["flops_share_by_precision"].items()),
         "share by backend:   " + ", ".join(f"{k} {v:.1%}" for k, v in s["flops_share_by_backend"].items()),
         f"GEMMs in FP8: {s['fp8_gemms']}, in high precision: {s['high_precision_gemms']}",
-        "FP32: " + ", ".join(what for what, _ in plan.fp32),
+        f"norms fused with what reads them: {s['fused_norms']}",
     ]
+    lines += [f"not fused: {norms}: {why}" for why, norms in _not_fused(plan).items()]
+    lines += [f"WARNING: {plan.little_fp8}"] if plan.little_fp8 else []
+    return [*lines, "FP32: " + ", ".join(what for what, _ in plan.fp32)]
+
+
+def _not_fused(plan: Plan) -> dict[str, str]:
+    """Why -> the norms it holds for (named inside their layer, with the layers), identical layers shown once."""
+    layers: dict[tuple[str, str], list[int | None]] = {}
+    for fqn, why in plan.not_fused:
+        parts = fqn.split(".")
+        index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        name = ".".join(parts[index + 1:]) if index is not None else (fqn or "the model")
+        layers.setdefault((why, name), []).append(int(parts[index]) if index is not None else None)
+    out: dict[str, list[str]] = {}
+    for (why, name), found in layers.items():
+        where = f" (layers {_ranges(found)})" if found != [None] else ""
+        out.setdefault(why, []).append(name + where)
+    return {why: ", ".join(names) for why, names in out.items()}
 
 
 _COLUMNS = ("layers", "component", "kind", "shape (n x k)", "backend", "recipe")

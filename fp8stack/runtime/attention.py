@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["SDPA_BACKENDS", "check_sdpa_backend", "sdpa_backend"]
+__all__ = ["SDPA_BACKENDS", "check_sdpa_backend", "sdpa_backend", "set_sdpa_backend"]
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient")
 """auto leaves torch's own priority; the others run that kernel only (no silent fallback: an input it
@@ -37,16 +37,24 @@ def check_sdpa_backend(name: str, device: torch.device) -> None:
 def sdpa_backend(name: str, device: torch.device) -> Iterator[None]:
     """Inside, SDPA runs only the `name` kernel ('auto': torch's choice, nothing changed); the previous
     flags are restored on exit. check_sdpa_backend says which names a device can take."""
-    check_sdpa_backend(name, device)
-    if name == "auto":
-        yield
-        return
-    cuda = torch.backends.cuda
-    previous = {flag: getattr(cuda, f"{flag}_enabled")() for flag in _FLAGS.values()}
+    previous = set_sdpa_backend(name, device)
     try:
-        for backend, flag in _FLAGS.items():
-            getattr(cuda, f"enable_{flag}")(backend == name)
         yield
     finally:
-        for flag, enabled in previous.items():
-            getattr(cuda, f"enable_{flag}")(enabled)
+        _set_flags(previous)
+
+
+def set_sdpa_backend(name: str, device: torch.device) -> dict[str, bool]:
+    """From now on SDPA runs only the `name` kernel in this process ('auto': torch's choice, nothing changed);
+    returns the flags it replaced. check_sdpa_backend says which names a device can take."""
+    check_sdpa_backend(name, device)
+    cuda = torch.backends.cuda
+    previous = {flag: getattr(cuda, f"{flag}_enabled")() for flag in _FLAGS.values()}
+    if name != "auto":
+        _set_flags({flag: backend == name for backend, flag in _FLAGS.items()})
+    return previous
+
+
+def _set_flags(enabled: dict[str, bool]) -> None:
+    for flag, on in enabled.items():
+        getattr(torch.backends.cuda, f"enable_{flag}")(on)

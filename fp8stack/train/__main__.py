@@ -14,7 +14,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from fp8stack.plan import PlanError
-from fp8stack.plan.policy import SMALL_GEMM_FILTERS
+from fp8stack.plan.policy import SMALL_GEMM_CHOICES
 from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS, FP8_FORMATS,
                                    PARAM_DTYPES, RECIPES)
 
@@ -40,7 +40,7 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
                                                             "help": "keep the first and last layers BF16"}),
     ("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16", {"type": int, "metavar": "N"}),
     ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16", {"type": int, "metavar": "N"}),
-    ("--small-gemm-filter", "small_gemm_filter", {"choices": ("auto", *SMALL_GEMM_FILTERS)}),
+    ("--small-gemm-filter", "small_gemm_filter", {"choices": SMALL_GEMM_CHOICES}),
     ("--blockwise-experts", "blockwise_experts", {
         "choices": ("auto", *BLOCKWISE_EXPERT_BACKENDS),
         "help": "blockwise expert GEMMs on fp8stack's grouped kernels or TE GroupedLinear "

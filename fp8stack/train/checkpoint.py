@@ -64,7 +64,7 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
 def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, data_position: int, masters: nn.Module | None = None) -> Path:
     """Write checkpoint `step` (every rank calls this); returns its folder. masters: the FP32 master weights under
-    the model's names when the model's parameters are BF16 copies of them (train.master_weights): saved as the
+    the model's names when the model's parameters are BF16 copies of them (fp8stack.precision.MasterWeights): saved as the
     model's tensors, which they are up to rounding, and what the optimizer steps."""
     final = checkpoint_path(checkpoint_dir, step)
     partial = final.with_name(final.name + ".partial")

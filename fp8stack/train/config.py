@@ -117,7 +117,7 @@ class TrainConfig:
     param_dtype: str = "fp32"
     """fp32: the parameters are the FP32 master weights AdamW steps, cast by autocast (or to FP8) at every forward;
     bf16: BF16 parameters with FP32 masters in the optimizer, copied to them once per step (Megatron's --bf16;
-    train.master_weights): no cast per micro-batch. One process, plain path; 2 more bytes per parameter.
+    fp8stack.precision.MasterWeights): no cast per micro-batch. One process, plain path; 2 more bytes per parameter.
     fp8: as bf16, but the TE FP8 linears hold their weights in FP8 only (TE quantized_model_init, Megatron's
     --fp8-param-gather), quantized from the masters once per step: no BF16 copy beside the FP8 one."""
     blockwise_gemms: str = "te"

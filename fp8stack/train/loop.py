@@ -25,18 +25,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.tensorboard import SummaryWriter
 
-from fp8stack.backends.te import TEBackend, import_before_cudnn
+from fp8stack.backends import get_backend
 from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.plan import Plan, PolicyConfig, make_plan
-from fp8stack.plan.recipes import BF16
 from fp8stack.plan.from_module import describe_module
+from fp8stack.plan.recipes import BF16
+from fp8stack.precision import MasterWeights
 from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.numerics import zero_fp8_weight_grads
 from fp8stack.train import checkpoint, comm_stats, fault
 from fp8stack.train.config import DTYPES, MODELS, TrainConfig, TrainConfigError, TrainResult, recompute_blocks
 from fp8stack.train.data import TextData
-from fp8stack.train.master_weights import MasterWeights
 from fp8stack.train.timing import steady_state
 
 CPU_ARCH = 90
@@ -76,15 +77,12 @@ def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
     options = {"small_gemm_filter": ("off" if not on_gpu else None) if cfg.small_gemm_filter == "auto"
                else cfg.small_gemm_filter,
                **blockwise_expert_options(cfg.blockwise_experts, cfg.blockwise_experts == "auto" and on_gpu
-                                          and TEBackend().available(["blockwise"])[0])}
+                                          and get_backend("te").available(["blockwise"])[0])}
     policy = PolicyConfig(recipe=cfg.recipe, fp8_format=cfg.fp8_format, backend=cfg.backend, arch=arch,
                           first_last_layers_bf16=cfg.first_last_layers_bf16,
                           num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
-                          num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
-                          **{k: v for k, v in options.items() if v is not None})
-    if cfg.gradient_accumulation_fusion and policy.dense_linears_on_te:
-        # The head's wgrad GEMM then accumulates into its FP32 main_grad too, as megatron's output layer does.
-        policy = replace(policy, head_on_te=True)
+                          num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16, fuse_norm=cfg.fuse_norm,
+                          fuse_mlp=cfg.fuse_mlp, **{k: v for k, v in options.items() if v is not None})
     description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
     return make_plan(description, policy)
 
@@ -192,8 +190,6 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
             raise TrainConfigError("compress_activations stores BF16 activations as FP8 and keeps FP32 tensors (the "
                                    "loss's log-softmax, attention log-sum-exps, norm statistics), so this FP32 run "
                                    "would compress nothing: pass --dtype bf16 (the default on a GPU)")
-        if device.type == "cuda":
-            import_before_cudnn()  # a later session in this process (fp8stack profile) may run TE
         if cfg.model_impl == "megatron":
             from fp8stack.train import megatron_model
 
@@ -205,7 +201,9 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
             seq_len = model.config.seq_len
             plan = build_plan(cfg, model, device)
             _check_cpu_support(cfg, plan, device, dtype)
-            model = assemble(model, plan, tp_mesh=env.tp_mesh, recompute=recompute_blocks(cfg.recompute),
+            model = assemble(model, plan, tp_mesh=env.tp_mesh,
+                             tp_plan=tensor_parallel_plan(model, env.tp_size) if env.tp_mesh else None,
+                             recompute=recompute_blocks(cfg.recompute),
                              recompute_modules=cfg.recompute_modules, compile=cfg.compile, fsdp_mesh=env.fsdp_mesh,
                              fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
                              precompute_fp8_scales=cfg.precompute_fp8_scales,
@@ -330,9 +328,9 @@ def _micro_batches(cfg: TrainConfig, dp_size: int) -> int:
 
 
 def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
-    """Constructor options for the plan's TE backend: fuse_norm, fuse_mlp and gradient_accumulation_fusion (which
-    need TE layers in the plan), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE) and otherwise, with
-    more than one micro-batch per step, FP8 weights cast once per step and cached (TE's is_first_microbatch; with one
+    """Constructor options for the plan's TE backend: gradient_accumulation_fusion (which needs TE layers in the plan,
+    as fuse_norm and fuse_mlp do), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE) and, with more
+    than one micro-batch per step, FP8 weights cast once per step and cached (TE's is_first_microbatch; with one
     micro-batch the cache would only hold memory; weights held in FP8 need no cast)."""
     for option, what in (("fuse_norm", "folds RMSNorms into TransformerEngine LayerNormLinear modules"),
                          ("fuse_mlp", "folds RMSNorms into TransformerEngine LayerNormMLP modules"),
@@ -349,11 +347,10 @@ def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[s
                                    f"recipe {cfg.recipe!r} has "
                                    + (f"{elsewhere[0].fqn} in FP8 on {elsewhere[0].backend}" if elsewhere else
                                       "no FP8 layer") + ": use --backend te with an FP8 recipe, or --param-dtype bf16")
-    options = {"fuse_norm": cfg.fuse_norm, "fuse_mlp": cfg.fuse_mlp, "fp8_weights": fp8_weights,
-               "cache_fp8_weights": micro_batches > 1 and not fp8_weights,
+    options = {"fp8_weights": fp8_weights, "cache_fp8_weights": micro_batches > 1 and not fp8_weights,
                "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion,
                **({"blockwise_gemms": cfg.blockwise_gemms} if cfg.blockwise_gemms != "te" else {})}
-    return {"te": options} if plan.for_backend("te") and any(options.values()) else None
+    return {"te": options} if plan.for_backend("te") else None
 
 
 def _activation_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fp8stack.backends import get_backend
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES, get_recipe
@@ -302,10 +303,7 @@ def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
         # The plain Llama as --model-impl torch draws it (cfg.seed, on env.device: CUDA's generator).
         model = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
         if cfg.blockwise_gemms == "deepgemm":  # megatron's TE linears call the general_gemm TE's own modules call
-            from fp8stack.backends import te_deepgemm
-
-            te_deepgemm.route_blockwise_gemms(te_deepgemm.load_library())
-            log.info(te_deepgemm.ROUTED_NOTE)
+            log.info(get_backend("te", blockwise_gemms="deepgemm").route_blockwise_gemms())
         if cfg.gradient_accumulation_fusion:
             model = with_main_grads(model, config)
         yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,

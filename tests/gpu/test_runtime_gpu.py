@@ -123,12 +123,11 @@ def test_a_fused_mlp_recomputes_itself_keeps_less_and_matches(recipe):
     the forward keeps no FC1 output (BF16, 2 x ffn_dim per token) and the gradients match the run without
     recompute, also in a second round, after delayed scaling has updated its scales once (the recompute
     replays the forward's scales and does not update them twice)."""
-    policy = PolicyConfig(recipe=recipe, backend="te", small_gemm_filter="off")
-    fused = {"te": {"fuse_mlp": True}}
+    policy = PolicyConfig(recipe=recipe, backend="te", small_gemm_filter="off", fuse_norm=False)  # fuse_mlp's default
     torch.manual_seed(0)
-    plain = build("tiny", policy, backend_options=fused)
+    plain = build("tiny", policy)
     torch.manual_seed(0)
-    recomputed = build("tiny", policy, backend_options=fused, recompute="all", recompute_modules=("mlp",))
+    recomputed = build("tiny", policy, recompute="all", recompute_modules=("mlp",))
     config = LlamaConfig.tiny()
     assert sum(map(recomputes_itself, recomputed.modules())) == config.n_layers
     assert not any(isinstance(m, CheckpointWrapper) for m in recomputed.modules()), "a LayerNormMLP is not wrapped"

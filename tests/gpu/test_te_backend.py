@@ -1,5 +1,5 @@
 """The te backend on a GPU: converted Linear / GroupedExperts against references, the tiny Llama
-(dense and MoE) training, DelayedScaling state per module, fuse_norm, a model built on 'meta'.
+(dense and MoE) training, DelayedScaling state per module, the plan's fusions, a model built on 'meta'.
 Run with `pytest -m gpu tests/gpu/test_te_backend.py`."""
 
 import copy
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fp8stack.backends.fused import FoldedNorm
 from fp8stack.backends.te import DELAYED_AMAX_HISTORY_LEN, TE_RECIPES, TEBackend, te_recipe
 from fp8stack.models import GroupedExperts, Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, description_from_dict, load_description, make_plan
@@ -85,14 +86,21 @@ def one_block(*components: dict):
                                   "layers": [{"block": "dense"}]})
 
 
-def policy(recipe: str, fp8_format: str) -> PolicyConfig:
+def policy(recipe: str, fp8_format: str, fuse_norm: bool = False, fuse_mlp: bool = False,
+           head_on_te: bool | None = False) -> PolicyConfig:
+    """Every GEMM but the head's on TE; norms fused only when asked (the tests compare fused against unfused)."""
     return PolicyConfig(recipe=recipe, fp8_format=fp8_format, backend="te", small_gemm_filter="off",
-                        arch=100 if recipe == "mxfp8" else 90, blockwise_experts="te")
+                        arch=100 if recipe == "mxfp8" else 90, blockwise_experts="te", fuse_norm=fuse_norm,
+                        fuse_mlp=fuse_mlp, head_on_te=head_on_te)
+
+
+PLAIN = {"cache_fp8_weights": False, "fuse_wgrad_accumulation": False}
+"""TEBackend options for modules that cast their weights at every forward and hand autograd their gradients."""
 
 
 def convert(model: nn.Module, description, recipe: str, fp8_format: str, **options):
     plan = make_plan(description, policy(recipe, fp8_format))
-    return TEBackend(**options).convert(model, plan.for_backend("te"), plan)
+    return TEBackend(**{**PLAIN, **options}).convert(model, plan.for_backend("te"), plan)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -292,6 +300,7 @@ def test_tiny_llama_trains(model_name, config, recipe):
     assert torch.equal(torch.cuda.get_rng_state(), rng), "converting must not draw from the CUDA RNG"
     assert set(record.converted) == {d.fqn for d in plan.for_backend("te")}
     assert set(record.converted.values()) <= {"TELinear", "TEGroupedExperts"}
+    assert any(note.startswith("cache_fp8_weights:") for note in record.notes), record.notes
     _same_weights(fp8, bf16, record.converted)
 
     modules = dict(fp8.named_modules())
@@ -316,20 +325,22 @@ def test_fuse_norm_matches_unfused(recipe):
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
-    plan = make_plan(load_description("tiny"), policy(recipe, "hybrid"))
-    unfused, _ = TEBackend().convert(copy.deepcopy(base), plan.for_backend("te"), plan)
-    fused, record = TEBackend(fuse_norm=True).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    description = load_description("tiny")
+    plan = make_plan(description, policy(recipe, "hybrid", head_on_te=None))
+    fused_plan = make_plan(description, policy(recipe, "hybrid", fuse_norm=True, head_on_te=None))
+    unfused, _ = TEBackend(**PLAIN).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    fused, record = TEBackend(**PLAIN).convert(copy.deepcopy(base), fused_plan.for_backend("te"), fused_plan)
     for i, (layer, original) in enumerate(zip(fused.layers, base.layers)):
         for norm, linear in (("attention_norm", "attention.wqkv"), ("ffn_norm", "feed_forward.w13")):
-            assert record.converted[f"layers.{i}.{norm}"] == "Identity"
             assert record.converted[f"layers.{i}.{linear}"] == "TELayerNormLinear"
-            assert isinstance(layer.get_submodule(norm), nn.Identity)
+            assert isinstance(layer.get_submodule(norm), FoldedNorm)
             fused_linear = layer.get_submodule(linear)
             assert torch.equal(fused_linear.layer_norm_weight, original.get_submodule(norm).weight)
             assert torch.equal(fused_linear.weight, original.get_submodule(linear).weight)
             assert fused_linear.eps == original.get_submodule(norm).eps
         assert record.converted[f"layers.{i}.attention.wo"] == "TELinear"
-    assert any(note.startswith("fuse_norm: 8 RMSNorm(s)") for note in record.notes), record.notes
+    assert record.converted["output"] == "TELayerNormLinear"  # the final norm folds into the head (BF16, on TE)
+    assert any(note.startswith("fused norms: 9 norm(s) folded into TE LayerNormLinear") for note in record.notes)
 
     tokens = torch.randint(0, 256, (4, 128), device="cuda")
     for _ in range(2):  # grad mode on, so DelayedScaling's scales update after the first pass
@@ -348,9 +359,9 @@ def test_converting_lets_go_of_the_replaced_weights(fuse):
     profiles/levers/ab-llama-1b-like-gb64-fp8-params-init-method-leak-h100.md)."""
     with torch.device("cuda"):
         model = Llama(LlamaConfig.tiny())
-    plan = make_plan(load_description("tiny"), policy("tensorwise", "hybrid"))
+    plan = make_plan(load_description("tiny"), policy("tensorwise", "hybrid", fuse_norm=fuse, fuse_mlp=fuse))
     before = [weakref.ref(p) for p in model.parameters()]
-    model, record = TEBackend(fuse_norm=fuse, fuse_mlp=fuse).convert(model, plan.for_backend("te"), plan)
+    model, record = TEBackend().convert(model, plan.for_backend("te"), plan)
     assert record.converted
     gc.collect()
     kept = {id(p) for p in model.parameters()}
@@ -369,11 +380,13 @@ def test_fuse_mlp_matches_unfused(recipe):
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
-    plan = make_plan(load_description("tiny"), policy(recipe, get_recipe(recipe).default_format))
-    unfused, _ = TEBackend(fuse_norm=True).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
-    fused, record = TEBackend(fuse_norm=True, fuse_mlp=True).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    fmt = get_recipe(recipe).default_format
+    plan = make_plan(load_description("tiny"), policy(recipe, fmt, fuse_norm=True))
+    mlp_plan = make_plan(load_description("tiny"), policy(recipe, fmt, fuse_norm=True, fuse_mlp=True))
+    unfused, _ = TEBackend(**PLAIN).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    fused, record = TEBackend(**PLAIN).convert(copy.deepcopy(base), mlp_plan.for_backend("te"), mlp_plan)
     for i, (layer, original) in enumerate(zip(fused.layers, base.layers)):
-        assert record.converted[f"layers.{i}.ffn_norm"] == "Identity"
+        assert isinstance(layer.ffn_norm, FoldedNorm)
         assert record.converted[f"layers.{i}.feed_forward.w13"] == record.converted[f"layers.{i}.feed_forward.w2"] \
             == "TELayerNormMLP"
         assert record.converted[f"layers.{i}.attention.wqkv"] == "TELayerNormLinear"
@@ -382,8 +395,8 @@ def test_fuse_mlp_matches_unfused(recipe):
         assert torch.equal(mlp.fc1_weight, original.feed_forward.w13.weight)
         assert torch.equal(mlp.fc2_weight, original.feed_forward.w2.weight)
         assert (mlp.activation, mlp.normalization, mlp.eps) == ("swiglu", "RMSNorm", original.ffn_norm.eps)
-    assert any(note.startswith("fuse_mlp: 4 ffn_norm + SwiGLU") for note in record.notes), record.notes
-    assert any(note.startswith("fuse_norm: 4 RMSNorm(s)") for note in record.notes), record.notes
+    assert any(note.startswith("fused MLPs: 4 norm + SwiGLU MLP(s)") for note in record.notes), record.notes
+    assert any(note.startswith("fused norms: 4 norm(s)") for note in record.notes), record.notes
 
     tokens = torch.randint(0, 256, (4, 128), device="cuda")
     for _ in range(2):  # DelayedScaling's first pass runs with scale 1 (its gradients underflow): compare the second
@@ -412,9 +425,10 @@ def test_a_bf16_plan_on_te_runs_te_modules_without_fp8(model_name, fuse):
     config = LlamaConfig.tiny() if model_name == "tiny" else LlamaConfig.tiny_moe()
     with torch.device("cuda"):
         base = Llama(config).to(torch.bfloat16)
-    plan = make_plan(load_description(model_name), PolicyConfig(recipe="bf16", backend="te", small_gemm_filter="off"))
+    plan = make_plan(load_description(model_name), PolicyConfig(recipe="bf16", backend="te", small_gemm_filter="off",
+                                                                fuse_norm=fuse, fuse_mlp=fuse))
     assert plan.for_backend("te") and {d.recipe for d in plan.for_backend("te")} == {"bf16"}
-    on_te, record = TEBackend(fuse_norm=fuse, fuse_mlp=fuse).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    on_te, record = TEBackend().convert(copy.deepcopy(base), plan.for_backend("te"), plan)
     te_modules = [m for m in on_te.modules() if isinstance(m, TransformerEngineBaseModule)]
     assert te_modules and set(record.converted) >= {d.fqn for d in plan.for_backend("te")}
     fp8_seen = []
@@ -443,10 +457,10 @@ def test_fused_wgrad_accumulation_matches_autograd(model_name, recipe, fuse_mlp)
     torch.manual_seed(0)
     with torch.device("cuda"):  # FP32 master weights under BF16 autocast, as the trainer runs them
         base = Llama(LlamaConfig.tiny() if model_name == "tiny" else LlamaConfig.tiny_moe())
-    plan = make_plan(load_description(model_name), policy(recipe, get_recipe(recipe).default_format))
-    options = {"fuse_norm": fuse_mlp, "fuse_mlp": fuse_mlp}
-    unfused, _ = TEBackend(**options).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
-    fused, record = TEBackend(**options, fuse_wgrad_accumulation=True).convert(
+    plan = make_plan(load_description(model_name), policy(recipe, get_recipe(recipe).default_format,
+                                                          fuse_norm=fuse_mlp, fuse_mlp=fuse_mlp))
+    unfused, _ = TEBackend(**PLAIN).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
+    fused, record = TEBackend(cache_fp8_weights=False, fuse_wgrad_accumulation=True).convert(
         copy.deepcopy(base), plan.for_backend("te"), plan)
     weights = {name: p for name, p in fused.named_parameters() if hasattr(p, "main_grad")}
     gemm_weights = {f"{fqn}.{name}" for fqn, m in fused.named_modules() if isinstance(m, TransformerEngineBaseModule)

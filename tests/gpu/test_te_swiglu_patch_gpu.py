@@ -149,9 +149,9 @@ def test_te_backend_applies_it_for_fused_mlps_under_delayed_scaling(recipe, note
     with torch.device("cuda"):
         model = Llama(LlamaConfig.tiny())
     plan = make_plan(load_description("tiny"), PolicyConfig(recipe=recipe, backend="te", small_gemm_filter="off"))
-    _, record = TEBackend(fuse_norm=True, fuse_mlp=True).convert(model, plan.for_backend("te"), plan)
+    _, record = TEBackend().convert(model, plan.for_backend("te"), plan)  # the policy fuses norms and MLPs by default
     notes = [note for note in record.notes if "te_swiglu_fp8_dgrad" in note]
     assert bool(notes) == noted, record.notes
     assert hasattr(_LayerNormMLP, patch._MARK) == noted
     if noted:
-        assert notes[0].startswith(f"fuse_mlp, delayed: applied: {patch.WHAT}")
+        assert notes[0].startswith(f"fused MLPs, delayed: applied: {patch.WHAT}")

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fp8stack.assembly import apply_fp8, apply_tp
 from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.plan import PolicyConfig, make_plan
 from fp8stack.plan.from_module import describe_module
 
@@ -44,7 +45,7 @@ def tp_vs_one_gpu(rank: int) -> dict:
     policy = PolicyConfig(recipe="tensorwise", backend="torchao", small_gemm_filter="off", arch=90)
     model = apply_fp8(model, make_plan(describe_module(model, seq_len=CONFIG.seq_len, name="tp-gpu"), policy))
     reference = copy.deepcopy(model)
-    apply_tp(model, init_device_mesh("cuda", (WORLD,)))
+    apply_tp(model, init_device_mesh("cuda", (WORLD,)), tensor_parallel_plan(model, WORLD))
     seen = {}
     for fqn in FLOAT8_INPUTS:
         def record(module, args, fqn=fqn):

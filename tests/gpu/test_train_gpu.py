@@ -111,24 +111,26 @@ def test_resume_with_low_precision_parameters_is_bit_identical(param_dtype, tmp_
 @pytest.mark.parametrize("fuse_mlp", [False, True], ids=["linears", "layernorm-mlp"])
 def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(fuse_mlp):
     """With two micro-batches per step the TE modules cast their weights on the first and reuse that copy on
-    the second (TEBackend.cache_fp8_weights, on with gradient accumulation); the assembly's post-step hook
-    makes the next step cast the updated weights. Tensorwise scales come from the weights alone, so the
-    cached run computes exactly what a run casting at every micro-batch computes, and a run whose hook is
-    skipped keeps training on step 0's FP8 weights."""
-    from fp8stack.backends.te import fp8_weight_caches
+    the second (TEBackend.cache_fp8_weights, on with gradient accumulation); any optimizer step makes the next
+    forward cast the updated weights. Tensorwise scales come from the weights alone, so the cached run computes
+    exactly what a run casting at every micro-batch computes, and a run whose cache is kept past the steps
+    trains on step 0's FP8 weights."""
+    from fp8stack.backends import te_modules
 
     cfg = TrainConfig(**{**SETTINGS, "recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp})
 
     def losses(variant: str) -> list[float]:
         with session(cfg) as run:
-            caches = fp8_weight_caches(run.model)
+            caches = [m for m in run.model.modules() if getattr(m, "cached_weights", ())]
             assert run.micro_batches == 2 and caches, "gradient accumulation turns the FP8 weight cache on"
             assert any(type(m).__name__ == "TELayerNormMLP" for m in caches) == fuse_mlp
             if variant == "uncached":
                 for module in caches:
-                    module.is_first_microbatch = None
-            elif variant == "stale":
-                run.after_optimizer_step = lambda: None
+                    module.cached_weights = ()
+            elif variant == "stale":  # every cache taken for current after each step
+                run.after_optimizer_step = lambda: [setattr(
+                    m, "_cast_at", (te_modules._OPTIMIZER_STEPS[0], tuple(w._version for w in m.cached_weights)))
+                    for m in caches]
             return [float(run.step(cfg.grad_clip)[0]) for _ in range(cfg.steps)]
 
     cached, uncached, stale = losses("cached"), losses("uncached"), losses("stale")

@@ -1,4 +1,8 @@
-"""BF16 parameters with FP32 master weights (TrainConfig.param_dtype = "bf16"), as Megatron's --bf16 keeps them.
+"""BF16 parameters with FP32 master weights, as Megatron's --bf16 keeps them, for any model and optimizer.
+
+    masters = MasterWeights(model)                                # after assemble(): parameters become BF16
+    optimizer = masters.track(torch.optim.AdamW(masters.parameters(), lr=3e-4, fused=True))
+    ... the loop as before; clip the optimizer's parameters (the masters), whose .grad are FP32 ...
 
 With FP32 parameters under autocast, every forward casts each weight to BF16 again, at every micro-batch of a step
 (TE modules too: they cache FP8 weight casts across micro-batches, not BF16 ones). Here the model's parameters are
@@ -10,28 +14,37 @@ Embeddings hand that hook sparse gradients (nn.Embedding.sparse), so only the ro
 instead of a dense table-sized gradient. The masters' .grad are those main_grads, so clipping and AdamW read FP32
 gradients.
 
-With param_dtype fp8 the TE linears were built holding their weights in FP8 only (TEBackend.fp8_weights): those stay
-FP8, their masters start from the FP32 values TE quantized them from, and copying a master into such a weight
-quantizes it (TE's QuantizedTensor.copy_), with the scale the recipe keeps for that weight.
+Weights a backend holds in FP8 only (TE's fp8_weights) stay FP8: their masters start from the FP32 values the backend
+quantized them from, and copying a master into such a weight quantizes it (TE's QuantizedTensor.copy_), with the scale
+the recipe keeps for that weight.
 """
 
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fp8stack.backends.te import fp8_weight_masters
+from fp8stack.assembly import assembly_state, post_optimizer_step_hook
 
 
 class MasterWeights:
-    """The FP32 masters of a model whose parameters this makes BF16 (TE weights held in FP8 only stay FP8); `module`
-    holds them under the model's names (what the optimizer steps and a checkpoint saves); call after_step() after
-    each optimizer step."""
+    """The FP32 masters of a model whose parameters this makes BF16 (weights held in FP8 only stay FP8); `module`
+    holds them under the model's names (what the optimizer steps and a checkpoint saves). After each optimizer step
+    after_step() must run: track(optimizer) makes the optimizer run it (with the assembly's post-step hook)."""
 
     def __init__(self, model: nn.Module):
         named = {name: p for name, p in model.named_parameters() if p.requires_grad}
         wrong = sorted({str(p.dtype) for p in named.values()} - {"torch.float32"})
         if wrong:
             raise RuntimeError(f"BF16 parameters start from FP32 ones, found {wrong}: build the model in FP32")
-        fp8_values = fp8_weight_masters(model)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError("MasterWeights keeps the main_grads of one process, which no data-parallel wrapper "
+                               f"reduces, and this process group has {dist.get_world_size()} ranks: train one process "
+                               "with it, or keep FP32 parameters under FSDP's mixed precision")
+        backends = assembly_state(model).backends
+        fp8_values = {pid: value for backend in backends for pid, value in backend.take_master_values(model).items()}
+        self.model = model
         self.params = list(named.values())
         """The model's parameters, BF16 (or FP8) once constructed."""
         masters = {name: nn.Parameter(fp8_values[id(p)].to(p.device) if id(p) in fp8_values else p.detach().clone())
@@ -40,12 +53,10 @@ class MasterWeights:
         """The FP32 masters, in the order of params."""
         self.module = _holding(masters)
         """An nn.Module with the FP32 masters under the model's parameter names."""
+        for backend in backends:  # main_grads a backend's modules accumulate into are ours from here on
+            backend.hand_over_main_grads(model)
         ours = set(map(id, self.params))
         for module in model.modules():
-            # TE modules with fuse_wgrad_accumulation gave their weights a main_grad and make it the weight's .grad
-            # at each step's first forward, which a BF16 parameter cannot take: from here on these main_grads are ours.
-            if getattr(module, "main_grad_weights", ()):
-                module.main_grad_weights = ()
             if isinstance(module, nn.Embedding) and id(module.weight) in ours:
                 module.sparse = True
         for param in self.params:
@@ -55,6 +66,22 @@ class MasterWeights:
             if id(param) not in fp8_values:
                 param.data = param.data.to(torch.bfloat16)
         self._link_grads()
+        model.register_forward_pre_hook(self._link_unlinked_grads)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The FP32 masters: what the optimizer steps (and gradient clipping reads: their .grad are the main_grads)."""
+        return iter(self.masters)
+
+    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` (over parameters()), set to run after_step() and the assembly's post-step hook after each of
+        its steps."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not held <= set(map(id, self.masters)):
+            raise ValueError("the optimizer holds parameters that are not these master weights: build it over "
+                             "masters.parameters(), not model.parameters() (the model's are BF16 copies)")
+        after_assembly = post_optimizer_step_hook(self.model)
+        optimizer.register_step_post_hook(lambda *_hook_args: (self.after_step(), after_assembly()))
+        return optimizer
 
     def after_step(self) -> None:
         """The BF16 (and FP8) parameters from the stepped masters; main_grads zeroed for the next step (and the masters'
@@ -68,6 +95,12 @@ class MasterWeights:
     def _link_grads(self) -> None:
         for param, master in zip(self.params, self.masters, strict=True):
             master.grad = param.main_grad
+
+    def _link_unlinked_grads(self, *_hook_args) -> None:
+        """Before a forward: optimizer.zero_grad(set_to_none=True) let the masters' .grad go; point them at the
+        main_grads the coming backward accumulates into."""
+        if self.masters and self.masters[0].grad is None:
+            self._link_grads()
 
 
 def _into_main_grad(param: torch.Tensor) -> None:

@@ -1,0 +1,7 @@
+"""The optimizer side of low-precision training, for any model and loop: BF16 (or FP8) parameters with FP32 master
+weights, and FP32 main_grad accumulation (TE's fused weight-gradient GEMMs where TE runs, a hook elsewhere).
+Above the assembly: it asks the backends that converted a model what their weights need."""
+
+from fp8stack.precision.master_weights import MasterWeights
+
+__all__ = ["MasterWeights"]
