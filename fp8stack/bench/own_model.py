@@ -1,0 +1,156 @@
+"""A user's own model through the public API against fp8stack's own trainer, in one A/B-style run: the
+torchtitan-layout Llama of examples/own_model (its BF16 script, torchao tensorwise applied by hand, and the five
+fp8stack lines) beside `python -m fp8stack.train` with its fastest flags, at llama-1b-like shapes, each arm a fresh
+process, every arm's tokens/s read the same way (the median of its steady-state step times).
+
+    python -m fp8stack.bench.own_model --steps 12
+
+Writes profiles/runs/<date>-own-model-<device>/own-model-<device>.json, .md and .png, with each target's ratio:
+the own model with fp8stack at >= 0.95x the trainer's tokens/s (delayed and blockwise) and >= 1.15x torchao by hand.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.train.timing import relative_spread, steady_state
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "own_model"
+SHAPE = {"model": "llama-1b-like", "micro_batch": 2, "accumulation": 8}
+"""llama-1b-like at micro-batch 2, 8 micro-batches per step (global batch 16), sequence 4096."""
+
+TRAINER_FASTEST = ["--backend", "te", "--sdpa-backend", "cudnn", "--fuse-norm", "--fuse-mlp",
+                   "--gradient-accumulation-fusion", "--compile", "--param-dtype", "bf16"]
+"""fp8stack's own trainer with its fastest measured flags."""
+
+ARMS = {
+    "trainer delayed": ("trainer", "delayed"),
+    "own bf16": ("train_bf16.py", "bf16"),
+    "own torchao tensorwise by hand": ("train_torchao.py", "tensorwise"),
+    "own fp8stack delayed": ("train_fp8stack.py", "delayed"),
+    "trainer blockwise": ("trainer", "blockwise"),
+    "own fp8stack blockwise": ("train_fp8stack.py", "blockwise"),
+}
+"""Arm -> (what runs it: the trainer or a script of examples/own_model, recipe)."""
+
+TARGETS = (
+    ("own fp8stack delayed", "trainer delayed", 0.95),
+    ("own fp8stack delayed", "own torchao tensorwise by hand", 1.15),
+    ("own fp8stack blockwise", "trainer blockwise", 0.95),
+)
+"""(arm, against, the least tokens/s ratio that meets the target)."""
+
+
+def command(arm: str, steps: int, result: Path) -> list[str]:
+    runner, recipe = ARMS[arm]
+    if runner == "trainer":
+        return [sys.executable, "-m", "fp8stack.train", "--model", SHAPE["model"], "--fp8-recipe", recipe,
+                "--micro-batch-size", str(SHAPE["micro_batch"]),
+                "--global-batch-size", str(SHAPE["micro_batch"] * SHAPE["accumulation"]), *TRAINER_FASTEST,
+                "--train-iters", str(steps), "--lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0",
+                "--no-progress", "--result-json", str(result)]
+    return [sys.executable, str(EXAMPLE / runner), "--model", SHAPE["model"], "--recipe", recipe,
+            "--micro-batch", str(SHAPE["micro_batch"]), "--accumulation", str(SHAPE["accumulation"]),
+            "--steps", str(steps), "--result-json", str(result)]
+
+
+def run_arm(arm: str, steps: int, timeout: float) -> dict:
+    """One arm in a fresh process: its tokens/s, spread, peak memory and losses, or its error."""
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        argv = command(arm, steps, result)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            return {"arm": arm, "command": argv, "error": f"timed out after {timeout:.0f} s"}
+        if done.returncode or not result.is_file():
+            return {"arm": arm, "command": argv, "error": (done.stderr or done.stdout)[-3000:]}
+        measured = json.loads(result.read_text())
+    steady = steady_state(measured["step_ms"])
+    return {"arm": arm, "command": argv, "recipe": ARMS[arm][1],
+            "tokens_per_s": measured["tokens_per_step"] / statistics.median(steady) * 1000,
+            "spread": relative_spread(steady), "peak_mem_gib": measured["peak_mem_gib"],
+            "losses": measured["losses"], "step_ms": measured["step_ms"]}
+
+
+def targets(arms: dict[str, dict]) -> list[dict]:
+    rows = []
+    for arm, against, least in TARGETS:
+        a, b = arms.get(arm, {}), arms.get(against, {})
+        ratio = a["tokens_per_s"] / b["tokens_per_s"] if "tokens_per_s" in a and "tokens_per_s" in b else None
+        rows.append({"arm": arm, "against": against, "target": least, "ratio": ratio,
+                     "met": None if ratio is None else ratio >= least})
+    return rows
+
+
+def render(record: dict) -> str:
+    rows = [[a["arm"], a.get("recipe", "-"),
+             f"{a['tokens_per_s']:,.0f}" if "tokens_per_s" in a else "failed",
+             f"{a['spread']:.1%}" if "spread" in a else "-",
+             f"{a['peak_mem_gib']:.2f}" if a.get("peak_mem_gib") else "-",
+             f"{a['losses'][0]:.3f} -> {a['losses'][-1]:.3f}" if a.get("losses") else a.get("error", "")[-200:]]
+            for a in record["arms"]]
+    table = markdown_table(["arm", "recipe", "tokens/s", "step spread (IQR)", "peak GiB", "loss first -> last"], rows)
+    verdicts = markdown_table(["arm", "against", "tokens/s ratio", "target", "met"],
+                              [[t["arm"], t["against"], f"{t['ratio']:.3f}" if t["ratio"] else "-",
+                                f">= {t['target']}", {True: "yes", False: "no", None: "not measured"}[t["met"]]]
+                               for t in record["targets"]])
+    shape = record["shape"]
+    return (f"{shape['model']}, micro-batch {shape['micro_batch']}, {shape['accumulation']} micro-batches per step, "
+            f"{record['steps']} steps per arm, each arm a fresh process; tokens/s from the median of the "
+            "steady-state step times.\n\n" + table + "\n" + verdicts)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [a for a in record["arms"] if "tokens_per_s" in a]
+    figure, axes = plt.subplots(figsize=(9, 4))
+    speeds = [a["tokens_per_s"] for a in measured]
+    errors = [a["spread"] * s / 2 for a, s in zip(measured, speeds)]
+    axes.barh([a["arm"] for a in measured], speeds, xerr=errors, color="tab:blue")
+    axes.set_xlabel("tokens/s (error bar: half the steady-state IQR)")
+    axes.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per arm")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds an arm may take")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "profiles" / "runs")
+    args = parser.parse_args(argv)
+    chosen = [arm.strip() for arm in args.arms.split(",")]
+    unknown = [arm for arm in chosen if arm not in ARMS]
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
+    arms = {}
+    for arm in chosen:
+        arms[arm] = run_arm(arm, args.steps, args.timeout)
+        print(f"{arm}: {arms[arm].get('tokens_per_s', arms[arm].get('error', '')[-300:])}", flush=True)
+    record = {"shape": SHAPE, "steps": args.steps, "trainer_flags": TRAINER_FASTEST, "arms": list(arms.values()),
+              "targets": targets(arms)}
+    stem = f"own-model-{device_slug()}"
+    folder = args.out_dir / f"{date.today().isoformat()}-{stem}"
+    json_path, _ = write_evidence(stem, record, render(record), out_dir=folder)
+    for out in [folder] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+        plot(record, out / f"{stem}.png")
+    print(render(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
