@@ -206,7 +206,8 @@ class TEBackend(Backend):
             notes.append(f"fp8_weights: {count} TE weight(s) held in FP8 only (quantized_model_init); the "
                          "optimizer's FP32 masters are quantized into them after each step")
         if wgrad_note:
-            notes.append(wgrad_note)
+            count = sum(len(getattr(m, "main_grad_weights", ())) for m in model.modules())
+            notes.append(wgrad_note.format(count=count))
         layernorm_linears = [f for f in fusions if isinstance(f.feed, NormFeed)]
         if layernorm_linears:
             merged = sum(len(f.feed.linears) > 1 for f in layernorm_linears)
@@ -228,8 +229,8 @@ class TEBackend(Backend):
         if self.fuse_wgrad_accumulation is False:
             return False, ""
         if self.fuse_wgrad_accumulation:
-            return True, ("fuse_wgrad_accumulation: the TE weight-gradient GEMMs accumulate into FP32 main_grad "
-                          "buffers, which are the weights' .grad")
+            return True, ("fuse_wgrad_accumulation: the weight-gradient GEMMs of {count} TE weight(s) accumulate into "
+                          "FP32 main_grad buffers, which are the weights' .grad")
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dtypes = {p.dtype for d in decisions for p in _parameters_at(model, d.fqn)}
         devices = {p.device.type for d in decisions for p in _parameters_at(model, d.fqn)}
@@ -238,8 +239,8 @@ class TEBackend(Backend):
                    else f"the weights are {', '.join(sorted(map(str, dtypes)))} on {', '.join(sorted(devices))}, "
                         "and main_grad needs FP32 weights on the GPU")
             return False, f"fuse_wgrad_accumulation (auto): off, {why}"
-        return True, ("fuse_wgrad_accumulation (auto): on; the TE weight-gradient GEMMs accumulate into FP32 "
-                      "main_grad buffers, which are the weights' .grad")
+        return True, ("fuse_wgrad_accumulation (auto): on; the weight-gradient GEMMs of {count} TE weight(s) accumulate "
+                      "into FP32 main_grad buffers, which are the weights' .grad")
 
     def take_master_values(self, model: nn.Module) -> dict[int, torch.Tensor]:
         """The FP32 values each weight held in FP8 only (fp8_weights) was quantized from, on the CPU: TE keeps them
