@@ -4,6 +4,7 @@ Each rule looks at one component and either decides (returns a Decision with its
 passes (returns None). The first rule that decides wins; the last rule always decides.
 """
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -242,6 +243,11 @@ RULES: tuple[Rule, ...] = (high_precision_kinds, no_fp8_requested, first_last_la
 
 def make_plan(model: ModelDescription, cfg: PolicyConfig) -> Plan:
     """Apply RULES to every component of `model`."""
+    if cfg.first_last_layers_bf16:
+        check_layers_kept_bf16(model.num_layers, cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16,
+                               cfg.recipe)
+    for override in cfg.overrides:
+        _check_override_matches(override, model)
     decisions = []
     for c in model.components:
         for rule in RULES:
@@ -252,6 +258,33 @@ def make_plan(model: ModelDescription, cfg: PolicyConfig) -> Plan:
     fp8_format = cfg.fp8_format or (get_recipe(cfg.recipe).default_format if cfg.recipe != BF16 else "e4m3")
     return Plan(model=model.name, recipe=cfg.recipe, fp8_format=fp8_format, arch=cfg.arch,
                 decisions=tuple(decisions))
+
+
+def check_layers_kept_bf16(num_layers: int, start: int, end: int, recipe: str) -> None:
+    """--first-last-layers-bf16's counts must leave the model something to do: more layers than it has, or (under
+    an FP8 recipe) all of them, would silently train it all in BF16."""
+    for flag, count in (("--num-layers-at-start-in-bf16", start), ("--num-layers-at-end-in-bf16", end)):
+        if count > num_layers:
+            raise PlanError(f"{flag} {count} is more than the model's {num_layers} layers: pass at most {num_layers}")
+    if recipe != BF16 and num_layers and start + end >= num_layers:
+        raise PlanError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} keep all "
+                        f"{num_layers} layers BF16, so recipe {recipe} would train none in FP8: keep fewer layers "
+                        "BF16 or use --fp8-recipe bf16")
+
+
+def _check_override_matches(override: Override, model: ModelDescription) -> None:
+    """An override that matches no component would silently do nothing: refuse it, naming the closest names."""
+    if any(override.matches(c) for c in model.components):
+        return
+    blocks = sorted({c.block for c in model.components})
+    if not any(fnmatchcase(block, override.block) for block in blocks):
+        what, closest = f"block {override.block!r}", difflib.get_close_matches(override.block, blocks, n=3, cutoff=0)
+    else:
+        fqns = [c.fqn for c in model.components if fnmatchcase(c.block, override.block)]
+        what, closest = f"fqn {override.fqn!r}", difflib.get_close_matches(override.fqn, fqns, n=3, cutoff=0)
+    raise PlanError(f"{override.source}: the override for block {override.block!r}, fqn {override.fqn!r} matches no "
+                    f"component of {model.name} ({what} matches nothing; closest: {', '.join(closest)}): fix the "
+                    "pattern or drop the override")
 
 
 def _matching_override(c: Component, cfg: PolicyConfig) -> Override | None:
