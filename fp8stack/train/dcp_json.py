@@ -63,7 +63,9 @@ class JsonMetadataReader(FileSystemReader):
         except UndecodableFileError:
             raise
         except Exception as err:  # anything a file that does not decode raises, torch.load's errors included
-            raise UndecodableFileError(f"a tensor file does not decode ({type(err).__name__}: {err})") from err
+            files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            reason = " ".join(str(err).split())[:200]
+            raise UndecodableFileError(f"{', '.join(files)} does not decode ({type(err).__name__}: {reason})") from err
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
