@@ -5,6 +5,7 @@ passes (returns None). The first rule that decides wins; the last rule always de
 """
 
 import difflib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -280,7 +281,9 @@ def _check_override_matches(override: Override, model: ModelDescription) -> None
     if not any(fnmatchcase(block, override.block) for block in blocks):
         what, closest = f"block {override.block!r}", difflib.get_close_matches(override.block, blocks, n=3, cutoff=0)
     else:
-        fqns = [c.fqn for c in model.components if fnmatchcase(c.block, override.block)]
+        # as globs over the layers ('layers.*.attention.wo'): one suggestion per name, written as a pattern
+        fqns = sorted({re.sub(r"(?<=\.)\d+(?=\.)", "*", c.fqn) for c in model.components
+                       if fnmatchcase(c.block, override.block)})
         what, closest = f"fqn {override.fqn!r}", difflib.get_close_matches(override.fqn, fqns, n=3, cutoff=0)
     raise PlanError(f"{override.source}: the override for block {override.block!r}, fqn {override.fqn!r} matches no "
                     f"component of {model.name} ({what} matches nothing; closest: {', '.join(closest)}): fix the "
