@@ -93,8 +93,8 @@ TRAIN_BAD = [
     (["--tensorboard-dir", "{tmp}/a-file"], "log_dir (--tensorboard-dir) {tmp}/a-file is a file, not a folder"),
     (["--tensorboard-dir", "{tmp}/a-file/log"], "cannot be created: {tmp}/a-file is a file"),
     (["--result-json", "{tmp}/a-dir"], "--result-json {tmp}/a-dir is a folder: pass a file path"),
-    (["--result-json", "{tmp}/a-file/result.json"], "--result-json {tmp}/a-file/result.json: its folder {tmp}/a-file is "
-                                                     "a file, not a folder"),
+    (["--result-json", "{tmp}/a-file/result.json"],
+     "--result-json {tmp}/a-file/result.json: its folder {tmp}/a-file is a file, not a folder"),
     (["--lr", "0"], "lr must be positive, got 0.0"),
     (["--lr=-1e-3"], "lr must be positive"),
     (["--lr", "inf"], "lr must be a finite number, got inf"),

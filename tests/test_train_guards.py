@@ -59,7 +59,8 @@ def test_a_nan_in_one_layer_stops_before_the_optimizer_step_with_the_batch_pinne
     assert "the first layer with a non-finite output is layers.2.feed_forward.w2" in err
     pin = load_pin(log / "nonfinite-step1.pt")
     assert f"pinned in {log / 'nonfinite-step1.pt'}" in err
-    assert pin["step"] == 1 and torch.equal(pin["batch"]["tokens"], TextData(64, 2, 0, max_bytes=SMALL_DATA).batch(1)[0])
+    assert pin["step"] == 1
+    assert torch.equal(pin["batch"]["tokens"], TextData(64, 2, 0, max_bytes=SMALL_DATA).batch(1)[0])
     assert [json.loads(line)["step"] for line in (log / "train.jsonl").read_text().splitlines()] == [0]
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-00000001"], "no checkpoint after the NaN step"
 

@@ -339,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
                   "SwiGLU experts):\n\n"
                 + markdown_table(["shape from", "E x rows, D, F", "GEMM", "backend", "recipe", "module", "ms", "TF/s",
                                   "vs bf16"], grouped_rows))
-    payload = {"settings": {**{k: v for k, v in vars(args).items() if k != "force"}, "sm": s.arch, "rotated_inputs": ROTATE}, "dense": dense, "grouped": grouped}
+    settings = {k: v for k, v in vars(args).items() if k != "force"}
+    payload = {"settings": {**settings, "sm": s.arch, "rotated_inputs": ROTATE}, "dense": dense, "grouped": grouped}
     json_path, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(markdown)
     print(f"evidence: {json_path}, {md_path}")

@@ -103,7 +103,7 @@ def claim_evidence(stem: str, out_dir: str | Path = "profiles", force: bool = Fa
         check_output_dir(out_dir, "the evidence folder")
     except TrainConfigError as err:
         raise EvidenceError(str(err)) from None
-    existing = [str(Path(out_dir) / f"{stem}{suffix}") for suffix in suffixes if (Path(out_dir) / f"{stem}{suffix}").exists()]
+    existing = [str(path) for path in (Path(out_dir) / f"{stem}{suffix}" for suffix in suffixes) if path.exists()]
     if existing and not force:
         raise EvidenceError(f"{', '.join(existing)} exist{'s' if len(existing) == 1 else ''}: pass --force to replace "
                             "that evidence, or write elsewhere (--out-dir, --label)")

@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                 + "\nCUDA-graph capture of one training step (forward, backward, capturable AdamW) of the tiny "
                   "model, 2 x 128 tokens:\n\n"
                 + markdown_table(["backend", "captured", "result"], capture_rows))
-    payload = {"settings": {k: v for k, v in vars(args).items() if k != "force"}, "memory": memory, "capture": captures}
+    settings = {k: v for k, v in vars(args).items() if k != "force"}
+    payload = {"settings": settings, "memory": memory, "capture": captures}
     json_path, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(markdown)
     print(f"evidence: {json_path}, {md_path}")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -319,8 +320,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                 if signal_number:
                     if cfg.checkpoint_dir and saved is None:
                         saved = save(step + 1)
-                    kept = f"checkpoint {saved} saved: rerun with --load latest to continue" if saved else \
-                        "nothing saved (no checkpoint_dir, --save)"
+                    kept = (f"checkpoint {saved} saved: rerun with --load latest to continue" if saved
+                            else "nothing saved (no checkpoint_dir, --save)")
                     raise TrainingStopped(f"stopped by {signal.Signals(signal_number).name} after step {step + 1} of "
                                           f"{cfg.steps}: {kept}", signal_number, result)
         result.collectives = asdict(comms.result) if comms.result else None
@@ -449,7 +450,7 @@ def _checkpoint_due(done: int, cfg: TrainConfig) -> bool:
 
 
 def _stop_on_nonfinite(run: Session, cfg: TrainConfig, step: int, position: int, rng: dict,
-                       err: NonFiniteLossError) -> None:
+                       err: NonFiniteLossError) -> NoReturn:
     """Pin the step's batch and RNG states, rerun its forward under watch_layers to name the first layer whose
     output was not finite, and raise NonFiniteLossError saying both."""
     tokens, targets = run.data.batch(position)
@@ -595,8 +596,12 @@ class _Logger:
         """numerics.fp8_stats as scalars fp8/<fqn>/<statistic>/<input|weight>, TE's scales and amaxes by index."""
         for fqn, entry in stats.items():
             for name, values in entry.items():
-                named = values.items() if isinstance(values, dict) else enumerate(values) \
-                    if isinstance(values, list) else ()
+                if isinstance(values, dict):  # per role: input, weight
+                    named = values.items()
+                elif isinstance(values, list):  # TE's, per tensor
+                    named = enumerate(values)
+                else:  # a module whose statistics were not tracked says so in words
+                    continue
                 for role, value in named:
                     self.tensorboard.add_scalar(f"fp8/{fqn}/{name}/{role}", value, step)
 
