@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp8stack import cli
 from fp8stack.ab import run as ab_run
@@ -250,3 +251,13 @@ def test_a_description_with_a_repeat_of_the_wrong_type_is_refused():
             "layers": [{"block": "dense", "repeat": 1e9}]}
     with pytest.raises(PlanError, match="repeat of dense must be a positive integer, got 1000000000.0"):
         description_from_dict(data)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs its arm to fail: --device cuda on a CPU")
+def test_an_ab_in_which_no_arm_measures_anything_writes_no_evidence(tmp_path, capsys):
+    code = cli.main(["ab", "--model", "tiny", "--recipes", "bf16", "--no-repeat-baseline", "--device", "cuda",
+                     "--steps", "2", "--out-dir", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 1 and "device cuda requested but torch sees no CUDA GPU" in out, out
+    assert "no arm measured anything: no evidence written" in err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
