@@ -257,9 +257,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         master_module = run.masters.module if run.masters else None
         settings = {**run_settings(cfg, model_config(cfg), env.world_size), **plan_settings(run.plan)}
 
-        def save(done: int) -> Path:
+        def save(done: int) -> Path:  # run.json: the settings a resume must share, and the whole config for the record
             return checkpoint.save(cfg.checkpoint_dir, done, model, optimizer, scheduler, data.position,
-                                   masters=master_module, run=settings)
+                                   masters=master_module, run={**settings, "config": asdict(cfg)})
 
         start = 0
         if resume_from:
