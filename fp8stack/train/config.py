@@ -252,7 +252,6 @@ class TrainConfig:
             raise TrainConfigError(f"recompute_modules {list(self.recompute_modules)} need recompute: pass "
                                    "--recompute-granularity selective (all blocks) or --recompute-layers I,J")
 
-
     def _check_types(self) -> None:
         """Each field holds its annotated type (a JSON --config can hold anything): bool is no int, an int is a
         float, a list is a tuple."""
