@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml scripts/find-python.sh
 
 venv: $(STAMP)
 
+# A fresh folder under runs/ (git-ignored) per demo: the tracked evidence in profiles/ stays as recorded.
 demo: $(STAMP)
-	$(VENV)/bin/fp8stack ab --model tiny
+	$(VENV)/bin/fp8stack ab --model tiny --out-dir runs/demo-$$(date -u +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest

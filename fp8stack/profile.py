@@ -311,22 +311,28 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the evidence goes and the A/B evidence is read from (default: profiles)")
     parser.add_argument("--label", help="added to the evidence's name, profile-<model>-<label>-<gpu>; the A/B "
                                         "evidence read is the one `fp8stack ab --label` of the same label wrote")
+    parser.add_argument("--force", action="store_true", help="replace evidence of the same name (.json, .md)")
 
 
 def run_profile(args: argparse.Namespace) -> int:
     """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
-    from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
+    from fp8stack.bench.evidence import (EvidenceError, claim_evidence, device_slug, environment, markdown_table,
+                                         write_evidence)
     from fp8stack.train.config import TrainConfig, TrainConfigError
+    from fp8stack.train.loop import model_config
+    from fp8stack.train.preflight import preflight
 
+    env = environment()
+    name = "-".join(filter(None, (args.model, args.label, device_slug(env["device"]))))
+    stem = f"profile-{name}"
     try:
-        if args.steps < 1 or args.warmup < 0 or args.gemm_speedup <= 0:
+        if args.steps < 1 or args.warmup < 0 or not 0 < args.gemm_speedup < float("inf"):
             raise TrainConfigError(f"need --steps >= 1, --warmup >= 0 and --gemm-speedup > 0, got {args.steps}, "
                                    f"{args.warmup} and {args.gemm_speedup}")
         overrides = {"model": args.model, "fp8_format": args.fp8_format,
                      "device": args.device, "dtype": args.dtype, "compile": args.compile,
                      "steps": args.warmup + 1 + args.steps, "progress": False,
-                     **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
-                     **({"seq_len": args.seq_len} if args.seq_len else {})}
+                     **{k: getattr(args, k) for k in ("micro_batch", "seq_len") if getattr(args, k) is not None}}
         if len(args.blockwise_gemms) > 1:
             raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)}: profile profiles one FP8 "
                                    "run, so one GEMM library: pass te or deepgemm (fp8stack ab takes both)")
@@ -339,18 +345,18 @@ def run_profile(args: argparse.Namespace) -> int:
                                param_dtype="bf16" if recipe == BF16 and param_dtype == "fp8" else param_dtype,
                                **({"blockwise_gemms": library} if recipe != BF16 and library != "te" else {}))
                    for recipe in dict.fromkeys((BF16, args.recipe))]
+        claim_evidence(stem, args.out_dir, args.force)
+        for cfg in configs:
+            preflight(cfg, model_config(cfg))
         runs, plan = {}, None
         for cfg in configs:
             print(f"profiling {cfg.model} {cfg.recipe}: {args.warmup} + 1 warm-up and {args.steps} profiled steps",
                   flush=True)
             runs[cfg.recipe], plan = profile_run(cfg, args.warmup, args.steps)
-    except (TrainConfigError, PlanError) as err:
+    except (TrainConfigError, PlanError, EvidenceError) as err:
         print(f"fp8stack profile: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
-    env = environment()
-    name = "-".join(filter(None, (args.model, args.label, device_slug(env["device"]))))
-    stem = f"profile-{name}"
     ab_path = Path(args.out_dir) / f"ab-{name}.json"
     profiled, baseline = runs[args.recipe], runs[BF16]
     gemm_share, fp8_share = baseline.share("gemm"), fp8_matmul_share(plan)
@@ -378,7 +384,7 @@ def run_profile(args: argparse.Namespace) -> int:
         "runs": {recipe: asdict(run) for recipe, run in runs.items()},
     }
     markdown = _markdown(payload, runs, markdown_table)
-    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir)
+    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)  # claimed
     print(markdown, end="")
     print(f"wrote {json_path}, {md_path}")
     return 0

@@ -56,3 +56,16 @@ def test_band_of_the_committed_2000_step_runs_names_fused_accumulation(tmp_path)
     assert [r["run"] for r in record["fp8_runs"]] == [
         "delayed (recipe default format, margin 0)",
         "delayed (recipe default format, margin 0, fused wgrad accumulation)"]
+
+
+def test_evidence_of_the_same_name_is_replaced_only_with_force(tmp_path, capsys):
+    argv = ["--label", "seq1024-lr3e-4", "--out-dir", str(tmp_path), *map(str, SEQ1024_LR3E4)]
+    assert main(argv) == 0
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1 and "exist: pass --force to replace that evidence" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+    assert main([*argv, "--force"]) == 0

@@ -4,8 +4,9 @@ fresh process, and say per FP8 arm whether to ship it or roll back, with the num
 This module is the command: its options, the arms as fresh `python -m fp8stack.train` processes (in waves
 over --gpus), and the evidence: profiles/ab-<model>-<device>.json and .md after every arm ("complete": false
 and the pending arms until the last one has run, so a killed run keeps what it measured, and --continue-from
-runs the pending arms later), and a .png at the end (with matplotlib installed). How arms are judged:
-fp8stack.ab.verdicts.
+runs the pending arms later), and a .png at the end (with matplotlib installed). Evidence of the same name is
+replaced only with --force (or when --continue-from continues it), checked before any arm runs; a run in
+which no arm measured anything writes none. How arms are judged: fp8stack.ab.verdicts.
 """
 
 import argparse
@@ -208,16 +209,18 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
     parser.add_argument("--label", help="added to the evidence's name, ab-<model>[-megatron]-<label>-<gpu>, so a "
                                         "variant run does not replace the main evidence")
+    parser.add_argument("--force", action="store_true", help="replace evidence of the same name (.json, .md, .png)")
 
 
 def run_ab(args: argparse.Namespace) -> int:
     """Run every arm, judge them, write and print the evidence. 0 when a bf16 arm ran, else 1."""
     import torch  # after argument parsing: --help stays fast
 
-    from fp8stack.bench.evidence import device_slug, environment, markdown_table, write_evidence
+    from fp8stack.bench.evidence import claim_evidence, device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
     from fp8stack.train.config import TrainConfigError
     from fp8stack.train.loop import model_config
+    from fp8stack.train.preflight import preflight
 
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     tolerance = args.loss_tolerance if args.loss_tolerance is not None else (
@@ -226,14 +229,17 @@ def run_ab(args: argparse.Namespace) -> int:
     peaks = peak_tflops(env["device"]) if on_gpu else None
     overrides = {"model": args.model, "steps": args.steps, "fp8_format": args.fp8_format,
                  "seed": args.seed, "device": args.device, "dtype": args.dtype, "compile": args.compile,
-                 **{k: getattr(args, k) for k in ("lr", "warmup") if getattr(args, k) is not None},
-                 **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
-                 **({"seq_len": args.seq_len} if args.seq_len else {}),
-                 **({"max_data_bytes": args.max_data_bytes} if args.max_data_bytes else {}),
-                 **({"data_source": args.data_source} if args.data_source else {})}
+                 **{k: getattr(args, k) for k in ("lr", "warmup", "micro_batch", "seq_len", "max_data_bytes",
+                                                  "data_source") if getattr(args, k) is not None}}
+    impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
+    stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
     try:
         if args.baseline_runs < 1:
             raise TrainConfigError(f"--baseline-runs {args.baseline_runs}: the bf16 arm runs at least once")
+        if args.nproc < 1:
+            raise TrainConfigError(f"--nproc {args.nproc}: each arm runs in at least one process")
+        if not 0 <= tolerance < float("inf"):
+            raise TrainConfigError(f"--loss-tolerance {tolerance}: pass a relative gap >= 0, e.g. 0.0025")
         if args.gpus and args.nproc > 1:
             raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
                                    "use one of them")
@@ -257,14 +263,17 @@ def run_ab(args: argparse.Namespace) -> int:
             "fp8_margin": args.fp8_margin}))  # delayed arms only
         runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
                                 if args.continue_from else ({}, []))
-    except (ValueError, PlanError) as err:  # TrainConfigError is a ValueError
+        # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
+        claim_evidence(stem, args.out_dir, args.force or args.continue_from is not None,
+                       suffixes=(".json", ".md", ".png"))
+        for cfg in configs.values():  # what each arm's process would refuse, before any runs
+            preflight(cfg, model_config(cfg))
+    except (ValueError, PlanError) as err:  # TrainConfigError and EvidenceError are ValueErrors
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     sequences = first.global_batch or first.micro_batch * args.nproc
     split_bytes = load_split("train", first.max_data_bytes, source=first.data_source).numel()
     passes = args.steps * sequences * model_config(first).seq_len / split_bytes
-    impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
-    stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
     repeat_names = repeat_arms(args.baseline_runs)
     results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in configs}
     repeats: dict[str, dict | str] = {name: runs[name] for name in repeat_names if name in runs}
@@ -282,9 +291,10 @@ def run_ab(args: argparse.Namespace) -> int:
             todo += [name for name in repeat_names if name not in repeats]
         return todo
 
-    def record() -> tuple[list[Arm], list[dict], tuple[list[str], list[list]], str, Path, Path]:
+    def record() -> tuple[list[Arm], list[dict], tuple[list[str], list[list]], str, Path | None, Path | None]:
         """Judge the arms run so far and write the evidence: after every arm, so a run killed later (a
-        call's time limit) keeps what it measured, marked partial until nothing is pending."""
+        call's time limit) keeps what it measured, marked partial until nothing is pending; nothing while no arm
+        has measured anything (the paths are then None)."""
         todo = pending()
         named = {name: args.backend if isinstance(b, PlanError) else b for name, b in backends.items()}
         arms, repeat_records = judge(results, named, tolerance, peaks, repeats, passes)
@@ -344,7 +354,10 @@ def run_ab(args: argparse.Namespace) -> int:
         banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
                   f"{', '.join(todo)}. Verdicts may change once they have run (the bf16 repeats set the "
                   "noise).\n\n") if todo else ""
-        json_path, md_path = write_evidence(stem, payload, banner + markdown + notes, out_dir=args.out_dir)
+        if not any(isinstance(run, dict) for run in payload["runs"].values()):
+            return arms, repeat_records, table, markdown, None, None
+        json_path, md_path = write_evidence(stem, payload, banner + markdown + notes, out_dir=args.out_dir,
+                                            replace=True)  # claimed above
         return arms, repeat_records, table, markdown, json_path, md_path
 
     slots = args.gpus or [None]
@@ -381,6 +394,10 @@ def run_ab(args: argparse.Namespace) -> int:
                 record()
 
     arms, repeat_records, table, markdown, json_path, md_path = record()
+    if json_path is None:
+        _print_table(table, markdown)
+        print("no arm measured anything: no evidence written", file=sys.stderr)
+        return 1
     png = plot(arms, repeat_records, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))

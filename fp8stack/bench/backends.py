@@ -21,7 +21,7 @@ from torch import nn
 
 from fp8stack.ab import comma_separated
 from fp8stack.backends import BackendUnavailable, get_backend
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError, PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.plan.recipes import BF16
@@ -299,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
         print("fp8stack.bench.backends needs a CUDA GPU (torch.cuda.is_available() is False): run it on the GPU "
               "machine; no benchmark runs on CPU and nothing was written.", file=sys.stderr)
         return 2
+    stem = "-".join(filter(None, ("backends", args.label, device_slug())))
+    claim_or_exit("fp8stack.bench.backends", stem, args.out, args.force)
     major, minor = torch.cuda.get_device_capability()
     s = Settings(tokens=args.tokens, iters=args.iters, warmup=args.warmup, arch=10 * major + minor,
                  compile=args.compile)
@@ -337,9 +339,9 @@ def run(args: argparse.Namespace) -> int:
                   "SwiGLU experts):\n\n"
                 + markdown_table(["shape from", "E x rows, D, F", "GEMM", "backend", "recipe", "module", "ms", "TF/s",
                                   "vs bf16"], grouped_rows))
-    payload = {"settings": {**vars(args), "sm": s.arch, "rotated_inputs": ROTATE}, "dense": dense, "grouped": grouped}
-    stem = "-".join(filter(None, ("backends", args.label, device_slug())))
-    json_path, md_path = write_evidence(stem, payload, markdown, args.out)
+    settings = {k: v for k, v in vars(args).items() if k != "force"}
+    payload = {"settings": {**settings, "sm": s.arch, "rotated_inputs": ROTATE}, "dense": dense, "grouped": grouped}
+    json_path, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(markdown)
     print(f"evidence: {json_path}, {md_path}")
     return 0
@@ -358,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profiles", help="folder for the evidence files")
     parser.add_argument("--label", help="added to the evidence's name, backends-<label>-<gpu>, so a partial run "
                                         "(e.g. --shapes '' times issue 7's expert shape alone) keeps the full one")
+    add_force_option(parser)
     return run(parser.parse_args(argv))
 
 

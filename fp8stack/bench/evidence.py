@@ -2,9 +2,13 @@
 
 write_evidence() puts a JSON file (payload + environment + date + exact command) and a Markdown
 file (a header naming the same, then the caller's table) under profiles/, and a copy of both
-under $OUT when set (the folder a lent GPU machine sends back).
+under $OUT when set (the folder a lent GPU machine sends back). Each file is written whole (a
+temporary file renamed into place) and an existing one is replaced only when the caller says so:
+a tool claims its files before measuring (claim_evidence, refused without --force) and then
+rewrites them as often as it likes.
 """
 
+import argparse
 import json
 import os
 import re
@@ -17,6 +21,9 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from fp8stack.train.config import TrainConfigError
+from fp8stack.train.preflight import check_output_dir
 
 PACKAGES = {
     "transformer_engine": ("transformer-engine", "transformer-engine-torch"),
@@ -92,8 +99,49 @@ def commit() -> str | None:
     return head.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
 
 
-def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path = "profiles") -> tuple[Path, Path]:
-    """Write <out_dir>/<stem>.json and .md (and copies under $OUT); returns the two paths."""
+EVIDENCE_SUFFIXES = (".json", ".md")
+"""The files write_evidence writes per stem."""
+
+
+class EvidenceError(ValueError):
+    """Evidence that cannot be written where asked (a file it would replace, a folder it cannot write in)."""
+
+
+def add_force_option(parser: argparse.ArgumentParser) -> None:
+    """The --force flag of a tool writing evidence."""
+    parser.add_argument("--force", action="store_true", help="replace evidence files of the same name")
+
+
+def claim_evidence(stem: str, out_dir: str | Path = "profiles", force: bool = False,
+                   suffixes: tuple[str, ...] = EVIDENCE_SUFFIXES) -> None:
+    """Before measuring: refuse (EvidenceError) when out_dir cannot be written in, or when <out_dir>/<stem> with one
+    of `suffixes` exists and not `force`; afterwards the tool writes with write_evidence(..., replace=True)."""
+    try:
+        check_output_dir(out_dir, "the evidence folder")
+    except TrainConfigError as err:
+        raise EvidenceError(str(err)) from None
+    existing = [str(path) for path in (Path(out_dir) / f"{stem}{suffix}" for suffix in suffixes) if path.exists()]
+    if existing and not force:
+        raise EvidenceError(f"{', '.join(existing)} exist{'s' if len(existing) == 1 else ''}: pass --force to replace "
+                            "that evidence, or write elsewhere (--out-dir, --label)")
+
+
+def claim_or_exit(prog: str, stem: str, out_dir: str | Path, force: bool) -> None:
+    """claim_evidence for a tool's main: a refusal ends the process with one line and exit code 2."""
+    try:
+        claim_evidence(stem, out_dir, force)
+    except EvidenceError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path = "profiles",
+                   replace: bool = False) -> tuple[Path, Path]:
+    """Write <out_dir>/<stem>.json and .md (and copies under $OUT, replaced there); returns the two paths.
+    replace: replace existing files (claimed with claim_evidence); without it an existing file is an EvidenceError,
+    raised before anything is written."""
+    if not replace:
+        claim_evidence(stem, out_dir)
     meta = {**provenance(), "environment": environment()}
     clash = set(meta) & set(payload)
     if clash:
@@ -103,9 +151,16 @@ def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path 
     text_md = _header(stem, record) + markdown.rstrip() + "\n"
     for folder in [Path(out_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{stem}.json").write_text(text_json)
-        (folder / f"{stem}.md").write_text(text_md)
+        _write_whole(folder / f"{stem}.json", text_json)
+        _write_whole(folder / f"{stem}.md", text_md)
     return Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.md"
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed over it: a reader never sees half of it."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def _header(stem: str, record: dict) -> str:
@@ -126,7 +181,7 @@ def rerender(json_path: str | Path, render: Callable[[dict], str]) -> Path:
     json_path = Path(json_path)
     record = json.loads(json_path.read_text())
     md_path = json_path.with_suffix(".md")
-    md_path.write_text(_header(json_path.stem, record) + render(record).rstrip() + "\n")
+    _write_whole(md_path, _header(json_path.stem, record) + render(record).rstrip() + "\n")
     return md_path
 
 

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from fp8stack.backends import deepgemm, fp8_quant
 from fp8stack.backends.grouped import BlockwiseGroupedMM, TorchBlockwiseKernels
 from fp8stack.bench.backends import time_steps
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 
 KERNELS = {"deepgemm": deepgemm.DeepGemmKernels, "torch": TorchBlockwiseKernels}
 
@@ -34,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-features", type=int, default=4096, help="N (w13: 2 x the expert FFN width)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="profiles")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8stack.bench.experts_breakdown needs a CUDA GPU: nothing was run")
         return 1
+    stem = f"experts-breakdown-{args.kernels}-{device_slug()}"
+    claim_or_exit("fp8stack.bench.experts_breakdown", stem, args.out, args.force)
     e, t, d, n = args.experts, args.tokens, args.dim, args.out_features
     torch.manual_seed(0)
     x = torch.randn(e * t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"shape": {"experts": e, "tokens_per_expert": t, "dim": d, "out_features": n},
                "kernels": kernels.name, "iters": args.iters, "ms": timings, "fp8_over_bf16": ratio,
                "kernels_per_step": kernel_rows}
-    _, md_path = write_evidence(f"experts-breakdown-{args.kernels}-{device_slug()}", payload, markdown, args.out)
+    _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
     return 0
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import claim_or_exit, device_slug, markdown_table, write_evidence
 
 FAILURE_LINES = 15
 """Lines kept from the end of a failure's report: the assertion and the line that raised."""
@@ -54,8 +54,11 @@ def _note(result: dict) -> str:
     return (lines[-1] if lines else "").replace("|", "\\|")[:160]
 
 
-def run(args: list[str], out_dir: str = "profiles") -> int:
-    """pytest -m gpu <args> in this process; write the evidence; return pytest's exit code."""
+def run(args: list[str], out_dir: str = "profiles", force: bool = False) -> int:
+    """pytest -m gpu <args> in this process; write the evidence (replacing an earlier one only with `force`);
+    return pytest's exit code."""
+    stem = f"gpu-tests-{device_slug()}"
+    claim_or_exit("fp8stack.bench.gpu_tests", stem, out_dir, force)
     collector = OutcomeCollector()
     pytest_args = ["-m", "gpu", *args]
     start = time.perf_counter()
@@ -64,7 +67,7 @@ def run(args: list[str], out_dir: str = "profiles") -> int:
     counts = dict(Counter(r["outcome"] for r in results))
     payload = {"pytest_args": pytest_args, "exit_code": code, "wall_s": round(time.perf_counter() - start, 2),
                "counts": counts, "tests": results}
-    json_path, _ = write_evidence(f"gpu-tests-{device_slug()}", payload, render(payload), out_dir)
+    json_path, _ = write_evidence(stem, payload, render(payload), out_dir, replace=True)
     print(f"evidence: {json_path} ({_summary(counts)})")
     return code
 
@@ -80,5 +83,5 @@ def _summary(counts: dict) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests collected"
 
 
-if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+if __name__ == "__main__":  # --force (replace the evidence) is ours; every other argument goes to pytest
+    sys.exit(run([arg for arg in sys.argv[1:] if arg != "--force"], force="--force" in sys.argv[1:]))

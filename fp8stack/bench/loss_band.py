@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp8stack.ab.verdicts import REPEAT_ARM, is_bf16_arm
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 
 SHARED_SETTINGS = ("model", "model_impl", "steps", "warmup", "lr", "min_lr", "weight_decay", "grad_clip", "micro_batch",
                    "global_batch", "seq_len", "seed", "dtype", "compile", "sdpa_backend", "max_data_bytes",
@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", type=Path, help="A/B evidence files (.json) of one setting")
     parser.add_argument("--label", required=True, help="names the evidence: loss-band-<model>-<label>-<device>")
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     try:
         settings, bf16_runs, fp8_runs, sources = load_runs(args.files)
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     fp8_runs = [{**r, **place(r["final_loss"], bf16)} for r in fp8_runs]
     stem = f"loss-band-{settings['model']}-{args.label}-{device_slug(settings['device'])}"
+    claim_or_exit("loss_band", stem, args.out_dir, args.force)
     summary = (f"{bf16['runs']} BF16 runs: final loss mean {bf16['mean']:.4f}, {bf16['min']:.4f} to {bf16['max']:.4f} "
                f"(span {bf16['span']:.2%} of the mean), standard deviation {bf16['stdev']:.4f} "
                f"({bf16['stdev'] / bf16['mean']:.2%}).\n\n")
@@ -106,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"{r['stdevs']:+.1f}", r["position"]] for r in fp8_runs]))
     payload = {"settings": settings, "sources": sources, "bf16_band": bf16,
                "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
-    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir)
+    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
     print(summary + f"wrote {json_path}, {md_path}")
     return 0
 

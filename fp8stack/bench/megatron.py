@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8stack.ab import LAST_FRACTION, comma_separated, final_loss
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.bench.megatron_verdicts import (LOSS_TOLERANCE, MIN_WINDOWS, NOISE_METHOD, against, judge_pair,
                                               rounds_for, trains, window_order, window_summary)
 
@@ -353,6 +353,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "losses then part by chance, see deterministic_mode)")
     parser.add_argument("--moe-recipes", default="bf16,tensorwise,blockwise",
                         help="MoE arms, all in one interleaved group (default: bf16,tensorwise,blockwise)")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.window < 1:
         parser.error(f"--steps and --window must be positive, got {args.steps} and {args.window}")
@@ -381,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8stack.bench.megatron needs a CUDA GPU with TransformerEngine")
+    stem = f"megatron-{device_slug()}"
+    claim_or_exit("fp8stack.bench.megatron", stem, "profiles", args.force)
     determinism = deterministic_mode() if args.deterministic else None
     import patches
 
@@ -394,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peaks["moe"] = run_group(moe, data, args.window)
     payload, markdown, passed = report(dense, moe, args, data_source, patch_report, peaks, determinism)
     print(markdown)
-    write_evidence(f"megatron-{device_slug()}", payload, markdown)
+    write_evidence(stem, payload, markdown, replace=True)
     return 0 if passed else 1
 
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp8stack.ab import comma_separated
-from fp8stack.bench.evidence import device_slug, environment, markdown_table, provenance, write_evidence
+from fp8stack.bench.evidence import (add_force_option, claim_or_exit, device_slug, environment, markdown_table,
+                                     provenance, write_evidence)
 from fp8stack.train.fault import KILL_AT_ENV
 from fp8stack.train.timing import relative_spread, steady_state
 
@@ -499,6 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-other-parts", action="store_true",
                         help="keep the parts not run now from the existing evidence file (each part records its "
                              "own date and command), e.g. to rerun one part")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     parts = comma_separated(args.parts)
     unknown = sorted(set(parts) - set(PARTS))
@@ -510,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
+    # --keep-other-parts rewrites the evidence it continues
+    claim_or_exit("fp8stack.bench.multigpu", f"multigpu-{device_slug()}", args.out_dir,
+                  args.force or args.keep_other_parts)
     began = time.perf_counter()
     payload: dict = {"parts": parts, "gpus": torch.cuda.device_count()}
     if args.keep_other_parts:
@@ -553,7 +558,7 @@ def _write(payload: dict, pending: list[str], began: float, out_dir: str) -> tup
     payload["passed"] = bool(payload["checks"]) and all(payload["checks"].values()) and not pending
     payload["commands"] = [command for part in done for command in part.get("commands", [])]
     payload["wall_s"] = round(time.perf_counter() - began, 1)
-    return write_evidence(f"multigpu-{device_slug()}", payload, render(payload), out_dir)
+    return write_evidence(f"multigpu-{device_slug()}", payload, render(payload), out_dir, replace=True)
 
 
 if __name__ == "__main__":

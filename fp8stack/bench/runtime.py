@@ -21,7 +21,7 @@ import torch
 
 from fp8stack.assembly import assemble
 from fp8stack.backends import backend_class
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 from fp8stack.runtime import capture_check, compress_saved_activations
@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         print("fp8stack.bench.runtime needs a CUDA GPU (torch.cuda.is_available() is False): nothing was run or "
               "written.", file=sys.stderr)
         return 2
+    stem = f"runtime-{device_slug()}"
+    claim_or_exit("fp8stack.bench.runtime", stem, args.out, args.force)
     memory = []
     for variant in MEMORY_VARIANTS:
         r = {"variant": variant.name, **measure(variant, args.batch, args.seq, args.steps, args.warmup)}
@@ -192,8 +194,9 @@ def run(args: argparse.Namespace) -> int:
                 + "\nCUDA-graph capture of one training step (forward, backward, capturable AdamW) of the tiny "
                   "model, 2 x 128 tokens:\n\n"
                 + markdown_table(["backend", "captured", "result"], capture_rows))
-    payload = {"settings": vars(args), "memory": memory, "capture": captures}
-    json_path, md_path = write_evidence(f"runtime-{device_slug()}", payload, markdown, args.out)
+    settings = {k: v for k, v in vars(args).items() if k != "force"}
+    payload = {"settings": settings, "memory": memory, "capture": captures}
+    json_path, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(markdown)
     print(f"evidence: {json_path}, {md_path}")
     return 0
@@ -206,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--out", default="profiles", help="folder for the evidence files")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     backend_class("te").prepare_process()  # the BF16 variant runs SDPA before the TE variants
     return run(args)

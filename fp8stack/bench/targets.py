@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fp8stack.ab.verdicts import is_bf16_arm
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--loss-band", type=Path, help="a loss-band file of the 2 000-step runs")
     parser.add_argument("--label", required=True, help="names the evidence: targets-<model>-<label>-<device>")
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     try:
         arms = [arm for path in args.ab for arm in ab_arms(path)]
@@ -216,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     (device,), (model,) = devices, models
+    stem = f"targets-{model}-{args.label}-{device_slug(device)}"
+    claim_or_exit("targets", stem, args.out_dir, args.force)
     rows.sort(key=lambda r: list(TARGETS).index(r["target"]))
     table = [[r["target"], ("≥ " if r["at_least"] else "≤ ") + render(r["limit"], r["target"]),
               render(r["value"], r["target"]), r["status"], f"`{r['file']}`", r["arm"], r["note"]] for r in rows]
@@ -232,8 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"{a['memory']:.3f}x"] for a in arms]))
     payload = {"targets": [asdict(t) for t in TARGETS.values()], "rows": rows, "arms": arms,
                "sources": [str(p) for p in [*args.ab, args.experts, args.profile, args.loss_band] if p]}
-    json_path, md_path = write_evidence(f"targets-{model}-{args.label}-{device_slug(device)}", payload, markdown,
-                                        out_dir=args.out_dir)
+    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
     print(md_path.read_text())
     return 0
 

@@ -20,7 +20,8 @@ import torch
 from fp8stack.ab import comma_separated
 from fp8stack.backends import deepgemm, te_deepgemm
 from fp8stack.bench.backends import linear_shapes, time_steps
-from fp8stack.bench.evidence import device_slug, markdown_table, rerender, write_evidence
+from fp8stack.bench.evidence import (add_force_option, claim_or_exit, device_slug, markdown_table, rerender,
+                                     write_evidence)
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 HEAD = "head (BF16 in the plan; for scale)"
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="profiles")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the .md beside this evidence JSON from it")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     if args.render:
         print(rerender(args.render, render).read_text())
@@ -114,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("fp8stack.bench.te_gemms needs a CUDA GPU with TransformerEngine: nothing was run")
         return 1
+    stem = f"te-gemms-{device_slug()}"
+    claim_or_exit("fp8stack.bench.te_gemms", stem, args.out, args.force)
     library, why = deepgemm.load()
     torch.manual_seed(0)
     shapes = linear_shapes(list(comma_separated(args.models)))
     shapes.append({"source": HEAD, "n": 32000, "k": 4096, "names": ["output"]})
     results = [{**shape, **bench_shape(shape["n"], shape["k"], args.tokens, args.iters, library)} for shape in shapes]
     payload = {"tokens": args.tokens, "iters": args.iters, "deepgemm": why or "installed", "shapes": results}
-    _, md_path = write_evidence(f"te-gemms-{device_slug()}", payload, render(payload), args.out)
+    _, md_path = write_evidence(stem, payload, render(payload), args.out, replace=True)
     print(md_path.read_text())
     return 0
 

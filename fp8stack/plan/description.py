@@ -19,6 +19,12 @@ OTHER_KINDS = ("embedding", "norm", "ssm_scan")
 KINDS = GEMM_KINDS + OTHER_KINDS
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+MAX_YAML_DEPTH = 32
+"""Deepest nesting a description or recipe file may have (the formats need 5); deeper is refused before
+the parser's recursion runs out."""
+MAX_LAYERS = 4096
+"""Most layers a description may expand to (repeats included): beyond any model trained today, and a bound
+on the work a `repeat` can ask for."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,14 @@ class ModelDescription:
     """Whether a backend may replace the output head by its own module (False for megatron's GPTModel, whose output
     layer stays its ColumnParallelLinear)."""
 
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for c in self.components:
+            if c.fqn in seen:
+                raise PlanError(f"{self.name}: component {c.fqn} appears twice: give each component its own name "
+                                "(a plan decides once per fqn)")
+            seen.add(c.fqn)
+
     @property
     def num_layers(self) -> int:
         """Number of layers (blocks) in the stack."""
@@ -162,18 +176,48 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     raise PlanError(f"model description {str(name_or_path)!r} not found: give a YAML path or one of {known}")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader refusing duplicate keys (YAML keeps the last silently) and nesting deeper than MAX_YAML_DEPTH."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise yaml.YAMLError(f"nesting deeper than {MAX_YAML_DEPTH} levels at line "
+                                     f"{self.peek_event().start_mark.line + 1}")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        keys = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges are YAML's own business
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in keys:
+                raise yaml.YAMLError(f"key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1}"
+                                     "): keep one")
+            keys.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml_file(path: Path, what: str) -> dict:
-    """Parse a YAML mapping, turning read and syntax errors into one-line PlanErrors."""
+    """Parse a YAML mapping, turning read and syntax errors, duplicate keys and excessive nesting into one-line
+    PlanErrors."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except OSError as err:
         raise PlanError(f"cannot read {what} {path}: {err.strerror}") from None
     except UnicodeDecodeError:
         raise PlanError(f"{what} {path} is not UTF-8 text: give a YAML file") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
+    except yaml.MarkedYAMLError as err:
+        where = f" at line {err.problem_mark.line + 1}" if err.problem_mark else ""
         raise PlanError(f"{what} {path} is not valid YAML{where}: fix the syntax") from None
+    except yaml.YAMLError as err:
+        raise PlanError(f"{what} {path}: {err}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{what} {path} must be a YAML mapping (key: value), not {type(data).__name__}")
     return data
@@ -202,14 +246,10 @@ def description_from_dict(data: dict, source: str = "<dict>") -> ModelDescriptio
     components = [_component(c, _name_of(c, source), "model", None, source)
                   for c in _list(data.get("before_layers") or [], f"{source}: before_layers")]
     feeds = [f for c in _list(data.get("before_layers") or [], "") for f in _feeds(c, "", source)]
+    stack = _layer_stack(data["layers"], blocks, source)
     layer = 0
-    for entry in _list(data["layers"], f"{source}: layers"):
-        if not isinstance(entry, dict) or "block" not in entry:
-            raise PlanError(f"{source}: each 'layers' entry needs 'block' (and optional 'repeat')")
-        block = entry["block"]
-        if not isinstance(block, str) or block not in blocks:
-            raise PlanError(f"{source}: layers use block {block!r}, not defined under 'blocks' ({sorted(blocks)})")
-        for _ in range(_positive_int(entry.get("repeat", 1), f"{source}: repeat of {block}")):
+    for block, repeat in stack:
+        for _ in range(repeat):
             for spec in _list(blocks[block], f"{source}: block {block}"):
                 local = _name_of(spec, source)
                 components.append(_component(spec, f"{prefix}.{layer}.{local}", block, layer, source))
@@ -246,6 +286,22 @@ def _feeds(spec: dict, prefix: str, source: str) -> list[NormFeed | SwiGLUFeed]:
         out.append(SwiGLUFeed(norm, normalization, float(eps), prefix + str(swiglu["module"]), gate, up,
                               prefix + str(swiglu["down"])))
     return out
+
+
+def _layer_stack(entries: object, blocks: dict, source: str) -> list[tuple[str, int]]:
+    """(block, repeat) per 'layers' entry, after checking that they expand to at most MAX_LAYERS layers."""
+    stack = []
+    for entry in _list(entries, f"{source}: layers"):
+        if not isinstance(entry, dict) or "block" not in entry:
+            raise PlanError(f"{source}: each 'layers' entry needs 'block' (and optional 'repeat')")
+        block = entry["block"]
+        if not isinstance(block, str) or block not in blocks:
+            raise PlanError(f"{source}: layers use block {block!r}, not defined under 'blocks' ({sorted(blocks)})")
+        stack.append((block, _positive_int(entry.get("repeat", 1), f"{source}: repeat of {block}")))
+    total = sum(repeat for _, repeat in stack)
+    if total > MAX_LAYERS:
+        raise PlanError(f"{source}: 'layers' expands to {total} layers, more than {MAX_LAYERS}: lower the repeats")
+    return stack
 
 
 def _name_of(spec: object, source: str) -> str:

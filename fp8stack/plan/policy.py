@@ -4,6 +4,8 @@ Each rule looks at one component and either decides (returns a Decision with its
 passes (returns None). The first rule that decides wins; the last rule always decides.
 """
 
+import difflib
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -302,6 +304,11 @@ def make_plan(model: "ModelDescription | nn.Module", cfg: PolicyConfig, *, seq_l
             raise PlanError("make_plan(module, ...) needs seq_len=, the training sequence length (it sets the "
                             "attention cores' share of the GEMM FLOPs)")
         model = describe_module(model, seq_len=seq_len, name=type(model).__name__)
+    if cfg.first_last_layers_bf16:
+        check_layers_kept_bf16(model.num_layers, cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16,
+                               cfg.recipe)
+    for override in cfg.overrides:
+        _check_override_matches(override, model)
     decisions = []
     for c in model.components:
         for rule in RULES:
@@ -365,6 +372,35 @@ def _with_fusions(decisions: tuple[Decision, ...], fused: tuple[Fusion, ...],
             note = f"fused with {norm} into one {FUSED_NORM_LINEAR}"
         notes.update(dict.fromkeys(feed.linears, note))
     return tuple(replace(d, reason=f"{d.reason}; {notes[d.fqn]}") if d.fqn in notes else d for d in decisions)
+
+
+def check_layers_kept_bf16(num_layers: int, start: int, end: int, recipe: str) -> None:
+    """--first-last-layers-bf16's counts must leave the model something to do: more layers than it has, or (under
+    an FP8 recipe) all of them, would silently train it all in BF16."""
+    for flag, count in (("--num-layers-at-start-in-bf16", start), ("--num-layers-at-end-in-bf16", end)):
+        if count > num_layers:
+            raise PlanError(f"{flag} {count} is more than the model's {num_layers} layers: pass at most {num_layers}")
+    if recipe != BF16 and num_layers and start + end >= num_layers:
+        raise PlanError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} keep all "
+                        f"{num_layers} layers BF16, so recipe {recipe} would train none in FP8: keep fewer layers "
+                        "BF16 or use --fp8-recipe bf16")
+
+
+def _check_override_matches(override: Override, model: ModelDescription) -> None:
+    """An override that matches no component would silently do nothing: refuse it, naming the closest names."""
+    if any(override.matches(c) for c in model.components):
+        return
+    blocks = sorted({c.block for c in model.components})
+    if not any(fnmatchcase(block, override.block) for block in blocks):
+        what, closest = f"block {override.block!r}", difflib.get_close_matches(override.block, blocks, n=3, cutoff=0)
+    else:
+        # as globs over the layers ('layers.*.attention.wo'): one suggestion per name, written as a pattern
+        fqns = sorted({re.sub(r"(?<=\.)\d+(?=\.)", "*", c.fqn) for c in model.components
+                       if fnmatchcase(c.block, override.block)})
+        what, closest = f"fqn {override.fqn!r}", difflib.get_close_matches(override.fqn, fqns, n=3, cutoff=0)
+    raise PlanError(f"{override.source}: the override for block {override.block!r}, fqn {override.fqn!r} matches no "
+                    f"component of {model.name} ({what} matches nothing; closest: {', '.join(closest)}): fix the "
+                    "pattern or drop the override")
 
 
 def _matching_override(c: Component, cfg: PolicyConfig) -> Override | None:

@@ -118,7 +118,7 @@ def parse_arch(text: str | int) -> int:
     raw = str(text).strip().lower().removeprefix("sm_").removeprefix("sm")
     try:
         value = int(float(raw) * 10) if "." in raw else int(raw)
-    except ValueError:
+    except (ValueError, OverflowError):  # '9.x'; '1.e999' is an infinite float
         raise PlanError(f"cannot read GPU arch {text!r}: write it like sm90 or sm100") from None
     if not 50 <= value <= 200:
         raise PlanError(f"GPU arch {text!r} is out of range: write it like sm90 or sm100")

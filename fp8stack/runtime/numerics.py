@@ -18,8 +18,8 @@ from torchao.float8.float8_linear import Float8Linear
 
 from fp8stack.runtime.recompute import is_te_module
 
-__all__ = ["E4M3_MAX", "LayerWatch", "NonFiniteLossError", "check_finite", "fp8_stats", "load_pin", "rng_states",
-           "track_fp8_stats", "watch_layers", "zero_fp8_weight_grads"]
+__all__ = ["E4M3_MAX", "LayerWatch", "NonFiniteLossError", "check_finite", "clear_fp8_stats", "fp8_stats", "load_pin",
+           "pin_step", "rng_states", "set_rng_states", "track_fp8_stats", "watch_layers", "zero_fp8_weight_grads"]
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 """448: what the largest |value| of a tensor is scaled to, and where casts saturate."""
@@ -42,6 +42,16 @@ def rng_states() -> dict:
     return states
 
 
+def set_rng_states(states: dict) -> None:
+    """Restore what rng_states() (or load_pin's 'rng') holds."""
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(states["numpy"])
+
+
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
@@ -59,19 +69,46 @@ def check_finite(loss: torch.Tensor, *, step: int, batch, pin_dir: str | Path, r
     Reads the loss on the host: one sync per call."""
     if bool(torch.isfinite(loss.detach()).all()):
         return
-    pin_dir = Path(pin_dir)
-    pin_dir.mkdir(parents=True, exist_ok=True)
-    path = pin_dir / f"nonfinite-step{step}.pt"
-    torch.save({"step": step, "loss": loss.detach().cpu(), "batch": _to_cpu(batch),
-                "rng": rng if rng is not None else rng_states()}, path)
+    path = pin_step(pin_dir, step, batch, rng if rng is not None else rng_states(), loss=loss)
     raise NonFiniteLossError(f"loss is {loss.detach().float().cpu().tolist()} at step {step}: batch and RNG states "
                              f"pinned in {path}; reload with fp8stack.runtime.numerics.load_pin({str(path)!r}) and "
                              "rerun the step with watch_layers(model) to find the first non-finite layer")
 
 
+def pin_step(pin_dir: str | Path, step: int, batch, rng: dict, **values: torch.Tensor) -> Path:
+    """Write <pin_dir>/nonfinite-step<step>.pt: the step, `values` (the loss, ...), the batch (on CPU) and the RNG
+    states as tensors and lists, which load_pin reads back without unpickling any object; returns its path."""
+    pin_dir = Path(pin_dir)
+    pin_dir.mkdir(parents=True, exist_ok=True)
+    path = pin_dir / f"nonfinite-step{step}.pt"
+    torch.save({"step": step, **_to_cpu(values), "batch": _to_cpu(batch), "rng": _plain_rng(rng)}, path)
+    return path
+
+
 def load_pin(path: str | Path) -> dict:
-    """A file check_finite wrote: {'step', 'loss', 'batch', 'rng'}."""
-    return torch.load(path, weights_only=False)
+    """A file pin_step (check_finite) wrote: {'step', 'loss', 'batch', 'rng', ...}, read weights-only; 'rng' as
+    rng_states() gives it (set_rng_states restores it)."""
+    pin = torch.load(path, map_location="cpu", weights_only=True)
+    rng = pin["rng"]
+    version, internal, gauss = rng["python"]
+    rng["python"] = (version, tuple(internal), gauss)
+    if "numpy" in rng:
+        import numpy as np
+
+        name, keys, position, has_gauss, cached = rng["numpy"]
+        rng["numpy"] = (name, np.array(keys, dtype=np.uint32), position, has_gauss, cached)
+    return pin
+
+
+def _plain_rng(states: dict) -> dict:
+    """rng_states() with Python's and NumPy's tuples (and NumPy's key array) as lists, for a weights-only load."""
+    plain = dict(states)
+    version, internal, gauss = states["python"]
+    plain["python"] = [version, list(internal), gauss]
+    if "numpy" in states:
+        name, keys, position, has_gauss, cached = states["numpy"]
+        plain["numpy"] = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
+    return plain
 
 
 @dataclass
@@ -217,6 +254,12 @@ def fp8_stats(model: nn.Module) -> dict[str, dict]:
             entry.update(delayed)
         out[fqn or "<root>"] = entry or {"source": "not tracked: call track_fp8_stats(model) before the forward"}
     return out
+
+
+def clear_fp8_stats(model: nn.Module) -> None:
+    """Forget the statistics track_fp8_stats' hooks have summed so far (the next fp8_stats starts afresh)."""
+    for module in model.modules():
+        module.__dict__.pop(_STATS_ATTR, None)
 
 
 def zero_fp8_weight_grads(model: nn.Module) -> list[str]:

@@ -2,7 +2,10 @@
 
 Flags map onto TrainConfig fields; --config reads a JSON of TrainConfig fields first (how
 `fp8stack ab` hands each arm its settings) and the flags given override it. Mistakes in the input
-end with exit code 2 and one line 'python -m fp8stack.train: error: <problem and fix>'.
+end with exit code 2 and one line 'python -m fp8stack.train: error: <problem and fix>', before any
+model is built; a NaN or infinite loss or gradient norm with exit code 1 and one line naming the
+first non-finite layer and the file pinning the step; SIGTERM or SIGINT with a final checkpoint,
+one line and exit code 128 + the signal's number.
 """
 
 import argparse
@@ -101,6 +104,15 @@ FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--save-interval", "checkpoint_interval", {"type": int, "metavar": "N"}),
     ("--load", "resume", {"metavar": "PATH", "help": "resume: a step-* checkpoint, a folder of them (newest), "
                                                      "or 'latest' under --save"}),
+    ("--trust-checkpoint", "trust_checkpoint", {
+        "action": "store_true", "help": "let TransformerEngine unpickle the resumed checkpoint's delayed-scaling "
+                                        "state (a pickle can run code): only for a checkpoint you wrote"}),
+    ("--resume-despite-changes", "resume_despite_changes", {
+        "action": "store_true", "help": "resume a checkpoint saved under another recipe, model, layout, batch, "
+                                        "sequence length or plan (refused by default, naming the change)"}),
+    ("--fp8-stats-interval", "fp8_stats_interval", {"type": int, "metavar": "N",
+                                                    "help": "every N steps, FP8 amax/scale/saturation/underflow "
+                                                            "per layer to TensorBoard (needs --tensorboard-dir)"}),
     ("--progress", "progress", {"action": argparse.BooleanOptionalAction, "help": "progress bar / log lines"}),
 )
 
@@ -138,12 +150,18 @@ def config_from_args(args: argparse.Namespace):
     except (OSError, json.JSONDecodeError) as err:
         raise TrainConfigError(f"cannot read --config {given['config']}: {err}; pass a JSON file of TrainConfig "
                                "fields") from None
+    if not isinstance(values, dict):
+        raise TrainConfigError(f"--config {given['config']} holds a JSON {type(values).__name__}: pass a JSON object "
+                               "of TrainConfig fields")
     known = {f.name for f in fields(TrainConfig)}
     unknown = set(values) - known
     if unknown:
         raise TrainConfigError(f"--config {given['config']} has unknown field(s) {sorted(unknown)}; "
                                f"TrainConfig has {sorted(known)}")
     values.update({k: v for k, v in given.items() if k in known})
+    counts = [flag for flag, field, _ in FLAGS if field.startswith("num_layers_at_") and field in given]
+    if counts and not values.get("first_last_layers_bf16"):
+        raise TrainConfigError(f"{' and '.join(counts)} only apply with --first-last-layers-bf16: add that flag")
     granularity = given.get("recompute_granularity", "selective" if "recompute_modules" in given else None)
     if granularity == "full" and "recompute_modules" in given:
         raise TrainConfigError("--recompute-modules applies to --recompute-granularity selective, not full: "
@@ -162,17 +180,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else 0
     from fp8stack.assembly import OrderingError
     from fp8stack.backends import BackendUnavailable
+    from fp8stack.runtime.numerics import NonFiniteLossError
     from fp8stack.train.checkpoint import CheckpointError
     from fp8stack.train.config import TrainConfigError
     from fp8stack.train.loop import train
+    from fp8stack.train.preflight import check_output_file
+    from fp8stack.train.stop import TrainingStopped
 
     try:
         cfg = config_from_args(args)
+        if "result_json" in vars(args):
+            check_output_file(args.result_json, "--result-json")
         result = train(cfg)
     except (PlanError, TrainConfigError, CheckpointError, BackendUnavailable, OrderingError,
             NotImplementedError) as err:
         print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return USAGE_ERROR
+    except NonFiniteLossError as err:
+        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    except TrainingStopped as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 128 + err.signal_number
     if "result_json" in vars(args) and _is_rank_zero():
         Path(args.result_json).write_text(json.dumps(asdict(result)) + "\n")
     return 0

@@ -2,17 +2,23 @@
 
 One folder per checkpoint, `<checkpoint_dir>/step-<N>`:
 - model and optimizer tensors through torch.distributed.checkpoint (works unsharded, and sharded
-  under FSDP2/TP: each rank writes its shards);
+  under FSDP2/TP: each rank writes its shards), its metadata as JSON (dcp_json: DCP pickles it);
 - `rank<r>.pt` per rank: step, data position, LR scheduler, RNG states, and the modules' extra
-  state. FP8 scaling state lives there: TE DelayedScaling keeps its amax history and scales in
-  module extra_state (a pickled byte tensor whose size changes once FP8 has run, which DCP cannot
-  load in place, hence torch.save). torchao's dynamic tensorwise/rowwise scaling keeps no state.
-  TransformerEngine 2.20 unpickles DelayedScaling state only with NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1;
-  load() sets it while restoring, as it already unpickles the rank file of the same checkpoint.
+  state, all tensors and plain values, read back with torch.load(weights_only=True). FP8 scaling
+  state lives there: TE DelayedScaling keeps its amax history and scales in module extra_state (a
+  pickled byte tensor whose size changes once FP8 has run, which DCP cannot load in place).
+  torchao's dynamic tensorwise/rowwise scaling keeps no state;
+- `run.json` (rank 0, when the caller passes `run`): the settings and plan the run was saved
+  under, so a resume under other ones is refused by name.
+Loading unpickles nothing a user can swap: the metadata and run.json are JSON, tensors and rank
+files are read weights-only. TE unpickles its own DelayedScaling state, and TE reads it only with
+NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; load() sets that variable to 1 only when the caller says
+the checkpoint is trusted and to 0 otherwise, so TE refuses it (UntrustedCheckpointError).
 A checkpoint is written under a temporary name and renamed when complete, so `latest()` never
 picks a half-written one.
 """
 
+import json
 import os
 import random
 import shutil
@@ -28,16 +34,34 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fp8stack.train.dcp_json import (METADATA_FILE, JsonMetadataReader, JsonMetadataWriter, UndecodableFileError,
+                                     WeightsOnlyLoadPlanner)
+
 EXTRA_STATE_SUFFIX = nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 """Key suffix of a module's get_extra_state() in its state_dict ('_extra_state')."""
 PREFIX = "step-"
+RUN_FILE = "run.json"
+"""The settings and plan a checkpoint was saved under (save's `run`)."""
 TE_TRUSTED_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 """TE's opt-in to unpickle DelayedScaling extra state (amax histories, scales); without it TE refuses
-to load them. Loading a checkpoint trusts it: its rank file is a pickle too."""
+to load them."""
+TRUST_FIX = "pass --trust-checkpoint (checkpoint.load(..., trusted=True)) if you wrote this checkpoint yourself"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete or does not fit the model being resumed; the message says what to do."""
+    """A checkpoint that cannot be resumed here; the message says what to do."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint file that is missing, truncated, corrupt, or holds what fp8stack never writes there."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another model, layout or run settings than the run resuming it."""
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint whose FP8 scaling state TE reads by unpickling, loaded without trusted=True."""
 
 
 @dataclass
@@ -62,18 +86,22 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
 
 
 def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, data_position: int, masters: nn.Module | None = None) -> Path:
+         scheduler: torch.optim.lr_scheduler.LRScheduler, data_position: int, masters: nn.Module | None = None,
+         run: dict | None = None) -> Path:
     """Write checkpoint `step` (every rank calls this); returns its folder. masters: the FP32 master weights under
-    the model's names when the model's parameters are BF16 copies of them (fp8stack.precision.MasterWeights): saved as the
-    model's tensors, which they are up to rounding, and what the optimizer steps."""
+    the model's names when the model's parameters are BF16 copies of them (fp8stack.precision.MasterWeights): saved as
+    the model's tensors, which they are up to rounding, and what the optimizer steps. run: JSON-serialisable settings
+    a resume must share (load's `run` compares them), kept in run.json."""
     final = checkpoint_path(checkpoint_dir, step)
     partial = final.with_name(final.name + ".partial")
     model_state, optim_state = get_state_dict(masters or model, optimizer)
     tensors, extra = _split_extra_state({**model_state, **_extra_state(model, masters)})
     with _single_process_quiet():
-        dcp.save({"model": tensors, "optimizer": optim_state}, checkpoint_id=partial)
+        dcp.save({"model": tensors, "optimizer": optim_state}, storage_writer=JsonMetadataWriter(partial))
     torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict(),
-                "rng": _rng_state(), "extra_state": extra}, partial / f"rank{_rank()}.pt")
+                "rng": _rng_state(), "extra_state": extra}, _rank_file(partial))
+    if run is not None and _rank() == 0:
+        (partial / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
     _barrier()
     if _rank() == 0:
         if final.exists():  # a resumed run passing the step again replaces that checkpoint
@@ -84,33 +112,32 @@ def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: tor
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, masters: nn.Module | None = None) -> Resumed:
+         scheduler: torch.optim.lr_scheduler.LRScheduler, masters: nn.Module | None = None, *, trusted: bool = False,
+         run: dict | None = None, allow_run_changes: bool = False) -> Resumed:
     """Restore model, optimizer, scheduler, RNG and FP8 extra state from `path` in place; with `masters` (as for
     save) the masters take the tensors, and the caller copies them into the model's BF16 parameters (and gives the
-    masters back their gradients, which this lets go)."""
+    masters back their gradients, which this lets go).
+    trusted: let TE unpickle the FP8 scaling state of its DelayedScaling modules (only for a checkpoint you wrote).
+    run: the settings of the run resuming (as save's `run`): a checkpoint saved under others is refused naming
+    them, unless allow_run_changes. Everything is read and checked before the model is touched, except that a
+    tensor file found corrupt while loading, or FP8 state TE refuses, leaves the model partly loaded."""
     path = Path(path)
-    own = path / f"rank{_rank()}.pt"
-    if not own.is_file():
-        raise CheckpointError(f"{path} is not a complete fp8stack checkpoint for rank {_rank()} (no {own.name}): "
-                                "resume from another step, or with the same number of processes it was saved with")
+    if run is not None:
+        check_run(path, run, allow_run_changes)
+    saved, reader = _read_files(path)
     # get_state_dict builds a fresh optimizer's state (to load into) only while no parameter has a gradient, and
     # masters hold theirs from the start: without this the moments would silently stay unloaded.
     optimizer.zero_grad(set_to_none=True)
     model_state, optim_state = get_state_dict(masters or model, optimizer)
     tensors, extra_keys = _split_extra_state({**model_state, **_extra_state(model, masters)})
-    state = {"model": tensors, "optimizer": optim_state}
-    try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path)
-    except CheckpointException as err:
-        causes = sorted({" ".join(str(exc).split()) for exc, _ in err.failures.values()})
-        raise CheckpointError(f"{path} does not fit this model ({'; '.join(causes)}): resume with the model, "
-                              "parallel layout and number of processes it was saved with") from err
-    saved = torch.load(own, weights_only=False)  # our own file: RNG states and recipes are Python objects
     if set(saved["extra_state"]) != set(extra_keys):
-        raise CheckpointError(f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
-                           f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
-    with _te_extra_state_trusted():
+        raise CheckpointMismatchError(
+            f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
+            f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
+    state = {"model": tensors, "optimizer": optim_state}
+    with _te_extra_state_trust(trusted):
+        _load_extra_state(path, model, saved["extra_state"])  # first: what TE refuses stops the load here
+        _load_tensors(path, state, reader)
         if masters is None:
             incompatible = set_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
                                           model_state_dict={**state["model"], **saved["extra_state"]},
@@ -118,13 +145,136 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         else:
             incompatible = set_state_dict(masters, optimizer, model_state_dict=state["model"],
                                           optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
-            model.load_state_dict(saved["extra_state"], strict=False)  # the keys matched extra_keys above
     if incompatible.missing_keys or incompatible.unexpected_keys:
-        raise CheckpointError(f"{path} does not fit this model: missing {incompatible.missing_keys}, "
-                           f"unexpected {incompatible.unexpected_keys}; resume with the same model and plan")
+        raise CheckpointMismatchError(f"{path} does not fit this model: missing {incompatible.missing_keys}, "
+                                      f"unexpected {incompatible.unexpected_keys}; resume with the same model and plan")
     scheduler.load_state_dict(saved["scheduler"])
     _set_rng_state(saved["rng"])
     return Resumed(step=saved["step"], data_position=saved["data_position"])
+
+
+def saved_run(path: str | Path) -> dict | None:
+    """The `run` settings checkpoint `path` was saved with (run.json), or None when it was saved without."""
+    file = Path(path) / RUN_FILE
+    if not file.exists():
+        return None
+    try:
+        record = json.loads(file.read_bytes())
+    except (OSError, ValueError) as err:
+        raise CheckpointDamagedError(f"{path} is damaged: {RUN_FILE} does not decode ({err}): resume from another "
+                                     "checkpoint") from None
+    if not isinstance(record, dict):
+        raise CheckpointDamagedError(f"{path} is damaged: {RUN_FILE} holds a {type(record).__name__}, not the run's "
+                                     "settings: resume from another checkpoint")
+    return record
+
+
+def check_run(path: str | Path, run: dict, allow_changes: bool = False) -> None:
+    """Refuse (CheckpointMismatchError) a checkpoint saved under other `run` settings, naming each that differs;
+    allow_changes accepts them."""
+    saved = saved_run(path)
+    if allow_changes:
+        return
+    run = json.loads(json.dumps(run))  # as run.json holds it: tuples as lists
+    if saved is None:
+        raise CheckpointMismatchError(f"{path} records no run settings ({RUN_FILE}), so a changed recipe, model or "
+                                      "batch would go unnoticed: load it without run=, or pass "
+                                      "--resume-despite-changes")
+    differ = [key for key in run if saved.get(key) != run[key]]
+    if differ:
+        changes = "; ".join(_difference(key, saved.get(key), run[key]) for key in differ)
+        raise CheckpointMismatchError(f"{path} was saved under other settings ({changes}): resume with the settings "
+                                      "it was saved with, or pass --resume-despite-changes to continue under the "
+                                      "new ones")
+
+
+def _difference(key: str, saved, now) -> str:
+    """'key: saved -> now'; for mappings (a plan's decisions) the first entries that differ."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
+        shown = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in keys[:3])
+        return f"{key} ({shown}{f' and {len(keys) - 3} more' if len(keys) > 3 else ''})"
+    return f"{key}: {json.dumps(saved)} -> {json.dumps(now)}"
+
+
+def check_files(path: str | Path) -> None:
+    """Read and check what load() reads of checkpoint `path` before it touches a model: this rank's file, the
+    metadata, and that every tensor file is there and long enough (CheckpointError, CheckpointDamagedError)."""
+    _read_files(Path(path))
+
+
+def _read_files(path: Path) -> tuple[dict, JsonMetadataReader]:
+    own = _rank_file(path)
+    if not own.is_file():
+        raise CheckpointError(f"{path} is not a complete fp8stack checkpoint for rank {_rank()} (no {own.name}): "
+                              "resume from another step, or with the same number of processes it was saved with")
+    return _read_rank_file(own), _reader(path)
+
+
+def _rank_file(folder: Path) -> Path:
+    return folder / f"rank{_rank()}.pt"
+
+
+def _reader(path: Path) -> JsonMetadataReader:
+    try:
+        return JsonMetadataReader(path)
+    except UndecodableFileError as err:
+        if (path / ".metadata").is_file() and not (path / METADATA_FILE).exists():
+            raise CheckpointDamagedError(f"{path} was written by an older fp8stack whose metadata is a pickle, "
+                                         "which this version does not load: start the run afresh") from None
+        raise CheckpointDamagedError(f"{path} is damaged: {err}: resume from another checkpoint") from None
+
+
+def _read_rank_file(file: Path) -> dict:
+    """The rank file's contents, read weights-only (tensors and plain values) and checked field by field."""
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch.load raises many types on a file that is not its format
+        raise CheckpointDamagedError(f"{file} is damaged or holds more than tensors and plain values "
+                                     f"({_first_line(err)}): resume from another checkpoint") from None
+    rng = saved.get("rng") if isinstance(saved, dict) else None
+    valid = (isinstance(saved, dict) and all(isinstance(saved.get(k), int) and saved[k] >= 0
+                                              for k in ("step", "data_position"))
+             and isinstance(saved.get("scheduler"), dict) and isinstance(saved.get("extra_state"), dict)
+             and isinstance(rng, dict) and _valid_python_rng(rng.get("python"))
+             and isinstance(rng.get("torch"), torch.Tensor) and isinstance(rng.get("cuda"), (list, type(None))))
+    if not valid:
+        raise CheckpointDamagedError(f"{file} is damaged: it lacks the step, data position, scheduler, RNG or extra "
+                                     "state of an fp8stack rank file: resume from another checkpoint")
+    return saved
+
+
+def _first_line(err: Exception) -> str:
+    """A short reason: torch.load's weights-only refusal names the global it met on one of many lines."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    named = [line for line in lines if "Unsupported global" in line or "Unsupported operand" in line]
+    return f"{type(err).__name__}: {(named or lines or [''])[0][:200]}"
+
+
+def _load_extra_state(path: Path, model: nn.Module, extra: dict) -> None:
+    """The modules' extra states, before any weight: TE refuses its pickled DelayedScaling state unless trusted."""
+    try:
+        model.load_state_dict(extra, strict=False)  # the keys matched the model's extra-state keys
+    except RuntimeError as err:
+        if TE_TRUSTED_PICKLE_ENV not in str(err):
+            raise
+        raise UntrustedCheckpointError(f"{path} holds TransformerEngine FP8 scaling state that TE reads by "
+                                       f"unpickling, which can run code: {TRUST_FIX}") from None
+
+
+def _load_tensors(path: Path, state: dict, reader: JsonMetadataReader) -> None:
+    """DCP's load into `state`; a file that does not decode is damage, a key or shape DCP cannot place a mismatch."""
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+    except CheckpointException as err:
+        failures = [exc for exc, _ in err.failures.values()]
+        damaged = [exc for exc in failures if isinstance(exc, UndecodableFileError)]
+        if damaged:
+            raise CheckpointDamagedError(f"{path} is damaged: {damaged[0]}: resume from another checkpoint") from None
+        causes = sorted({" ".join(str(exc).split()) for exc in failures})
+        raise CheckpointMismatchError(f"{path} does not fit this model ({'; '.join(causes)}): resume with the "
+                                      "model, parallel layout and number of processes it was saved with") from err
 
 
 def _extra_state(model: nn.Module, masters: nn.Module | None) -> dict:
@@ -133,7 +283,7 @@ def _extra_state(model: nn.Module, masters: nn.Module | None) -> dict:
 
 
 def _split_extra_state(model_state: dict) -> tuple[dict, dict]:
-    """(tensors for DCP, extra states for torch.save); the extra states' values are cloned to CPU."""
+    """(tensors for DCP, extra states for the rank file); the extra states' values are cloned to CPU."""
     tensors = {k: v for k, v in model_state.items() if not k.endswith(EXTRA_STATE_SUFFIX)}
     extra = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
              for k, v in model_state.items() if k.endswith(EXTRA_STATE_SUFFIX)}
@@ -141,22 +291,30 @@ def _split_extra_state(model_state: dict) -> tuple[dict, dict]:
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+    """The RNG states as tensors and lists (Python's tuple state as a list), which a weights-only load reads."""
+    version, internal, gauss = random.getstate()
+    return {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def _valid_python_rng(state) -> bool:
+    return (isinstance(state, list) and len(state) == 3 and isinstance(state[1], list)
+            and all(isinstance(v, int) for v in state[1]) and isinstance(state[2], (float, type(None))))
+
+
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @contextmanager
-def _te_extra_state_trusted():
-    """TE_TRUSTED_PICKLE_ENV set to 1 inside, as it was outside afterwards."""
+def _te_extra_state_trust(trusted: bool):
+    """TE_TRUSTED_PICKLE_ENV 1 (trusted) or 0 inside, whatever the environment said; as it was afterwards."""
     previous = os.environ.get(TE_TRUSTED_PICKLE_ENV)
-    os.environ[TE_TRUSTED_PICKLE_ENV] = "1"
+    os.environ[TE_TRUSTED_PICKLE_ENV] = "1" if trusted else "0"
     try:
         yield
     finally:

@@ -1,6 +1,8 @@
 """What one training run is told (TrainConfig, validated on construction) and what it measured (TrainResult)."""
 
-from dataclasses import dataclass, field
+import math
+import types
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -15,6 +17,8 @@ MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-
 MODEL_IMPLS = ("torch", "megatron")
 """How the model is built: the plain-torch Llama, or a megatron-core GPTModel (TrainConfig.model_impl)."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MAX_SEQ_LEN = 1 << 17
+"""Longest sequence a run may ask for (Llama 3's 128k context): a longer one would only exhaust memory."""
 
 
 class TrainConfigError(ValueError):
@@ -151,10 +155,20 @@ class TrainConfig:
     """Save every this many steps (and after the last); 0 saves only after the last step."""
     resume: str | None = None
     """'latest' (newest under checkpoint_dir) or a checkpoint folder to continue from; None starts fresh."""
+    trust_checkpoint: bool = False
+    """Let TransformerEngine unpickle the FP8 scaling state of the resumed checkpoint (delayed scaling keeps it as a
+    pickle, which can run code): only for a checkpoint this user wrote. Without it such a resume is refused."""
+    resume_despite_changes: bool = False
+    """Resume a checkpoint saved under other settings (recipe, model, layout, batch, sequence length, plan): by
+    default such a resume is refused, naming what changed."""
+    fp8_stats_interval: int = 0
+    """Every this many steps, write each FP8 layer's amax, scale, saturated and flushed-to-zero counts (inputs and
+    weights, runtime.numerics.fp8_stats) to TensorBoard under fp8/ (needs log_dir); 0 writes none."""
     progress: bool = True
     """Show a rich progress bar when stdout is a terminal."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.model not in MODELS:
             raise TrainConfigError(f"unknown model {self.model!r}: use one of {', '.join(MODELS)}")
         if self.dtype not in ("auto", *DTYPES):
@@ -192,9 +206,21 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "tensor_parallel", "log_interval"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup", "fp8_margin", "fp8_priming_passes", "fp8_grad_check_steps"):
+        for name in ("warmup", "fp8_margin", "fp8_priming_passes", "fp8_grad_check_steps", "eval_batches",
+                     "checkpoint_interval", "fp8_stats_interval"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if self.max_data_bytes < 1:
+            raise TrainConfigError(f"max_data_bytes must be at least 1, got {self.max_data_bytes}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
+                raise TrainConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise TrainConfigError(f"lr must be positive, got {self.lr}: the schedule scales it (warm-up, decay)")
+        if self.weight_decay < 0:
+            raise TrainConfigError(f"weight_decay must be non-negative (0: no decay), got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise TrainConfigError(f"grad_clip must be non-negative (0: no clipping), got {self.grad_clip}")
         if self.global_batch is not None and (self.global_batch < 1 or self.global_batch % self.micro_batch):
             raise TrainConfigError(f"global_batch={self.global_batch} must be a positive multiple of "
                                    f"micro_batch={self.micro_batch} (times the data-parallel ranks)")
@@ -209,8 +235,11 @@ class TrainConfig:
             self.min_lr = self.lr / 10
         if not 0 <= self.min_lr <= self.lr:
             raise TrainConfigError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
-        if self.seq_len is not None and self.seq_len < 2:
-            raise TrainConfigError(f"seq_len must be at least 2, got {self.seq_len}")
+        if self.seq_len is not None and not 2 <= self.seq_len <= MAX_SEQ_LEN:
+            raise TrainConfigError(f"seq_len must be between 2 and {MAX_SEQ_LEN}, got {self.seq_len}")
+        if self.fp8_stats_interval and not self.log_dir:
+            raise TrainConfigError("fp8_stats_interval writes FP8 statistics to TensorBoard: pass --tensorboard-dir, "
+                                   "or drop --fp8-stats-interval")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise TrainConfigError("resume='latest' needs checkpoint_dir: pass --save DIR (or --load a checkpoint)")
         recompute_blocks(self.recompute)
@@ -222,6 +251,30 @@ class TrainConfig:
         if self.recompute is None and self.recompute_modules != ("block",):
             raise TrainConfigError(f"recompute_modules {list(self.recompute_modules)} need recompute: pass "
                                    "--recompute-granularity selective (all blocks) or --recompute-layers I,J")
+
+    def _check_types(self) -> None:
+        """Each field holds its annotated type (a JSON --config can hold anything): bool is no int, an int is a
+        float, a list is a tuple."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kinds = f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)
+            if not any(_is_a(value, kind) for kind in kinds):
+                names = " or ".join(_KIND_NAMES.get(kind, getattr(kind, "__name__", str(kind))) for kind in kinds)
+                raise TrainConfigError(f"{f.name} must be {names}, got {value!r}")
+
+
+_KIND_NAMES = {type(None): "null", tuple[str, ...]: "a list of names", bool: "true or false", int: "an integer",
+               float: "a number", str: "a string"}
+
+
+def _is_a(value, kind) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if getattr(kind, "__origin__", None) is tuple:  # tuple[str, ...]
+        return isinstance(value, (tuple, list)) and all(isinstance(item, str) for item in value)
+    return isinstance(value, kind)
 
 
 @dataclass

@@ -10,10 +10,13 @@ import json
 import math
 import os
 import resource
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,10 +37,13 @@ from fp8stack.plan.recipes import BF16
 from fp8stack.precision import MasterWeights
 from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
-from fp8stack.runtime.numerics import zero_fp8_weight_grads
+from fp8stack.runtime.numerics import (NonFiniteLossError, clear_fp8_stats, fp8_stats, pin_step, rng_states,
+                                       set_rng_states, track_fp8_stats, watch_layers, zero_fp8_weight_grads)
 from fp8stack.train import checkpoint, comm_stats, fault
 from fp8stack.train.config import DTYPES, MODELS, TrainConfig, TrainConfigError, TrainResult, recompute_blocks
 from fp8stack.train.data import TextData
+from fp8stack.train.preflight import plan_settings, preflight, run_settings
+from fp8stack.train.stop import StopSignals, TrainingStopped
 from fp8stack.train.timing import steady_state
 
 CPU_ARCH = 90
@@ -157,7 +163,8 @@ class Session:
     def step(self, grad_clip: float, on_gradients: Callable[[], None] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step on the next batch, accumulating the gradients of its micro-batches: (mean
-        loss, gradient norm) as device tensors (no host sync) and the learning rate it used.
+        loss, gradient norm) as device tensors and the learning rate it used. One host sync, before the
+        optimizer step: a NaN or infinite loss or gradient norm raises NonFiniteLossError, the step not taken.
         on_gradients: called once the step's gradients are complete, before clipping."""
         losses = []
         for tokens, targets in zip(*(t.chunk(self.micro_batches) for t in next(self.data)), strict=True):
@@ -170,6 +177,10 @@ class Session:
         if on_gradients is not None:
             on_gradients()
         grad_norm = self.clip_fn(grad_clip)
+        if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"loss {float(loss)}, gradient norm {float(grad_norm)}: the optimizer step was "
+                                     "not taken")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -235,15 +246,24 @@ def session(cfg: TrainConfig) -> Iterator[Session]:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Run cfg.steps optimizer steps (from the resumed step, if any) and return what was measured."""
+    """Run cfg.steps optimizer steps (from the resumed step, if any) and return what was measured. Stops with
+    NonFiniteLossError on a NaN or infinite loss or gradient norm, and with TrainingStopped on SIGTERM or SIGINT."""
+    resume_from = preflight(cfg, model_config(cfg))  # before any model is built
     with session(cfg) as run:
         env, device, dtype, seq_len = run.env, run.env.device, run.dtype, run.seq_len
         model, optimizer, scheduler, data = run.model, run.optimizer, run.scheduler, run.data
         master_module = run.masters.module if run.masters else None
+        settings = {**run_settings(cfg, model_config(cfg), env.world_size), **plan_settings(run.plan)}
+
+        def save(done: int) -> Path:  # run.json: the settings a resume must share, and the whole config for the record
+            return checkpoint.save(cfg.checkpoint_dir, done, model, optimizer, scheduler, data.position,
+                                   masters=master_module, run={**settings, "config": asdict(cfg)})
 
         start = 0
-        if cfg.resume:
-            resumed = checkpoint.load(_resume_path(cfg), model, optimizer, scheduler, masters=master_module)
+        if resume_from:
+            resumed = checkpoint.load(resume_from, model, optimizer, scheduler, masters=master_module,
+                                      trusted=cfg.trust_checkpoint, run=settings,
+                                      allow_run_changes=cfg.resume_despite_changes)
             start, data.position = resumed.step, resumed.data_position
             if run.masters:
                 run.masters.after_step()  # the BF16 (and FP8) parameters from the loaded masters
@@ -259,14 +279,24 @@ def train(cfg: TrainConfig) -> TrainResult:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-        with _Logger(cfg, env.rank == 0, start) as log, comm_stats.CollectiveCounter(cfg.profile_collectives) as comms:
+        with (_Logger(cfg, env.rank == 0, start) as log, comm_stats.CollectiveCounter(cfg.profile_collectives) as comms,
+              StopSignals() as stop):
             for step in range(start, cfg.steps):
                 fault.kill_if_due(env.rank, step)  # FP8STACK_KILL_AT: restart tests
                 began = time.perf_counter()
                 check = step - start < cfg.fp8_grad_check_steps
-                loss, grad_norm, lr = run.step(cfg.grad_clip, on_gradients=(
-                    lambda: result.zero_fp8_weight_grads.append(zero_fp8_weight_grads(model))) if check else None)
-                # The only host sync of an unchecked step:
+                position, rng = data.position, rng_states()
+                stats_hooks = track_fp8_stats(model) if log.fp8_stats_due(step) else []
+                try:
+                    loss, grad_norm, lr = run.step(cfg.grad_clip, on_gradients=(
+                        lambda: result.zero_fp8_weight_grads.append(zero_fp8_weight_grads(model))) if check else None)
+                except NonFiniteLossError as err:
+                    _stop_on_nonfinite(run, cfg, step, position, rng, err)
+                if stats_hooks:
+                    log.fp8_stats(step, fp8_stats(model))
+                    for hook in stats_hooks:
+                        hook.remove()
+                    clear_fp8_stats(model)
                 loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)
                 elapsed_ms = (time.perf_counter() - began) * 1000
 
@@ -282,10 +312,16 @@ def train(cfg: TrainConfig) -> TrainResult:
                           file=sys.stderr)
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
                                 "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
-                if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg):
-                    checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, scheduler, data.position,
-                                    masters=master_module)
+                saved = save(step + 1) if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg) else None
                 comms.step_done()
+                signal_number = stop.agreed(device, env.world_size)
+                if signal_number:
+                    if cfg.checkpoint_dir and saved is None:
+                        saved = save(step + 1)
+                    kept = (f"checkpoint {saved} saved: rerun with --load latest to continue" if saved
+                            else "nothing saved (no checkpoint_dir, --save)")
+                    raise TrainingStopped(f"stopped by {signal.Signals(signal_number).name} after step {step + 1} of "
+                                          f"{cfg.steps}: {kept}", signal_number, result)
         result.collectives = asdict(comms.result) if comms.result else None
         if run.compressor and result.losses:
             result.activation_bytes_saved_per_step = run.compressor.bytes_saved / len(result.losses)
@@ -410,17 +446,24 @@ def _checkpoint_due(done: int, cfg: TrainConfig) -> bool:
     return done == cfg.steps or (cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0)
 
 
-def _resume_path(cfg: TrainConfig) -> Path:
-    """cfg.resume as a checkpoint folder: 'latest' under checkpoint_dir, the newest step-* inside a
-    folder of checkpoints, or the folder itself."""
-    folder = Path(cfg.checkpoint_dir if cfg.resume == "latest" else cfg.resume)
-    if not folder.is_dir():
-        raise TrainConfigError(f"checkpoint {folder} does not exist: point --load at a step-* folder or a "
-                               "folder of them")
-    found = checkpoint.latest(folder)
-    if found is None and cfg.resume == "latest":
-        raise TrainConfigError(f"no step-* checkpoint under {folder} to resume from: drop the resume option")
-    return found or folder
+def _stop_on_nonfinite(run: Session, cfg: TrainConfig, step: int, position: int, rng: dict,
+                       err: NonFiniteLossError) -> NoReturn:
+    """Pin the step's batch and RNG states, rerun its forward under watch_layers to name the first layer whose
+    output was not finite, and raise NonFiniteLossError saying both."""
+    tokens, targets = run.data.batch(position)
+    folder = cfg.log_dir or cfg.checkpoint_dir or tempfile.mkdtemp(prefix="fp8stack-nonfinite-")
+    pin = pin_step(Path(folder) / f"rank{run.env.rank}" if run.env.world_size > 1 else folder, step,
+                   {"tokens": tokens, "targets": targets}, rng)
+    set_rng_states(rng)
+    layer = None
+    with torch.no_grad(), watch_layers(run.model) as watch, run.autocast():
+        for micro_tokens, micro_targets in zip(tokens.chunk(run.micro_batches), targets.chunk(run.micro_batches)):
+            run.loss_fn(micro_tokens.to(run.env.device), micro_targets.to(run.env.device))
+            layer = layer or watch.first_nonfinite()
+    where = (f"the first layer with a non-finite output is {layer}" if layer else
+             "every layer's forward output was finite (the backward made it non-finite)")
+    raise NonFiniteLossError(f"step {step}: {err}; {where}; the step's batch and RNG states are pinned in {pin} "
+                             "(fp8stack.runtime.numerics.load_pin)") from None
 
 
 @torch.no_grad()
@@ -510,9 +553,11 @@ class _Logger:
         if cfg.log_dir:
             folder = Path(cfg.log_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            # A resumed run continues the file; a fresh one starts it anew.
-            self.jsonl = self.stack.enter_context(open(folder / "train.jsonl", "a" if self.start else "w"))
-            self.tensorboard = SummaryWriter(log_dir=str(folder))
+            # A resumed run continues the file from its checkpoint's step, dropping what the interrupted run logged
+            # after it (it repeats those steps), as purge_step hides TensorBoard's events from that step on.
+            _keep_steps_before(folder / "train.jsonl", self.start)
+            self.jsonl = self.stack.enter_context(open(folder / "train.jsonl", "a"))
+            self.tensorboard = SummaryWriter(log_dir=str(folder), purge_step=self.start or None)
             self.stack.callback(self.tensorboard.close)
         console = Console()
         if cfg.progress and console.is_terminal:
@@ -539,5 +584,38 @@ class _Logger:
             print(f"step {step + 1}/{self.cfg.steps}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
                   f"{metrics['step_ms']:.0f} ms  {metrics['tokens_per_s']:,.0f} tok/s", flush=True)
 
+    def fp8_stats_due(self, step: int) -> bool:
+        """Whether this step's FP8 statistics go to TensorBoard (TrainConfig.fp8_stats_interval)."""
+        interval = self.cfg.fp8_stats_interval
+        return self.tensorboard is not None and interval > 0 and (step + 1) % interval == 0
+
+    def fp8_stats(self, step: int, stats: dict[str, dict]) -> None:
+        """numerics.fp8_stats as scalars fp8/<fqn>/<statistic>/<input|weight>, TE's scales and amaxes by index."""
+        for fqn, entry in stats.items():
+            for name, values in entry.items():
+                if isinstance(values, dict):  # per role: input, weight
+                    named = values.items()
+                elif isinstance(values, list):  # TE's, per tensor
+                    named = enumerate(values)
+                else:  # a module whose statistics were not tracked says so in words
+                    continue
+                for role, value in named:
+                    self.tensorboard.add_scalar(f"fp8/{fqn}/{name}/{role}", value, step)
+
     def __exit__(self, *exc) -> None:
         self.stack.close()
+
+
+def _keep_steps_before(path: Path, start: int) -> None:
+    """Rewrite train.jsonl with the records of steps before `start` only (none for a fresh run)."""
+    kept = []
+    if start and path.exists():
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                if json.loads(line)["step"] < start:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line cut short by the kill: the step is run again
+                continue
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)

@@ -1,6 +1,7 @@
 """The trainer on a GPU with TE DelayedScaling: a run resumed from its middle checkpoint continues with
-bit-identical losses, its TE modules' amax histories and scales restored as they were saved, and
-those FP8 states are what makes the next loss come out the same.
+bit-identical losses, its TE modules' amax histories and scales restored as they were saved (the run trusts
+its own checkpoint: TE unpickles that state), and those FP8 states are what makes the next loss come out the
+same.
 Run with `pytest -m gpu tests/gpu/test_train_gpu.py`."""
 
 import pickle
@@ -48,7 +49,7 @@ def _module_state(module: TransformerEngineBaseModule) -> dict[str, torch.Tensor
 
 def _saved_states(path) -> dict[str, dict[str, torch.Tensor]]:
     """fqn -> the FP8 scaling state a checkpoint holds for each TE module (as TE pickled it)."""
-    extra = torch.load(path / "rank0.pt", weights_only=False)["extra_state"]
+    extra = torch.load(path / "rank0.pt", weights_only=True)["extra_state"]  # TE's pickles, decoded here as ours
     states = {key.removesuffix("." + EXTRA_STATE_SUFFIX): pickle.loads(value.numpy().tobytes())
               for key, value in extra.items() if value.numel()}
     return {fqn: {name: state[name] for name in FP8_STATE} for fqn, state in states.items()}
@@ -59,7 +60,7 @@ def _full_and_resumed(settings: dict, tmp_path) -> list[float]:
     full = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), checkpoint_interval=MIDDLE))
     FP8GlobalStateManager.reset()  # each run starts as a new process would: no other model's FP8 buffers
     middle = checkpoint.checkpoint_path(tmp_path, MIDDLE)
-    resumed = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), resume=str(middle)))
+    resumed = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), resume=str(middle), trust_checkpoint=True))
     FP8GlobalStateManager.reset()
     assert resumed.first_step == MIDDLE
     assert resumed.losses == full.losses[MIDDLE:]  # exact equality, not approx
@@ -74,7 +75,7 @@ def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
         te_modules = {fqn: m for fqn, m in run.model.named_modules()
                       if isinstance(m, TransformerEngineBaseModule) and m.autocast_recipe is not None}  # not the head
         assert len(te_modules) >= 4 * len(run.model.layers), "every linear of every block should be on TE"
-        at = checkpoint.load(middle, run.model, run.optimizer, run.scheduler)
+        at = checkpoint.load(middle, run.model, run.optimizer, run.scheduler, trusted=True)
         assert set(saved) == set(te_modules)
         for fqn, module in te_modules.items():
             state = _module_state(module)
