@@ -217,9 +217,9 @@ class TEBackend:
             record.notes.append(f"fuse_mlp: {len(mlps)} ffn_norm + SwiGLU FeedForward(s) fused into te LayerNormMLP "
                                 f"(e.g. {next(iter(mlps))}); the norms' fqns now run nn.Identity")
         if any(w13.recipe == "delayed" for _, w13, _ in mlps.values()):
-            import patches  # fp8stack's fixes for upstream bugs, installed beside it
+            from fp8stack import patches
 
-            record.notes.append(f"fuse_mlp, delayed: {patches.apply_patch('patches.te_swiglu_fp8_dgrad')} "
+            record.notes.append(f"fuse_mlp, delayed: {patches.apply_patch('fp8stack.patches.te_swiglu_fp8_dgrad')} "
                                 "(patches/te_swiglu_fp8_dgrad.py)")
         return model, record
 

@@ -15,7 +15,7 @@ and loss next to the BF16 MoE arm's. Exit status 1 when a verdict fails or an ar
 
 Optimizer, the simplest correct path: BF16 parameters as megatron holds them, FP32 master copies updated
 by torch.optim.AdamW (gradients cast to FP32) with a linear LR warm-up, copied back after each step; no
-DDP (one GPU). Delayed scaling runs with patches.apply_all() applied (see patches/). Each arm's failure
+DDP (one GPU). Delayed scaling runs with fp8stack.patches.apply_all() applied (see patches/). Each arm's failure
 is recorded with its error, never dropped.
 """
 
@@ -382,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("fp8stack.bench.megatron needs a CUDA GPU with TransformerEngine")
     determinism = deterministic_mode() if args.deterministic else None
-    import patches
+    from fp8stack import patches
 
     patch_report = patches.apply_all()
     init_megatron()
