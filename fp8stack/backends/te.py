@@ -22,7 +22,7 @@ from fp8stack.backends.base import BackendUnavailable, ConversionRecord, swap_mo
 from fp8stack.plan import Decision, Plan, PlanError
 from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS
 
-INSTALL_HINT = "pip install 'fp8stack[gpu]' on a CUDA machine"
+INSTALL_HINT = "pip install 'fp8stack[te]' on a CUDA machine"
 """The fix for a machine without TransformerEngine."""
 
 TE_RECIPES = {

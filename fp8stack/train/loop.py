@@ -23,7 +23,6 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils.tensorboard import SummaryWriter
 
 from fp8stack.backends.te import TEBackend, import_before_cudnn
 from fp8stack.models import Llama, LlamaConfig
@@ -515,6 +514,8 @@ class _Logger:
             folder.mkdir(parents=True, exist_ok=True)
             # A resumed run continues the file; a fresh one starts it anew.
             self.jsonl = self.stack.enter_context(open(folder / "train.jsonl", "a" if self.start else "w"))
+            from torch.utils.tensorboard import SummaryWriter  # the [tb] extra, which TrainConfig checked for
+
             self.tensorboard = SummaryWriter(log_dir=str(folder))
             self.stack.callback(self.tensorboard.close)
         console = Console()
