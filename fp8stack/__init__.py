@@ -1,5 +1,8 @@
 """fp8stack: FP8 training with a precision plan, an ordered assembly pipeline and measured deltas."""
 
+__version__ = "0.2.0"
+"""The one place the version is written: pyproject.toml reads it, `fp8stack --version` prints it."""
+
 from fp8stack.plan import Decision, ModelDescription, Plan, PlanError, PolicyConfig, load_description, make_plan
 
 _ASSEMBLY = ("OrderingError", "assemble")
