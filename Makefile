@@ -1,28 +1,33 @@
-# Two entry points that set themselves up on a fresh machine: `make demo` and `make test`.
+# Two entry points that set themselves up on a fresh machine: `make demo` and `make test`. Each installs fp8stack
+# (editable) into .venv with only the extras it uses; the venv's Python is >= 3.12 because the tests use megatron-core.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+EXTRAS_demo := plot
+EXTRAS_test := test,plot,megatron,tb
 
 .PHONY: demo test test-gpu venv clean
 
-$(STAMP): pyproject.toml scripts/find-python.sh
+$(VENV)/.created: scripts/find-python.sh
 	@PYBIN=$$(scripts/find-python.sh) || exit 1; \
 	  echo "creating $(VENV) with $$PYBIN"; \
 	  $$PYBIN -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,plot]'
-	@touch $(STAMP)
+	@touch $@
 
-venv: $(STAMP)
+$(VENV)/.installed-%: pyproject.toml $(VENV)/.created
+	$(PY) -m pip install -q -e '.[$(EXTRAS_$*)]'
+	@touch $@
+
+venv: $(VENV)/.installed-test
 
 # A fresh folder under runs/ (git-ignored) per demo: the tracked evidence in profiles/ stays as recorded.
-demo: $(STAMP)
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/fp8stack ab --model tiny --out-dir runs/demo-$$(date -u +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+test: $(VENV)/.installed-test
 	$(PY) -m pytest
 
-test-gpu: $(STAMP)
+test-gpu: $(VENV)/.installed-test
 	$(PY) -m pytest -m gpu
 
 clean:

@@ -7,6 +7,9 @@
     optimizer = masters.track(torch.optim.AdamW(masters.parameters(), lr=3e-4, fused=True))
 """
 
+__version__ = "0.2.0"
+"""The one place the version is written: pyproject.toml reads it, `fp8stack --version` prints it."""
+
 import sys
 
 from fp8stack.plan import (Decision, ModelDescription, Plan, PlanError, PlanWarning, PolicyConfig, load_description,

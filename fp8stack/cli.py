@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from fp8stack import __version__
 from fp8stack.ab import add_ab_parser
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan, parse_arch
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES
@@ -36,6 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", required=True)
 
     plan = commands.add_parser(

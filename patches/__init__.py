@@ -3,6 +3,7 @@
 Each patch module has APPLIES_TO (distribution name, version specifier), an idempotent apply() that
 returns what it did, revert() (tests show the bug with and without), and a docstring linking upstream.
 apply_all() applies every patch whose package is installed in a matching version.
+The folder sits at the top of the repository and installs as fp8stack.patches (package-dir in pyproject.toml).
 
 Not a patch: "MoE-only FP8". megatron-core has no flag for it, but fp8stack needs none: the plan decides
 per GEMM (plan_from_megatron_args(..., moe_only=True) or the moe-only-fp8 recipe file) and
@@ -15,7 +16,8 @@ from importlib import import_module, metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-REGISTRY = ("patches.recompute_fp8_context", "patches.fp8_wgrad_ignored", "patches.te_swiglu_fp8_dgrad")
+REGISTRY = ("fp8stack.patches.recompute_fp8_context", "fp8stack.patches.fp8_wgrad_ignored",
+            "fp8stack.patches.te_swiglu_fp8_dgrad")
 """Patch modules, applied in this order."""
 
 
@@ -32,7 +34,7 @@ def applies(module) -> tuple[bool, str]:
 
 
 def apply_patch(name: str) -> str:
-    """Apply the patch module `name` (e.g. 'patches.te_swiglu_fp8_dgrad') if it applies here; what happened."""
+    """Apply the patch module `name` (e.g. 'fp8stack.patches.te_swiglu_fp8_dgrad') if it applies here; what happened."""
     module = import_module(name)
     ok, why = applies(module)
     return module.apply() if ok else f"skipped: {why}"

@@ -11,7 +11,7 @@ root="${PYENV_ROOT:-$HOME/.pyenv}"
 for cand in $(ls -d "$root"/versions/3.12* 2>/dev/null | sort -Vr) $(ls -d "$root"/versions/3.1[3-9]* 2>/dev/null | sort -V); do
   if [ -x "$cand/bin/python3" ] && ok "$cand/bin/python3"; then echo "$cand/bin/python3"; exit 0; fi
 done
-echo "fp8stack needs Python >= 3.12 (megatron-core 0.19 requires it) and found none:" \
+echo "make's .venv needs Python >= 3.12 (the tests use megatron-core, which requires it) and found none:" \
      "checked \$PYTHON, python3.12, python3, python3.13 on PATH and $root/versions." \
      "Install one (e.g. 'pyenv install 3.12') or set PYTHON=/path/to/python3.12." >&2
 exit 1

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import patches
-from patches import recompute_fp8_context
+from fp8stack import patches
+from fp8stack.patches import recompute_fp8_context
 
 from megatron.core.tensor_parallel.random import CheckpointFunction
 

@@ -29,7 +29,7 @@ def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path |
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: skipping {path} (pip install matplotlib for the plot)")
+        print(f"matplotlib is not installed: skipping {path} (pip install 'fp8stack[plot]' for the plot)")
         return None
     colours = {"baseline": "tab:gray", "alternative": "silver", "ship": "tab:green", "rollback": "tab:red",
                "inconclusive": "tab:orange", "error": "black"}

@@ -10,7 +10,6 @@ which no arm measured anything writes none. How arms are judged: fp8stack.ab.ver
 """
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -368,7 +367,7 @@ def run_ab(args: argparse.Namespace) -> int:
     phases = [[name for name in phase if name in pending()] for phase in phases]  # not those an earlier call ran
     jobs = sum(phases, [])
     with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
-        waves = itertools.chain.from_iterable(itertools.batched(phase, len(slots)) for phase in phases)
+        waves = (phase[start:start + len(slots)] for phase in phases for start in range(0, len(phase), len(slots)))
         for wave in waves:
             outcomes: dict[str, _RunningArm | str] = {}
             for name, gpu in zip(wave, slots):

@@ -29,8 +29,9 @@ def load() -> tuple[ModuleType | None, str]:
     try:
         library = importlib.import_module("deep_gemm")
     except Exception as err:  # ImportError, or an OSError / ABI error from its extension
-        return None, (f"deep_gemm is not importable ({type(err).__name__}: {err}); build DeepGEMM from "
-                      "github.com/deepseek-ai/DeepGEMM against this torch, or use the torch kernels")
+        return None, (f"deep_gemm is not importable ({type(err).__name__}: {err}); build DeepGEMM against this "
+                      "torch with fp8stack's launch/build_deepgemm.sh (pip cannot: see the [deepgemm] extra), or use "
+                      "the torch kernels")
     missing = [name for name in REQUIRED if not hasattr(library, name)]
     if missing:
         return None, (f"the installed deep_gemm lacks {', '.join(missing)}: install a DeepGEMM with "

@@ -29,7 +29,7 @@ from fp8stack.plan import Decision, Fusion, Plan, PlanError
 from fp8stack.plan.description import NormFeed, SwiGLUFeed
 from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS
 
-INSTALL_HINT = "pip install 'fp8stack[gpu]' on a CUDA machine"
+INSTALL_HINT = "pip install 'fp8stack[te]' on a CUDA machine"
 """The fix for a machine without TransformerEngine."""
 
 TE_RECIPES = {
@@ -218,9 +218,9 @@ class TEBackend(Backend):
         if mlps:
             notes.append(f"fused MLPs: {len(mlps)} norm + SwiGLU MLP(s) run as TE LayerNormMLP (e.g. {mlps[0].module})")
         if any(f.recipe == "delayed" for f in mlps):
-            import patches  # fp8stack's fixes for upstream bugs, installed beside it
+            from fp8stack import patches
 
-            notes.append(f"fused MLPs, delayed: {patches.apply_patch('patches.te_swiglu_fp8_dgrad')} "
+            notes.append(f"fused MLPs, delayed: {patches.apply_patch('fp8stack.patches.te_swiglu_fp8_dgrad')} "
                          "(patches/te_swiglu_fp8_dgrad.py)")
         return notes
 

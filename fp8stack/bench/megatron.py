@@ -15,7 +15,7 @@ and loss next to the BF16 MoE arm's. Exit status 1 when a verdict fails or an ar
 
 Optimizer, the simplest correct path: BF16 parameters as megatron holds them, FP32 master copies updated
 by torch.optim.AdamW (gradients cast to FP32) with a linear LR warm-up, copied back after each step; no
-DDP (one GPU). Delayed scaling runs with patches.apply_all() applied (see patches/). Each arm's failure
+DDP (one GPU). Delayed scaling runs with fp8stack.patches.apply_all() applied (see patches/). Each arm's failure
 is recorded with its error, never dropped.
 """
 
@@ -385,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stem = f"megatron-{device_slug()}"
     claim_or_exit("fp8stack.bench.megatron", stem, "profiles", args.force)
     determinism = deterministic_mode() if args.deterministic else None
-    import patches
+    from fp8stack import patches
 
     patch_report = patches.apply_all()
     init_megatron()

@@ -5,6 +5,12 @@
 - plan_from_megatron_args(config, ...): megatron's --fp8* flags as a Plan.
 """
 
+import importlib.util
+
+if importlib.util.find_spec("megatron") is None:
+    raise ModuleNotFoundError("fp8stack.megatron needs megatron-core, which is not installed: "
+                              "pip install 'fp8stack[megatron]' (Python >= 3.12)", name="megatron")
+
 from fp8stack.megatron.apply import apply_plan_to_megatron
 from fp8stack.megatron.block_spec import LayerPrecision, block_spec, layer_precisions
 from fp8stack.megatron.flags import plan_from_megatron_args

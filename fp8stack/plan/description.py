@@ -18,7 +18,9 @@ OTHER_KINDS = ("embedding", "norm", "ssm_scan")
 """Kinds with no GEMM: a lookup, a reduction, a recurrent scan."""
 KINDS = GEMM_KINDS + OTHER_KINDS
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+_PACKAGED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS_DIR = _PACKAGED_CONFIGS if _PACKAGED_CONFIGS.is_dir() else Path(__file__).resolve().parents[2] / "configs"
+"""configs/: inside the package when installed from a wheel, at the top of the repository in a checkout."""
 MAX_YAML_DEPTH = 32
 """Deepest nesting a description or recipe file may have (the formats need 5); deeper is refused before
 the parser's recursion runs out."""

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from fp8stack import __version__
 from fp8stack.plan import PlanError
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES
 from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS, FP8_FORMATS,
@@ -127,6 +128,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    parser.add_argument("--version", action="version", version=f"fp8stack {__version__}")
     for flag, field, options in FLAGS:
         parser.add_argument(flag, dest=field, **options)
     parser.add_argument("--steps", dest="steps", type=int, metavar="N", help="alias of --train-iters")

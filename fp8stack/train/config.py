@@ -1,5 +1,6 @@
 """What one training run is told (TrainConfig, validated on construction) and what it measured (TrainResult)."""
 
+import importlib.util
 import math
 import types
 from dataclasses import dataclass, field, fields
@@ -185,6 +186,9 @@ class TrainConfig:
             raise TrainConfigError("gradient_accumulation_fusion on the plain model keeps FP32 main_grad buffers that "
                                    "neither FSDP nor tensor parallelism reduce: drop --fsdp-one-rank and "
                                    "--tensor-model-parallel-size, or use --model-impl megatron")
+        if self.log_dir and importlib.util.find_spec("tensorboard") is None:
+            raise TrainConfigError(f"log_dir {self.log_dir!r} (--tensorboard-dir) writes TensorBoard scalars and "
+                                   "tensorboard is not installed: pip install 'fp8stack[tb]'")
         if self.param_dtype not in PARAM_DTYPES:
             raise TrainConfigError(f"unknown param_dtype {self.param_dtype!r}: use {' or '.join(PARAM_DTYPES)}")
         if self.param_dtype != "fp32" and (self.fsdp_one_rank or self.tensor_parallel > 1 or self.dtype == "fp32"):

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils.tensorboard import SummaryWriter
 
 from fp8stack.backends import get_backend
 from fp8stack.models import Llama, LlamaConfig
@@ -557,6 +556,8 @@ class _Logger:
             # after it (it repeats those steps), as purge_step hides TensorBoard's events from that step on.
             _keep_steps_before(folder / "train.jsonl", self.start)
             self.jsonl = self.stack.enter_context(open(folder / "train.jsonl", "a"))
+            from torch.utils.tensorboard import SummaryWriter  # the [tb] extra, which TrainConfig checked for
+
             self.tensorboard = SummaryWriter(log_dir=str(folder), purge_step=self.start or None)
             self.stack.callback(self.tensorboard.close)
         console = Console()

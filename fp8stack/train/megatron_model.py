@@ -12,6 +12,7 @@ two of megatron's finalize_model_grads duties are done here: the gradients of se
 are summed over the TP group, and the gradient norm counts each TP-replicated parameter once.
 """
 
+import importlib.util
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,9 @@ DENSE_MODELS = ("tiny", "llama-1b-like")
 
 def check_config(cfg: TrainConfig) -> None:
     """The options the Megatron path can honour; each refusal names the fix."""
+    if importlib.util.find_spec("megatron") is None:
+        raise TrainConfigError("--model-impl megatron needs megatron-core, which is not installed: "
+                               "pip install 'fp8stack[megatron]' (Python >= 3.12)")
     plain_only = {"compile": "torch.compile of the blocks", "recompute": "fp8stack's recompute", "fsdp_one_rank": "FSDP2",
                   "fsdp_float8_all_gather": "FSDP2's FP8 all-gather", "precompute_fp8_scales": "FSDP2's scale precompute",
                   "fuse_norm": "folding norms into TE (megatron's TE spec always does)",

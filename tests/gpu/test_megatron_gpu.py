@@ -18,7 +18,7 @@ from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noq
 
 from fp8stack.bench import megatron as bench  # noqa: E402
 from fp8stack.megatron import apply_plan_to_megatron, block_spec, plan_from_megatron_args  # noqa: E402
-from patches import fp8_wgrad_ignored, recompute_fp8_context  # noqa: E402
+from fp8stack.patches import fp8_wgrad_ignored, recompute_fp8_context  # noqa: E402
 
 VOCAB, SEQ = bench.VOCAB, 256
 DENSE = dict(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2)

@@ -23,7 +23,7 @@ from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer  # n
 from fp8stack.backends.te import TEBackend  # noqa: E402
 from fp8stack.models import Llama, LlamaConfig  # noqa: E402
 from fp8stack.plan import PolicyConfig, load_description, make_plan  # noqa: E402
-from patches import te_swiglu_fp8_dgrad as patch  # noqa: E402
+from fp8stack.patches import te_swiglu_fp8_dgrad as patch  # noqa: E402
 
 DIM, HIDDEN, TOKENS = 256, 512, 2048
 PASSES = 3
