@@ -125,7 +125,7 @@ def test_a_checkpoint_with_only_dcps_pickled_metadata_is_named_as_older(ckpt, ca
     (["--global-batch-size", "4"], "global_batch: null -> 4"),
     (["--seq-length", "32"], "seq_len: 64 -> 32"),
     (["--seed", "1"], "seed: 0 -> 1"),
-    (["--small-gemm-filter", "rowwise"], "plan ("),
+    (["--first-last-layers-bf16"], "plan ("),
 ], ids=lambda v: v[0] if isinstance(v, list) else "")
 def test_a_resume_under_other_settings_is_refused_naming_them(ckpt, capsys, flags, change):
     code, err = _resume(ckpt, capsys, *flags)

@@ -19,7 +19,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from fp8stack.bench.evidence import device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.train.timing import relative_spread, steady_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,8 +49,12 @@ TARGETS = (
 """(arm, against, the least tokens/s ratio that meets the target)."""
 
 
+EARLIER = "trainer delayed, earlier code"
+"""The arm running the trainer of another source tree (--earlier-tree), to tell a change from the machine."""
+
+
 def command(arm: str, steps: int, result: Path) -> list[str]:
-    runner, recipe = ARMS[arm]
+    runner, recipe = ARMS.get(arm, ("trainer", "delayed"))
     if runner == "trainer":
         return [sys.executable, "-m", "fp8stack.train", "--model", SHAPE["model"], "--fp8-recipe", recipe,
                 "--micro-batch-size", str(SHAPE["micro_batch"]),
@@ -62,20 +66,22 @@ def command(arm: str, steps: int, result: Path) -> list[str]:
             "--steps", str(steps), "--result-json", str(result)]
 
 
-def run_arm(arm: str, steps: int, timeout: float) -> dict:
-    """One arm in a fresh process: its tokens/s, spread, peak memory and losses, or its error."""
+def run_arm(arm: str, steps: int, timeout: float, tree: Path | None = None) -> dict:
+    """One arm in a fresh process (its fp8stack imported from `tree` when given): its tokens/s, spread, peak memory
+    and losses, or its error."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])} if tree else None
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "result.json"
         argv = command(arm, steps, result)
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tree or REPO, env=env)
         except subprocess.TimeoutExpired:
             return {"arm": arm, "command": argv, "error": f"timed out after {timeout:.0f} s"}
         if done.returncode or not result.is_file():
             return {"arm": arm, "command": argv, "error": (done.stderr or done.stdout)[-3000:]}
         measured = json.loads(result.read_text())
     steady = steady_state(measured["step_ms"])
-    return {"arm": arm, "command": argv, "recipe": ARMS[arm][1],
+    return {"arm": arm, "command": argv, "recipe": ARMS.get(arm, ("trainer", "delayed"))[1],
             "tokens_per_s": measured["tokens_per_step"] / statistics.median(steady) * 1000,
             "spread": relative_spread(steady), "peak_mem_gib": measured["peak_mem_gib"],
             "losses": measured["losses"], "step_ms": measured["step_ms"]}
@@ -132,20 +138,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds an arm may take")
     parser.add_argument("--out-dir", type=Path, default=REPO / "profiles" / "runs")
+    parser.add_argument("--label", default="", help="suffix of the run folder (a second run of the same day)")
+    parser.add_argument("--earlier-tree", type=Path, help="also run the trainer (delayed) of this source tree")
+    add_force_option(parser)
     args = parser.parse_args(argv)
     chosen = [arm.strip() for arm in args.arms.split(",")]
     unknown = [arm for arm in chosen if arm not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
+    stem = f"own-model-{device_slug()}"
+    folder = args.out_dir / f"{date.today().isoformat()}-{stem}{'-' + args.label if args.label else ''}"
+    claim_or_exit(parser.prog, stem, folder, args.force)
+    runs = [(arm, None) for arm in chosen] + ([(EARLIER, args.earlier_tree)] if args.earlier_tree else [])
     arms = {}
-    for arm in chosen:
-        arms[arm] = run_arm(arm, args.steps, args.timeout)
+    for arm, tree in runs:
+        arms[arm] = run_arm(arm, args.steps, args.timeout, tree)
         print(f"{arm}: {arms[arm].get('tokens_per_s', arms[arm].get('error', '')[-300:])}", flush=True)
     record = {"shape": SHAPE, "steps": args.steps, "trainer_flags": TRAINER_FASTEST, "arms": list(arms.values()),
-              "targets": targets(arms)}
-    stem = f"own-model-{device_slug()}"
-    folder = args.out_dir / f"{date.today().isoformat()}-{stem}"
-    json_path, _ = write_evidence(stem, record, render(record), out_dir=folder)
+              "targets": targets(arms),
+              **({"earlier_tree": str(args.earlier_tree)} if args.earlier_tree else {})}
+    json_path, _ = write_evidence(stem, record, render(record), out_dir=folder, replace=args.force)
     for out in [folder] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
         plot(record, out / f"{stem}.png")
     print(render(record))
