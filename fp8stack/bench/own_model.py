@@ -49,8 +49,8 @@ TARGETS = (
 """(arm, against, the least tokens/s ratio that meets the target)."""
 
 
-EARLIER = "trainer delayed, earlier code"
-"""The arm running the trainer of another source tree (--earlier-tree), to tell a change from the machine."""
+EARLIER = "trainer delayed, code of"
+"""The arms running the trainer of other source trees (--earlier-tree), to tell a change from the machine."""
 
 
 def command(arm: str, steps: int, result: Path) -> list[str]:
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds an arm may take")
     parser.add_argument("--out-dir", type=Path, default=REPO / "profiles" / "runs")
     parser.add_argument("--label", default="", help="suffix of the run folder (a second run of the same day)")
-    parser.add_argument("--earlier-tree", type=Path, help="also run the trainer (delayed) of this source tree")
+    parser.add_argument("--earlier-tree", type=Path, action="append", default=[],
+                        help="also run the trainer (delayed) of this source tree (repeatable)")
     add_force_option(parser)
     args = parser.parse_args(argv)
     chosen = [arm.strip() for arm in args.arms.split(",")]
@@ -149,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"own-model-{device_slug()}"
     folder = args.out_dir / f"{date.today().isoformat()}-{stem}{'-' + args.label if args.label else ''}"
     claim_or_exit(parser.prog, stem, folder, args.force)
-    runs = [(arm, None) for arm in chosen] + ([(EARLIER, args.earlier_tree)] if args.earlier_tree else [])
+    runs = [(arm, None) for arm in chosen] + [(f"{EARLIER} {tree}", tree) for tree in args.earlier_tree]
     arms = {}
     for arm, tree in runs:
         arms[arm] = run_arm(arm, args.steps, args.timeout, tree)
         print(f"{arm}: {arms[arm].get('tokens_per_s', arms[arm].get('error', '')[-300:])}", flush=True)
     record = {"shape": SHAPE, "steps": args.steps, "trainer_flags": TRAINER_FASTEST, "arms": list(arms.values()),
               "targets": targets(arms),
-              **({"earlier_tree": str(args.earlier_tree)} if args.earlier_tree else {})}
+              "earlier_trees": [str(tree) for tree in args.earlier_tree]}
     json_path, _ = write_evidence(stem, record, render(record), out_dir=folder, replace=args.force)
     for out in [folder] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
         plot(record, out / f"{stem}.png")
