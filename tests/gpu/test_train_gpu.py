@@ -207,3 +207,30 @@ def test_priming_passes_end_the_delayed_scaling_cold_start():
     primed = train(TrainConfig(**settings))
     assert cold.zero_fp8_weight_grads[0], cold.zero_fp8_weight_grads
     assert primed.zero_fp8_weight_grads == [[], [], []], primed.zero_fp8_weight_grads
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_cached_fp8_weights_are_cast_once_per_step_not_per_micro_batch(param_dtype):
+    """With four micro-batches per step each cached TE module casts its weights at the step's first forward only,
+    whether the optimizer writes FP32 weights (fused AdamW, which leaves their versions alone) or the masters are
+    copied into BF16 ones: a recast per micro-batch would train the same and cost the cache's whole gain."""
+    settings = {**SETTINGS, "steps": 3, "global_batch": 8, "param_dtype": param_dtype, "fuse_norm": True,
+                "fuse_mlp": True, "gradient_accumulation_fusion": True, "fp8_priming_passes": 0}
+    with session(TrainConfig(**settings)) as run:
+        cached = [m for m in run.model.modules() if getattr(m, "cached_weights", ())]
+        casts = {id(m): 0 for m in cached}
+
+        def count(module, *_hook_args):
+            casts[id(module)] += module._cast_at != count.before[id(module)]
+
+        def remember(module, *_hook_args):
+            count.before[id(module)] = module._cast_at
+
+        count.before = {}
+        for module in cached:
+            module.register_forward_pre_hook(remember)
+            module.register_forward_hook(count)
+        assert run.micro_batches == 4 and cached
+        for _ in range(3):
+            run.step(1.0)
+    assert set(casts.values()) == {3}, casts
