@@ -103,7 +103,7 @@ def test_a_norm_computing_something_else_is_not_folded():
 class TwoInputs(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(8, 8)])
+        self.layers = nn.ModuleList([nn.Linear(64, 64)])
 
     def forward(self, x, mask):
         return self.layers[0](x) * mask
@@ -112,7 +112,7 @@ class TwoInputs(nn.Module):
 def test_a_model_the_default_input_cannot_run_says_how_to_pass_one():
     unfusable = describe_module(TwoInputs(), seq_len=4, name="two").unfusable
     assert unfusable[0].norm == "" and "pass describe_module(..., example_input=...)" in unfusable[0].why
-    traced = describe_module(TwoInputs(), seq_len=4, name="two", example_input=(torch.ones(2, 8), torch.ones(2, 8)))
+    traced = describe_module(TwoInputs(), seq_len=4, name="two", example_input=(torch.ones(2, 64), torch.ones(2, 64)))
     assert traced.unfusable == ()
 
 
@@ -384,3 +384,19 @@ def test_the_example_changes_five_lines_and_trains_on_a_cpu(tmp_path):
 
     losses = json.loads(result.read_text())["losses"]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_the_trace_runs_in_a_process_limited_to_one_attention_kernel():
+    """The trainer keeps cuDNN's attention only for a whole run, which cannot take the trace's FP32 inputs: the trace
+    allows every kernel while it runs (it once found nothing there, and the trainer lost every fusion unnoticed)."""
+    from fp8stack.runtime.attention import sdpa_backend
+
+    with sdpa_backend("cudnn", torch.device("cuda")):  # the flags only: CPU attention reads them too
+        feeds = describe_module(Llama(LlamaConfig.tiny()), seq_len=256, name="tiny").feeds
+        assert not torch.backends.cuda.math_sdp_enabled(), "the process's own choice is back after the trace"
+    assert len(feeds) == 4 * 3 + 1
+
+
+def test_a_model_that_cannot_be_traced_warns_that_nothing_is_fused():
+    with pytest.warns(PlanWarning, match="no norm of two is fused with what it feeds: one forward"):
+        make_plan(describe_module(TwoInputs(), seq_len=4, name="two"), DELAYED_ON_TE)

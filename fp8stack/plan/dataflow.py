@@ -7,7 +7,8 @@ two halves of one. What a norm computes (RMSNorm or LayerNorm) is checked on the
 class. A norm whose output is read by anything else is reported with what reads it (description.Unfusable).
 
 The forward runs without gradients, in eval mode, with the random streams forked and the buffers restored, so the
-model is left as it was.
+model is left as it was, and with every attention kernel allowed: a process restricted to one (cuDNN's, say) may
+not run it on the trace's FP32 inputs.
 """
 
 from collections import Counter, defaultdict
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -27,6 +29,8 @@ TRACE_TOKENS = 8
 """Tokens in the traced forward: enough for every op to run, few enough to cost nothing."""
 _SPLITS = ("chunk", "split", "tensor_split")
 """Calls that cut a fused gate/up output into its halves."""
+_ATTENTION_KERNELS = (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.CUDNN_ATTENTION)
 
 
 @dataclass
@@ -111,6 +115,7 @@ def _run(model: nn.Module, example_input: object) -> _Trace:
         for name, module in model.named_modules():
             stack.callback(module.register_forward_hook(_module_recorder(trace, name)).remove)
         stack.enter_context(torch.no_grad())
+        stack.enter_context(sdpa_kernel(list(_ATTENTION_KERNELS)))
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
                                                   device_type=device.type))
         model.eval()

@@ -323,6 +323,9 @@ def make_plan(model: "ModelDescription | nn.Module", cfg: PolicyConfig, *, seq_l
     if plan.little_fp8:
         warnings.warn(f"{plan.little_fp8}: assemble() refuses this plan unless allow_little_fp8=True", PlanWarning,
                       stacklevel=2)
+    untraced = [why for norm, why in not_fused if not norm]
+    if untraced:
+        warnings.warn(f"no norm of {model.name} is fused with what it feeds: {untraced[0]}", PlanWarning, stacklevel=2)
     return plan
 
 
