@@ -1,7 +1,6 @@
 """fp8stack: FP8 training with a precision plan, an ordered assembly pipeline and measured deltas.
 
-    plan = fp8stack.make_plan(fp8stack.describe_module(model, seq_len=4096, name="llama"),
-                              fp8stack.PolicyConfig(recipe="delayed"))
+    plan = fp8stack.make_plan(model, fp8stack.PolicyConfig("delayed"), seq_len=4096)
     model = fp8stack.assemble(model, plan, compile=True, sdpa_backend="cudnn")
     masters = fp8stack.MasterWeights(model)
     optimizer = masters.track(torch.optim.AdamW(masters.parameters(), lr=3e-4, fused=True))

@@ -208,14 +208,18 @@ def _check_fp8_all_gather_recipes(plan: Plan) -> None:
 
 def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = False,
               backend_options: dict[str, dict] | None = None) -> nn.Module:
-    """Hand each backend its decisions; returns the model (new only if the root was swapped)."""
+    """Hand each backend its decisions; returns the model (new only if the root was swapped). A plan made for other
+    shapes is refused before any module is touched; with fsdp_float8_all_gather the model refuses to run until
+    fully_shard has wrapped it (the weights it prepares are meant for FSDP's FP8 all-gather)."""
     state = _begin(model, "convert_fp8")
+    _check_plan_fits(model, plan)
     if fsdp_float8_all_gather:
         _check_fp8_all_gather_recipes(plan)
     options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
     if fsdp_float8_all_gather:
         options.setdefault("torchao", {})["enable_fsdp_float8_all_gather"] = True
-    names = list(dict.fromkeys(d.backend for d in plan.decisions))
+    # bf16 last, so that its record names what runs each high-precision component once the others have fused some
+    names = sorted(dict.fromkeys(d.backend for d in plan.decisions), key=lambda name: name == BF16)
     unused = sorted(set(options) - set(names))
     if unused:
         raise ValueError(f"backend options for {', '.join(unused)}, which the plan does not use "
@@ -232,7 +236,38 @@ def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = Fa
         state.backends.append(backend)
         log.info("convert_fp8: %s ran %d component(s) (%s)", record.backend, len(record.converted), record.recipe)
     _stamp(model, state, "convert_fp8")
+    if fsdp_float8_all_gather:
+        model.__dict__["_fp8stack_needs_fsdp"] = model.register_forward_pre_hook(_refuse_unsharded)
     return model
+
+
+def _check_plan_fits(model: nn.Module, plan: Plan) -> None:
+    """Every GEMM the plan sizes has that size in the model: a linear's (out, in) features, an expert parameter's
+    [experts, n, k]; PlanError naming the first that differs."""
+    modules = dict(model.named_modules())
+    for d in plan.decisions:
+        c, found = d.component, None
+        module = modules.get(d.fqn)
+        if c.kind in ("linear", "head", "router") and hasattr(module, "in_features"):
+            found, wanted = (module.out_features, module.in_features), (c.n, c.k)
+        elif c.kind == "expert":
+            owner, _, leaf = d.fqn.rpartition(".")
+            param = getattr(modules.get(owner), leaf, None)
+            found = tuple(param.shape) if isinstance(param, torch.Tensor) else None
+            wanted = (c.experts, c.n, c.k)
+        if found is not None and found != wanted:
+            raise PlanError(f"the plan for {plan.model} sizes {d.fqn} as {' x '.join(map(str, wanted))}, but this "
+                            f"{type(model).__name__}'s is {' x '.join(map(str, found))}: make the plan from this model "
+                            "(describe_module)")
+
+
+def _refuse_unsharded(model: nn.Module, *_args) -> None:
+    """Before the first forward of a model apply_fp8 prepared for FSDP's FP8 all-gather: it must be fully sharded."""
+    if not isinstance(model, FSDPModule):
+        raise OrderingError("apply_fp8(..., fsdp_float8_all_gather=True) prepared the weights for FSDP's FP8 "
+                            "all-gather, and the model runs without fully_shard: apply_fsdp (after compile) before "
+                            "training, or convert without fsdp_float8_all_gather")
+    model.__dict__.pop("_fp8stack_needs_fsdp").remove()
 
 
 # --- stage 2: tensor parallelism ---------------------------------------------------------------

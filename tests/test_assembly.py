@@ -72,8 +72,8 @@ def test_assemble_runs_and_stamps_the_stages_in_order(model, mesh):
     state = assembly_state(out)
     assert out is model
     assert state.stages == ["convert_fp8", "recompute", "compile", "fully_shard"]
-    assert [r.backend for r in state.conversions] == ["bf16", "torchao"]
-    assert state.conversions[1].converted["layers.0.attention.wqkv"] == "Float8Linear"
+    assert [r.backend for r in state.conversions] == ["torchao", "bf16"]  # bf16 last: it names what the others left
+    assert state.conversions[0].converted["layers.0.attention.wqkv"] == "Float8Linear"
     assert [isinstance(block, CheckpointWrapper) for block in out.layers] == [False, True, False, True]
     assert all(block._compiled_call_impl is not None and isinstance(block, FSDPModule) for block in out.layers)
     assert isinstance(out, FSDPModule)
@@ -317,3 +317,22 @@ def test_the_hook_does_nothing_when_precompute_is_not_asked(model, mesh):
     hook()
     assert hook.__name__ == "_do_nothing"
     assert all(w._precomputed_scale is None for w in _float8_weights(model))
+
+
+def test_a_plan_made_for_other_shapes_is_refused_before_any_module_changes():
+    other = Llama(replace(LlamaConfig.tiny(), ffn_dim=512))
+    with pytest.raises(fp8stack.PlanError, match=r"sizes layers.0.feed_forward.w13 as 1536 x 256, but this Llama's "
+                                                 r"is 1024 x 256: make the plan from this model"):
+        apply_fp8(other, tiny_plan())
+    assert assembly_state(other).stages == [] and not any(isinstance(m, Float8Linear) for m in other.modules())
+
+
+def test_weights_prepared_for_fp8_all_gather_refuse_to_run_without_fully_shard(model, mesh):
+    model = apply_fp8(model, tiny_plan(), fsdp_float8_all_gather=True)
+    apply_compile(model)
+    tokens = torch.randint(0, 256, (1, 8))
+    with pytest.raises(OrderingError, match="runs without fully_shard: apply_fsdp \\(after compile\\)"):
+        model(tokens)
+    apply_fsdp(model, mesh)
+    model(tokens)  # sharded: runs, and the check is gone
+    assert "_fp8stack_needs_fsdp" not in model.__dict__

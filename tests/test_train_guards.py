@@ -4,6 +4,7 @@ a resumed run's logs hold each step once."""
 
 import json
 import signal
+import time
 
 import pytest
 import torch
@@ -104,6 +105,9 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     settings = dict(recipe="tensorwise", steps=4, log_dir=str(tmp_path / "log"), checkpoint_dir=str(tmp_path / "ckpt"),
                     **FAST)
     train(TrainConfig(**settings, checkpoint_interval=2))
+    # TensorBoard reads event files in name order: <seconds>.<host>.<pid>.<writer count>; one process writing both
+    # in one second can name the second file first (writer 10 before writer 9), where a resumed process is later
+    time.sleep(1.1)
     resumed = train(TrainConfig(**settings, resume=str(tmp_path / "ckpt" / "step-00000002")))
     records = [json.loads(line) for line in (tmp_path / "log" / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
