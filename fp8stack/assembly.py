@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from fp8stack.backends import Backend, BackendUnavailable, ConversionRecord, available_backends, get_backend
+from fp8stack.backends import (Backend, BackendUnavailable, ConversionRecord, available_backends, check_plan_fits,
+                                get_backend)
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.parallel import SHARD_KINDS, ShardAs, TensorParallelPlan
 from fp8stack.plan.recipes import BF16
@@ -212,7 +213,7 @@ def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = Fa
     shapes is refused before any module is touched; with fsdp_float8_all_gather the model refuses to run until
     fully_shard has wrapped it (the weights it prepares are meant for FSDP's FP8 all-gather)."""
     state = _begin(model, "convert_fp8")
-    _check_plan_fits(model, plan)
+    check_plan_fits(model, plan.decisions, plan.model)
     if fsdp_float8_all_gather:
         _check_fp8_all_gather_recipes(plan)
     options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
@@ -239,26 +240,6 @@ def apply_fp8(model: nn.Module, plan: Plan, *, fsdp_float8_all_gather: bool = Fa
     if fsdp_float8_all_gather:
         model.__dict__["_fp8stack_needs_fsdp"] = model.register_forward_pre_hook(_refuse_unsharded)
     return model
-
-
-def _check_plan_fits(model: nn.Module, plan: Plan) -> None:
-    """Every GEMM the plan sizes has that size in the model: a linear's (out, in) features, an expert parameter's
-    [experts, n, k]; PlanError naming the first that differs."""
-    modules = dict(model.named_modules())
-    for d in plan.decisions:
-        c, found = d.component, None
-        module = modules.get(d.fqn)
-        if c.kind in ("linear", "head", "router") and hasattr(module, "in_features"):
-            found, wanted = (module.out_features, module.in_features), (c.n, c.k)
-        elif c.kind == "expert":
-            owner, _, leaf = d.fqn.rpartition(".")
-            param = getattr(modules.get(owner), leaf, None)
-            found = tuple(param.shape) if isinstance(param, torch.Tensor) else None
-            wanted = (c.experts, c.n, c.k)
-        if found is not None and found != wanted:
-            raise PlanError(f"the plan for {plan.model} sizes {d.fqn} as {' x '.join(map(str, wanted))}, but this "
-                            f"{type(model).__name__}'s is {' x '.join(map(str, found))}: make the plan from this model "
-                            "(describe_module)")
 
 
 def _refuse_unsharded(model: nn.Module, *_args) -> None:

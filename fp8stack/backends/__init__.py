@@ -3,7 +3,7 @@ are imported inside their module only, so importing fp8stack never needs them.""
 
 from importlib import import_module
 
-from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord
+from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, check_plan_fits
 from fp8stack.backends.fused import unfused_state_dict
 
 _REGISTRY = {
@@ -34,5 +34,5 @@ def available_backends() -> list[type[Backend]]:
     return [backend_class(name) for name in _REGISTRY]
 
 
-__all__ = ["Backend", "BackendUnavailable", "ConversionRecord", "available_backends", "backend_class", "get_backend",
-           "unfused_state_dict"]
+__all__ = ["Backend", "BackendUnavailable", "ConversionRecord", "available_backends", "backend_class",
+           "check_plan_fits", "get_backend", "unfused_state_dict"]

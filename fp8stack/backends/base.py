@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fp8stack.plan import Decision, Plan
+from fp8stack.plan import Decision, Plan, PlanError
 
 
 def swap_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
@@ -20,6 +20,26 @@ def swap_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
     parent, _, child = fqn.rpartition(".")
     setattr(model.get_submodule(parent), child, new)
     return model
+
+
+def check_plan_fits(model: nn.Module, decisions: Sequence[Decision], plan_name: str) -> None:
+    """Every GEMM the decisions size has that size in `model`: a linear's (out, in) features, an expert parameter's
+    [experts, n, k]; PlanError naming the first that differs (a plan made for another model)."""
+    modules = dict(model.named_modules())
+    for d in decisions:
+        c, found = d.component, None
+        module = modules.get(d.fqn)
+        if c.kind in ("linear", "head", "router") and hasattr(module, "in_features"):
+            found, wanted = (module.out_features, module.in_features), (c.n, c.k)
+        elif c.kind == "expert":
+            owner, _, leaf = d.fqn.rpartition(".")
+            param = getattr(modules.get(owner), leaf, None)
+            found = tuple(param.shape) if isinstance(param, torch.Tensor) else None
+            wanted = (c.experts, c.n, c.k)
+        if found is not None and found != wanted:
+            raise PlanError(f"the plan for {plan_name} sizes {d.fqn} as {' x '.join(map(str, wanted))}, but this "
+                            f"{type(model).__name__}'s is {' x '.join(map(str, found))}: make the plan from this model "
+                            "(describe_module)")
 
 
 class BackendUnavailable(RuntimeError):

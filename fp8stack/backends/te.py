@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, swap_module
+from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, check_plan_fits, swap_module
 from fp8stack.backends.fused import FoldedNorm, Part, StateKeys, merged_projections
 from fp8stack.plan import Decision, Fusion, Plan, PlanError
 from fp8stack.plan.description import NormFeed, SwiGLUFeed
@@ -137,6 +137,7 @@ class TEBackend(Backend):
         if not decisions:
             return model, record
         linears, expert_pairs, recipes = _validated(decisions, plan)
+        check_plan_fits(model, decisions, plan.model)
         fusions = [f for f in plan.fusions if f.backend == self.name]
         if self.fp8_weights and expert_pairs:
             raise PlanError(f"fp8_weights holds dense TE linears' weights in FP8, and the plan runs experts on TE "
@@ -169,7 +170,7 @@ class TEBackend(Backend):
             swaps.append((d.fqn, partial(te_modules.linear_from, linear, te_recipes[d.recipe], name=d.fqn,
                                           **options), (d.fqn,)))
         for module_fqn, (w13, w2) in expert_pairs.items():
-            grouped = _checked(_grouped_experts_at(model, module_fqn, w13, w2), module_fqn, shared)
+            grouped = _checked(_grouped_experts_at(model, module_fqn), module_fqn, shared)
             swaps.append((module_fqn, partial(te_modules.grouped_experts_from, grouped, te_recipes[w13.recipe],
                                               name=module_fqn, cache_weights=options["cache_weights"],
                                               fuse_wgrad_accumulation=wgrad_fusion),
@@ -232,8 +233,8 @@ class TEBackend(Backend):
             return True, ("fuse_wgrad_accumulation: the weight-gradient GEMMs of {count} TE weight(s) accumulate into "
                           "FP32 main_grad buffers, which are the weights' .grad")
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        dtypes = {p.dtype for d in decisions for p in _parameters_at(model, d.fqn)}
-        devices = {p.device.type for d in decisions for p in _parameters_at(model, d.fqn)}
+        params = [p for d in decisions for p in _parameters_at(model, d.fqn)]
+        dtypes, devices = {p.dtype for p in params}, {p.device.type for p in params}
         if ranks > 1 or dtypes != {torch.float32} or devices != {"cuda"}:
             why = (f"a process group of {ranks} ranks reduces .grad, not main_grad" if ranks > 1
                    else f"the weights are {', '.join(sorted(map(str, dtypes)))} on {', '.join(sorted(devices))}, "
@@ -422,29 +423,18 @@ def _linear_at(model: nn.Module, d: Decision) -> nn.Linear:
     if type(module) is not nn.Linear:
         raise PlanError(f"{d.fqn} is a {type(module).__name__}, and the te backend converts plain nn.Linear "
                         "only (a subclass may change what forward does): run it in bf16 or make it nn.Linear")
-    c = d.component
-    if (module.out_features, module.in_features) != (c.n, c.k):
-        raise PlanError(f"{d.fqn}: the plan says n x k = {c.n} x {c.k} but the module is "
-                        f"{module.out_features} x {module.in_features}: derive the plan from this model")
     _check_device(module.weight, d.fqn)
     return module
 
 
-def _grouped_experts_at(model: nn.Module, fqn: str, w13: Decision, w2: Decision) -> nn.Module:
+def _grouped_experts_at(model: nn.Module, fqn: str) -> nn.Module:
+    """The GroupedExperts at `fqn` (check_plan_fits has compared its parameters with the plan)."""
     from fp8stack.models.moe import GroupedExperts
 
     module = _module_at(model, fqn)
     if not isinstance(module, GroupedExperts):
         raise PlanError(f"{fqn} is a {type(module).__name__}; the te backend converts "
                         "fp8stack.models.moe.GroupedExperts (w13 [E, 2F, D], w2 [E, D, F]) only")
-    experts, two_hidden, dim = module.w13.shape
-    want = {"w13": (w13.component.experts, w13.component.n, w13.component.k),
-            "w2": (w2.component.experts, w2.component.n, w2.component.k)}
-    have = {"w13": (experts, two_hidden, dim), "w2": tuple(module.w2.shape)}
-    for name in ("w13", "w2"):
-        if want[name] != have[name]:
-            raise PlanError(f"{fqn}.{name}: the plan says experts x n x k = {want[name]} but the parameter is "
-                            f"{have[name]}: derive the plan from this model")
     _check_device(module.w13, fqn)
     return module
 

@@ -53,8 +53,13 @@ EARLIER = "trainer delayed, code of"
 """The arms running the trainer of other source trees (--earlier-tree), to tell a change from the machine."""
 
 
+def runner_and_recipe(arm: str) -> tuple[str, str]:
+    """What runs `arm` and with which recipe: ARMS', and the trainer's delayed for an --earlier-tree arm."""
+    return ARMS.get(arm, ("trainer", "delayed"))
+
+
 def command(arm: str, steps: int, result: Path) -> list[str]:
-    runner, recipe = ARMS.get(arm, ("trainer", "delayed"))
+    runner, recipe = runner_and_recipe(arm)
     if runner == "trainer":
         return [sys.executable, "-m", "fp8stack.train", "--model", SHAPE["model"], "--fp8-recipe", recipe,
                 "--micro-batch-size", str(SHAPE["micro_batch"]),
@@ -81,7 +86,7 @@ def run_arm(arm: str, steps: int, timeout: float, tree: Path | None = None) -> d
             return {"arm": arm, "command": argv, "error": (done.stderr or done.stdout)[-3000:]}
         measured = json.loads(result.read_text())
     steady = steady_state(measured["step_ms"])
-    return {"arm": arm, "command": argv, "recipe": ARMS.get(arm, ("trainer", "delayed"))[1],
+    return {"arm": arm, "command": argv, "recipe": runner_and_recipe(arm)[1],
             "tokens_per_s": measured["tokens_per_step"] / statistics.median(steady) * 1000,
             "spread": relative_spread(steady), "peak_mem_gib": measured["peak_mem_gib"],
             "losses": measured["losses"], "step_ms": measured["step_ms"]}
