@@ -1,4 +1,4 @@
-"""The fp8stack command line. `fp8stack plan` prints which backend and recipe every GEMM gets, and why.
+"""The fp8stack command line: train, plan (which backend and recipe every GEMM gets, and why), ab, profile.
 
 Every mistake in the input ends the same way: exit code 2 and one stderr line
 'fp8stack: error: <problem and fix>'. Only a bug in fp8stack itself shows a traceback.
@@ -12,12 +12,12 @@ from typing import NoReturn
 
 from fp8stack import __version__
 from fp8stack.ab import add_ab_parser
+from fp8stack.config import ConfigError, ModelConfig, add_section_arguments, parse_args
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan, parse_arch
-from fp8stack.plan.policy import SMALL_GEMM_CHOICES
-from fp8stack.plan.recipe_file import SETTINGS
-from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS, RECIPES
+from fp8stack.plan.recipes import BF16, RECIPES
 from fp8stack.plan.render import RENDERERS, render_table
 from fp8stack.profile import add_profile_parser
+from fp8stack.train.command import add_train_parser
 
 PROG = "fp8stack"
 USAGE_ERROR = 2
@@ -39,36 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", required=True)
-
+    add_train_parser(commands)
     plan = commands.add_parser(
-        "plan", help="print the precision plan of a model under an FP8 recipe",
+        "plan", help="print the precision plan of a model under an FP8 recipe", usage="%(prog)s [options]",
         description="Print the precision plan: backend, recipe and reason for every component. "
                     "Settings come from the flags, then the --recipe-file, then the policy defaults.")
-    plan.add_argument("--model", default="tiny",
-                      help="model description: a YAML path or a name in configs/models (default: tiny)")
-    # Settings default to None so that a flag the user did not give leaves the recipe file's value.
-    plan.add_argument("--fp8-recipe", dest="recipe", choices=(BF16, *RECIPES),
-                      help="FP8 recipe; may be omitted when the recipe file sets `recipe`")
-    plan.add_argument("--fp8-format", choices=FP8_FORMATS,
-                      help="e4m3, or hybrid: E4M3 forward, E5M2 gradients (default: the recipe's library default: "
-                           "hybrid for delayed/tensorwise, e4m3 for rowwise/blockwise/mxfp8)")
-    plan.add_argument("--backend", choices=BACKEND_PREFERENCES,
-                      help="backend for dense linears; auto takes the recipe's first (default: auto)")
-    plan.add_argument("--first-last-layers-bf16", action=argparse.BooleanOptionalAction, default=None,
-                      help="keep the first and last layers in BF16 (Megatron's flag)")
-    plan.add_argument("--num-layers-at-start-in-bf16", type=int, metavar="N",
-                      help="layers kept BF16 at the start with --first-last-layers-bf16 (default: 1)")
-    plan.add_argument("--num-layers-at-end-in-bf16", type=int, metavar="N",
-                      help="layers kept BF16 at the end with --first-last-layers-bf16 (default: 1)")
-    plan.add_argument("--arch", help=f"target GPU, e.g. sm90 or sm100 (default: the local GPU, else {DEFAULT_ARCH})")
-    plan.add_argument("--small-gemm-filter", choices=SMALL_GEMM_CHOICES,
-                      help="which torchao size thresholds keep small GEMMs in BF16 (default: auto, the recipe's own)")
-    plan.add_argument("--blockwise-experts", choices=BLOCKWISE_EXPERT_BACKENDS,
-                      help="blockwise expert GEMMs on fp8stack's grouped kernels (DeepGEMM, else torch scaled_mm per "
-                           "expert) or TE GroupedLinear (default: grouped_fp8)")
-    plan.add_argument("--head-on-te", action=argparse.BooleanOptionalAction, default=None,
-                      help="run the output head (BF16) as a TE module beside the TE linears, for fused weight-gradient "
-                           "accumulation (default: wherever the dense linears run on TE)")
+    add_section_arguments(plan, "model", ModelConfig(), skip=("model.impl", "model.factory",
+                                                              "model.fused_projections"))
+    # Every policy flag is optional: a flag the user did not give leaves the recipe file's value.
+    add_section_arguments(plan, "precision", PolicyConfig(recipe=BF16),
+                          skip=("precision.overrides", "precision.blockwise_experts_why"))
     plan.add_argument("--recipe-file", metavar="PATH_OR_NAME",
                       help="YAML with settings and per-block / per-fqn overrides (a path or a name in configs/recipes)")
     plan.add_argument("--format", choices=tuple(RENDERERS), default="table", help="output format (default: table)")
@@ -81,19 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit code."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
     except SystemExit as done:  # --help printed, or a usage error already reported in one line
         return done.code if isinstance(done.code, int) else 0
     try:
         return args.run(args)
-    except PlanError as err:
+    except (PlanError, ConfigError) as err:
         print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return USAGE_ERROR
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """`fp8stack plan`: print the plan of --model under the merged settings in --format."""
-    model = load_description(args.model)
+    model = load_description(getattr(args, "model.name", ModelConfig().name))
     plan = make_plan(model, policy_config(args))
     if args.format == "table":
         text = render_table(plan, width=max(MIN_TABLE_WIDTH, shutil.get_terminal_size().columns))
@@ -106,7 +86,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def policy_config(args: argparse.Namespace) -> PolicyConfig:
     """Flags given on the command line, over the recipe file's settings, over PolicyConfig's defaults."""
     settings, overrides = load_recipe_file(args.recipe_file) if args.recipe_file else ({}, ())
-    flags = {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
+    flags = {key.removeprefix("precision."): value for key, value in vars(args).items()
+             if key.startswith("precision.")}
     merged = {**settings, **flags}
     if "recipe" not in merged:
         raise PlanError(f"no FP8 recipe given: pass --fp8-recipe ({', '.join([BF16, *RECIPES])}) "
@@ -116,7 +97,7 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
     if counts and not merged.get("first_last_layers_bf16"):
         verb = "applies" if len(counts) == 1 else "apply"
         raise PlanError(f"{' and '.join(counts)} only {verb} with --first-last-layers-bf16: add that flag")
-    arch = parse_arch(args.arch if args.arch is not None else local_arch())
+    arch = parse_arch(merged.pop("arch", local_arch()))
     return PolicyConfig(**merged, arch=arch, overrides=overrides)
 
 

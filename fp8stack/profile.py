@@ -9,7 +9,7 @@ faster ones). Also reports quantize/scale time over GEMM time in the FP8 run (ta
 and as overhead (quantize_overhead: a norm or activation kernel that writes FP8 counts by its excess over the
 bf16 run's kernel of the same family), and the measured gain when `fp8stack ab` evidence for the same model and
 device exists.
-Writes profiles/profile-<model>-<device>.json and .md.
+Writes profile-<model>-<device>.json and .md evidence.
 """
 
 import argparse
@@ -19,12 +19,13 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from fp8stack.ab import add_speed_levers, speed_levers
+from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
+from fp8stack.config.flags import DERIVED_FIELDS, add_megatron_recompute_arguments
 from fp8stack.plan import Plan, PlanError
-from fp8stack.plan.recipes import BACKEND_PREFERENCES, BF16, FP8_FORMATS, RECIPES
+from fp8stack.plan.recipes import BF16, is_fp8
 
 CLASSIFIER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
@@ -228,7 +229,7 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
     with session(cfg) as run:
         on_gpu = run.env.device.type == "cuda"
         for _ in range(warmup):
-            float(run.step(cfg.grad_clip)[0].detach())
+            float(run.step(cfg.optimizer.grad_clip)[0].detach())
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         cycles = []  # the profiler clears its events when the cycle ends: keep them as it ends
         with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
@@ -236,7 +237,7 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
             step_ms = []
             for _ in range(1 + steps):
                 began = time.perf_counter()
-                float(run.step(cfg.grad_clip)[0].detach())  # a host sync per step, as in train()
+                float(run.step(cfg.optimizer.grad_clip)[0].detach())  # a host sync per step, as in train()
                 step_ms.append((time.perf_counter() - began) * 1000)
                 profiler.step()  # not timed: the last one stops the profiler and collects its events
         wall_ms = sum(step_ms[1:]) / steps
@@ -252,7 +253,7 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
             calls[name] += event.count
         basis = ("CUDA kernel time, summed over streams" if on_gpu else
                  "CPU self time of the profiled ops (the main thread's view; intra-op threads inside)")
-        profiled = summarize(times, calls, steps, cfg.recipe, basis, wall_ms)
+        profiled = summarize(times, calls, steps, cfg.precision.recipe, basis, wall_ms)
         if on_gpu:  # CPU ops nest, so only kernels have gaps worth reading
             profiled.idle_ms_per_step, profiled.gaps = idle_gaps(
                 [(e.name, e.time_range.start, e.time_range.end) for e in events
@@ -277,117 +278,120 @@ def measured_gain(ab_path: Path, recipe: str) -> float | None:
     return arm / base if base and arm else None
 
 
+@dataclass
+class ProfileConfig:
+    """What is profiled and how the bound is computed; every other option is the training configuration profiled."""
+
+    steps: int = 5
+    """Profiled steps per run."""
+    warmup_steps: int = 3
+    """Unprofiled steps first: allocator, kernel selection, compilation."""
+    gemm_speedup: float = DEFAULT_GEMM_SPEEDUP
+    """Assumed FP8 over BF16 GEMM speed for the bound."""
+    out_dir: str = "profiles"
+    """Where the evidence goes and the A/B evidence is read from."""
+    label: str | None = None
+    """Added to the evidence's name, profile-<model>-<label>-<gpu>; the A/B evidence read is the one
+    `fp8stack ab --label` of the same label wrote."""
+    force: bool = False
+    """Replace evidence of the same name (.json, .md)."""
+
+
+PROFILE_ALIASES = {"profile.steps": ("--steps",), "profile.gemm_speedup": ("--gemm-speedup",),
+                   "profile.out_dir": ("--out-dir",), "profile.label": ("--label",), "profile.force": ("--force",)}
+"""The profile's own flags by their earlier names."""
+
+
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `profile` subcommand to an argparse subparsers object; it runs run_profile(args)."""
     parser = subparsers.add_parser(
         "profile", help="profile training steps: time per kernel category and the Amdahl bound on FP8's gain",
-        description=__doc__.split("\n\n")[0])
+        description=__doc__.split("\n\n")[0], usage="%(prog)s [options]")
     _add_arguments(parser)
     parser.set_defaults(run=run_profile)
     return parser
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny | tiny-moe | llama-1b-like (default: tiny)")
-    parser.add_argument("--fp8-recipe", dest="recipe", required=True, choices=(BF16, *RECIPES),
-                        help="FP8 recipe to profile (a bf16 profile runs first for the GEMM share), or bf16")
-    parser.add_argument("--backend", choices=BACKEND_PREFERENCES, default="auto",
-                        help="backend for dense linears (default: auto, the recipe's first)")
-    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
-                        help="e4m3 or hybrid (default: the recipe's library default)")
-    parser.add_argument("--steps", type=int, default=5, help="profiled steps per run (default: 5)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="unprofiled steps first: allocator, kernel selection, compilation (default: 3)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: TrainConfig's)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss")
-    add_speed_levers(parser)
-    parser.add_argument("--gemm-speedup", type=float, default=DEFAULT_GEMM_SPEEDUP, metavar="R",
-                        help=f"assumed FP8 over BF16 GEMM speed for the bound (default: {DEFAULT_GEMM_SPEEDUP})")
-    parser.add_argument("--out-dir", default="profiles",
-                        help="where the evidence goes and the A/B evidence is read from (default: profiles)")
-    parser.add_argument("--label", help="added to the evidence's name, profile-<model>-<label>-<gpu>; the A/B "
-                                        "evidence read is the one `fp8stack ab --label` of the same label wrote")
-    parser.add_argument("--force", action="store_true", help="replace evidence of the same name (.json, .md)")
+    add_section_arguments(parser, "profile", ProfileConfig(), aliases=PROFILE_ALIASES)
+    add_config_arguments(parser, skip=(*DERIVED_FIELDS, "training.steps"))
+    add_megatron_recompute_arguments(parser)
 
 
 def run_profile(args: argparse.Namespace) -> int:
     """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
     from fp8stack.bench.evidence import (EvidenceError, claim_evidence, device_slug, environment, markdown_table,
                                          write_evidence)
-    from fp8stack.train.config import TrainConfig, TrainConfigError
-    from fp8stack.train.loop import model_config
+    from fp8stack.train.loop import model_config, resolve_job
     from fp8stack.train.preflight import preflight
 
     env = environment()
-    name = "-".join(filter(None, (args.model, args.label, device_slug(env["device"]))))
-    stem = f"profile-{name}"
     try:
-        if args.steps < 1 or args.warmup < 0 or not 0 < args.gemm_speedup < float("inf"):
-            raise TrainConfigError(f"need --steps >= 1, --warmup >= 0 and --gemm-speedup > 0, got {args.steps}, "
-                                   f"{args.warmup} and {args.gemm_speedup}")
-        overrides = {"model": args.model, "fp8_format": args.fp8_format,
-                     "device": args.device, "dtype": args.dtype, "compile": args.compile,
-                     "steps": args.warmup + 1 + args.steps, "progress": False,
-                     **{k: getattr(args, k) for k in ("micro_batch", "seq_len") if getattr(args, k) is not None}}
-        if len(args.blockwise_gemms) > 1:
-            raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)}: profile profiles one FP8 "
-                                   "run, so one GEMM library: pass te or deepgemm (fp8stack ab takes both)")
-        if len(args.param_dtypes) > 1:
-            raise TrainConfigError(f"--param-dtypes {','.join(args.param_dtypes)}: profile profiles one "
-                                   "configuration per recipe: pass fp32, bf16 or fp8 (fp8stack ab takes several)")
-        library, param_dtype = args.blockwise_gemms[0], args.param_dtypes[0]
+        options = ProfileConfig(**{k.removeprefix("profile."): v for k, v in vars(args).items()
+                                   if k.startswith("profile.")})
+        job = job_from_args(args)
+        name = "-".join(filter(None, (job.model.name, options.label, device_slug(env["device"]))))
+        stem = f"profile-{name}"
+        if options.steps < 1 or options.warmup_steps < 0 or not 0 < options.gemm_speedup < float("inf"):
+            raise ConfigError(f"need --profile.steps >= 1, --profile.warmup-steps >= 0 and --gemm-speedup > 0, got "
+                              f"{options.steps}, {options.warmup_steps} and {options.gemm_speedup}")
+        job = replace(job, training=replace(job.training, steps=options.warmup_steps + 1 + options.steps),
+                      logging=replace(job.logging, progress=False))
+        recipe = job.precision.recipe
         # a BF16 plan has no FP8 weights: FP8 parameters are profiled against BF16 ones, as the A/B judges them
-        configs = [TrainConfig(**overrides, recipe=recipe, **speed_levers(args, recipe),
-                               param_dtype="bf16" if recipe == BF16 and param_dtype == "fp8" else param_dtype,
-                               **({"blockwise_gemms": library} if recipe != BF16 and library != "te" else {}))
-                   for recipe in dict.fromkeys((BF16, args.recipe))]
-        claim_evidence(stem, args.out_dir, args.force)
+        configs = [resolve_job(_without_fp8(job)), *([resolve_job(job)] if is_fp8(recipe) else [])]
+        claim_evidence(stem, options.out_dir, options.force)
         for cfg in configs:
             preflight(cfg, model_config(cfg))
         runs, plan = {}, None
         for cfg in configs:
-            print(f"profiling {cfg.model} {cfg.recipe}: {args.warmup} + 1 warm-up and {args.steps} profiled steps",
-                  flush=True)
-            runs[cfg.recipe], plan = profile_run(cfg, args.warmup, args.steps)
-    except (TrainConfigError, PlanError, EvidenceError) as err:
+            print(f"profiling {cfg.model.name} {cfg.precision.recipe}: {options.warmup_steps} + 1 warm-up and "
+                  f"{options.steps} profiled steps", flush=True)
+            runs[cfg.precision.recipe], plan = profile_run(cfg, options.warmup_steps, options.steps)
+    except (ConfigError, PlanError, EvidenceError) as err:
         print(f"fp8stack profile: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
-    ab_path = Path(args.out_dir) / f"ab-{name}.json"
-    profiled, baseline = runs[args.recipe], runs[BF16]
+    ab_path = Path(options.out_dir) / f"ab-{name}.json"
+    profiled, baseline = runs[recipe], runs[BF16]
     gemm_share, fp8_share = baseline.share("gemm"), fp8_matmul_share(plan)
     gemm_ms = profiled.categories["gemm"]["ms_per_step"]
     measured = measured_gemm_speedup(baseline.categories["gemm"]["ms_per_step"], gemm_ms, fp8_share)
     overhead_ms, fused = quantize_overhead(profiled.categories["quantize"]["ms_per_step"], profiled.family_ms,
                                            baseline.family_ms)
     payload = {
-        "model": args.model, "recipe": args.recipe, "steps": args.steps, "warmup": args.warmup,
-        "train_config": {k: v for k, v in asdict(configs[-1]).items() if k != "steps"},
+        "model": job.model.name, "recipe": recipe, "steps": options.steps, "warmup": options.warmup_steps,
+        "train_config": to_dict(configs[-1]),
         "plan_summary": plan.summary(),
         "fp8_share_of_gemm_flops": fp8_share,
         "gemm_share": gemm_share,
-        "gemm_speedup": args.gemm_speedup,
-        "amdahl_bound": amdahl_bound(gemm_share, fp8_share, args.gemm_speedup),
+        "gemm_speedup": options.gemm_speedup,
+        "amdahl_bound": amdahl_bound(gemm_share, fp8_share, options.gemm_speedup),
         "measured_gemm_speedup": measured,
         "amdahl_bound_at_measured_speedup": amdahl_bound(gemm_share, fp8_share, measured) if measured else None,
         "quantize_over_gemm": profiled.categories["quantize"]["ms_per_step"] / gemm_ms if gemm_ms else None,
         "quantize_overhead_over_gemm": overhead_ms / gemm_ms if gemm_ms else None,
         "quantize_fused_families": fused,
         "quantize_target": QUANTIZE_TARGET,
-        "measured_gain": measured_gain(ab_path, args.recipe) if args.recipe != BF16 else None,
+        "measured_gain": measured_gain(ab_path, recipe) if is_fp8(recipe) else None,
         "ab_evidence": str(ab_path) if ab_path.is_file() else None,
         "classifier": [{"category": c, "substrings": list(m)} for c, m in CLASSIFIER],
         "runs": {recipe: asdict(run) for recipe, run in runs.items()},
     }
     markdown = _markdown(payload, runs, markdown_table)
-    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)  # claimed
+    json_path, md_path = write_evidence(stem, payload, markdown, out_dir=options.out_dir, replace=True)  # claimed
     print(markdown, end="")
     print(f"wrote {json_path}, {md_path}")
     return 0
+
+
+def _without_fp8(job: JobConfig) -> JobConfig:
+    """The BF16 run a profile compares with: the same configuration under recipe bf16, BF16 parameters where the
+    profiled run's are FP8."""
+    param_dtype = "bf16" if job.training.param_dtype == "fp8" else job.training.param_dtype
+    return replace(job, precision=replace(job.precision, recipe=BF16),
+                   te=replace(job.te, delayed_margin=0, blockwise_gemms="te"),
+                   training=replace(job.training, param_dtype=param_dtype))
 
 
 def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str:
@@ -450,9 +454,9 @@ def _cut(name: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m fp8stack.profile ...`: the same as `fp8stack profile ...`."""
-    parser = argparse.ArgumentParser(prog="python -m fp8stack.profile", description=__doc__.split("\n\n")[0])
-    _add_arguments(parser)
-    return run_profile(parser.parse_args(argv))
+    from fp8stack.cli import main as cli_main
+
+    return cli_main(["profile", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

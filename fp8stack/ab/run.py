@@ -16,25 +16,67 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fp8stack.ab.plot import plot
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_PARAMS_SUFFIX,
                                   GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
                                   Arm, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms, repeat_note)
+from fp8stack.backends import get_backend
+from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
+from fp8stack.config.flags import add_megatron_recompute_arguments
 from fp8stack.plan import PlanError
-from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, FP8_FORMATS, PARAM_DTYPES, RECIPES,
-                                   dense_backend, get_recipe)
+from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend, get_recipe, is_fp8,
+                                   recipe_name)
 
-CPU_RECIPES = (BF16, "tensorwise", "rowwise", "rowwise_gw_hp")
-"""The default arms: torchao recipes, which also run on a CPU."""
-DEFAULT_STEPS = 40
-"""Sized so the four default arms on the tiny model finish in under 3 minutes on 2 CPU cores."""
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in every arm (as launch/env.sh does): on a shared multi-GPU host a
 program using it can take the host's GPUs out of service for everyone."""
+
+
+@dataclass
+class AbConfig:
+    """The arms of an A/B and how they are judged; every other option is the training configuration each arm runs."""
+
+    recipes: tuple[str, ...] | None = None
+    """The arms' recipes (bf16 is added first if missing). None: those the project measures on this machine:
+    bf16, delayed and blockwise where TE runs them, torchao's recipes elsewhere (a CPU)."""
+    fastest_bf16: bool | None = None
+    """Run two BF16 configurations, the plain model and one on TE modules without FP8 ('bf16 on te'), and judge the
+    FP8 arms against the faster, which the bf16 repeats rerun. None: on where TE runs (plain path)."""
+    bf16_on_te: bool = False
+    """The bf16 arm alone runs on TE modules without FP8 (plain path)."""
+    param_dtypes: tuple[str, ...] | None = None
+    """One run of every arm per parameter dtype (fp32, bf16, fp8; named with a suffix after the first). None: one
+    run each with training.param_dtype."""
+    blockwise_gemms: tuple[str, ...] = ("te",)
+    """One blockwise arm per library running TE's blockwise GEMMs: te (cuBLAS) and/or deepgemm."""
+    baseline_runs: int = 2
+    """bf16 runs: the first, and the repeats after the FP8 arms, which measure the noise."""
+    loss_tolerance: float | None = None
+    """Largest relative final-loss gap that ships. None: GPU_LOSS_TOLERANCE on a GPU, CPU_LOSS_TOLERANCE on a CPU."""
+    nproc: int = 1
+    """Processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone."""
+    gpus: tuple[str, ...] | None = None
+    """Run the arms side by side, one per listed GPU, in waves (long loss runs; step times then overlap)."""
+    continue_from: str | None = None
+    """A partial evidence file of this same A/B (one stopped by a time limit): keep its runs, run the pending ones."""
+    out_dir: str = "profiles"
+    """Where the evidence goes."""
+    label: str | None = None
+    """Added to the evidence's name, so a variant run does not replace the main evidence."""
+    force: bool = False
+    """Replace evidence of the same name (.json, .md, .png)."""
+
+
+AB_ALIASES = {"ab.recipes": ("--recipes",), "ab.fastest_bf16": ("--fastest-bf16",), "ab.bf16_on_te": ("--bf16-on-te",),
+              "ab.param_dtypes": ("--param-dtypes",), "ab.blockwise_gemms": ("--blockwise-gemms",),
+              "ab.baseline_runs": ("--baseline-runs",), "ab.loss_tolerance": ("--loss-tolerance",),
+              "ab.nproc": ("--nproc",), "ab.gpus": ("--gpus",), "ab.continue_from": ("--continue-from",),
+              "ab.out_dir": ("--out-dir",), "ab.label": ("--label",), "ab.force": ("--force",)}
+"""The A/B's own flags by their earlier names (the training flags have theirs in fp8stack.config.flags)."""
 
 
 def comma_separated(text: str) -> tuple[str, ...]:
@@ -42,173 +84,81 @@ def comma_separated(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
-def comma_list_of(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type: a comma list of one or more of `allowed`, repeats dropped."""
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(dict.fromkeys(comma_separated(text)))
-        if not items or any(item not in allowed for item in items):
-            raise argparse.ArgumentTypeError(f"{text!r}: use a comma list of {', '.join(allowed)}")
-        return items
-    return parse
-
-
 def blockwise_arm(library: str) -> str:
     """The A/B arm of recipe blockwise with its GEMMs on `library`: 'blockwise' on TE's own (cuBLAS)."""
     return "blockwise" if library == "te" else f"blockwise on {library}"
 
 
-def arm_configs(args: argparse.Namespace, recipes: list[str], overrides: dict) -> dict:
-    """Arm name -> TrainConfig: bf16 (and bf16 on te with --fastest-bf16), then each FP8 recipe; blockwise once per
-    --blockwise-gemms library; each of them once per --param-dtypes dtype (BF16_PARAMS_SUFFIX after bf16's,
-    FP8_PARAMS_SUFFIX after fp8's, which the BF16 arms, having no FP8 weights, skip)."""
-    from fp8stack.train.config import TrainConfig, TrainConfigError  # torch is imported only once the options are read
+def to_plain(ab: AbConfig) -> dict:
+    """The ab section as JSON data."""
+    return json.loads(json.dumps(asdict(ab)))
 
-    if args.blockwise_gemms != ("te",) and "blockwise" not in recipes:
-        raise TrainConfigError(f"--blockwise-gemms {','.join(args.blockwise_gemms)} sets the blockwise runs' GEMMs, "
-                               "and --recipes has no blockwise: add blockwise to --recipes or drop --blockwise-gemms")
-    arms = [(BF16, BF16, {}), *([(BF16_ON_TE_ARM, BF16, {})] if args.fastest_bf16 else [])]
+
+def ab_config(args: argparse.Namespace) -> AbConfig:
+    """The ab section of the options given (lists may be comma lists)."""
+    given = {k.removeprefix("ab."): v for k, v in vars(args).items() if k.startswith("ab.")}
+    for name in ("recipes", "param_dtypes", "blockwise_gemms", "gpus"):
+        if name in given:
+            given[name] = tuple(dict.fromkeys(part for item in given[name] for part in comma_separated(item)))
+    return AbConfig(**given)
+
+
+def arm_configs(ab: AbConfig, base: JobConfig, recipes: list[str], te_runs: bool) -> dict[str, JobConfig]:
+    """Arm name -> its JobConfig: bf16 (and bf16 on te with fastest_bf16), then each FP8 recipe; blockwise once per
+    blockwise_gemms library; each once per param_dtypes entry (BF16_PARAMS_SUFFIX after bf16's, FP8_PARAMS_SUFFIX
+    after fp8's, which BF16 arms, having no FP8 weights, skip). Options that only some arms' plans use go to those
+    arms: a delayed-scaling margin to recipes scaled from history, explicit TE weight-gradient fusion to arms with TE
+    layers."""
+    if ab.blockwise_gemms != ("te",) and not any(is_fp8(r) and get_recipe(r).gemms_on_deepgemm for r in recipes):
+        raise ConfigError(f"--blockwise-gemms {','.join(ab.blockwise_gemms)} sets the blockwise runs' GEMMs, and "
+                          "--recipes has no blockwise: add blockwise to --recipes or drop --blockwise-gemms")
+    fastest_bf16 = ab.fastest_bf16 if ab.fastest_bf16 is not None else te_runs and base.model.impl == "torch"
+    if (fastest_bf16 or ab.bf16_on_te) and base.model.impl == "megatron":
+        raise ConfigError("--bf16-on-te and --fastest-bf16 put the plain model's BF16 linears on TE; megatron's BF16 "
+                          "run is on TE already: drop them")
+    if ab.fastest_bf16 and ab.bf16_on_te:
+        raise ConfigError("--fastest-bf16 runs both BF16 configurations, the --bf16-on-te one included: drop "
+                          "--bf16-on-te")
+    arms = [(BF16, BF16, "te" if ab.bf16_on_te else "auto", "te"),
+            *([(BF16_ON_TE_ARM, BF16, "te", "te")] if fastest_bf16 else [])]
     for recipe in recipes[1:]:
-        libraries = args.blockwise_gemms if recipe == "blockwise" else ("te",)
-        arms += [(blockwise_arm(library) if recipe == "blockwise" else recipe, recipe,
-                  {"blockwise_gemms": library} if library != "te" else {}) for library in libraries]
+        libraries = ab.blockwise_gemms if get_recipe(recipe).gemms_on_deepgemm else ("te",)
+        arms += [(blockwise_arm(library) if library != "te" else recipe, recipe, base.precision.backend, library)
+                 for library in libraries]
     suffixes = {"fp32": "", "bf16": BF16_PARAMS_SUFFIX, "fp8": FP8_PARAMS_SUFFIX}
-    return {name + suffixes[param_dtype]: TrainConfig(
-                **overrides, recipe=recipe, **extra, param_dtype=param_dtype,
-                **speed_levers(args, recipe, bf16_on_te=True if name == BF16_ON_TE_ARM else None),
-                log_interval=max(1, args.steps // 4))
-            for name, recipe, extra in arms for param_dtype in args.param_dtypes
-            if not (param_dtype == "fp8" and recipe == BF16)}
+    param_dtypes = ab.param_dtypes or (base.training.param_dtype,)
+    return {name + (suffixes[dtype] if ab.param_dtypes else ""): _arm(base, recipe, backend, library, dtype)
+            for name, recipe, backend, library in arms for dtype in param_dtypes
+            if not (dtype == "fp8" and not is_fp8(recipe))}
+
+
+def _arm(base: JobConfig, recipe: str, backend: str, library: str, param_dtype: str | None) -> JobConfig:
+    on_te = _planned_backend(recipe, backend) == "te"
+    fp8 = is_fp8(recipe)
+    wgrad = base.te.gradient_accumulation_fusion
+    return replace(
+        base, precision=replace(base.precision, recipe=recipe, backend=backend),
+        te=replace(base.te, delayed_margin=base.te.delayed_margin if fp8 and get_recipe(recipe).scales_from_history
+                   else 0, blockwise_gemms=library,
+                   gradient_accumulation_fusion=wgrad if on_te or base.model.impl == "megatron" or not wgrad else None),
+        training=replace(base.training, param_dtype=param_dtype),
+        logging=replace(base.logging, interval=max(1, base.training.steps // 4)))
 
 
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `ab` subcommand to an argparse subparsers object; it runs run_ab(args)."""
     parser = subparsers.add_parser(
-        "ab", help="A/B FP8 recipes against bf16: throughput, loss, ship or rollback",
-        description=__doc__.split("\n\n")[0].replace("\n", " "))
+        "ab", help="A/B FP8 recipes against bf16: throughput, memory, loss; ship or rollback",
+        description=__doc__.split("\n\n")[0].replace("\n", " "), usage="%(prog)s [options]")
     _add_arguments(parser)
     parser.set_defaults(run=run_ab)
     return parser
 
 
-def add_speed_levers(parser: argparse.ArgumentParser) -> None:
-    """The trainer's speed options (and delayed scaling's margin) that `fp8stack ab` and `fp8stack profile` pass
-    to every run."""
-    parser.add_argument("--sdpa-backend", default="auto",
-                        help="attention kernel on a GPU in every run: auto | cudnn | flash | efficient (default: auto)")
-    parser.add_argument("--fuse-norm", action="store_true",
-                        help="FP8 runs fold RMSNorms into TE LayerNormLinear (needs their layers on te)")
-    parser.add_argument("--fuse-mlp", action="store_true",
-                        help="FP8 runs compute each dense block's ffn_norm + SwiGLU MLP as one TE LayerNormMLP")
-    parser.add_argument("--compress-activations", action="store_true",
-                        help="FP8 runs store the BF16 activations saved for backward in FP8 (a memory "
-                             "lever; rolled back on llama-1b-like: +12%% loss, slower, profiles/NOTES.md 7)")
-    parser.add_argument("--fp8-recompute", type=comma_separated,
-                        metavar="MODULE[,MODULE]",
-                        help="FP8 runs recompute these regions of every block in backward (--recompute-modules names; "
-                             "mlp on a --fuse-mlp LayerNormMLP recomputes norm, FC1 and SwiGLU, not FC2): a memory "
-                             "lever paid for in speed")
-    parser.add_argument("--fp8-margin", type=int, default=0, metavar="N",
-                        help="delayed runs: scales leave 2^N headroom below the FP8 maximum (Megatron's --fp8-margin)")
-    parser.add_argument("--global-batch-size", dest="global_batch", type=int, metavar="N",
-                        help="sequences per optimizer step in every run, accumulated over micro-batches (default: "
-                             "one micro-batch per step); TE FP8 runs then cast their weights once per step")
-    parser.add_argument("--gradient-accumulation-fusion", action="store_true",
-                        help="TE's wgrad GEMMs accumulate into FP32 main_grad buffers: --model-impl megatron, every "
-                             "run (megatron DDP's buffers; the BF16 run's TE linears too); torch: the FP8 runs' TE "
-                             "layers (the BF16 run has none)")
-    parser.add_argument("--blockwise-gemms", type=comma_list_of(BLOCKWISE_GEMMS), default=("te",), metavar="te,deepgemm",
-                        help="one blockwise run per library: TE's GEMMs on cuBLAS (te, the run 'blockwise'; default) "
-                             "and/or on DeepGEMM's dense kernels, bit-identical (deepgemm, the run "
-                             f"'{blockwise_arm('deepgemm')}')")
-    parser.add_argument("--param-dtypes", type=comma_list_of(PARAM_DTYPES), default=("fp32",), metavar="fp32,bf16,fp8",
-                        help="one run of every arm per parameter dtype: fp32 (FP32 parameters, cast at every forward; "
-                             f"default) and/or bf16 (BF16 parameters with FP32 masters in the optimizer, Megatron's "
-                             f"--bf16; the arm's name ends in '{BF16_PARAMS_SUFFIX}') and/or fp8 (the FP8 arms' TE "
-                             "layers hold their weights in FP8 only, FP32 masters in the optimizer, Megatron's "
-                             f"--fp8-param-gather; '{FP8_PARAMS_SUFFIX}')")
-    parser.add_argument("--bf16-on-te", action="store_true",
-                        help="the bf16 run's linears are TE modules without FP8 (recipe bf16, --backend te), with the "
-                             "TE levers asked of the FP8 runs (--fuse-norm, --fuse-mlp, "
-                             "--gradient-accumulation-fusion): a BF16 baseline on TE's kernels (plain path)")
-    parser.add_argument("--model-impl", choices=("torch", "megatron"), default="torch",
-                        help="torch: the plain Llama; megatron: megatron-core's GPTModel through fp8stack's block "
-                             "factory, TE linears (default: torch)")
-
-
-def speed_levers(args: argparse.Namespace, recipe: str, bf16_on_te: bool | None = None) -> dict:
-    """TrainConfig fields of add_speed_levers' options and --backend for a run of `recipe`: the bf16 run is the
-    plain model (TE modules without FP8 with --bf16-on-te, or where `bf16_on_te` says so), TE levers go to the runs
-    with TE layers, FP8-only levers to the FP8 runs, the delayed-scaling margin to delayed runs."""
-    bf16_on_te = args.bf16_on_te if bf16_on_te is None else bf16_on_te
-    if bf16_on_te and args.model_impl == "megatron":
-        from fp8stack.train.config import TrainConfigError  # torch is imported only once the options are read
-
-        raise TrainConfigError("--bf16-on-te and --fastest-bf16 put the plain model's BF16 linears on TE; megatron's "
-                               "BF16 run is on TE already: drop them")
-    on_te = recipe != BF16 or bf16_on_te
-    return {"backend": args.backend if recipe != BF16 else ("te" if bf16_on_te else "auto"),
-            "sdpa_backend": args.sdpa_backend, "fuse_norm": args.fuse_norm and on_te,
-            "fp8_margin": args.fp8_margin if recipe == "delayed" else 0,
-            "fuse_mlp": args.fuse_mlp and on_te,
-            "compress_activations": args.compress_activations and recipe != BF16, "model_impl": args.model_impl,
-            **({"recompute": "all", "recompute_modules": args.fp8_recompute}
-               if args.fp8_recompute and recipe != BF16 else {}),
-            "global_batch": args.global_batch,
-            "gradient_accumulation_fusion": args.gradient_accumulation_fusion and (
-                args.model_impl == "megatron" or on_te)}
-
-
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny | tiny-moe | llama-1b-like (default: tiny)")
-    parser.add_argument("--recipes", default=",".join(CPU_RECIPES),
-                        help=f"comma-separated arms; bf16 is added first if missing (default: {','.join(CPU_RECIPES)})")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"steps per arm (default: {DEFAULT_STEPS})")
-    parser.add_argument("--backend", choices=BACKEND_PREFERENCES, default="auto",
-                        help="backend for dense linears in FP8 arms (default: auto, the recipe's first)")
-    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
-                        help="e4m3 or hybrid (default: each recipe's library default)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: TrainConfig's)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
-    parser.add_argument("--max-data-bytes", type=int, metavar="N",
-                        help="source bytes read, both splits (default: TrainConfig's 8 MiB; a whole stdlib is ~10 MB "
-                             "on the GPU machine, ~30 MB here): more text keeps long loss runs under one pass")
-    parser.add_argument("--data-source", metavar="stdlib|python",
-                        help="stdlib: the standard library's sources (default); python: those, then site-packages' "
-                             "(with --max-data-bytes: long loss runs stay under one pass)")
-    parser.add_argument("--seed", type=int, default=0, help="same weights and batches in every arm (default: 0)")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="activation dtype (auto: bf16 on CUDA, fp32 on a CPU)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss in every arm")
-    add_speed_levers(parser)
-    parser.add_argument("--lr", type=float, help="peak learning rate (default: TrainConfig's)")
-    parser.add_argument("--warmup", type=int, help="LR warm-up steps (default: TrainConfig's)")
-    parser.add_argument("--loss-tolerance", type=float,
-                        help=f"largest relative final-loss gap that ships (default: {GPU_LOSS_TOLERANCE} on a GPU, "
-                             f"{CPU_LOSS_TOLERANCE} on a CPU)")
-    parser.add_argument("--fastest-bf16", action="store_true",
-                        help="run two BF16 configurations, the plain model and the --bf16-on-te one (arm 'bf16 on "
-                             "te'), and judge the FP8 arms against the faster, which the bf16 repeats rerun: the "
-                             "fastest BF16 baseline in one A/B (plain path)")
-    parser.add_argument("--baseline-runs", type=int, default=2, metavar="N",
-                        help="bf16 runs: the first, and N-1 repeats after the FP8 arms; a loss gap is judged only "
-                             "while their final losses span at most the tolerance (default: 2)")
-    parser.add_argument("--no-repeat-baseline", dest="baseline_runs", action="store_const", const=1,
-                        help="--baseline-runs 1: faster, but the noise is then only step-time spread and the loss "
-                             "spread between runs unmeasured")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone with FSDP2")
-    parser.add_argument("--gpus", type=comma_separated, metavar="0,1",
-                        help="run the arms side by side, one per listed GPU (CUDA_VISIBLE_DEVICES), in waves, the bf16 "
-                             "repeat included: for long loss runs; each arm's step time is then taken while the "
-                             "others run")
-    parser.add_argument("--continue-from", type=Path, metavar="JSON",
-                        help="a partial evidence file of this same A/B (one stopped by a time limit): keep the runs it "
-                             "holds, run the pending ones, write the merged evidence")
-    parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
-    parser.add_argument("--label", help="added to the evidence's name, ab-<model>[-megatron]-<label>-<gpu>, so a "
-                                        "variant run does not replace the main evidence")
-    parser.add_argument("--force", action="store_true", help="replace evidence of the same name (.json, .md, .png)")
+    add_section_arguments(parser, "ab", AbConfig(), aliases=AB_ALIASES)
+    add_config_arguments(parser)
+    add_megatron_recompute_arguments(parser)
 
 
 def run_ab(args: argparse.Namespace) -> int:
@@ -217,69 +167,49 @@ def run_ab(args: argparse.Namespace) -> int:
 
     from fp8stack.bench.evidence import claim_evidence, device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
-    from fp8stack.train.config import TrainConfigError
     from fp8stack.train.loop import model_config
     from fp8stack.train.preflight import preflight
+    from fp8stack.train.resolve import resolve
 
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    tolerance = args.loss_tolerance if args.loss_tolerance is not None else (
-        GPU_LOSS_TOLERANCE if on_gpu else CPU_LOSS_TOLERANCE)
     env = environment()
-    peaks = peak_tflops(env["device"]) if on_gpu else None
-    overrides = {"model": args.model, "steps": args.steps, "fp8_format": args.fp8_format,
-                 "seed": args.seed, "device": args.device, "dtype": args.dtype, "compile": args.compile,
-                 **{k: getattr(args, k) for k in ("lr", "warmup", "micro_batch", "seq_len", "max_data_bytes",
-                                                  "data_source") if getattr(args, k) is not None}}
-    impl = "megatron" if args.model_impl == "megatron" else None  # the plain path's evidence keeps its name
-    stem = "-".join(filter(None, ("ab", args.model, impl, args.label, device_slug(env["device"]))))
     try:
-        if args.baseline_runs < 1:
-            raise TrainConfigError(f"--baseline-runs {args.baseline_runs}: the bf16 arm runs at least once")
-        if args.nproc < 1:
-            raise TrainConfigError(f"--nproc {args.nproc}: each arm runs in at least one process")
-        if not 0 <= tolerance < float("inf"):
-            raise TrainConfigError(f"--loss-tolerance {tolerance}: pass a relative gap >= 0, e.g. 0.0025")
-        if args.gpus and args.nproc > 1:
-            raise TrainConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: "
-                                   "use one of them")
-        if args.fastest_bf16 and args.bf16_on_te:
-            raise TrainConfigError("--fastest-bf16 runs both BF16 configurations, the --bf16-on-te one included: "
-                                   "drop --bf16-on-te")
-        recipes = _recipes(args.recipes)
-        configs = arm_configs(args, recipes, overrides)
+        ab = ab_config(args)
+        base = job_from_args(args)
+        on_gpu = base.training.device == "cuda" or (base.training.device == "auto" and torch.cuda.is_available())
+        te_runs = on_gpu and get_backend("te").available(["delayed"])[0]
+        tolerance = ab.loss_tolerance if ab.loss_tolerance is not None else (
+            GPU_LOSS_TOLERANCE if on_gpu else CPU_LOSS_TOLERANCE)
+        _check(ab, tolerance)
+        recipes = _recipes(ab.recipes or AB_RECIPES["te" if te_runs else "torchao"])
+        shape = model_config(base)
+        configs = {name: resolve(cfg, shape, ab.nproc)
+                   for name, cfg in arm_configs(ab, base, recipes, te_runs).items()}
         first = next(iter(configs.values()))
-        train_config = json.loads(json.dumps({  # as the evidence holds it (JSON types), to compare with earlier files
-            **{k: v for k, v in asdict(first).items() if k != "recipe"},
-            "backend": args.backend,  # the FP8 arms'
-            "fuse_norm": args.fuse_norm, "fuse_mlp": args.fuse_mlp,  # FP8 arms only (and --bf16-on-te's bf16)
-            "gradient_accumulation_fusion": args.gradient_accumulation_fusion,  # plain path: arms with TE layers
-            **({"bf16_on_te": True} if args.bf16_on_te else {}),
-            **({"fastest_bf16": True} if args.fastest_bf16 else {}),
-            "compress_activations": args.compress_activations,  # FP8 arms only
-            **({"fp8_recompute": args.fp8_recompute} if args.fp8_recompute else {}),  # FP8 arms only
-            **({"blockwise_gemms": list(args.blockwise_gemms)} if args.blockwise_gemms != ("te",) else {}),
-            **({"param_dtypes": list(args.param_dtypes)} if args.param_dtypes != ("fp32",) else {}),
-            "fp8_margin": args.fp8_margin}))  # delayed arms only
-        runs, continued_from = (_earlier_runs(args.continue_from, train_config, recipes, args.nproc)
-                                if args.continue_from else ({}, []))
+        impl = "megatron" if base.model.impl == "megatron" else None  # the plain path's evidence keeps its name
+        stem = "-".join(filter(None, ("ab", base.model.name, impl, ab.label, device_slug(env["device"]))))
+        train_config = {"job": to_dict(replace(first, precision=replace(first.precision, recipe=BF16))),
+                        "ab": {k: v for k, v in to_plain(ab).items()
+                               if k not in ("continue_from", "force", "out_dir", "label")}}
+        runs, continued_from = (_earlier_runs(Path(ab.continue_from), train_config, recipes, ab.nproc)
+                                if ab.continue_from else ({}, []))
         # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
-        claim_evidence(stem, args.out_dir, args.force or args.continue_from is not None,
-                       suffixes=(".json", ".md", ".png"))
+        claim_evidence(stem, ab.out_dir, ab.force or ab.continue_from is not None, suffixes=(".json", ".md", ".png"))
         for cfg in configs.values():  # what each arm's process would refuse, before any runs
             preflight(cfg, model_config(cfg))
-    except (ValueError, PlanError) as err:  # TrainConfigError and EvidenceError are ValueErrors
+    except (ValueError, PlanError) as err:  # ConfigError and EvidenceError are ValueErrors
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    sequences = first.global_batch or first.micro_batch * args.nproc
-    split_bytes = load_split("train", first.max_data_bytes, source=first.data_source).numel()
-    passes = args.steps * sequences * model_config(first).seq_len / split_bytes
-    repeat_names = repeat_arms(args.baseline_runs)
+    peaks = peak_tflops(env["device"]) if on_gpu else None
+    sequences = first.training.global_batch or first.training.micro_batch * ab.nproc
+    split_bytes = load_split("train", first.data.max_bytes, source=first.data.source).numel()
+    passes = first.training.steps * sequences * first.training.seq_len / split_bytes
+    repeat_names = repeat_arms(ab.baseline_runs)
     results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in configs}
     repeats: dict[str, dict | str] = {name: runs[name] for name in repeat_names if name in runs}
     backends: dict[str, str | PlanError] = {}
     for name, cfg in configs.items():
         try:
-            backends[name] = _planned_backend(cfg.recipe, cfg.backend)
+            backends[name] = _planned_backend(cfg.precision.recipe, cfg.precision.backend)
         except PlanError as err:  # e.g. --backend te with a torchao-only recipe: no process to start
             backends[name] = err
 
@@ -295,7 +225,7 @@ def run_ab(args: argparse.Namespace) -> int:
         call's time limit) keeps what it measured, marked partial until nothing is pending; nothing while no arm
         has measured anything (the paths are then None)."""
         todo = pending()
-        named = {name: args.backend if isinstance(b, PlanError) else b for name, b in backends.items()}
+        named = {name: base.precision.backend if isinstance(b, PlanError) else b for name, b in backends.items()}
         arms, repeat_records = judge(results, named, tolerance, peaks, repeats, passes)
         dtype = next((r["dtype"] for r in results.values() if isinstance(r, dict)), None)
         payload = {
@@ -303,7 +233,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "pending_arms": todo,
             "device": env["device"],
             "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
-            "model": args.model, "steps": args.steps, "nproc": args.nproc, "gpus": args.gpus,
+            "model": base.model.name, "steps": first.training.steps, "nproc": ab.nproc,
+            "gpus": list(ab.gpus) if ab.gpus else None,
             "recipes": recipes, "train_config": train_config,
             "continued_from": continued_from,
             "noise_method": NOISE_METHOD if repeat_records else NOISE_METHOD_SINGLE,
@@ -319,27 +250,28 @@ def run_ab(args: argparse.Namespace) -> int:
             "runs": {**results, **repeats},
         }
         table = _table(arms)
-        side_by_side = (f" (arms side by side on GPUs {','.join(args.gpus)})" if args.gpus and len(args.gpus) > 1 else
-                        f" (on GPU {args.gpus[0]})" if args.gpus else "")
+        side_by_side = (f" (arms side by side on GPUs {','.join(ab.gpus)})" if ab.gpus and len(ab.gpus) > 1 else
+                        f" (on GPU {ab.gpus[0]})" if ab.gpus else "")
         bf16_arms = ("the bf16 arms are the plan without FP8, plain and on TE modules; the faster is the reference, "
                      "which the bf16 repeats rerun"
-                     if args.fastest_bf16 else
-                     f"the bf16 arm is the plan without FP8{', on TE modules' if args.bf16_on_te else ''}")
-        arm_notes = (f" The FP8 arms recompute {', '.join(args.fp8_recompute)} in every block in backward."
-                     if args.fp8_recompute else "")
-        if any(library != "te" for library in args.blockwise_gemms):
+                     if BF16_ON_TE_ARM in configs else
+                     f"the bf16 arm is the plan without FP8{', on TE modules' if ab.bf16_on_te else ''}")
+        checkpointed = first.activation_checkpoint
+        arm_notes = (f" Every arm recomputes {', '.join(checkpointed.modules)} in blocks {checkpointed.layers} in "
+                     "backward." if checkpointed.layers else "")
+        if any(library != "te" for library in ab.blockwise_gemms):
             arm_notes += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
                           "dense kernels (--blockwise-gemms).")
-        if "bf16" in args.param_dtypes:
+        if ab.param_dtypes and "bf16" in ab.param_dtypes:
             arm_notes += (f" Arms named '...{BF16_PARAMS_SUFFIX}' keep BF16 parameters with FP32 masters in the "
                           "optimizer, copied to them once per step (Megatron's --bf16); the others FP32 parameters, "
                           "cast at every forward. Every BF16 run, with either, is a candidate for the reference.")
-        if "fp8" in args.param_dtypes:
+        if ab.param_dtypes and "fp8" in ab.param_dtypes:
             arm_notes += (f" Arms named '...{FP8_PARAMS_SUFFIX}' keep the FP8 layers' weights in FP8 only (TE's "
                           "quantized_model_init) and the others in BF16, with FP32 masters in the optimizer "
                           "quantized into them once per step.")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
-                 f"per optimizer step in micro-batches of {first.micro_batch}; activations in {dtype} "
+                 f"per optimizer step in micro-batches of {first.training.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"
                  f"{repeat_note(repeat_records)}. Loss tolerance: +-{tolerance:.2%} relative "
                  f"(final loss = mean of the last "
@@ -355,11 +287,11 @@ def run_ab(args: argparse.Namespace) -> int:
                   "noise).\n\n") if todo else ""
         if not any(isinstance(run, dict) for run in payload["runs"].values()):
             return arms, repeat_records, table, markdown, None, None
-        json_path, md_path = write_evidence(stem, payload, banner + markdown + notes, out_dir=args.out_dir,
+        json_path, md_path = write_evidence(stem, payload, banner + markdown + notes, out_dir=ab.out_dir,
                                             replace=True)  # claimed above
         return arms, repeat_records, table, markdown, json_path, md_path
 
-    slots = args.gpus or [None]
+    slots = list(ab.gpus or [None])
     # A repeat reruns the reference, known once every BF16 configuration ran: with several (--fastest-bf16,
     # --param-dtypes) the repeats wait for the arms' waves; with one they take the last wave's free GPUs if any.
     several = sum(map(is_bf16_arm, configs)) > 1
@@ -376,13 +308,14 @@ def run_ab(args: argparse.Namespace) -> int:
                 # A repeat reruns the reference (bf16 while, the only BF16 configuration, it still runs beside it).
                 arm = name if name not in repeat_names else reference_arm(results) or BF16
                 cfg = configs[arm]
-                print(f"[{jobs.index(name) + 1}/{len(jobs)}] {cfg.model} {name} ({cfg.steps} steps, fresh process"
+                print(f"[{jobs.index(name) + 1}/{len(jobs)}] {cfg.model.name} {name} ({cfg.training.steps} steps, "
+                      "fresh process"
                       + (f", GPU {gpu})" if gpu else ")"), flush=True)
                 if isinstance(backends[arm], PlanError):
                     outcomes[name] = " ".join(str(backends[arm]).split())
                     print(f"    skipped: {outcomes[name]}", flush=True)
                 else:
-                    outcomes[name] = _RunningArm(cfg, Path(scratch), args.nproc, gpu, name)
+                    outcomes[name] = _RunningArm(cfg, Path(scratch), ab.nproc, gpu, name)
             for name, outcome in outcomes.items():  # in job order: bf16 stays first
                 result = outcome.result() if isinstance(outcome, _RunningArm) else outcome
                 if name in repeat_names:
@@ -397,7 +330,7 @@ def run_ab(args: argparse.Namespace) -> int:
         _print_table(table, markdown)
         print("no arm measured anything: no evidence written", file=sys.stderr)
         return 1
-    png = plot(arms, repeat_records, Path(args.out_dir) / f"{stem}.png", title=f"{args.model} on {env['device']}")
+    png = plot(arms, repeat_records, Path(ab.out_dir) / f"{stem}.png", title=f"{base.model.name} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0 if any(arm.verdict == "baseline" for arm in arms) else 1
@@ -426,18 +359,34 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
     return record["runs"], earlier
 
 
-def _recipes(text: str) -> list[str]:
-    """The arms in order, bf16 first (added when missing: every verdict compares with it)."""
-    names = list(dict.fromkeys(comma_separated(text)))
-    unknown = [r for r in names if r != BF16 and r not in RECIPES]
+def _recipes(names: Sequence[str]) -> list[str]:
+    """The arms in order, bf16 first (added when missing: every verdict compares with it); torchao's names
+    accepted."""
+    names = list(dict.fromkeys(recipe_name(name) for name in names))
+    return [BF16] + [r for r in names if is_fp8(r)]
+
+
+def _check(ab: AbConfig, tolerance: float) -> None:
+    """The A/B's own options that cannot work."""
+    if ab.baseline_runs < 1:
+        raise ConfigError(f"--baseline-runs {ab.baseline_runs}: the bf16 arm runs at least once")
+    if ab.nproc < 1:
+        raise ConfigError(f"--nproc {ab.nproc}: each arm runs in at least one process")
+    if not 0 <= tolerance < float("inf"):
+        raise ConfigError(f"--loss-tolerance {tolerance}: pass a relative gap >= 0, e.g. 0.0025")
+    if ab.gpus and ab.nproc > 1:
+        raise ConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: use one of "
+                          "them")
+    unknown = [d for d in ab.param_dtypes or () if d not in PARAM_DTYPES]
+    unknown += [g for g in ab.blockwise_gemms if g not in BLOCKWISE_GEMMS]
     if unknown:
-        raise PlanError(f"unknown recipe(s) {', '.join(unknown)} in --recipes: use {', '.join([BF16, *RECIPES])}")
-    return [BF16] + [r for r in names if r != BF16]
+        raise ConfigError(f"unknown {', '.join(unknown)} in --param-dtypes/--blockwise-gemms: use "
+                          f"{', '.join(PARAM_DTYPES)} / {', '.join(BLOCKWISE_GEMMS)}")
 
 
 def _planned_backend(recipe: str, preference: str) -> str:
     """The backend the plan gives dense linears under `recipe` (bf16 for the bf16 arm, te with --bf16-on-te)."""
-    if recipe == BF16:
+    if not is_fp8(recipe):
         return "te" if preference == "te" else BF16
     return dense_backend(get_recipe(recipe), preference)
 
@@ -446,11 +395,11 @@ class _RunningArm:
     """Fresh `python -m fp8stack.train` process(es) for one arm, started on construction (on `gpu` alone when given)."""
 
     def __init__(self, cfg, scratch: Path, nproc: int, gpu: str | None = None, name: str = ""):
-        stem = (name or cfg.recipe).replace(" ", "_")  # the bf16 repeat runs bf16's config under its own name
+        stem = (name or cfg.precision.recipe).replace(" ", "_")  # the bf16 repeat runs bf16's config under its own name
         self.config_path, self.result_path = (scratch / f"{stem}.{kind}.json" for kind in ("config", "result"))
-        self.config_path.write_text(json.dumps(asdict(cfg)))
+        self.config_path.write_text(json.dumps(to_dict(cfg)))
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-        command = [sys.executable, *launcher, "-m", "fp8stack.train", "--config", str(self.config_path),
+        command = [sys.executable, *launcher, "-m", "fp8stack", "train", "--config", str(self.config_path),
                    "--result-json", str(self.result_path)]
         env = {**os.environ, **NO_MULTICAST_ENV, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: arms side by side never block on it
@@ -470,7 +419,7 @@ class _RunningArm:
             errors = [line for line in lines if "error" in line.lower()]
             why = (errors or lines or [f"exit code {code}"])[-1]
             print(f"    failed: {why}", flush=True)
-            return why.removeprefix("python -m fp8stack.train: error: ")
+            return why.removeprefix("fp8stack train: error: ")
         return {**json.loads(self.result_path.read_text()), "ran_between": self.ran_between}
 
 
@@ -507,6 +456,6 @@ def _print_table(table: tuple[list[str], list[list]], markdown: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m fp8stack.ab ...`: the same as `fp8stack ab ...`."""
-    parser = argparse.ArgumentParser(prog="python -m fp8stack.ab", description=__doc__.split("\n\n")[0])
-    _add_arguments(parser)
-    return run_ab(parser.parse_args(argv))
+    from fp8stack.cli import main as cli_main
+
+    return cli_main(["ab", *(sys.argv[1:] if argv is None else argv)])

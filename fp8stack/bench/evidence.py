@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fp8stack.train.config import TrainConfigError
+from fp8stack.config import ConfigError
 from fp8stack.train.preflight import check_output_dir
 
 PACKAGES = {
@@ -118,7 +118,7 @@ def claim_evidence(stem: str, out_dir: str | Path = "profiles", force: bool = Fa
     of `suffixes` exists and not `force`; afterwards the tool writes with write_evidence(..., replace=True)."""
     try:
         check_output_dir(out_dir, "the evidence folder")
-    except TrainConfigError as err:
+    except ConfigError as err:
         raise EvidenceError(str(err)) from None
     existing = [str(path) for path in (Path(out_dir) / f"{stem}{suffix}" for suffix in suffixes) if path.exists()]
     if existing and not force:

@@ -4,7 +4,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from fp8stack.plan.description import GEMM_KINDS, Component, NormFeed, SwiGLUFeed
-from fp8stack.plan.recipes import BF16
+from fp8stack.plan.recipes import BF16, get_recipe
 
 MIN_FP8_SHARE = 0.25
 """An FP8 plan running less than this share of its GEMM FLOPs in FP8 gains at most ~1.1x even at 2x faster FP8
@@ -100,6 +100,11 @@ class Plan:
         from fp8stack.plan.render import render_table  # rich is needed only to print
 
         return render_table(self)
+
+    @property
+    def scales_from_history(self) -> bool:
+        """Whether any FP8 GEMM takes its scales from earlier steps' amaxes, which a fresh run must prime."""
+        return any(d.recipe != BF16 and get_recipe(d.recipe).scales_from_history for d in self.decisions)
 
     def for_backend(self, backend: str) -> list[Decision]:
         """Decisions assigned to `backend`."""

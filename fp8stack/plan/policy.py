@@ -100,8 +100,10 @@ class PolicyConfig:
     auto-filter picks them) | rowwise | tensorwise | off. Projections the plan merges into one GEMM are judged by the
     merged GEMM's size."""
     blockwise_experts: str = "grouped_fp8"
-    """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM when installed, else torch scaled_mm per expert) or
-    te (TE GroupedLinear, Float8BlockScaling)."""
+    """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM when installed, else torch scaled_mm per expert), te
+    (TE GroupedLinear, Float8BlockScaling), or auto: te where TE runs blockwise FP8 (measured faster than grouped_fp8
+    on either kernels on one H200), which a tool that knows the machine decides (the trainer does); the plan alone
+    takes grouped_fp8 for auto."""
     blockwise_experts_why: str = ""
     """Why blockwise_experts is te when a tool chose it (train's auto); the plan's reason for those expert GEMMs
     says it. Empty: chosen by the user."""
@@ -122,8 +124,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         for name in ("recipe", "backend", "small_gemm_filter", "blockwise_experts"):
             _require_name(getattr(self, name), name)
-        if self.blockwise_experts not in BLOCKWISE_EXPERT_BACKENDS:
-            raise PlanError(f"blockwise_experts={self.blockwise_experts!r}: use "
+        if self.blockwise_experts not in ("auto", *BLOCKWISE_EXPERT_BACKENDS):
+            raise PlanError(f"blockwise_experts={self.blockwise_experts!r}: use auto, "
                             f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
         if self.fp8_format is not None:
             _require_name(self.fp8_format, "fp8_format")

@@ -40,25 +40,55 @@ class Recipe:
     small_gemm_filter: str
     """The size thresholds (policy.SMALL_GEMM_FILTERS) that keep GEMMs too small to gain in BF16 under the policy's
     auto: torchao's own for its recipes; per-tensor scaling's for delayed, per-row scaling's for block scales."""
+    scales_from_history: bool = False
+    """Scales come from earlier steps' amaxes (TE DelayedScaling): a fresh run primes them before its first step, and
+    a margin can leave headroom below the FP8 maximum."""
+    gathers_in_fp8: bool = False
+    """One scale per weight, so FSDP2 can all-gather torchao's FP8 weights (torchao's FP8 all-gather)."""
+    weight_grad_in_high_precision: bool = False
+    """The weight-gradient GEMM stays in BF16 (torchao's rowwise_with_gw_hp)."""
+    gemms_on_deepgemm: bool = False
+    """TE's modules for this recipe can run their GEMMs on DeepGEMM's dense kernels (TEConfig.blockwise_gemms)."""
 
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe("delayed", ("te",), "te", "delayed", 16, 89,
-               "per-tensor scales from an amax history (TE DelayedScaling)", "hybrid", "tensorwise"),
+               "per-tensor scales from an amax history (TE DelayedScaling)", "hybrid", "tensorwise",
+               scales_from_history=True),
         Recipe("tensorwise", ("torchao", "te"), "grouped_fp8", "rowwise", 16, 89,
-               "per-tensor dynamic scales", "hybrid", "tensorwise"),
+               "per-tensor dynamic scales", "hybrid", "tensorwise", gathers_in_fp8=True),
         Recipe("rowwise", ("torchao",), "grouped_fp8", "rowwise", 16, 89,
                "per-row dynamic scales (torchao rowwise)", "e4m3", "rowwise"),
         Recipe("rowwise_gw_hp", ("torchao",), "grouped_fp8", "rowwise_gw_hp", 16, 89,
-               "per-row scales, weight gradient GEMM kept in BF16 (torchao rowwise_with_gw_hp)", "e4m3", "rowwise"),
+               "per-row scales, weight gradient GEMM kept in BF16 (torchao rowwise_with_gw_hp)", "e4m3", "rowwise",
+               weight_grad_in_high_precision=True),
         Recipe("blockwise", ("te",), "grouped_fp8", "blockwise", 128, 90,
-               "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3", "rowwise"),
+               "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3", "rowwise",
+               gemms_on_deepgemm=True),
         Recipe("mxfp8", ("te",), "te", "mxfp8", 32, 100,
                "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3", "rowwise"),
     )
 }
+
+RECIPE_ALIASES = {"rowwise_with_gw_hp": "rowwise_gw_hp"}
+"""Other libraries' names for a recipe (torchao's) -> fp8stack's."""
+
+
+def is_fp8(name: str) -> bool:
+    """Whether a plan recipe name asks for FP8 at all (every name but bf16)."""
+    return name != BF16
+
+
+def recipe_name(name: str) -> str:
+    """A recipe name as a user may spell it (fp8stack's, or torchao's via RECIPE_ALIASES) -> fp8stack's name,
+    or PlanError listing the valid names."""
+    name = RECIPE_ALIASES.get(name, name)
+    if name != BF16:
+        get_recipe(name)
+    return name
+
 
 BACKEND_LABELS = {
     "te": "TransformerEngine",
@@ -66,6 +96,10 @@ BACKEND_LABELS = {
     "grouped_fp8": "grouped block-scaled FP8 GEMM (DeepGEMM if installed, else torch scaled GEMMs)",
 }
 
+
+AB_RECIPES = {"te": (BF16, "delayed", "blockwise"), "torchao": (BF16, "tensorwise", "rowwise", "rowwise_gw_hp")}
+"""An A/B's arms where TE runs (the recipes measured fastest per scaling family on one H200) and elsewhere (torchao's,
+which also run on a CPU)."""
 
 MEGATRON_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 """fp8stack recipes megatron-core runs through TransformerEngine (its --fp8-recipe names)."""
@@ -102,7 +136,7 @@ BLOCKWISE_GEMMS = ("te", "deepgemm")
 PARAM_DTYPES = ("fp32", "bf16", "fp8")
 """What a training run keeps its parameters in: FP32 (the master weights themselves), BF16 with FP32 masters in the
 optimizer, or BF16 with the TE FP8 linears' weights in FP8 only, FP32 masters in the optimizer
-(TrainConfig.param_dtype)."""
+(the training configuration's param_dtype)."""
 
 
 def expert_backend(recipe: Recipe, dense: str, blockwise_experts: str = "grouped_fp8") -> tuple[str, str]:

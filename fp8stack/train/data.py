@@ -19,15 +19,13 @@ from pathlib import Path
 
 import torch
 
+from fp8stack.config.job import DATA_SOURCES, DEFAULT_MAX_BYTES
+
 SPLITS = ("train", "validation")
 VALIDATION_PERCENT = 10
 """Share of files (by path hash) that form the validation split."""
-DEFAULT_MAX_BYTES = 8 << 20
-"""Read at most this much text, in sorted file order: start-up stays well under a second."""
 FILE_SEPARATOR = b"\n\n"
 """Between concatenated files, so no window glues two files' lines together."""
-DATA_SOURCES = ("stdlib", "python")
-"""stdlib: the standard library's .py files; python: those, then the .py files of its site-packages folders."""
 
 
 def stdlib_root() -> Path:

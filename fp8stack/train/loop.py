@@ -27,89 +27,69 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp8stack.backends import get_backend
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.models.llama import tensor_parallel_plan
-from fp8stack.plan import Plan, PolicyConfig, make_plan
+from fp8stack.config import ConfigError, JobConfig, recompute_blocks, to_dict
+from fp8stack.plan import Plan, make_plan
 from fp8stack.plan.from_module import describe_module
-from fp8stack.plan.recipes import BF16
+from fp8stack.plan.recipes import get_recipe, is_fp8
 from fp8stack.precision import MasterWeights
 from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.numerics import (NonFiniteLossError, clear_fp8_stats, fp8_stats, pin_step, rng_states,
                                        set_rng_states, track_fp8_stats, watch_layers, zero_fp8_weight_grads)
 from fp8stack.train import checkpoint, comm_stats, fault
-from fp8stack.train.config import DTYPES, MODELS, TrainConfig, TrainConfigError, TrainResult, recompute_blocks
+from fp8stack.train.result import TrainResult
 from fp8stack.train.data import TextData
 from fp8stack.train.preflight import plan_settings, preflight, run_settings
+from fp8stack.train.resolve import resolve, wgrad_fusion
 from fp8stack.train.stop import StopSignals, TrainingStopped
 from fp8stack.train.timing import steady_state
 
-CPU_ARCH = 90
-"""On a CPU the plan targets Hopper: torch's CPU scaled GEMMs emulate its FP8 recipes."""
+def lr_at(step: int, cfg: JobConfig) -> float:
+    """Linear warm-up to optimizer.lr over optimizer.warmup steps, then cosine decay to optimizer.min_lr at the
+    last step."""
+    opt = cfg.optimizer
+    if step < opt.warmup:
+        return opt.lr * (step + 1) / opt.warmup
+    progress = min(1.0, (step - opt.warmup) / max(1, cfg.training.steps - opt.warmup))
+    return opt.min_lr + (opt.lr - opt.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to cfg.lr over cfg.warmup steps, then cosine decay to cfg.min_lr at cfg.steps."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+_NAMED_MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-like": LlamaConfig.llama_1b_like}
 
 
-def model_config(cfg: TrainConfig) -> LlamaConfig:
-    """The model's shape: cfg.model with cfg's projections and sequence length."""
-    config = replace(MODELS[cfg.model](), fused_projections=cfg.fused_projections)
-    return replace(config, seq_len=cfg.seq_len) if cfg.seq_len is not None else config
+def load_model_config(name: str) -> LlamaConfig:
+    """The shape of a named model."""
+    if name not in _NAMED_MODELS:
+        raise ConfigError(f"unknown model {name!r}: use one of {', '.join(_NAMED_MODELS)}")
+    return _NAMED_MODELS[name]()
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> Llama:
-    """The plain-torch model, initialised from cfg.seed directly on `device`."""
+def model_config(cfg: JobConfig) -> LlamaConfig:
+    """The model's shape: model.name with the configuration's projections and sequence length."""
+    config = replace(load_model_config(cfg.model.name), fused_projections=cfg.model.fused_projections)
+    return replace(config, seq_len=cfg.training.seq_len) if cfg.training.seq_len is not None else config
+
+
+def build_model(cfg: JobConfig, device: torch.device) -> Llama:
+    """The plain-torch model, initialised from training.seed directly on `device`."""
     with torch.device(device):
         model = Llama(model_config(cfg))
-    model.init_weights(seed=cfg.seed)
+    model.init_weights(seed=cfg.training.seed)
     return model
 
 
-def build_plan(cfg: TrainConfig, model: Llama, device: torch.device) -> Plan:
-    """The plan for this model as built (its seq_len), under the config's recipe and policy options."""
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        major, minor = torch.cuda.get_device_capability(device)
-        arch = 10 * major + minor
-    else:
-        arch = CPU_ARCH
-    options = {"small_gemm_filter": ("off" if not on_gpu else None) if cfg.small_gemm_filter == "auto"
-               else cfg.small_gemm_filter,
-               **blockwise_expert_options(cfg.blockwise_experts, cfg.blockwise_experts == "auto" and on_gpu
-                                          and get_backend("te").available(["blockwise"])[0])}
-    policy = PolicyConfig(recipe=cfg.recipe, fp8_format=cfg.fp8_format, backend=cfg.backend, arch=arch,
-                          first_last_layers_bf16=cfg.first_last_layers_bf16,
-                          num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
-                          num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16, fuse_norm=cfg.fuse_norm,
-                          fuse_mlp=cfg.fuse_mlp, **{k: v for k, v in options.items() if v is not None})
-    description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
-    return make_plan(description, policy)
-
-
-AUTO_BLOCKWISE_EXPERTS_ON_TE = ("auto, measured faster than grouped_fp8 on DeepGEMM or torch kernels at issue 7's "
-                                "expert shape: profiles/backends-issue7-experts-deepgemm-h200.md")
-"""Why auto puts blockwise experts on TE GroupedLinear where TE runs blockwise FP8 (the plan's reason says it)."""
-
-
-def blockwise_expert_options(choice: str, te_runs_blockwise: bool) -> dict[str, str]:
-    """PolicyConfig's blockwise_experts for TrainConfig.blockwise_experts `choice`: auto is te where TE runs blockwise
-    FP8 (and then blockwise_experts_why says why, for the plan's reasons), else grouped_fp8."""
-    if choice != "auto":
-        return {"blockwise_experts": choice}
-    if te_runs_blockwise:
-        return {"blockwise_experts": "te", "blockwise_experts_why": AUTO_BLOCKWISE_EXPERTS_ON_TE}
-    return {"blockwise_experts": "grouped_fp8"}
+def build_plan(cfg: JobConfig, model: torch.nn.Module) -> Plan:
+    """The plan for this model as built (its seq_len), under the resolved configuration's precision policy."""
+    description = describe_module(model, seq_len=cfg.training.seq_len, name=cfg.model.factory or cfg.model.name)
+    return make_plan(description, cfg.precision)
 
 
 @dataclass
 class Session:
-    """What the steps of one run need, built from a TrainConfig the same way for train() and `fp8stack profile`."""
+    """What the steps of one run need, built from a resolved JobConfig the same way for train() and `fp8stack
+    profile`."""
 
     env: "_Distributed"
     """Processes, ranks, device and meshes."""
@@ -136,9 +116,12 @@ class Session:
     clip_fn: Callable[[float], torch.Tensor]
     """After backward: the global FP32 gradient norm, gradients clipped to the given max norm if > 0."""
     compressor: ActivationCompressor | None = None
-    """Stores each forward's saved activations in FP8 (TrainConfig.compress_activations); counts the bytes."""
+    """Stores each forward's saved activations in FP8 (activation_checkpoint.compress); counts the bytes."""
     masters: MasterWeights | None = None
-    """The FP32 masters the optimizer steps when the model's parameters are BF16 or FP8 (TrainConfig.param_dtype)."""
+    """The FP32 masters the optimizer steps when the model's parameters are BF16 or FP8 (training.param_dtype)."""
+    config: JobConfig | None = None
+    """The configuration the session was built from, with the levers the plan decides (TE weight-gradient fusion)
+    as they ran."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -147,7 +130,7 @@ class Session:
     def prime_fp8_scales(self, passes: int) -> None:
         """Forward and backward `passes` times on the first micro-batch of the next step, discarding the gradients
         and leaving the weights, optimizer and data where they were; what stays is the FP8 scaling state those
-        passes recorded (see TrainConfig.fp8_priming_passes)."""
+        passes recorded (see TEConfig.priming_passes)."""
         tokens, targets = (t.chunk(self.micro_batches)[0].to(self.env.device)
                            for t in self.data.batch(self.data.position))
         for _ in range(passes):
@@ -189,105 +172,120 @@ class Session:
 
 
 @contextmanager
-def session(cfg: TrainConfig) -> Iterator[Session]:
-    """Set up the processes, then build model, plan, assembly, optimizer and data; ends the processes on exit."""
+def session(cfg: JobConfig) -> Iterator[Session]:
+    """Set up the processes, then build model, plan, assembly, optimizer and data from a resolved configuration
+    (resolve_job); ends the processes on exit."""
     from fp8stack.assembly import assemble, post_optimizer_step_hook  # the assembly pulls in every backend
 
     with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device), cpu_fp8_gemms(env.device), ExitStack() as stack:
-        device, dtype = env.device, _activation_dtype(cfg, env.device)
+        device, dtype = env.device, _activation_dtype(cfg)
         micro_batches = _micro_batches(cfg, env.dp_size)
-        if cfg.compress_activations and dtype == torch.float32:
-            raise TrainConfigError("compress_activations stores BF16 activations as FP8 and keeps FP32 tensors (the "
-                                   "loss's log-softmax, attention log-sum-exps, norm statistics), so this FP32 run "
-                                   "would compress nothing: pass --dtype bf16 (the default on a GPU)")
-        if cfg.model_impl == "megatron":
+        if cfg.activation_checkpoint.compress and dtype == torch.float32:
+            raise ConfigError("activation_checkpoint.compress stores BF16 activations as FP8 and keeps FP32 tensors "
+                              "(the loss's log-softmax, attention log-sum-exps, norm statistics), so this FP32 run "
+                              "would compress nothing: pass --dtype bf16 (the default on a GPU)")
+        if cfg.model.impl == "megatron":
             from fp8stack.train import megatron_model
 
+            cfg = _with_wgrad_fusion(cfg, plan_has_te_layers=True, world_size=env.world_size)
             built = stack.enter_context(megatron_model.build(cfg, env))
             model, plan, seq_len = built.model, built.plan, built.seq_len
             loss_fn, clip_fn, after_step = built.loss, built.clip, built.after_optimizer_step
         else:
             model = build_model(cfg, device)
-            seq_len = model.config.seq_len
-            plan = build_plan(cfg, model, device)
-            _check_cpu_support(cfg, plan, device, dtype)
+            seq_len = cfg.training.seq_len
+            plan = build_plan(cfg, model)
+            _check_cpu_support(plan, device, dtype)
+            cfg = _with_wgrad_fusion(cfg, bool(plan.for_backend("te")), env.world_size)
             model = assemble(model, plan, tp_mesh=env.tp_mesh,
                              tp_plan=tensor_parallel_plan(model, env.tp_size) if env.tp_mesh else None,
-                             recompute=recompute_blocks(cfg.recompute),
-                             recompute_modules=cfg.recompute_modules, compile=cfg.compile, fsdp_mesh=env.fsdp_mesh,
-                             fsdp_float8_all_gather=cfg.fsdp_float8_all_gather,
-                             precompute_fp8_scales=cfg.precompute_fp8_scales,
+                             recompute=recompute_blocks(cfg.activation_checkpoint.layers),
+                             recompute_modules=cfg.activation_checkpoint.modules, compile=cfg.training.compile,
+                             fsdp_mesh=env.fsdp_mesh,
+                             fsdp_float8_all_gather=cfg.torchao.fsdp_float8_all_gather,
+                             precompute_fp8_scales=cfg.torchao.precompute_fp8_scales,
                              fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                              backend_options=_backend_options(cfg, plan, micro_batches))
             # As torchtitan compiles its loss: Inductor fuses the FP32 log-softmax into reductions over the BF16
             # logits, where eager cross_entropy keeps FP32 copies of them (3 x 4 bytes per logit at the peak).
-            loss = torch.compile(Llama.loss) if cfg.compile else Llama.loss
+            loss = torch.compile(Llama.loss) if cfg.training.compile else Llama.loss
             loss_fn = functools.partial(_llama_loss, model, loss)
             clip_fn = functools.partial(_clip, [p for p in model.parameters() if p.requires_grad])
             after_step = post_optimizer_step_hook(model)
         masters = None
-        if cfg.param_dtype != "fp32":
+        if cfg.training.param_dtype != "fp32":
             if dtype != torch.bfloat16 or env.world_size > 1:
-                raise TrainConfigError(f"param_dtype {cfg.param_dtype} needs bf16 activations in one process; this "
-                                       f"run has {dtype} in {env.world_size}: pass --dtype bf16 (a CPU's default is "
-                                       "fp32), one process")
+                raise ConfigError(f"param_dtype {cfg.training.param_dtype} needs bf16 activations in one process; this "
+                                  f"run has {dtype} in {env.world_size}: pass --dtype bf16 (a CPU's default is "
+                                  "fp32), one process")
             masters = MasterWeights(model)
             clip_fn, after_step = functools.partial(_clip, masters.masters), _then(masters.after_step, after_step)
         optimizer = _adamw(masters.module if masters else model, cfg, device)
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
-                      scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr),
-                      data=TextData(seq_len, cfg.micro_batch * micro_batches, cfg.seed, "train", rank=env.dp_rank,
-                                    ranks=env.dp_size, max_bytes=cfg.max_data_bytes, source=cfg.data_source),
+                      scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                                  lambda step: lr_at(step, cfg) / cfg.optimizer.lr),
+                      data=TextData(seq_len, cfg.training.micro_batch * micro_batches, cfg.training.seed, "train",
+                                    rank=env.dp_rank, ranks=env.dp_size, max_bytes=cfg.data.max_bytes,
+                                    source=cfg.data.source),
                       micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
-                      compressor=compress_saved_activations(model) if cfg.compress_activations else None,
-                      masters=masters)
+                      compressor=compress_saved_activations(model) if cfg.activation_checkpoint.compress else None,
+                      masters=masters, config=cfg)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run cfg.steps optimizer steps (from the resumed step, if any) and return what was measured. Stops with
-    NonFiniteLossError on a NaN or infinite loss or gradient norm, and with TrainingStopped on SIGTERM or SIGINT."""
+def resolve_job(cfg: JobConfig) -> JobConfig:
+    """The configuration with what it leaves open chosen for this machine, model and process count (train.resolve)."""
+    shape = None if cfg.model.factory else model_config(cfg)
+    return resolve(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def train(cfg: JobConfig) -> TrainResult:
+    """Run training.steps optimizer steps (from the resumed step, if any) and return what was measured, the resolved
+    configuration included. Stops with NonFiniteLossError on a NaN or infinite loss or gradient norm, and with
+    TrainingStopped on SIGTERM or SIGINT."""
+    cfg = resolve_job(cfg)
     resume_from = preflight(cfg, model_config(cfg))  # before any model is built
     with session(cfg) as run:
+        cfg = run.config
         env, device, dtype, seq_len = run.env, run.env.device, run.dtype, run.seq_len
         model, optimizer, scheduler, data = run.model, run.optimizer, run.scheduler, run.data
         master_module = run.masters.module if run.masters else None
         settings = {**run_settings(cfg, model_config(cfg), env.world_size), **plan_settings(run.plan)}
 
         def save(done: int) -> Path:  # run.json: the settings a resume must share, and the whole config for the record
-            return checkpoint.save(cfg.checkpoint_dir, done, model, optimizer, scheduler, data.position,
-                                   masters=master_module, run={**settings, "config": asdict(cfg)})
+            return checkpoint.save(cfg.checkpoint.dir, done, model, optimizer, scheduler, data.position,
+                                   masters=master_module, run={**settings, "config": to_dict(cfg)})
 
         start = 0
         if resume_from:
             resumed = checkpoint.load(resume_from, model, optimizer, scheduler, masters=master_module,
-                                      trusted=cfg.trust_checkpoint, run=settings,
-                                      allow_run_changes=cfg.resume_despite_changes)
+                                      trusted=cfg.checkpoint.trust, run=settings,
+                                      allow_run_changes=cfg.checkpoint.resume_despite_changes)
             start, data.position = resumed.step, resumed.data_position
             if run.masters:
                 run.masters.after_step()  # the BF16 (and FP8) parameters from the loaded masters
-        if start >= cfg.steps and env.rank == 0:
-            print(f"the checkpoint is at step {start} and steps={cfg.steps}: nothing left to train "
+        if start >= cfg.training.steps and env.rank == 0:
+            print(f"the checkpoint is at step {start} and steps={cfg.training.steps}: nothing left to train "
                   "(raise --train-iters to continue)", file=sys.stderr)
-        result = TrainResult(config=asdict(cfg), device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
+        result = TrainResult(config=to_dict(cfg), device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
                              world_size=env.world_size,
-                             tokens_per_step=cfg.micro_batch * run.micro_batches * seq_len * env.dp_size,
+                             tokens_per_step=cfg.training.micro_batch * run.micro_batches * seq_len * env.dp_size,
                              plan_summary=run.plan.summary(), first_step=start)
-        if start == 0 and any(d.recipe == "delayed" for d in run.plan.decisions):
-            run.prime_fp8_scales(cfg.fp8_priming_passes)  # a resumed run restored its scales with the weights
+        if start == 0 and run.plan.scales_from_history:
+            run.prime_fp8_scales(cfg.te.priming_passes)  # a resumed run restored its scales with the weights
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-        with (_Logger(cfg, env.rank == 0, start) as log, comm_stats.CollectiveCounter(cfg.profile_collectives) as comms,
-              StopSignals() as stop):
-            for step in range(start, cfg.steps):
+        with (_Logger(cfg, env.rank == 0, start) as log,
+              comm_stats.CollectiveCounter(cfg.logging.profile_collectives) as comms, StopSignals() as stop):
+            for step in range(start, cfg.training.steps):
                 fault.kill_if_due(env.rank, step)  # FP8STACK_KILL_AT: restart tests
                 began = time.perf_counter()
-                check = step - start < cfg.fp8_grad_check_steps
+                check = step - start < cfg.training.fp8_grad_check_steps
                 position, rng = data.position, rng_states()
                 stats_hooks = track_fp8_stats(model) if log.fp8_stats_due(step) else []
                 try:
-                    loss, grad_norm, lr = run.step(cfg.grad_clip, on_gradients=(
+                    loss, grad_norm, lr = run.step(cfg.optimizer.grad_clip, on_gradients=(
                         lambda: result.zero_fp8_weight_grads.append(zero_fp8_weight_grads(model))) if check else None)
                 except NonFiniteLossError as err:
                     _stop_on_nonfinite(run, cfg, step, position, rng, err)
@@ -307,27 +305,27 @@ def train(cfg: TrainConfig) -> TrainResult:
                     zero = result.zero_fp8_weight_grads[-1]
                     print(f"step {step}: the gradients of {len(zero)} FP8 weight(s) are all zero (e.g. {zero[0]}): "
                           "their FP8 gradient casts flushed every value; TE delayed scaling does so until each scale "
-                          "has seen its tensor's amax (its scales start at 1): raise fp8_priming_passes",
+                          "has seen its tensor's amax (its scales start at 1): raise --te.priming-passes",
                           file=sys.stderr)
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
                                 "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
-                saved = save(step + 1) if cfg.checkpoint_dir and _checkpoint_due(step + 1, cfg) else None
+                saved = save(step + 1) if cfg.checkpoint.dir and _checkpoint_due(step + 1, cfg) else None
                 comms.step_done()
                 signal_number = stop.agreed(device, env.world_size)
                 if signal_number:
-                    if cfg.checkpoint_dir and saved is None:
+                    if cfg.checkpoint.dir and saved is None:
                         saved = save(step + 1)
                     kept = (f"checkpoint {saved} saved: rerun with --load latest to continue" if saved
                             else "nothing saved (no checkpoint_dir, --save)")
                     raise TrainingStopped(f"stopped by {signal.Signals(signal_number).name} after step {step + 1} of "
-                                          f"{cfg.steps}: {kept}", signal_number, result)
+                                          f"{cfg.training.steps}: {kept}", signal_number, result)
         result.collectives = asdict(comms.result) if comms.result else None
         if run.compressor and result.losses:
             result.activation_bytes_saved_per_step = run.compressor.bytes_saved / len(result.losses)
 
         if result.step_ms:
             result.tokens_per_s = result.tokens_per_step / statistics.median(steady_state(result.step_ms)) * 1000
-        if cfg.eval_batches:
+        if cfg.training.eval_batches:
             result.val_loss = _validate(run.loss_fn, cfg, seq_len, env, run.autocast)
         if device.type == "cuda":
             result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -342,67 +340,72 @@ def cpu_fp8_gemms(device: torch.device):
     return torch.backends.mkldnn.flags(enabled=False) if device.type == "cpu" else nullcontext()
 
 
-def _sdpa_backend(cfg: TrainConfig, device: torch.device):
+def _sdpa_backend(cfg: JobConfig, device: torch.device):
     """The attention-kernel context for the whole run; what the runtime refuses is a config error here."""
     try:
-        check_sdpa_backend(cfg.sdpa_backend, device)
+        check_sdpa_backend(cfg.training.sdpa_backend, device)
     except ValueError as err:
-        raise TrainConfigError(str(err)) from None
-    return sdpa_backend(cfg.sdpa_backend, device)
+        raise ConfigError(str(err)) from None
+    return sdpa_backend(cfg.training.sdpa_backend, device)
 
 
-def _micro_batches(cfg: TrainConfig, dp_size: int) -> int:
+def _micro_batches(cfg: JobConfig, dp_size: int) -> int:
     """Micro-batches per optimizer step on each data-parallel rank."""
-    if cfg.global_batch is None:
+    if cfg.training.global_batch is None:
         return 1
-    per_pass = cfg.micro_batch * dp_size
-    if cfg.global_batch % per_pass:
-        raise TrainConfigError(f"global_batch={cfg.global_batch} is not a multiple of micro_batch={cfg.micro_batch} x "
-                               f"{dp_size} data-parallel rank(s) = {per_pass}: pick a multiple of {per_pass}")
-    return cfg.global_batch // per_pass
+    per_pass = cfg.training.micro_batch * dp_size
+    if cfg.training.global_batch % per_pass:
+        raise ConfigError(f"training.global_batch={cfg.training.global_batch} is not a multiple of "
+                          f"training.micro_batch={cfg.training.micro_batch} x {dp_size} data-parallel rank(s) = "
+                          f"{per_pass}: pick a multiple of {per_pass}")
+    return cfg.training.global_batch // per_pass
 
 
-def _backend_options(cfg: TrainConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
-    """Constructor options for the plan's TE backend: gradient_accumulation_fusion (which needs TE layers in the plan,
-    as fuse_norm and fuse_mlp do), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE) and, with more
-    than one micro-batch per step, FP8 weights cast once per step and cached (TE's is_first_microbatch; with one
-    micro-batch the cache would only hold memory; weights held in FP8 need no cast)."""
-    for option, what in (("fuse_norm", "folds RMSNorms into TransformerEngine LayerNormLinear modules"),
-                         ("fuse_mlp", "folds RMSNorms into TransformerEngine LayerNormMLP modules"),
-                         ("gradient_accumulation_fusion", "accumulates the TE linears' weight gradients in FP32")):
-        if getattr(cfg, option) and not plan.for_backend("te"):
-            raise TrainConfigError(f"{option} {what}, but the plan for recipe {cfg.recipe!r} has no TE layers: use "
-                                   f"--backend te with an FP8 recipe, or drop --{option.replace('_', '-')}")
-    fp8_weights = cfg.param_dtype == "fp8"
+def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
+    """Constructor options for the plan's TE backend: fuse_wgrad_accumulation (te.gradient_accumulation_fusion, as
+    resolved), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE) and, with more than one micro-batch per
+    step, FP8 weights cast once per step and cached (TE's is_first_microbatch; with one micro-batch the cache would
+    only hold memory; weights held in FP8 need no cast)."""
+    if cfg.te.gradient_accumulation_fusion and not plan.for_backend("te"):
+        raise ConfigError(f"te.gradient_accumulation_fusion accumulates the TE linears' weight gradients in FP32, but "
+                          f"the plan for recipe {cfg.precision.recipe!r} has no TE layers: use --backend te, or drop "
+                          "--gradient-accumulation-fusion")
+    fp8_weights = cfg.training.param_dtype == "fp8"
     if fp8_weights:
-        fp8 = [d for d in plan.decisions if d.recipe != BF16]
+        fp8 = [d for d in plan.decisions if is_fp8(d.recipe)]
         elsewhere = [d for d in fp8 if d.backend != "te"]
         if not fp8 or elsewhere:
-            raise TrainConfigError(f"param_dtype fp8 holds the weights of TE's FP8 layers in FP8, and the plan for "
-                                   f"recipe {cfg.recipe!r} has "
-                                   + (f"{elsewhere[0].fqn} in FP8 on {elsewhere[0].backend}" if elsewhere else
-                                      "no FP8 layer") + ": use --backend te with an FP8 recipe, or --param-dtype bf16")
+            raise ConfigError(f"param_dtype fp8 holds the weights of TE's FP8 layers in FP8, and the plan for "
+                              f"recipe {cfg.precision.recipe!r} has "
+                              + (f"{elsewhere[0].fqn} in FP8 on {elsewhere[0].backend}" if elsewhere else
+                                 "no FP8 layer") + ": use --backend te with an FP8 recipe, or --param-dtype bf16")
     options = {"fp8_weights": fp8_weights, "cache_fp8_weights": micro_batches > 1 and not fp8_weights,
-               "delayed_margin": cfg.fp8_margin, "fuse_wgrad_accumulation": cfg.gradient_accumulation_fusion,
-               **({"blockwise_gemms": cfg.blockwise_gemms} if cfg.blockwise_gemms != "te" else {})}
+               "delayed_margin": cfg.te.delayed_margin, "fuse_wgrad_accumulation": cfg.te.gradient_accumulation_fusion,
+               **({"blockwise_gemms": cfg.te.blockwise_gemms} if cfg.te.blockwise_gemms != "te" else {})}
     return {"te": options} if plan.for_backend("te") else None
 
 
-def _activation_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[cfg.dtype]
+def _with_wgrad_fusion(cfg: JobConfig, plan_has_te_layers: bool, world_size: int) -> JobConfig:
+    """cfg with te.gradient_accumulation_fusion decided for this plan (resolve.wgrad_fusion)."""
+    return replace(cfg, te=replace(cfg.te, gradient_accumulation_fusion=wgrad_fusion(cfg, plan_has_te_layers,
+                                                                                     world_size)))
 
 
-def _check_cpu_support(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
-    """torchao's Float8Linear applies only CUDA autocast to its inputs, so under CPU bf16 autocast the
-    high-precision weight-gradient GEMM of rowwise_gw_hp meets FP32 and BF16 operands and fails."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and any(d.recipe == "rowwise_gw_hp" for d in plan.decisions):
-        raise TrainConfigError("recipe rowwise_gw_hp cannot run under bf16 autocast on a CPU (torchao casts inputs "
-                               "for CUDA autocast only): use --dtype fp32 on a CPU")
+def _activation_dtype(cfg: JobConfig) -> torch.dtype:
+    """training.dtype, as resolved (bf16 or fp32)."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.training.dtype]
 
 
-def _adamw(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def _check_cpu_support(plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
+    """torchao's Float8Linear applies only CUDA autocast to its inputs, so under CPU bf16 autocast a recipe's
+    high-precision weight-gradient GEMM meets FP32 and BF16 operands and fails."""
+    high = [d.recipe for d in plan.decisions if is_fp8(d.recipe) and get_recipe(d.recipe).weight_grad_in_high_precision]
+    if device.type == "cpu" and dtype == torch.bfloat16 and high:
+        raise ConfigError(f"recipe {high[0]} cannot run under bf16 autocast on a CPU (torchao casts inputs for CUDA "
+                          "autocast only): use --dtype fp32 on a CPU")
+
+
+def _adamw(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the FP32 parameters of `model` (the model, or MasterWeights.module), so its moments are FP32
     too; no decay on norm weights."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -411,9 +414,9 @@ def _adamw(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> to
         raise RuntimeError(f"parameters must stay FP32 master weights, found {sorted(map(str, wrong))}: "
                            "keep the model FP32 and let autocast / FP8 modules cast activations, or keep FP32 "
                            "masters of BF16 or FP8 parameters (param_dtype bf16 or fp8)")
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optimizer.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
@@ -441,16 +444,16 @@ def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def _checkpoint_due(done: int, cfg: TrainConfig) -> bool:
-    return done == cfg.steps or (cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0)
+def _checkpoint_due(done: int, cfg: JobConfig) -> bool:
+    return done == cfg.training.steps or (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0)
 
 
-def _stop_on_nonfinite(run: Session, cfg: TrainConfig, step: int, position: int, rng: dict,
+def _stop_on_nonfinite(run: Session, cfg: JobConfig, step: int, position: int, rng: dict,
                        err: NonFiniteLossError) -> NoReturn:
     """Pin the step's batch and RNG states, rerun its forward under watch_layers to name the first layer whose
     output was not finite, and raise NonFiniteLossError saying both."""
     tokens, targets = run.data.batch(position)
-    folder = cfg.log_dir or cfg.checkpoint_dir or tempfile.mkdtemp(prefix="fp8stack-nonfinite-")
+    folder = cfg.logging.dir or cfg.checkpoint.dir or tempfile.mkdtemp(prefix="fp8stack-nonfinite-")
     pin = pin_step(Path(folder) / f"rank{run.env.rank}" if run.env.world_size > 1 else folder, step,
                    {"tokens": tokens, "targets": targets}, rng)
     set_rng_states(rng)
@@ -466,11 +469,11 @@ def _stop_on_nonfinite(run: Session, cfg: TrainConfig, step: int, position: int,
 
 
 @torch.no_grad()
-def _validate(loss_fn: Callable, cfg: TrainConfig, seq_len: int, env: "_Distributed", autocast) -> float:
-    data = TextData(seq_len, cfg.micro_batch, cfg.seed, "validation", rank=env.dp_rank, ranks=env.dp_size,
-                    max_bytes=cfg.max_data_bytes, source=cfg.data_source)
+def _validate(loss_fn: Callable, cfg: JobConfig, seq_len: int, env: "_Distributed", autocast) -> float:
+    data = TextData(seq_len, cfg.training.micro_batch, cfg.training.seed, "validation", rank=env.dp_rank, ranks=env.dp_size,
+                    max_bytes=cfg.data.max_bytes, source=cfg.data.source)
     losses = []
-    for index in range(cfg.eval_batches):
+    for index in range(cfg.training.eval_batches):
         tokens, targets = (t.to(env.device) for t in data.batch(index))
         with autocast():
             losses.append(env.mean(loss_fn(tokens, targets)))
@@ -485,20 +488,18 @@ class _Distributed:
     """Single process, or torchrun's WORLD_SIZE processes on a (dp, tp) mesh: NCCL on GPUs, gloo on CPUs.
     Sets up the process group on entry (if torchrun started us and nobody did yet) and ends it on exit."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: JobConfig):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        wants_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        if wants_cuda and not torch.cuda.is_available():
-            raise TrainConfigError("device cuda requested but torch sees no CUDA GPU: pass --device cpu")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = torch.device("cuda", local_rank) if wants_cuda else torch.device("cpu")
-        if self.world_size % cfg.tensor_parallel:
-            raise TrainConfigError(f"tensor_parallel={cfg.tensor_parallel} must divide the {self.world_size} processes")
-        self.tp_size = cfg.tensor_parallel
+        self.device = torch.device("cuda", local_rank) if cfg.training.device == "cuda" else torch.device("cpu")
+        if self.world_size % cfg.parallelism.tensor_parallel:
+            raise ConfigError(f"parallelism.tensor_parallel={cfg.parallelism.tensor_parallel} must divide the "
+                              f"{self.world_size} processes")
+        self.tp_size = cfg.parallelism.tensor_parallel
         self.dp_size = self.world_size // self.tp_size
         self.dp_rank = self.rank // self.tp_size
-        self.fsdp_one_rank = cfg.fsdp_one_rank
+        self.fsdp_one_rank = cfg.parallelism.fsdp_one_rank
         self.tp_mesh = self.fsdp_mesh = None
         self._owns_group = False
 
@@ -540,7 +541,7 @@ class _Distributed:
 class _Logger:
     """Per-step metrics to a rich progress bar (TTY) or plain lines, train.jsonl and TensorBoard."""
 
-    def __init__(self, cfg: TrainConfig, active: bool, start: int):
+    def __init__(self, cfg: JobConfig, active: bool, start: int):
         self.cfg, self.active, self.start = cfg, active, start
         self.stack = ExitStack()
         self.jsonl = self.tensorboard = self.progress = None
@@ -549,24 +550,24 @@ class _Logger:
         if not self.active:
             return self
         cfg = self.cfg
-        if cfg.log_dir:
-            folder = Path(cfg.log_dir)
+        if cfg.logging.dir:
+            folder = Path(cfg.logging.dir)
             folder.mkdir(parents=True, exist_ok=True)
             # A resumed run continues the file from its checkpoint's step, dropping what the interrupted run logged
             # after it (it repeats those steps), as purge_step hides TensorBoard's events from that step on.
             _keep_steps_before(folder / "train.jsonl", self.start)
             self.jsonl = self.stack.enter_context(open(folder / "train.jsonl", "a"))
-            from torch.utils.tensorboard import SummaryWriter  # the [tb] extra, which TrainConfig checked for
+            from torch.utils.tensorboard import SummaryWriter  # the [tb] extra, which preflight checked for
 
             self.tensorboard = SummaryWriter(log_dir=str(folder), purge_step=self.start or None)
             self.stack.callback(self.tensorboard.close)
         console = Console()
-        if cfg.progress and console.is_terminal:
+        if cfg.logging.progress and console.is_terminal:
             self.progress = self.stack.enter_context(Progress(
-                TextColumn(f"{cfg.model} {cfg.recipe}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn(f"{cfg.model.name} {cfg.precision.recipe}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
                 console=console))
-            self.task = self.progress.add_task("train", total=cfg.steps, completed=self.start, loss=float("nan"),
+            self.task = self.progress.add_task("train", total=cfg.training.steps, completed=self.start, loss=float("nan"),
                                                tps=0.0)
         return self
 
@@ -581,13 +582,13 @@ class _Logger:
                 self.tensorboard.add_scalar(f"train/{name}", value, step)
         if self.progress is not None:
             self.progress.update(self.task, advance=1, loss=metrics["loss"], tps=metrics["tokens_per_s"])
-        elif self.cfg.progress and ((step + 1) % self.cfg.log_interval == 0 or step + 1 == self.cfg.steps):
-            print(f"step {step + 1}/{self.cfg.steps}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
+        elif self.cfg.logging.progress and ((step + 1) % self.cfg.logging.interval == 0 or step + 1 == self.cfg.training.steps):
+            print(f"step {step + 1}/{self.cfg.training.steps}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
                   f"{metrics['step_ms']:.0f} ms  {metrics['tokens_per_s']:,.0f} tok/s", flush=True)
 
     def fp8_stats_due(self, step: int) -> bool:
-        """Whether this step's FP8 statistics go to TensorBoard (TrainConfig.fp8_stats_interval)."""
-        interval = self.cfg.fp8_stats_interval
+        """Whether this step's FP8 statistics go to TensorBoard (logging.fp8_stats_interval)."""
+        interval = self.cfg.logging.fp8_stats_interval
         return self.tensorboard is not None and interval > 0 and (step + 1) % interval == 0
 
     def fp8_stats(self, step: int, stats: dict[str, dict]) -> None:

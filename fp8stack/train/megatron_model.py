@@ -1,4 +1,4 @@
-"""The trainer's Megatron path (TrainConfig.model_impl = "megatron"): the same model shape as a megatron-core
+"""The trainer's Megatron path (model.impl = "megatron"): the same model shape as a megatron-core
 GPTModel built through fp8stack's block factory, tensor parallel with sequence parallelism over megatron's
 parallel_state.
 
@@ -12,7 +12,6 @@ two of megatron's finalize_model_grads duties are done here: the gradients of se
 are summed over the TP group, and the gradient norm counts each TP-replicated parameter once.
 """
 
-import importlib.util
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,65 +24,17 @@ import torch.nn.functional as F
 from fp8stack.backends import get_backend
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
-from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES, get_recipe
-from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.plan.recipes import get_recipe, is_fp8
+from fp8stack.config import ConfigError, JobConfig
 from fp8stack.train.loop import build_model, model_config
 
 log = logging.getLogger(__name__)
 
-DENSE_MODELS = ("tiny", "llama-1b-like")
-"""Trainer models the Megatron path builds (the MoE model is not mapped to megatron's MoE)."""
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """The options the Megatron path can honour; each refusal names the fix."""
-    if importlib.util.find_spec("megatron") is None:
-        raise TrainConfigError("--model-impl megatron needs megatron-core, which is not installed: "
-                               "pip install 'fp8stack[megatron]' (Python >= 3.12)")
-    plain_only = {"compile": "torch.compile of the blocks", "recompute": "fp8stack's recompute", "fsdp_one_rank": "FSDP2",
-                  "fsdp_float8_all_gather": "FSDP2's FP8 all-gather", "precompute_fp8_scales": "FSDP2's scale precompute",
-                  "fuse_norm": "folding norms into TE (megatron's TE spec always does)",
-                  "fuse_mlp": "TE LayerNormMLP (megatron's TE spec runs its MLP as two TE linears)"}
-    given = [f"{name} ({what})" for name, what in plain_only.items() if getattr(cfg, name)]
-    if given:
-        raise TrainConfigError(f"--model-impl megatron does not take {', '.join(given)}: drop those options or "
-                               "use --model-impl torch")
-    if cfg.param_dtype != "fp32":
-        raise TrainConfigError(f"param_dtype {cfg.param_dtype}: fp8stack's FP32 masters of BF16 parameters serve the "
-                               "plain path; megatron's own (Float16Module, its optimizer's main params) is not wired "
-                               "here: drop --param-dtype or use --model-impl torch")
-    if not cfg.fused_projections:
-        raise TrainConfigError("--no-fused-projections shapes the plain Llama; megatron's GPTModel always fuses "
-                               "q/k/v and gate/up and shards them per rank itself: drop it with --model-impl megatron")
-    if cfg.model not in DENSE_MODELS:
-        raise TrainConfigError(f"--model-impl megatron builds dense models only ({', '.join(DENSE_MODELS)}), not "
-                               f"{cfg.model!r}: pick one of those or use --model-impl torch")
-    if cfg.recipe != BF16 and cfg.recipe not in MEGATRON_RECIPES:
-        raise TrainConfigError(f"recipe {cfg.recipe!r} is a torchao recipe; megatron-core runs FP8 through "
-                               f"TransformerEngine: use one of {', '.join(MEGATRON_RECIPES)} or --model-impl torch")
-    if cfg.backend == "torchao":
-        raise TrainConfigError("--backend torchao: megatron-core's linears are TransformerEngine modules; "
-                               "use --backend te (or auto) with --model-impl megatron")
-    if cfg.small_gemm_filter not in ("auto", "off"):
-        raise TrainConfigError(f"small_gemm_filter={cfg.small_gemm_filter!r}: megatron converts every TE linear "
-                               "whatever its size; leave --small-gemm-filter at auto (or off)")
-    if cfg.sdpa_backend != "auto":
-        raise TrainConfigError(f"sdpa_backend={cfg.sdpa_backend!r}: megatron's attention is TE's "
-                               "DotProductAttention, not torch SDPA; leave --sdpa-backend at auto")
-    if cfg.gradient_accumulation_fusion and (cfg.checkpoint_dir or cfg.resume):
-        raise TrainConfigError("checkpoints of a model in megatron's DistributedDataParallel (gradient_accumulation_"
-                               "fusion) are not supported yet: drop --save/--load or --gradient-accumulation-fusion")
-    if cfg.tensor_parallel > 1 and (cfg.checkpoint_dir or cfg.resume):
-        raise TrainConfigError("checkpoints of a tensor-parallel Megatron model are not supported: the trainer's "
-                               "checkpoints (torch.distributed.checkpoint) see megatron's shards as plain tensors "
-                               "and would keep one rank's; drop --save/--load or use --tensor-model-parallel-size 1")
-
-
-def transformer_config(cfg: TrainConfig, shape: LlamaConfig, fp8_format: str | None):
+def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | None):
     """megatron's TransformerConfig for the plain Llama `shape` under cfg's FP8 and tensor-parallel options."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    tp = cfg.tensor_parallel
+    tp = cfg.parallelism.tensor_parallel
     try:
         return TransformerConfig(
             num_layers=shape.n_layers, hidden_size=shape.dim, num_attention_heads=shape.n_heads,
@@ -94,26 +45,27 @@ def transformer_config(cfg: TrainConfig, shape: LlamaConfig, fp8_format: str | N
             # Built on the CPU without megatron's own draws: gpt_model copies every weight from the plain Llama.
             params_dtype=torch.float32, bf16=False, use_cpu_initialization=True, perform_initialization=False,
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-            fp8=fp8_format if cfg.recipe != BF16 else None,
-            fp8_recipe=cfg.recipe if cfg.recipe != BF16 else "delayed", fp8_margin=cfg.fp8_margin,
-            first_last_layers_bf16=cfg.first_last_layers_bf16,
-            num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
-            num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16)
+            **({"fp8": fp8_format, "fp8_recipe": cfg.precision.recipe} if is_fp8(cfg.precision.recipe) else {}),
+            fp8_margin=cfg.te.delayed_margin,
+            first_last_layers_bf16=cfg.precision.first_last_layers_bf16,
+            num_layers_at_start_in_bf16=cfg.precision.num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16=cfg.precision.num_layers_at_end_in_bf16)
     except (ValueError, AssertionError) as err:
-        raise TrainConfigError(f"megatron-core refuses this configuration: {err}") from None
+        raise ConfigError(f"megatron-core refuses this configuration: {err}") from None
 
 
-def fp8_format(cfg: TrainConfig) -> str:
-    """cfg.fp8_format, or the recipe's library default (hybrid for delayed and tensorwise)."""
-    return cfg.fp8_format or (get_recipe(cfg.recipe).default_format if cfg.recipe != BF16 else "hybrid")
+def fp8_format(cfg: JobConfig) -> str:
+    """precision.fp8_format, or the recipe's library default (hybrid for delayed and tensorwise; hybrid without FP8)."""
+    recipe = cfg.precision.recipe
+    return cfg.precision.fp8_format or (get_recipe(recipe).default_format if is_fp8(recipe) else "hybrid")
 
 
-def build_plan(config, cfg: TrainConfig, shape: LlamaConfig, arch: int) -> Plan:
+def build_plan(config, cfg: JobConfig, shape: LlamaConfig, arch: int) -> Plan:
     """The plan megatron's own flags give (plan_from_megatron_args), as a Megatron launch would."""
     from fp8stack.megatron import plan_from_megatron_args
 
     return plan_from_megatron_args(config, vocab_size=shape.vocab_size, seq_len=shape.seq_len, arch=arch,
-                                   name=cfg.model)
+                                   name=cfg.model.name)
 
 
 def gpt_model(config, plan: Plan, llama: Llama, use_te: bool | None = None):
@@ -271,25 +223,25 @@ def with_main_grads(model: torch.nn.Module, config) -> torch.nn.Module:
     linears = [m for m in model.modules()
                if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "fuse_wgrad_accumulation")]
     if not linears:
-        raise TrainConfigError("gradient_accumulation_fusion needs TransformerEngine linears in the GPTModel, and "
-                               "this one has none: install TransformerEngine or drop the option")
+        raise ConfigError("gradient_accumulation_fusion needs TransformerEngine linears in the GPTModel, and "
+                          "this one has none: install TransformerEngine or drop the option")
     for linear in linears:
         linear.fuse_wgrad_accumulation = True
     return DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
 
 
 @contextmanager
-def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
+def build(cfg: JobConfig, env) -> Iterator[MegatronModel]:
     """Megatron's parallel state over the trainer's processes, then the model on env.device; the state
     (and a one-rank process group made for it) is torn down on exit."""
     if env.device.type != "cuda":
-        raise TrainConfigError("the Megatron model needs CUDA: megatron-core's GPTModel allocates its buffers, RoPE "
-                               "and RNG on torch.cuda, and runs FP8 through TransformerEngine. Run it on a GPU, or "
-                               "use --model-impl torch on a CPU")
+        raise ConfigError("the Megatron model needs CUDA: megatron-core's GPTModel allocates its buffers, RoPE "
+                          "and RNG on torch.cuda, and runs FP8 through TransformerEngine. Run it on a GPU, or "
+                          "use --model-impl torch on a CPU")
     if env.dp_size > 1:
-        raise TrainConfigError(f"--model-impl megatron runs tensor parallelism only, but {env.world_size} processes "
-                               f"at --tensor-model-parallel-size {cfg.tensor_parallel} leave {env.dp_size} data-"
-                               "parallel ranks: launch NPROC equal to the TP size")
+        raise ConfigError(f"--model-impl megatron runs tensor parallelism only, but {env.world_size} processes "
+                          f"at --tensor-model-parallel-size {cfg.parallelism.tensor_parallel} leave {env.dp_size} data-"
+                          "parallel ranks: launch NPROC equal to the TP size")
     from megatron.core import parallel_state, tensor_parallel
 
     from fp8stack.megatron import te_usable
@@ -302,17 +254,17 @@ def build(cfg: TrainConfig, env) -> Iterator[MegatronModel]:
     if made_group:  # a single process without torchrun: megatron still needs a (one-rank) group
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=env.device)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel)
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=te_usable())
-        # The plain Llama as --model-impl torch draws it (cfg.seed, on env.device: CUDA's generator).
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallelism.tensor_parallel)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed, te_rng_tracker=te_usable())
+        # The plain Llama as --model-impl torch draws it (cfg.training.seed, on env.device: CUDA's generator).
         model = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
-        if cfg.blockwise_gemms == "deepgemm":  # megatron's TE linears call the general_gemm TE's own modules call
+        if cfg.te.blockwise_gemms == "deepgemm":  # megatron's TE linears call the general_gemm TE's own modules call
             log.info(get_backend("te", blockwise_gemms="deepgemm").route_blockwise_gemms())
-        if cfg.gradient_accumulation_fusion:
+        if cfg.te.gradient_accumulation_fusion:
             model = with_main_grads(model, config)
         yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,
                             tp_group=parallel_state.get_tensor_model_parallel_group(),
-                            main_grads=cfg.gradient_accumulation_fusion)
+                            main_grads=cfg.te.gradient_accumulation_fusion)
     finally:
         parallel_state.destroy_model_parallel()
         if made_group:

@@ -3,6 +3,7 @@ loses nothing: output folders writable, settings that fit the model's shape, eno
 sequence length, and a resume checkpoint saved under the same settings (checkpoint.check_run).
 """
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -14,55 +15,65 @@ from fp8stack.plan import Plan
 from fp8stack.plan.policy import check_layers_kept_bf16
 from fp8stack.runtime.recompute import recompute_regions
 from fp8stack.train import checkpoint
-from fp8stack.train.config import TrainConfig, TrainConfigError, recompute_blocks
+from fp8stack.config import ConfigError, JobConfig, recompute_blocks
 from fp8stack.train.data import load_split
 
-RUN_SETTINGS = ("model", "model_impl", "fused_projections", "recipe", "fp8_format", "backend", "param_dtype",
-                "tensor_parallel", "micro_batch", "global_batch", "seed", "data_source", "max_data_bytes")
-"""TrainConfig fields a resumed run must share with the run that saved the checkpoint (with the sequence
-length, the number of processes and the plan)."""
+RUN_SETTINGS = ("model.name", "model.impl", "model.factory", "model.fused_projections", "precision.recipe",
+                "precision.fp8_format", "precision.backend", "training.param_dtype", "parallelism.tensor_parallel",
+                "training.micro_batch", "training.global_batch", "training.seed", "data.source", "data.max_bytes",
+                "data.factory")
+"""Fields a resumed run must share with the run that saved the checkpoint (with the sequence length, the number of
+processes and the plan)."""
 
 
-def preflight(cfg: TrainConfig, model: LlamaConfig) -> Path | None:
+def preflight(cfg: JobConfig, model: LlamaConfig) -> Path | None:
     """Check cfg against the outputs, the model's shape and the data; returns the checkpoint to resume from
-    (its settings checked against cfg's, its files read), or None. Raises TrainConfigError or
+    (its settings checked against cfg's, its files read), or None. Raises ConfigError or
     checkpoint.CheckpointError."""
-    for path, option in ((cfg.log_dir, "log_dir (--tensorboard-dir)"), (cfg.checkpoint_dir, "checkpoint_dir (--save)")):
+    for path, option in ((cfg.logging.dir, "logging.dir (--tensorboard-dir)"), (cfg.checkpoint.dir, "checkpoint.dir (--save)")):
         if path:
             check_output_dir(path, option)
+    if cfg.logging.dir and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(f"logging.dir {cfg.logging.dir!r} (--tensorboard-dir) writes TensorBoard scalars and "
+                          "tensorboard is not installed: pip install 'fp8stack[tb]'")
     _check_fits_model(cfg, model)
     _check_data(cfg, model.seq_len)
-    if not cfg.resume:
+    if not cfg.checkpoint.resume:
         return None
     path = resume_path(cfg)
     checkpoint.check_run(path, run_settings(cfg, model, int(os.environ.get("WORLD_SIZE", "1"))),
-                         cfg.resume_despite_changes)
+                         cfg.checkpoint.resume_despite_changes)
     checkpoint.check_files(path)
     return path
 
 
 def check_output_dir(path: str | Path, option: str) -> None:
-    """Refuse (TrainConfigError) a folder that is a file, or cannot be created or written in; creates nothing."""
+    """Refuse (ConfigError) a folder that is a file, or cannot be created or written in; creates nothing."""
     target = Path(path)
     existing = _nearest_existing(target)
     if existing == target and not target.is_dir():
-        raise TrainConfigError(f"{option} {path} is a file, not a folder: pass a folder")
+        raise ConfigError(f"{option} {path} is a file, not a folder: pass a folder")
     if not existing.is_dir():
-        raise TrainConfigError(f"{option} {path} cannot be created: {existing} is a file: pass a path under a folder")
+        raise ConfigError(f"{option} {path} cannot be created: {existing} is a file: pass a path under a folder")
     _probe_write(existing, option, path)
 
 
 def check_output_file(path: str | Path, option: str) -> None:
-    """Refuse (TrainConfigError) a file path that is a folder, or whose folder cannot be created or written in."""
+    """Refuse (ConfigError) a file path that is a folder, or whose folder cannot be created or written in."""
     target = Path(path)
     if target.is_dir():
-        raise TrainConfigError(f"{option} {path} is a folder: pass a file path")
+        raise ConfigError(f"{option} {path} is a folder: pass a file path")
     check_output_dir(target.parent, f"{option} {path}: its folder")
 
 
-def run_settings(cfg: TrainConfig, model: LlamaConfig, world_size: int) -> dict:
+def run_settings(cfg: JobConfig, model: LlamaConfig, world_size: int) -> dict:
     """What a checkpoint's run.json records of cfg for a resume to match (without the plan)."""
-    return {**{name: getattr(cfg, name) for name in RUN_SETTINGS}, "seq_len": model.seq_len, "world_size": world_size}
+    return {**{name: _field(cfg, name) for name in RUN_SETTINGS}, "seq_len": model.seq_len, "world_size": world_size}
+
+
+def _field(cfg: JobConfig, dotted: str):
+    section, _, name = dotted.partition(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def plan_settings(plan: Plan) -> dict:
@@ -70,58 +81,58 @@ def plan_settings(plan: Plan) -> dict:
     return {"plan": {d.fqn: f"{d.backend} {d.recipe}" for d in plan.decisions}, "plan_fp8_format": plan.fp8_format}
 
 
-def resume_path(cfg: TrainConfig) -> Path:
-    """cfg.resume as a checkpoint folder: 'latest' under checkpoint_dir, the newest step-* inside a
+def resume_path(cfg: JobConfig) -> Path:
+    """cfg.checkpoint.resume as a checkpoint folder: 'latest' under checkpoint_dir, the newest step-* inside a
     folder of checkpoints, or the folder itself."""
-    folder = Path(cfg.checkpoint_dir if cfg.resume == "latest" else cfg.resume)
+    folder = Path(cfg.checkpoint.dir if cfg.checkpoint.resume == "latest" else cfg.checkpoint.resume)
     if not folder.is_dir():
-        raise TrainConfigError(f"checkpoint {folder} does not exist: point --load at a step-* folder or a "
-                               "folder of them")
+        raise ConfigError(f"checkpoint {folder} does not exist: point --load at a step-* folder or a "
+                          "folder of them")
     found = checkpoint.latest(folder)
-    if found is None and cfg.resume == "latest":
-        raise TrainConfigError(f"no step-* checkpoint under {folder} to resume from: drop the resume option")
+    if found is None and cfg.checkpoint.resume == "latest":
+        raise ConfigError(f"no step-* checkpoint under {folder} to resume from: drop the resume option")
     return found or folder
 
 
-def _check_fits_model(cfg: TrainConfig, model: LlamaConfig) -> None:
+def _check_fits_model(cfg: JobConfig, model: LlamaConfig) -> None:
     """Settings that name layers, blocks or parts the model lacks, or a sequence tensor parallelism cannot split."""
-    if model.seq_len % cfg.tensor_parallel:
-        raise TrainConfigError(f"seq_len={model.seq_len} is not divisible by tensor_parallel={cfg.tensor_parallel} "
-                               "(sequence parallelism splits it): pass a --seq-length that is a multiple of it")
-    if cfg.first_last_layers_bf16:
+    if model.seq_len % cfg.parallelism.tensor_parallel:
+        raise ConfigError(f"seq_len={model.seq_len} is not divisible by tensor_parallel={cfg.parallelism.tensor_parallel} "
+                          "(sequence parallelism splits it): pass a --seq-length that is a multiple of it")
+    if cfg.precision.first_last_layers_bf16:
         try:
-            check_layers_kept_bf16(model.n_layers, cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16,
-                                   cfg.recipe)
+            check_layers_kept_bf16(model.n_layers, cfg.precision.num_layers_at_start_in_bf16, cfg.precision.num_layers_at_end_in_bf16,
+                                   cfg.precision.recipe)
         except ValueError as err:
-            raise TrainConfigError(str(err)) from None
-    blocks = recompute_blocks(cfg.recompute)
+            raise ConfigError(str(err)) from None
+    blocks = recompute_blocks(cfg.activation_checkpoint.layers)
     if blocks is None:
         return
     chosen = range(model.n_layers) if blocks == "all" else blocks
     outside = [i for i in chosen if not 0 <= i < model.n_layers]
     if outside:
-        raise TrainConfigError(f"recompute names block(s) {', '.join(map(str, outside))}, and {cfg.model} has blocks "
-                               f"0-{model.n_layers - 1}: pass indices of existing blocks or 'all'")
+        raise ConfigError(f"recompute names block(s) {', '.join(map(str, outside))}, and {cfg.model.name} has blocks "
+                          f"0-{model.n_layers - 1}: pass indices of existing blocks or 'all'")
     with torch.device("meta"):  # the model's structure without memory or compute
         layers = Llama(model).layers
-    found = [recompute_regions(layers[i], cfg.recompute_modules) for i in chosen]
-    absent = [name for name in cfg.recompute_modules if not any(regions[name] for regions in found)]
+    found = [recompute_regions(layers[i], cfg.activation_checkpoint.modules) for i in chosen]
+    absent = [name for name in cfg.activation_checkpoint.modules if not any(regions[name] for regions in found)]
     if absent:
-        raise TrainConfigError(f"recompute_modules {', '.join(absent)}: none of the recomputed blocks of {cfg.model} "
-                               "has that part (e.g. moe in a dense block): drop the name or pick other blocks")
+        raise ConfigError(f"recompute_modules {', '.join(absent)}: none of the recomputed blocks of {cfg.model.name} "
+                          "has that part (e.g. moe in a dense block): drop the name or pick other blocks")
 
 
-def _check_data(cfg: TrainConfig, seq_len: int) -> None:
+def _check_data(cfg: JobConfig, seq_len: int) -> None:
     """Each split the run reads holds more than one sequence of text."""
-    for split in ("train", "validation") if cfg.eval_batches else ("train",):
+    for split in ("train", "validation") if cfg.training.eval_batches else ("train",):
         try:
-            size = load_split(split, cfg.max_data_bytes, source=cfg.data_source).numel()
+            size = load_split(split, cfg.data.max_bytes, source=cfg.data.source).numel()
         except RuntimeError as err:  # no text at all for the split
-            raise TrainConfigError(str(err)) from None
+            raise ConfigError(str(err)) from None
         if size <= seq_len + 1:
-            raise TrainConfigError(f"the {split} split of the first {cfg.max_data_bytes} bytes of text holds {size} "
-                                   f"bytes, too few for seq_len={seq_len}: raise --max-data-bytes or lower "
-                                   "--seq-length")
+            raise ConfigError(f"the {split} split of the first {cfg.data.max_bytes} bytes of text holds {size} "
+                              f"bytes, too few for seq_len={seq_len}: raise --max-data-bytes or lower "
+                              "--seq-length")
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -139,5 +150,5 @@ def _probe_write(folder: Path, option: str, path: str | Path) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as err:
-        raise TrainConfigError(f"{option} {path}: cannot write in {folder} ({err.strerror or err}): pass a writable "
-                               "folder") from None
+        raise ConfigError(f"{option} {path}: cannot write in {folder} ({err.strerror or err}): pass a writable "
+                          "folder") from None

@@ -1,0 +1,417 @@
+"""The configuration tree: one dataclass per concern, one docstring per field, one validate() per section.
+
+JobConfig is what a training run, an A/B arm and a profile are told. It loads from TOML or JSON, takes
+`--section.field value` overrides (fp8stack.config.cli builds every command's parser from it) and is written
+whole into each run's evidence. Fields left None are chosen where the run starts, from the model's size and
+what the machine runs (fp8stack.train.resolve), and the evidence records what they became.
+"""
+
+from dataclasses import dataclass, field, fields
+
+import importlib.util
+
+from fp8stack.plan import PolicyConfig
+from fp8stack.plan.recipes import BLOCKWISE_GEMMS, MEGATRON_RECIPES, PARAM_DTYPES, get_recipe, is_fp8
+
+MODEL_IMPLS = ("torch", "megatron")
+"""How the model is built: the plain-torch Llama through assemble, or a megatron-core GPTModel."""
+ACTIVATION_DTYPES = ("auto", "bf16", "fp32")
+"""auto: bf16 on CUDA, fp32 on a CPU."""
+DEVICES = ("auto", "cuda", "cpu")
+"""auto: cuda when available (under torchrun, cuda:LOCAL_RANK)."""
+DATA_SOURCES = ("stdlib", "python")
+"""stdlib: the standard library's .py files; python: those, then the .py files of its site-packages folders."""
+DEFAULT_MAX_BYTES = 8 << 20
+"""Source text read (both splits), in sorted file order: start-up stays well under a second."""
+MAX_SEQ_LEN = 1 << 17
+"""Longest sequence a run may ask for (Llama 3's 128k context): a longer one would only exhaust memory."""
+
+
+class ConfigError(ValueError):
+    """An option that cannot work; the message names the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model is trained and how it is built."""
+
+    name: str = "tiny"
+    """A model description: a name in configs/models (tiny, tiny-moe, llama-1b-like, llama3-8b, ...) or a YAML path.
+    Ignored (and recorded as the factory) with factory."""
+    impl: str = "torch"
+    """torch: the plain-torch model through assemble; megatron: a megatron-core GPTModel of the same shape through
+    fp8stack's block factory (TE FP8, megatron's tensor parallelism and DDP)."""
+    factory: str | None = None
+    """'module:function' (or 'path/to/file.py:function') returning your own nn.Module, trained instead of a
+    described model: token ids (batch, seq) in, logits (batch, seq, vocab) out (fp8stack.train.user_code)."""
+    fused_projections: bool = True
+    """Build wqkv and w13 as one GEMM each; False builds wq/wk/wv and w1/w3 (tensor parallelism needs that)."""
+
+    def validate(self) -> None:
+        _choose("model.impl", self.impl, MODEL_IMPLS)
+        if self.factory is not None and ":" not in self.factory:
+            raise ConfigError(f"model.factory {self.factory!r}: write it as module:function or path/to/file.py:function")
+        if self.factory is not None and self.impl != "torch":
+            raise ConfigError("model.factory builds your own nn.Module, which runs on the plain path: drop --model.impl "
+                              "megatron")
+
+
+@dataclass
+class TEConfig:
+    """TransformerEngine's options (the TE backend's constructor and the trainer's use of it)."""
+
+    delayed_margin: int = 0
+    """Delayed scaling only: each scale leaves 2^margin headroom below the FP8 maximum (Megatron's --fp8-margin),
+    for tensors whose amax outgrows the previous steps'."""
+    priming_passes: int = 2
+    """Forward/backward passes of the first batch, gradients discarded, before the first step of a fresh run whose
+    recipe scales from an amax history: its scales start at 1, so step 1's FP8 gradient casts would flush to zero
+    (every FP8 weight gradient of llama-1b-like was zero in its step 1). Two passes: the casts of wqkv's and FC1's
+    gradients receive zeros until wo's and FC2's scales are set. 0 turns priming off."""
+    gradient_accumulation_fusion: bool | None = None
+    """TE's weight-gradient GEMMs accumulate into FP32 main_grad buffers (TE fuse_wgrad_accumulation): no BF16
+    weight gradient, cast or add per micro-batch; on the plain path the output head joins them on a TE module
+    without FP8. None: on wherever the plan has TE layers and the run can keep the buffers (one process on the plain
+    path; megatron's DDP). Measured faster on one H200."""
+    blockwise_gemms: str = "te"
+    """Where TE's blockwise modules run their GEMMs: te (cuBLAS) or deepgemm (DeepGEMM's dense kernels on TE's
+    operands, bit-identical; launch/build_deepgemm.sh builds it)."""
+
+    def validate(self) -> None:
+        _at_least("te.delayed_margin", self.delayed_margin, 0)
+        _at_least("te.priming_passes", self.priming_passes, 0)
+        _choose("te.blockwise_gemms", self.blockwise_gemms, BLOCKWISE_GEMMS)
+
+
+@dataclass
+class TorchaoConfig:
+    """torchao's options under FSDP2."""
+
+    fsdp_float8_all_gather: bool = False
+    """All-gather FSDP2's sharded weights in FP8 (tensorwise scaling only), half the bytes of BF16."""
+    precompute_fp8_scales: bool = False
+    """With fsdp_float8_all_gather: compute every weight's scale in one op after each optimizer step."""
+
+    def validate(self) -> None:
+        if self.precompute_fp8_scales and not self.fsdp_float8_all_gather:
+            raise ConfigError("torchao.precompute_fp8_scales precomputes the scales of FP8 all-gathers: add "
+                              "--torchao.fsdp-float8-all-gather or drop it")
+
+
+@dataclass
+class TrainingConfig:
+    """The steps, batches and numerics of the run."""
+
+    steps: int = 40
+    """Optimizer steps."""
+    micro_batch: int | None = None
+    """Sequences per forward/backward pass and data-parallel rank. None: the model's default (8 below 100M
+    parameters, 2 above, as measured on one H200)."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks (Megatron's --global-batch-size): each rank
+    accumulates global_batch / (micro_batch x ranks) micro-batches. None: the model's default (one micro-batch
+    below 100M parameters, 16 sequences above)."""
+    seq_len: int | None = None
+    """Tokens per sequence; None takes the model's."""
+    seed: int = 0
+    """Seeds weights and data: the same seed gives the same run in every arm and process."""
+    device: str = "auto"
+    """cuda | cpu | auto (cuda when available; under torchrun, cuda:LOCAL_RANK)."""
+    dtype: str = "auto"
+    """Activation dtype: bf16 (torch.autocast) | fp32 | auto (bf16 on CUDA, fp32 on a CPU)."""
+    param_dtype: str | None = None
+    """fp32: the parameters are the FP32 master weights AdamW steps, cast at every forward; bf16: BF16 parameters
+    with FP32 masters in the optimizer, copied once per step (Megatron's --bf16): no cast per micro-batch; fp8: as
+    bf16, but TE's FP8 layers hold their weights in FP8 only (TE quantized_model_init, Megatron's
+    --fp8-param-gather). None: bf16 where activations are BF16 in one process on the plain path (measured faster on
+    one H200), else fp32."""
+    compile: bool | None = None
+    """torch.compile each block and the loss. None: on for CUDA (measured faster on one H200), off on a CPU."""
+    sdpa_backend: str | None = None
+    """Attention kernel: auto (torch's choice) | cudnn | flash | efficient. None: cudnn on a Hopper or newer
+    GPU whose torch has cuDNN attention (measured fastest on one H200), else auto."""
+    fp8_grad_check_steps: int = 3
+    """First steps after which FP8 weights whose whole gradient is zero are recorded and warned about (one host
+    sync per checked step); 0 turns the check off."""
+    eval_batches: int = 4
+    """Validation batches evaluated after the last step (0 skips validation)."""
+
+    def validate(self) -> None:
+        _at_least("training.steps", self.steps, 1)
+        _at_least("training.micro_batch", self.micro_batch, 1)
+        _at_least("training.fp8_grad_check_steps", self.fp8_grad_check_steps, 0)
+        _at_least("training.eval_batches", self.eval_batches, 0)
+        _choose("training.device", self.device, DEVICES)
+        _choose("training.dtype", self.dtype, ACTIVATION_DTYPES)
+        if self.param_dtype is not None:
+            _choose("training.param_dtype", self.param_dtype, PARAM_DTYPES)
+        if self.sdpa_backend not in (None, "auto"):
+            from fp8stack.runtime.attention import SDPA_BACKENDS  # torch: imported only when a kernel is pinned
+
+            _choose("training.sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)
+        if self.seq_len is not None and not 2 <= self.seq_len <= MAX_SEQ_LEN:
+            raise ConfigError(f"training.seq_len must be between 2 and {MAX_SEQ_LEN}, got {self.seq_len}")
+        if self.global_batch is not None:
+            _at_least("training.global_batch", self.global_batch, 1)
+            if self.micro_batch is not None and self.global_batch % self.micro_batch:
+                raise ConfigError(f"training.global_batch={self.global_batch} must be a multiple of "
+                                  f"training.micro_batch={self.micro_batch} (times the data-parallel ranks)")
+        if self.param_dtype in ("bf16", "fp8") and self.dtype == "fp32":
+            raise ConfigError(f"training.param_dtype {self.param_dtype} keeps BF16 parameters for BF16 activations: "
+                              "drop --training.dtype fp32 or use --training.param-dtype fp32")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (linear warm-up, cosine decay)."""
+
+    lr: float | None = None
+    """Peak learning rate. None: the model's default for its width (fp8stack.models.training_defaults)."""
+    min_lr: float | None = None
+    """Learning rate at the end of the cosine decay. None: lr / 10."""
+    warmup: int | None = None
+    """Steps of linear warm-up from 0 to lr. None: the model's default for the run's length."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, on matrices only (not norms)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (FP32) to this; 0 disables clipping."""
+
+    def validate(self) -> None:
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if value is not None and not (value == value and abs(value) != float("inf")):
+                raise ConfigError(f"optimizer.{name} must be a finite number, got {value}")
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be positive, got {self.lr}: the schedule scales it")
+        _at_least("optimizer.warmup", self.warmup, 0)
+        _at_least("optimizer.weight_decay", self.weight_decay, 0)
+        _at_least("optimizer.grad_clip", self.grad_clip, 0)
+        if self.min_lr is not None and (self.min_lr < 0 or (self.lr is not None and self.min_lr > self.lr)):
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} must be between 0 and optimizer.lr={self.lr}")
+
+
+@dataclass
+class ParallelismConfig:
+    """How the processes split the model: tensor parallelism, the rest data-parallel FSDP2."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel degree; the remaining ranks shard data and parameters with FSDP2."""
+    fsdp_one_rank: bool = False
+    """Shard with FSDP2 even with one data-parallel rank, so one GPU runs with a sharded run's numerics (the
+    reference a sharded run's loss is compared with)."""
+
+    def validate(self) -> None:
+        _at_least("parallelism.tensor_parallel", self.tensor_parallel, 1)
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    """What the backward recomputes or stores compressed instead of keeping activations."""
+
+    layers: str | None = None
+    """Blocks whose activations are recomputed: 'all', comma-separated indices ('0,2'), or None for none."""
+    modules: tuple[str, ...] = ("block",)
+    """What is recomputed in those blocks: block (all of it) or Megatron's --recompute-modules names (core_attn,
+    attn, mlp, moe, moe_act, shared_experts, layernorm)."""
+    compress: bool = False
+    """Store the BF16 activations autograd saves as FP8 E4M3 with a per-tensor scale (weights, FP32 and FP8 tensors
+    kept). Measured on llama-1b-like: 0.86x memory, +12% loss at 300 steps and slower than BF16: off."""
+
+    def validate(self) -> None:
+        recompute_blocks(self.layers)
+        self.modules = tuple(self.modules)
+        if self.modules == ("block",):
+            return
+        if self.layers is None:
+            raise ConfigError(f"activation_checkpoint.modules {list(self.modules)} need layers: pass "
+                              "--activation-checkpoint.layers all (or --recompute-granularity selective)")
+        from fp8stack.runtime.recompute import RECOMPUTE_MODULES  # torch: imported only when regions are named
+
+        unknown = [name for name in self.modules if name not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(f"unknown activation_checkpoint.modules {', '.join(unknown)}: use "
+                              f"{', '.join(RECOMPUTE_MODULES)}")
+
+
+@dataclass
+class DataConfig:
+    """The text the model trains on."""
+
+    source: str = "stdlib"
+    """stdlib: the interpreter's standard-library sources; python: those, then site-packages' (several times the
+    text, so long loss runs stay under one pass)."""
+    max_bytes: int = DEFAULT_MAX_BYTES
+    """Read at most this much source text (both splits)."""
+    factory: str | None = None
+    """'module:function' returning your own batches instead of source text (fp8stack.train.user_code)."""
+
+    def validate(self) -> None:
+        _choose("data.source", self.source, DATA_SOURCES)
+        _at_least("data.max_bytes", self.max_bytes, 1)
+        if self.factory is not None and ":" not in self.factory:
+            raise ConfigError(f"data.factory {self.factory!r}: write it as module:function or path/to/file.py:function")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming (torch.distributed.checkpoint, JSON metadata)."""
+
+    dir: str | None = None
+    """Folder for checkpoints (step-<N>); None saves none."""
+    interval: int = 0
+    """Save every this many steps (and after the last); 0 saves only after the last step."""
+    resume: str | None = None
+    """'latest' (newest under dir) or a checkpoint folder to continue from; None starts fresh."""
+    trust: bool = False
+    """Let TransformerEngine unpickle the resumed checkpoint's FP8 scaling state (delayed scaling keeps it as a
+    pickle, which can run code): only for a checkpoint you wrote. Without it such a resume is refused."""
+    resume_despite_changes: bool = False
+    """Resume a checkpoint saved under other settings (recipe, model, layout, batch, sequence length, plan): refused
+    by default, naming what changed."""
+
+    def validate(self) -> None:
+        _at_least("checkpoint.interval", self.interval, 0)
+        if self.resume == "latest" and not self.dir:
+            raise ConfigError("checkpoint.resume latest needs checkpoint.dir: pass --save DIR (or --load a checkpoint)")
+
+
+@dataclass
+class LoggingConfig:
+    """What the run writes while it trains."""
+
+    dir: str | None = None
+    """Folder for train.jsonl and TensorBoard scalars; None writes nothing to disk."""
+    interval: int = 10
+    """Steps between plain log lines when no progress bar is shown (not a terminal)."""
+    progress: bool = True
+    """A rich progress bar on a terminal, log lines otherwise; False prints neither."""
+    fp8_stats_interval: int = 0
+    """Every this many steps, each FP8 layer's amax, scale, saturated and flushed-to-zero counts to TensorBoard under
+    fp8/ (needs dir); 0 writes none."""
+    profile_collectives: int = 0
+    """Count the collectives and their bytes over this many steps after the first; 0 counts none."""
+
+    def validate(self) -> None:
+        _at_least("logging.interval", self.interval, 1)
+        _at_least("logging.fp8_stats_interval", self.fp8_stats_interval, 0)
+        _at_least("logging.profile_collectives", self.profile_collectives, 0)
+        if self.fp8_stats_interval and not self.dir:
+            raise ConfigError("logging.fp8_stats_interval writes to TensorBoard: pass --tensorboard-dir DIR or drop it")
+
+
+@dataclass
+class JobConfig:
+    """One training run: every section, validated on construction."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PolicyConfig = field(default_factory=lambda: PolicyConfig(recipe="bf16", blockwise_experts="auto"))
+    te: TEConfig = field(default_factory=TEConfig)
+    torchao: TorchaoConfig = field(default_factory=TorchaoConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        for section in fields(self):
+            value = getattr(self, section.name)
+            if hasattr(value, "validate"):
+                value.validate()
+        self.validate()
+
+    def validate(self) -> None:
+        """Rules across sections; the recipe's properties come from the plan."""
+        recipe = self.precision.recipe
+        if self.te.delayed_margin and not (is_fp8(recipe) and get_recipe(recipe).scales_from_history):
+            raise ConfigError(f"te.delayed_margin sets the headroom of scales taken from an amax history, and recipe "
+                              f"{recipe} does not take them so: drop --fp8-margin or use --fp8-recipe delayed")
+        if self.te.blockwise_gemms != "te" and not (is_fp8(recipe) and get_recipe(recipe).block_scaled_on_te):
+            raise ConfigError(f"te.blockwise_gemms={self.te.blockwise_gemms} moves TE's block-scaled GEMMs, and recipe "
+                              f"{recipe} has none: use --fp8-recipe blockwise or drop --te.blockwise-gemms")
+        if self.model.impl == "torch" and self.te.gradient_accumulation_fusion and (
+                self.parallelism.fsdp_one_rank or self.parallelism.tensor_parallel > 1):
+            raise ConfigError("te.gradient_accumulation_fusion on the plain model keeps FP32 main_grad buffers that "
+                              "neither FSDP nor tensor parallelism reduce: drop --parallelism.fsdp-one-rank and "
+                              "--tensor-model-parallel-size, or use --model.impl megatron")
+        if self.training.param_dtype in ("bf16", "fp8") and (
+                self.parallelism.fsdp_one_rank or self.parallelism.tensor_parallel > 1):
+            raise ConfigError(f"training.param_dtype {self.training.param_dtype} keeps FP32 masters of one process's "
+                              "BF16 parameters; FSDP2's mixed-precision policy casts its own: drop "
+                              "--parallelism.fsdp-one-rank and --tensor-model-parallel-size, or use "
+                              "--training.param-dtype fp32")
+        if self.torchao.fsdp_float8_all_gather and not (is_fp8(recipe) and get_recipe(recipe).gathers_in_fp8):
+            raise ConfigError(f"torchao.fsdp_float8_all_gather gathers tensorwise-scaled weights, and recipe {recipe} "
+                              "is not: use --fp8-recipe tensorwise or drop it")
+        if self.model.impl == "megatron":
+            _check_megatron(self)
+
+
+MEGATRON_MODELS = ("tiny", "llama-1b-like")
+"""Models the Megatron path builds (dense; the MoE model is not mapped to megatron's MoE)."""
+
+
+def _check_megatron(job: JobConfig) -> None:
+    """The options the Megatron path (fp8stack.train.megatron_model) honours; each refusal names the fix."""
+    if importlib.util.find_spec("megatron") is None:
+        raise ConfigError("--model.impl megatron needs megatron-core, which is not installed: "
+                          "pip install 'fp8stack[megatron]' (Python >= 3.12)")
+    plain_only = {"training.compile": (job.training.compile, "torch.compile of the blocks"),
+                  "activation_checkpoint.layers": (job.activation_checkpoint.layers, "fp8stack's recompute"),
+                  "parallelism.fsdp_one_rank": (job.parallelism.fsdp_one_rank, "FSDP2"),
+                  "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),
+                  "training.param_dtype": (job.training.param_dtype not in (None, "fp32"),
+                                           "fp8stack's FP32 masters of BF16 parameters (megatron's own are not "
+                                           "wired here)"),
+                  "training.sdpa_backend": (job.training.sdpa_backend not in (None, "auto"),
+                                            "torch SDPA kernels (megatron's attention is TE's DotProductAttention)")}
+    given = [f"{name} ({what})" for name, (value, what) in plain_only.items() if value]
+    if given:
+        raise ConfigError(f"--model.impl megatron does not take {', '.join(given)}: drop those options or use "
+                          "--model.impl torch")
+    if not job.model.fused_projections:
+        raise ConfigError("model.fused_projections false shapes the plain Llama; megatron's GPTModel always fuses "
+                          "q/k/v and gate/up and shards them itself: drop it with --model.impl megatron")
+    if job.model.name not in MEGATRON_MODELS:
+        raise ConfigError(f"--model.impl megatron builds {', '.join(MEGATRON_MODELS)}, not {job.model.name!r}: pick "
+                          "one of those or use --model.impl torch")
+    recipe = job.precision.recipe
+    if is_fp8(recipe) and recipe not in MEGATRON_RECIPES:
+        raise ConfigError(f"recipe {recipe!r} is a torchao recipe; megatron-core runs FP8 through TransformerEngine: "
+                          f"use one of {', '.join(MEGATRON_RECIPES)} or --model.impl torch")
+    if job.precision.backend == "torchao":
+        raise ConfigError("--backend torchao: megatron-core's linears are TransformerEngine modules; use --backend te "
+                          "(or auto) with --model.impl megatron")
+    if job.precision.small_gemm_filter not in ("auto", "off"):
+        raise ConfigError(f"precision.small_gemm_filter={job.precision.small_gemm_filter!r}: megatron converts every "
+                          "TE linear whatever its size; leave it at auto (or off)")
+    saves = job.checkpoint.dir or job.checkpoint.resume
+    if job.te.gradient_accumulation_fusion and saves:
+        raise ConfigError("checkpoints of a model in megatron's DistributedDataParallel (te.gradient_accumulation_"
+                          "fusion) are not supported yet: drop --save/--load or --no-gradient-accumulation-fusion")
+    if job.parallelism.tensor_parallel > 1 and saves:
+        raise ConfigError("checkpoints of a tensor-parallel Megatron model are not supported: the trainer's "
+                          "checkpoints see megatron's shards as plain tensors and would keep one rank's; drop "
+                          "--save/--load or use --tensor-model-parallel-size 1")
+
+
+def recompute_blocks(spec: str | None) -> list[int] | str | None:
+    """'all' | '0,2' | None -> what assemble(recompute=...) takes."""
+    if spec is None or spec == "all":
+        return spec
+    try:
+        return [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"activation_checkpoint.layers={spec!r}: write 'all' or block indices like '0,2'") from None
+
+
+def _choose(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} {value!r}: use {', '.join(map(str, allowed))}")
+
+
+def _at_least(name: str, value, low) -> None:
+    if value is not None and value < low:
+        raise ConfigError(f"{name} must be at least {low}, got {value}")

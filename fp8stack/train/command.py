@@ -1,0 +1,66 @@
+"""`fp8stack train` (also `python -m fp8stack.train`; launch/train.sh wraps it in torchrun).
+
+Options are the configuration tree's (fp8stack.config): `--config FILE|PRESET` first, then `--section.field` flags
+and their Megatron-style aliases. Mistakes in the input end with exit code 2 and one line
+'fp8stack train: error: <problem and fix>', before any model is built; a NaN or infinite loss or gradient norm with
+exit code 1 and one line naming the first non-finite layer and the file pinning the step; SIGTERM or SIGINT with a
+final checkpoint, one line and exit code 128 + the signal's number.
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from fp8stack.config import ConfigError, add_config_arguments, job_from_args
+from fp8stack.config.flags import add_megatron_recompute_arguments
+from fp8stack.plan import PlanError
+
+USAGE_ERROR = 2
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every configuration option, Megatron's recompute flags and --result-json."""
+    add_config_arguments(parser)
+    add_megatron_recompute_arguments(parser)
+    parser.add_argument("--result-json", metavar="PATH", help="write the TrainResult here (rank 0)")
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """The `train` subcommand; it runs run_train(args)."""
+    parser = subparsers.add_parser("train", help="train a model under a precision plan",
+                                   description=__doc__.split("\n\n")[0], usage="%(prog)s [options]")
+    add_train_arguments(parser)
+    parser.set_defaults(run=run_train)
+    return parser
+
+
+def run_train(args: argparse.Namespace, prog: str = "fp8stack train") -> int:
+    """Train; the exit code (see the module docstring)."""
+    from fp8stack.assembly import OrderingError
+    from fp8stack.backends import BackendUnavailable
+    from fp8stack.runtime.numerics import NonFiniteLossError
+    from fp8stack.train.checkpoint import CheckpointError
+    from fp8stack.train.loop import train
+    from fp8stack.train.preflight import check_output_file
+    from fp8stack.train.stop import TrainingStopped
+
+    try:
+        job = job_from_args(args)
+        if args.result_json:
+            check_output_file(args.result_json, "--result-json")
+        result = train(job)
+    except (PlanError, ConfigError, CheckpointError, BackendUnavailable, OrderingError, NotImplementedError) as err:
+        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return USAGE_ERROR
+    except NonFiniteLossError as err:
+        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    except TrainingStopped as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 128 + err.signal_number
+    if args.result_json and os.environ.get("RANK", "0") == "0":
+        Path(args.result_json).write_text(json.dumps(asdict(result)) + "\n")
+    return 0

@@ -1,0 +1,50 @@
+"""Batch and learning-rate defaults per model size, for the fields a JobConfig leaves None."""
+
+from dataclasses import dataclass
+
+from fp8stack.models import LlamaConfig
+
+LARGE_MODEL_PARAMS = 100e6
+"""Above this many parameters a model trains in micro-batches of 2 with 8 of them per step (16 sequences on one
+GPU: measured fastest for llama-1b-like on one H200); below it in one micro-batch of 8 sequences."""
+ACCUMULATED_MICRO_BATCHES = 8
+"""Micro-batches per optimizer step and data-parallel rank of a large model."""
+
+
+@dataclass(frozen=True)
+class TrainingDefaults:
+    """What a run of a model takes where its configuration says nothing."""
+
+    lr: float
+    """Peak learning rate."""
+    warmup: int
+    """Linear warm-up steps."""
+    micro_batch: int
+    """Sequences per forward/backward pass."""
+    global_batch: int | None
+    """Sequences per optimizer step over all data-parallel ranks; None: one micro-batch."""
+
+
+def training_defaults(shape: LlamaConfig | None, steps: int, dp_size: int) -> TrainingDefaults:
+    """The defaults for a model of `shape` trained `steps` steps on `dp_size` data-parallel ranks (shape None: a
+    user's own model, taken as small)."""
+    large = shape is not None and parameter_count(shape) > LARGE_MODEL_PARAMS
+    micro_batch = 2 if large else 8
+    return TrainingDefaults(lr=2e-3, warmup=4, micro_batch=micro_batch,
+                            global_batch=micro_batch * ACCUMULATED_MICRO_BATCHES * dp_size if large else None)
+
+
+def parameter_count(shape: LlamaConfig) -> int:
+    """Parameters of a Llama of this shape (embedding and untied head included; MoE layers count every expert)."""
+    kv = shape.n_kv_heads * shape.head_dim
+    attention = shape.dim * (2 * shape.dim + 2 * kv)
+    dense_mlp = 3 * shape.dim * shape.ffn_dim
+    per_layer = []
+    for layer in range(shape.n_layers):
+        if shape.is_moe_layer(layer):
+            moe = shape.moe
+            mlp = 3 * shape.dim * (moe.expert_ffn_dim * moe.num_experts + moe.shared_ffn_dim) + shape.dim * moe.num_experts
+        else:
+            mlp = dense_mlp
+        per_layer.append(attention + mlp + 2 * shape.dim)
+    return sum(per_layer) + 2 * shape.vocab_size * shape.dim + shape.dim

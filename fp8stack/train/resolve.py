@@ -1,0 +1,86 @@
+"""The fields a JobConfig leaves None (or auto), chosen for this machine and this model before anything is built:
+the measured best where the hardware and stack support it. A run records the resolved configuration, so its
+evidence says what ran, and resolving a resolved configuration changes nothing.
+"""
+
+from dataclasses import replace
+
+import torch
+
+from fp8stack.backends import get_backend
+from fp8stack.config import ConfigError, JobConfig
+from fp8stack.models import LlamaConfig
+from fp8stack.train.defaults import training_defaults
+
+CPU_ARCH = 90
+"""On a CPU the plan targets Hopper: torch's CPU scaled GEMMs emulate its FP8 recipes."""
+CUDNN_ATTENTION_MIN_ARCH = 90
+"""cuDNN's fused attention is a Hopper kernel (wgmma, TMA); measured fastest on one H200."""
+AUTO_BLOCKWISE_EXPERTS_ON_TE = "auto, where TE runs blockwise FP8: measured faster than grouped_fp8 on one H200"
+"""Why auto puts blockwise experts on TE GroupedLinear (the plan's reason says it)."""
+
+
+def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobConfig:
+    """`job` with device, dtypes, batch, optimizer, kernels and levers chosen: `shape` is the model's (None for
+    a model from model.factory, whose size is unknown until built)."""
+    device = _device(job.training.device)
+    on_gpu = device == "cuda"
+    arch = _arch() if on_gpu else CPU_ARCH
+    training, precision = job.training, job.precision
+    dtype = training.dtype if training.dtype != "auto" else ("bf16" if on_gpu else "fp32")
+    plain_one_process = (job.model.impl == "torch" and world_size == 1 and not job.parallelism.fsdp_one_rank
+                         and job.parallelism.tensor_parallel == 1)
+    defaults = training_defaults(shape, training.steps, world_size // job.parallelism.tensor_parallel)
+    micro_batch = training.micro_batch or defaults.micro_batch
+    global_batch = training.global_batch
+    if global_batch is None and training.micro_batch is None:
+        global_batch = defaults.global_batch
+    training = replace(
+        training, device=device, dtype=dtype, micro_batch=micro_batch, global_batch=global_batch,
+        seq_len=training.seq_len or (shape.seq_len if shape else None),
+        param_dtype=training.param_dtype or ("bf16" if dtype == "bf16" and plain_one_process else "fp32"),
+        compile=training.compile if training.compile is not None else on_gpu and job.model.impl == "torch",
+        sdpa_backend=training.sdpa_backend or _sdpa_backend(on_gpu, arch, job.model.impl))
+    lr = job.optimizer.lr or defaults.lr
+    optimizer = replace(job.optimizer, lr=lr,
+                        warmup=job.optimizer.warmup if job.optimizer.warmup is not None else defaults.warmup,
+                        min_lr=job.optimizer.min_lr if job.optimizer.min_lr is not None else lr / 10)
+    precision = replace(precision, arch=arch,
+                        small_gemm_filter="off" if not on_gpu and precision.small_gemm_filter == "auto"
+                        else precision.small_gemm_filter,
+                        **_blockwise_experts(precision.blockwise_experts, on_gpu))
+    return replace(job, training=training, optimizer=optimizer, precision=precision)
+
+
+def wgrad_fusion(job: JobConfig, plan_has_te_layers: bool, world_size: int) -> bool:
+    """te.gradient_accumulation_fusion for this run: as asked, or (None) wherever the plan has TE layers and the run
+    can keep FP32 main_grad buffers (megatron's DDP keeps its own; the plain path one process's)."""
+    if job.te.gradient_accumulation_fusion is not None:
+        return job.te.gradient_accumulation_fusion
+    if job.model.impl == "megatron":
+        return not (job.checkpoint.dir or job.checkpoint.resume)
+    return plan_has_te_layers and world_size == 1 and not job.parallelism.fsdp_one_rank
+
+
+def _device(asked: str) -> str:
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device cuda requested but torch sees no CUDA GPU: pass --device cpu")
+    return asked if asked != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _arch() -> int:
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+def _sdpa_backend(on_gpu: bool, arch: int, impl: str) -> str:
+    cudnn = on_gpu and impl == "torch" and arch >= CUDNN_ATTENTION_MIN_ARCH and torch.backends.cudnn.is_available()
+    return "cudnn" if cudnn else "auto"
+
+
+def _blockwise_experts(choice: str, on_gpu: bool) -> dict[str, str]:
+    if choice != "auto":
+        return {}
+    if on_gpu and get_backend("te").available(["blockwise"])[0]:
+        return {"blockwise_experts": "te", "blockwise_experts_why": AUTO_BLOCKWISE_EXPERTS_ON_TE}
+    return {"blockwise_experts": "grouped_fp8"}
