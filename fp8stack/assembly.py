@@ -34,7 +34,7 @@ from fp8stack.backends import (Backend, BackendUnavailable, ConversionRecord, av
                                 get_backend)
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.parallel import SHARD_KINDS, ShardAs, TensorParallelPlan
-from fp8stack.plan.recipes import BF16
+from fp8stack.plan.recipes import BF16, get_recipe
 from fp8stack.runtime.attention import set_sdpa_backend
 from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, recompute_regions,
                                         recomputes_itself)
@@ -198,7 +198,7 @@ def _check_fp8_all_gather_recipes(plan: Plan) -> None:
         raise OrderingError("fsdp_float8_all_gather=True but the plan has no torchao Float8Linear layers to gather "
                             "in FP8: plan some layers for torchao tensorwise (--backend torchao "
                             "--fp8-recipe tensorwise), or turn fsdp_float8_all_gather off")
-    other = sorted({d.recipe for d in torchao if d.recipe != "tensorwise"})
+    other = sorted({d.recipe for d in torchao if not get_recipe(d.recipe).gathers_in_fp8})
     if other:
         raise OrderingError(f"fsdp_float8_all_gather=True needs tensorwise weight scales, but the plan has torchao "
                             f"layers with {', '.join(other)}: use --fp8-recipe tensorwise, or turn "

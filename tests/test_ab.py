@@ -296,7 +296,7 @@ def test_blockwise_runs_once_per_gemm_library():
     add_ab_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["ab", "--model", "tiny", "--recipes", "bf16,delayed,blockwise", "--backend", "te",
                               "--blockwise-gemms", "te,deepgemm", "--fastest-bf16"])
-    configs = arm_configs(args, ["bf16", "delayed", "blockwise"], {"model": "tiny", "steps": 4})
+    configs = arm_configs(args, ["bf16", "delayed", "blockwise"], {"model.name": "tiny", "steps": 4})
     assert {name: (cfg.recipe, cfg.blockwise_gemms) for name, cfg in configs.items()} == {
         "bf16": ("bf16", "te"), "bf16 on te": ("bf16", "te"), "delayed": ("delayed", "te"),
         "blockwise": ("blockwise", "te"), "blockwise on deepgemm": ("blockwise", "deepgemm")}
@@ -313,7 +313,7 @@ def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_refe
     add_ab_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["ab", "--recipes", "bf16,delayed", "--backend", "te", "--fastest-bf16",
                               "--param-dtypes", "fp32,bf16", "--dtype", "bf16"])
-    configs = arm_configs(args, ["bf16", "delayed"], {"model": "tiny", "steps": 4, "dtype": "bf16"})
+    configs = arm_configs(args, ["bf16", "delayed"], {"model.name": "tiny", "steps": 4, "dtype": "bf16"})
     assert {name: (cfg.recipe, cfg.backend, cfg.param_dtype) for name, cfg in configs.items()} == {
         "bf16": ("bf16", "auto", "fp32"), "bf16, bf16 params": ("bf16", "auto", "bf16"),
         "bf16 on te": ("bf16", "te", "fp32"), "bf16 on te, bf16 params": ("bf16", "te", "bf16"),
@@ -344,7 +344,7 @@ def test_fp8_parameters_are_an_arm_of_each_fp8_recipe_only():
     add_ab_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["ab", "--recipes", "bf16,delayed", "--backend", "te", "--fastest-bf16",
                               "--param-dtypes", "bf16,fp8", "--dtype", "bf16"])
-    configs = arm_configs(args, ["bf16", "delayed"], {"model": "tiny", "steps": 4, "dtype": "bf16"})
+    configs = arm_configs(args, ["bf16", "delayed"], {"model.name": "tiny", "steps": 4, "dtype": "bf16"})
     assert {name: (cfg.recipe, cfg.param_dtype) for name, cfg in configs.items()} == {
         "bf16, bf16 params": ("bf16", "bf16"), "bf16 on te, bf16 params": ("bf16", "bf16"),
         "delayed, bf16 params": ("delayed", "bf16"), "delayed, fp8 params": ("delayed", "fp8")}

@@ -14,8 +14,8 @@ from fp8stack.ab import run as ab_run
 from fp8stack.bench.evidence import EvidenceError, claim_evidence, write_evidence
 from fp8stack.plan import Override, PlanError, PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.train import loop
-from fp8stack.train.__main__ import main as train_main
-from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.train.command import main as train_main
+from fp8stack.config import ConfigError, from_overrides
 
 FAST = ["--device", "cpu", "--no-progress", "--train-iters", "2", "--micro-batch-size", "2", "--seq-length", "64",
         "--max-data-bytes", str(1 << 20), "--eval-iters", "0", "--tensorboard-dir", "{tmp}/log", "--save", "{tmp}/ckpt",
@@ -209,11 +209,11 @@ def test_plan_refuses_bad_input_quickly(workspace, capsys, argv, message):
 
 
 API_BAD = [
-    (dict(steps="10"), "steps must be an integer, got '10'"),
+    ({"training.steps": "10"}, "steps must be an integer, got '10'"),
     (dict(compile=1), "compile must be true or false, got 1"),
     (dict(lr=float("inf")), "lr must be a finite number"),
     (dict(grad_clip=float("nan")), "grad_clip must be a finite number"),
-    (dict(seq_len=1 << 20), "seq_len must be between 2 and 131072"),
+    ({"training.seq_len": 1 << 20}, "seq_len must be between 2 and 131072"),
     (dict(recompute_modules="mlp"), "recompute_modules must be a list of names"),
     (dict(resume=7), "resume must be a string or null, got 7"),
     (dict(eval_batches=-3), "eval_batches must be non-negative"),
@@ -222,8 +222,8 @@ API_BAD = [
 
 @pytest.mark.parametrize("fields, message", API_BAD, ids=[m[:30] for _, m in API_BAD])
 def test_train_config_refuses_bad_values_by_name(fields, message):
-    with pytest.raises(TrainConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        TrainConfig(**fields)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        from_overrides({**fields})
 
 
 def test_evidence_is_not_replaced_without_being_asked(tmp_path):

@@ -13,7 +13,7 @@ from torch import nn
 
 from fp8stack.runtime.numerics import load_pin, pin_step, rng_states
 from fp8stack.train import checkpoint
-from fp8stack.train.__main__ import main as train_main
+from fp8stack.train.command import main as train_main
 from fp8stack.train.checkpoint import CheckpointDamagedError, CheckpointMismatchError
 
 CKPT_RUN = ["--device", "cpu", "--no-progress", "--fp8-recipe", "tensorwise", "--micro-batch-size", "2",
@@ -143,9 +143,9 @@ def test_the_api_names_damage_and_mismatch_by_type(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters())
         return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
-    path = checkpoint.save(tmp_path, 1, *parts(nn.Linear(4, 4)), data_position=1, run={"recipe": "bf16"})
+    path = checkpoint.save(tmp_path, 1, *parts(nn.Linear(4, 4)), data_position=1, run={"precision.recipe": "bf16"})
     with pytest.raises(CheckpointMismatchError, match=r"recipe: \"bf16\" -> \"tensorwise\""):
-        checkpoint.load(path, *parts(nn.Linear(4, 4)), run={"recipe": "tensorwise"})
+        checkpoint.load(path, *parts(nn.Linear(4, 4)), run={"precision.recipe": "tensorwise"})
     (path / "rank0.pt").write_bytes(b"\x00" * 64)
     with pytest.raises(CheckpointDamagedError, match="rank0.pt is damaged"):
         checkpoint.load(path, *parts(nn.Linear(4, 4)))

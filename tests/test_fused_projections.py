@@ -11,8 +11,8 @@ from fp8stack.models import Llama, LlamaConfig
 from fp8stack.models.llama import Attention, rope_table
 from fp8stack.plan import ModelDescription, PolicyConfig, load_description, make_plan
 from fp8stack.plan.from_module import describe_module
-from fp8stack.train.__main__ import build_parser, config_from_args
-from fp8stack.train.config import TrainConfig
+from fp8stack.train.command import job_from_flags
+from fp8stack.config import JobConfig, from_overrides
 from fp8stack.train.loop import build_model
 
 MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe}
@@ -112,8 +112,8 @@ def test_trainer_flag_builds_unfused_projections():
     parse = build_parser().parse_args
     assert config_from_args(parse([])).fused_projections is True
     cfg = config_from_args(parse(["--no-fused-projections", "--tensor-model-parallel-size", "2"]))
-    assert cfg == TrainConfig(fused_projections=False, tensor_parallel=2)
+    assert cfg == from_overrides({"model.fused_projections": False, "parallelism.tensor_parallel": 2})
     assert config_from_args(parse(["--fused-projections"])).fused_projections is True
-    attention = build_model(replace(cfg, seq_len=16), torch.device("cpu")).layers[0].attention
+    attention = build_model(from_overrides({"training.seq_len": 16}, cfg), torch.device("cpu")).layers[0].attention
     assert hasattr(attention, "wq") and not hasattr(attention, "wqkv")
 

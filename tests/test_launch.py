@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8stack.train.__main__ import build_parser, config_from_args
+from fp8stack.train.command import job_from_flags
 from fp8stack.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_train_sh_tensor_parallel_matches_one_process(tmp_path):
     assert done.returncode == 0, workers_output(done.stderr)
     tp = json.loads((tmp_path / "tp.json").read_text())
     assert tp["world_size"] == 2 and tp["config"]["tensor_parallel"] == 2
-    one = train(config_from_args(build_parser().parse_args([*flags, "--no-progress"])))
+    one = train(job_from_flags(([*flags, "--no-progress"])))
     assert len(tp["losses"]) == len(one.losses) == 3
     for step, (a, b) in enumerate(zip(one.losses, tp["losses"])):
         assert abs(a - b) <= TP_LOSS_RTOL * abs(a), f"step {step}: 1 process {a:.6f} vs TP=2 {b:.6f}"

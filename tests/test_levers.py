@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from fp8stack.ab import speed_levers
 from fp8stack.ab.run import _add_arguments as add_ab_arguments
 from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
-from fp8stack.train.__main__ import build_parser, config_from_args
-from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.train.command import job_from_flags
+from fp8stack.config import ConfigError, from_overrides
 from fp8stack.train.loop import train
 
 
@@ -48,8 +48,8 @@ def test_trainer_flags_reach_the_config():
     cfg = config_from_args(args)
     assert (cfg.sdpa_backend, cfg.fuse_norm, cfg.fuse_mlp) == ("cudnn", True, True)
     assert set(SDPA_BACKENDS) >= {"auto", "cudnn", "flash"}
-    with pytest.raises(TrainConfigError, match="unknown sdpa_backend"):
-        TrainConfig(sdpa_backend="fa3")
+    with pytest.raises(ConfigError, match="unknown sdpa_backend"):
+        from_overrides({"training.sdpa_backend": "fa3"})
 
 
 @pytest.mark.parametrize("options, match", [
@@ -58,8 +58,8 @@ def test_trainer_flags_reach_the_config():
     ({"fuse_mlp": True}, "LayerNormMLP modules, but the plan .* has no TE layers.*--fuse-mlp"),
 ])
 def test_trainer_refuses_levers_that_cannot_apply(options, match):
-    with pytest.raises(TrainConfigError, match=match):
-        train(TrainConfig(model="tiny", device="cpu", steps=1, eval_batches=0, progress=False, **options))
+    with pytest.raises(ConfigError, match=match):
+        train(from_overrides({"model.name": "tiny", "training.device": "cpu", "training.steps": 1, "training.eval_batches": 0, "logging.progress": False, **options}))
 
 
 def test_ab_passes_the_levers_on():

@@ -1,18 +1,18 @@
-"""BF16 parameters with FP32 master weights (TrainConfig.param_dtype = "bf16") on a CPU; the TE path is a GPU test
+"""BF16 parameters with FP32 master weights (training.param_dtype = "bf16") on a CPU; the TE path is a GPU test
 (tests/gpu/test_master_weights_gpu.py)."""
 
 import pytest
 import torch
 
-from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.config import ConfigError, from_overrides
 from fp8stack.train.loop import session, train
 
-FAST = dict(micro_batch=2, seq_len=64, eval_batches=0, max_data_bytes=1 << 20, progress=False, dtype="bf16")
+FAST = {"training.micro_batch": 2, "training.seq_len": 64, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False, "training.dtype": "bf16"}
 """A tiny-model run in BF16 activations, a fraction of a second per step on 2 cores."""
 
 
 def test_the_optimizer_steps_fp32_masters_and_the_model_holds_their_bf16_copies():
-    with session(TrainConfig(**FAST, param_dtype="bf16", steps=2, warmup=1)) as run:
+    with session(from_overrides({**FAST, "training.param_dtype": "bf16", "training.steps": 2, "optimizer.warmup": 1})) as run:
         masters = run.masters
         names = [name for name, _ in run.model.named_parameters()]
         assert [name for name, _ in masters.module.named_parameters()] == names  # what a checkpoint saves
@@ -33,7 +33,7 @@ def test_the_optimizer_steps_fp32_masters_and_the_model_holds_their_bf16_copies(
 def test_micro_batch_gradients_add_up_in_fp32():
     """Each micro-batch's BF16 gradient is added into the FP32 main_grad as it arrives: two micro-batches
     leave the FP32 sum of their gradients, where BF16 accumulation would round each partial sum to BF16."""
-    with session(TrainConfig(**FAST, param_dtype="bf16", steps=1, global_batch=4)) as run:
+    with session(from_overrides({**FAST, "training.param_dtype": "bf16", "training.steps": 1, "training.global_batch": 4})) as run:
         tokens, targets = next(iter(run.data))
         halves = list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
 
@@ -56,7 +56,7 @@ def test_bf16_parameters_compute_what_fp32_ones_under_autocast_do():
     """Without FP8, autocast's per-forward BF16 casts of FP32 parameters are the BF16 parameters, and both paths add
     BF16 weight gradients in FP32 (the embedding's rows too): the runs agree to FP32 summation order."""
     settings = dict(FAST, recipe="bf16", steps=5, warmup=1, global_batch=4)
-    fp32, bf16 = (train(TrainConfig(**settings, param_dtype=dtype)) for dtype in ("fp32", "bf16"))
+    fp32, bf16 = (train(from_overrides({**settings, "training.param_dtype": dtype})) for dtype in ("fp32", "bf16"))
     assert bf16.losses[-1] < bf16.losses[0]
     assert bf16.losses == pytest.approx(fp32.losses, rel=1e-5)
     assert bf16.grad_norms == pytest.approx(fp32.grad_norms, rel=1e-5)
@@ -65,35 +65,35 @@ def test_bf16_parameters_compute_what_fp32_ones_under_autocast_do():
 def test_bf16_parameters_train_as_fp32_ones_to_rounding_in_fp8():
     """FP8 casts of BF16 parameters round twice where FP32 ones round once: close, not equal."""
     settings = dict(FAST, recipe="tensorwise", steps=5, warmup=1, global_batch=4)
-    fp32, bf16 = (train(TrainConfig(**settings, param_dtype=dtype)) for dtype in ("fp32", "bf16"))
+    fp32, bf16 = (train(from_overrides({**settings, "training.param_dtype": dtype})) for dtype in ("fp32", "bf16"))
     assert bf16.losses[-1] < bf16.losses[0]
     assert bf16.losses != fp32.losses and bf16.losses == pytest.approx(fp32.losses, rel=2e-2)
     assert bf16.grad_norms == pytest.approx(fp32.grad_norms, rel=5e-2)
 
 
 def test_bf16_parameters_refuse_what_they_cannot_serve():
-    with pytest.raises(TrainConfigError, match="unknown param_dtype 'fp16'"):
-        TrainConfig(param_dtype="fp16")
+    with pytest.raises(ConfigError, match="unknown param_dtype 'fp16'"):
+        from_overrides({"training.param_dtype": "fp16"})
     for refused in ({"fsdp_one_rank": True}, {"dtype": "fp32"}):
-        with pytest.raises(TrainConfigError, match="drop --fsdp-one-rank"):
-            TrainConfig(param_dtype="bf16", **refused)
-    with pytest.raises(TrainConfigError, match="use --model-impl torch"):
-        TrainConfig(param_dtype="bf16", model_impl="megatron", model="llama-1b-like", dtype="bf16")
-    with pytest.raises(TrainConfigError, match="pass --dtype bf16"), session(
-            TrainConfig(**{**FAST, "dtype": "auto"}, device="cpu", param_dtype="bf16", steps=1)):
+        with pytest.raises(ConfigError, match="drop --fsdp-one-rank"):
+            from_overrides({"training.param_dtype": "bf16", **refused})
+    with pytest.raises(ConfigError, match="use --model-impl torch"):
+        from_overrides({"training.param_dtype": "bf16", "model.impl": "megatron", "model.name": "llama-1b-like", "training.dtype": "bf16"})
+    with pytest.raises(ConfigError, match="pass --dtype bf16"), session(
+            from_overrides({**{**FAST, "training.dtype": "auto"}, "training.device": "cpu", "training.param_dtype": "bf16", "training.steps": 1})):
         pass
 
 
 @pytest.mark.parametrize(("settings", "why"), [
-    ({"recipe": "bf16"}, "has no FP8 layer"),
-    ({"recipe": "tensorwise", "backend": "torchao"}, "in FP8 on torchao"),
+    ({"precision.recipe": "bf16"}, "has no FP8 layer"),
+    ({"precision.recipe": "tensorwise", "backend": "torchao"}, "in FP8 on torchao"),
 ])
 def test_fp8_parameters_need_every_fp8_layer_on_te(settings, why):
     """param_dtype fp8 holds TE's FP8 weights in FP8 only (the TE path is a GPU test): a plan without FP8 layers, or
     with FP8 layers on another backend, is refused by name before anything is built."""
-    with pytest.raises(TrainConfigError, match=f"param_dtype fp8 .*{why}.*--param-dtype bf16"), session(
-            TrainConfig(**FAST, **settings, param_dtype="fp8", steps=1)):
+    with pytest.raises(ConfigError, match=f"param_dtype fp8 .*{why}.*--param-dtype bf16"), session(
+            from_overrides({**FAST, **settings, "training.param_dtype": "fp8", "training.steps": 1})):
         pass
     for refused in ({"fsdp_one_rank": True}, {"dtype": "fp32"}):
-        with pytest.raises(TrainConfigError, match="param_dtype fp8 keeps FP32 masters.*drop --fsdp-one-rank"):
-            TrainConfig(param_dtype="fp8", **refused)
+        with pytest.raises(ConfigError, match="param_dtype fp8 keeps FP32 masters.*drop --fsdp-one-rank"):
+            from_overrides({"training.param_dtype": "fp8", **refused})

@@ -7,13 +7,13 @@ import torch
 
 from fp8stack.bench import multigpu_tp
 from fp8stack.bench.multigpu import LOSS_RTOL, Run, compare_losses, render, run_record
-from fp8stack.train.__main__ import build_parser, config_from_args
+from fp8stack.train.command import job_from_flags
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("arm", multigpu_tp.ARMS, ids=lambda arm: arm.name)
 def test_every_arms_flags_make_a_valid_train_config(arm, tp):
-    cfg = config_from_args(build_parser().parse_args(multigpu_tp.train_flags(arm, tp, 20)))
+    cfg = job_from_flags((multigpu_tp.train_flags(arm, tp, 20)))
     assert (cfg.model, cfg.tensor_parallel, cfg.steps, cfg.seq_len) == (multigpu_tp.MODEL, tp, 20, multigpu_tp.SEQ)
     assert cfg.recipe in ("tensorwise", "delayed")
     assert cfg.model_impl == "megatron" or (not cfg.fused_projections and cfg.backend == "torchao")

@@ -147,7 +147,11 @@ CORE_SCRIPT = textwrap.dedent("""
     from fp8stack.backends.te import TEBackend
     from fp8stack.models import Llama, LlamaConfig
     from fp8stack.patches import apply_all
-    from fp8stack.train.config import TrainConfig
+    from fp8stack.config import from_overrides
+    from fp8stack.train.loop import model_config
+    from fp8stack.train.preflight import preflight
+
+    logged = from_overrides({"logging.dir": "logs"})
 
     plan = fp8stack.make_plan(fp8stack.load_description("llama-1b-like"), fp8stack.PolicyConfig(recipe="tensorwise"))
     tiny = fp8stack.make_plan(fp8stack.load_description("tiny"),
@@ -157,8 +161,8 @@ CORE_SCRIPT = textwrap.dedent("""
         model(torch.randint(0, 256, (2, 64)))[0].float().sum().backward()
     failures = {"te": TEBackend().available()[1]}
     for name, attempt in (("megatron", lambda: __import__("fp8stack.megatron")),
-                          ("model_impl megatron", lambda: TrainConfig(model_impl="megatron")),
-                          ("tensorboard", lambda: TrainConfig(log_dir="logs"))):
+                          ("model_impl megatron", lambda: from_overrides({"model.impl": "megatron"})),
+                          ("tensorboard", lambda: preflight(logged, model_config(logged)))):
         try:
             attempt()
         except Exception as err:
@@ -187,8 +191,8 @@ def test_the_wheel_plans_and_runs_torchao_with_core_dependencies_only(core_venv)
     failures = report["failures"]
     assert "pip install 'fp8stack[te]'" in failures["te"]
     for name, error, extra in (("megatron", "ModuleNotFoundError", "megatron"),
-                               ("model_impl megatron", "TrainConfigError", "megatron"),
-                               ("tensorboard", "TrainConfigError", "tb")):
+                               ("model_impl megatron", "ConfigError", "megatron"),
+                               ("tensorboard", "ConfigError", "tb")):
         assert failures[name].startswith(error) and f"pip install 'fp8stack[{extra}]'" in failures[name]
 
 

@@ -10,7 +10,7 @@ import torch
 from fp8stack.backends.te_deepgemm import operand
 from fp8stack.bench import te_gemms
 from fp8stack.bench.evidence import write_evidence
-from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.config import ConfigError, from_overrides
 
 
 def test_te_scales_reach_deepgemm_in_its_layouts():
@@ -48,13 +48,13 @@ def test_a_3d_activations_columnwise_data_keeps_k_as_its_rows():
 
 
 def test_blockwise_gemms_on_deepgemm_needs_the_blockwise_recipe():
-    assert TrainConfig(recipe="blockwise", blockwise_gemms="deepgemm").blockwise_gemms == "deepgemm"
-    with pytest.raises(TrainConfigError, match="use --fp8-recipe blockwise or drop --blockwise-gemms"):
-        TrainConfig(recipe="delayed", blockwise_gemms="deepgemm")
-    with pytest.raises(TrainConfigError, match="unknown blockwise_gemms 'cutlass': use te or deepgemm"):
-        TrainConfig(recipe="blockwise", blockwise_gemms="cutlass")
+    assert from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm"}).blockwise_gemms == "deepgemm"
+    with pytest.raises(ConfigError, match="use --fp8-recipe blockwise or drop --blockwise-gemms"):
+        from_overrides({"precision.recipe": "delayed", "te.blockwise_gemms": "deepgemm"})
+    with pytest.raises(ConfigError, match="unknown blockwise_gemms 'cutlass': use te or deepgemm"):
+        from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "cutlass"})
     # megatron's TE linears call the general_gemm the router replaces (megatron_model.build installs it)
-    megatron = TrainConfig(recipe="blockwise", blockwise_gemms="deepgemm", model_impl="megatron", model="llama-1b-like")
+    megatron = from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm", "model.impl": "megatron", "model.name": "llama-1b-like"})
     assert megatron.blockwise_gemms == "deepgemm"
 
 

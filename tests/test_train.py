@@ -9,15 +9,15 @@ from torch import nn
 from fp8stack.models import Llama
 from fp8stack.plan import Plan
 from fp8stack.train import checkpoint
-from fp8stack.train.__main__ import build_parser, config_from_args
-from fp8stack.train.__main__ import main as train_main
+from fp8stack.train.command import job_from_flags
+from fp8stack.train.command import main as train_main
 from fp8stack.train.data import SPLITS, TextData, load_split, source_files, source_roots, split_of, stdlib_root
-from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.config import ConfigError, JobConfig, from_overrides
 from fp8stack.train.loop import cpu_fp8_gemms, lr_at, session, train
 
 SMALL_DATA = 1 << 20
 """1 MiB of stdlib source: plenty for a few short steps, quick to read."""
-FAST = dict(micro_batch=2, seq_len=64, eval_batches=1, max_data_bytes=SMALL_DATA, progress=False)
+FAST = {"training.micro_batch": 2, "training.seq_len": 64, "training.eval_batches": 1, "data.max_bytes": SMALL_DATA, "logging.progress": False}
 """Settings that keep a tiny-model run to a fraction of a second per step on 2 cores."""
 
 
@@ -85,8 +85,8 @@ def test_python_source_adds_site_packages_after_the_stdlib():
     stdlib_bytes = sum(p.stat().st_size for p in source_files(stdlib_root()))
     more = stdlib_bytes + SMALL_DATA  # the whole stdlib, then a MiB of site-packages for the python source
     assert load_split("train", more, source="python").numel() > load_split("train", more).numel()
-    with pytest.raises(TrainConfigError, match="unknown data_source 'pypi': use stdlib or python"):
-        TrainConfig(data_source="pypi")
+    with pytest.raises(ConfigError, match="unknown data_source 'pypi': use stdlib or python"):
+        from_overrides({"data.source": "pypi"})
 
 
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
@@ -109,7 +109,7 @@ def test_cpu_fp8_gemms_take_torchs_emulation_with_onednns_results(rowwise):
 
 
 def test_lr_warms_up_then_decays_to_min_lr():
-    cfg = TrainConfig(steps=20, warmup=4, lr=1e-3, min_lr=1e-4)
+    cfg = from_overrides({"training.steps": 20, "optimizer.warmup": 4, "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4})
     lrs = [lr_at(step, cfg) for step in range(cfg.steps + 1)]
     assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lrs[4] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
@@ -118,13 +118,13 @@ def test_lr_warms_up_then_decays_to_min_lr():
 
 
 def test_min_lr_defaults_to_a_tenth_of_the_peak():
-    assert TrainConfig(lr=3e-4).min_lr == pytest.approx(3e-5)
-    assert lr_at(39, TrainConfig(steps=40, warmup=4, lr=3e-4)) < 4e-5
+    assert from_overrides({"optimizer.lr": 3e-4}).min_lr == pytest.approx(3e-5)
+    assert lr_at(39, from_overrides({"training.steps": 40, "optimizer.warmup": 4, "optimizer.lr": 3e-4})) < 4e-5
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
 def test_short_run_trains(recipe, tmp_path):
-    result = train(TrainConfig(recipe=recipe, steps=5, warmup=1, log_dir=str(tmp_path), **FAST))
+    result = train(from_overrides({"precision.recipe": recipe, "training.steps": 5, "optimizer.warmup": 1, "logging.dir": str(tmp_path), **FAST}))
     assert len(result.losses) == len(result.step_ms) == 5
     assert all(math.isfinite(loss) for loss in result.losses) and math.isfinite(result.val_loss)
     assert result.losses[-1] < result.losses[0]
@@ -142,10 +142,10 @@ def test_compile_compiles_the_loss_and_trains_as_eager():
     """--compile compiles the blocks and the loss (torchtitan's practice: a fused cross-entropy without FP32 copies
     of the logits); on a CPU in FP32 the compiled run takes the eager run's steps to rounding."""
     settings = dict(FAST, recipe="bf16", steps=3, warmup=1, eval_batches=0)
-    with session(TrainConfig(**settings, compile=True)) as run:
+    with session(from_overrides({**settings, "training.compile": True})) as run:
         _, loss = run.loss_fn.args
         assert loss is not Llama.loss and loss.__wrapped__ is Llama.loss, "the loss is torch.compile'd"
-    compiled, eager = train(TrainConfig(**settings, compile=True)), train(TrainConfig(**settings))
+    compiled, eager = train(from_overrides({**settings, "training.compile": True})), train(from_overrides({**settings}))
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
     assert compiled.grad_norms == pytest.approx(eager.grad_norms, rel=1e-3)
 
@@ -156,28 +156,28 @@ def test_gradient_accumulation_trains_on_the_whole_batch(recipe, rel):
     FP32 on a CPU agrees to rounding; tensorwise FP8 to its rounding, as each micro-batch has its own
     activation scales."""
     settings = dict(FAST, recipe=recipe, steps=4, warmup=1, eval_batches=0)
-    whole = train(TrainConfig(**{**settings, "micro_batch": 4}))
-    accumulated = train(TrainConfig(**{**settings, "micro_batch": 2}, global_batch=4))
-    halves = train(TrainConfig(**{**settings, "micro_batch": 2}))
+    whole = train(from_overrides({**{**settings, "training.micro_batch": 4}}))
+    accumulated = train(from_overrides({**{**settings, "training.micro_batch": 2}, "training.global_batch": 4}))
+    halves = train(from_overrides({**{**settings, "training.micro_batch": 2}}))
     assert accumulated.tokens_per_step == whole.tokens_per_step == 2 * halves.tokens_per_step
     assert accumulated.losses == pytest.approx(whole.losses, rel=rel)
     assert accumulated.grad_norms == pytest.approx(whole.grad_norms, rel=10 * rel)
     assert halves.losses != pytest.approx(whole.losses, rel=10 * rel)  # other batches: the check can fail
-    with pytest.raises(TrainConfigError, match="positive multiple of micro_batch=2"):
-        TrainConfig(micro_batch=2, global_batch=3)
+    with pytest.raises(ConfigError, match="positive multiple of micro_batch=2"):
+        from_overrides({"training.micro_batch": 2, "training.global_batch": 3})
 
 
 def test_fsdp_one_rank_shards_a_single_process_over_a_one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    settings = dict(recipe="tensorwise", backend="torchao", steps=3, warmup=1, dtype="bf16", **FAST)
+    settings = {"precision.recipe": "tensorwise", "precision.backend": "torchao", "training.steps": 3, "optimizer.warmup": 1, "training.dtype": "bf16", **FAST}
     found = dist.is_initialized()  # a session fixture may have made a one-rank group already
-    with session(TrainConfig(**settings, fsdp_one_rank=True)) as run:
+    with session(from_overrides({**settings, "parallelism.fsdp_one_rank": True})) as run:
         assert isinstance(run.model, FSDPModule) and run.model.layers[0].attention.wqkv.weight.dtype == torch.float32
         assert dist.get_world_size() == 1
     assert dist.is_initialized() == found  # a group made for the run is gone with it
-    plain, sharded = (train(TrainConfig(**settings, fsdp_one_rank=one)) for one in (False, True))
+    plain, sharded = (train(from_overrides({**settings, "parallelism.fsdp_one_rank": one})) for one in (False, True))
     # BF16 parameters (FSDP's policy) where autocast runs over FP32 ones: close, not equal.
     assert sharded.losses != plain.losses and sharded.losses == pytest.approx(plain.losses, rel=1e-2)
     # the first steps' FP8 gradient check ran, on plain and on sharded (DTensor) gradients, and found none zero
@@ -187,16 +187,16 @@ def test_fsdp_one_rank_shards_a_single_process_over_a_one_rank_mesh():
 def test_priming_passes_leave_weights_optimizer_and_data_as_they_were():
     """prime_fp8_scales (run before step 1 under TE delayed scaling, a GPU test checks what it is for) keeps
     only FP8 scaling state: the run that follows is the run without it, loss for loss."""
-    settings = dict(recipe="tensorwise", backend="torchao", steps=3, warmup=1, **FAST)
-    with session(TrainConfig(**settings)) as run:
+    settings = {"precision.recipe": "tensorwise", "precision.backend": "torchao", "training.steps": 3, "optimizer.warmup": 1, **FAST}
+    with session(from_overrides({**settings})) as run:
         before = {name: p.detach().clone() for name, p in run.model.named_parameters()}
         run.prime_fp8_scales(2)
         assert run.data.position == 0 and not run.optimizer.state
         assert all(p.grad is None and torch.equal(p, before[name]) for name, p in run.model.named_parameters())
         primed = [float(run.step(1.0)[0]) for _ in range(3)]
-    assert primed == train(TrainConfig(**settings)).losses  # exact: priming changed nothing a torchao run keeps
-    with pytest.raises(TrainConfigError, match="fp8_priming_passes must be non-negative"):
-        TrainConfig(fp8_priming_passes=-1)
+    assert primed == train(from_overrides({**settings})).losses  # exact: priming changed nothing a torchao run keeps
+    with pytest.raises(ConfigError, match="fp8_priming_passes must be non-negative"):
+        from_overrides({"te.priming_passes": -1})
 
 
 @pytest.mark.parametrize("recipe, params", [("bf16", {}), ("tensorwise", {}),
@@ -204,11 +204,11 @@ def test_priming_passes_leave_weights_optimizer_and_data_as_they_were():
                          ids=["bf16", "tensorwise", "tensorwise-bf16-params"])
 def test_resume_continues_bit_identically(recipe, params, tmp_path):
     """With BF16 parameters too: the checkpoint holds the FP32 masters, which BF16 copies could not restore."""
-    settings = dict(recipe=recipe, steps=4, warmup=1, **FAST, **params)
-    uninterrupted = train(TrainConfig(**settings))
-    train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), checkpoint_interval=2))
+    settings = {"precision.recipe": recipe, "training.steps": 4, "optimizer.warmup": 1, **FAST, **params}
+    uninterrupted = train(from_overrides({**settings}))
+    train(from_overrides({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.interval": 2}))
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["step-00000002", "step-00000004"]
-    resumed = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), resume=str(tmp_path / "step-00000002")))
+    resumed = train(from_overrides({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.resume": str(tmp_path / "step-00000002")}))
     assert resumed.first_step == 2
     assert resumed.losses == uninterrupted.losses[2:]  # exact equality, not approx
 
@@ -252,20 +252,19 @@ def test_checkpoint_keeps_module_extra_state(tmp_path):
     (["--recompute-modules", "mlp", "--recompute-layers", "0,2"], "0,2", ("mlp",)),
 ])
 def test_megatron_recompute_flags(flags, recompute, modules):
-    cfg = config_from_args(build_parser().parse_args(flags))
+    cfg = job_from_flags((flags))
     assert (cfg.recompute, cfg.recompute_modules) == (recompute, modules)
 
 
 def test_selective_recompute_trains():
-    result = train(TrainConfig(recipe="tensorwise", steps=2, recompute="all", recompute_modules=("mlp", "core_attn"),
-                               **FAST))
+    result = train(from_overrides({"precision.recipe": "tensorwise", "training.steps": 2, "activation_checkpoint.layers": "all", "activation_checkpoint.modules": ("mlp", "core_attn"), **FAST}))
     assert all(math.isfinite(loss) for loss in result.losses)
 
 
 def test_compressed_activations_train_like_uncompressed_and_save_bytes():
-    settings = dict(recipe="tensorwise", steps=6, warmup=1, **{**FAST, "dtype": "bf16"})
-    plain = train(TrainConfig(**settings))
-    compressed = train(TrainConfig(**settings, compress_activations=True))
+    settings = {"precision.recipe": "tensorwise", "training.steps": 6, "optimizer.warmup": 1, **{**FAST, "training.dtype": "bf16"}}
+    plain = train(from_overrides({**settings}))
+    compressed = train(from_overrides({**settings, "activation_checkpoint.compress": True}))
     assert plain.activation_bytes_saved_per_step is None
     assert compressed.activation_bytes_saved_per_step > 0  # BF16 activations: 1 byte per element of 2
     assert compressed.losses[0] == plain.losses[0]  # the forward is untouched, only what backward reads
@@ -274,17 +273,17 @@ def test_compressed_activations_train_like_uncompressed_and_save_bytes():
 
 
 def test_compression_refuses_an_fp32_run_where_it_would_compress_nothing():
-    with pytest.raises(TrainConfigError, match="pass --dtype bf16"):
-        train(TrainConfig(compress_activations=True, **{**FAST, "dtype": "fp32"}))
+    with pytest.raises(ConfigError, match="pass --dtype bf16"):
+        train(from_overrides({"activation_checkpoint.compress": True, **{**FAST, "training.dtype": "fp32"}}))
 
 
 def test_config_errors_name_the_fix(capsys):
-    with pytest.raises(TrainConfigError, match="use one of tiny"):
-        TrainConfig(model="gpt5")
-    with pytest.raises(TrainConfigError, match="needs checkpoint_dir"):
-        TrainConfig(resume="latest")
-    with pytest.raises(TrainConfigError, match="drop --fsdp-one-rank and --tensor-model-parallel-size"):
-        TrainConfig(gradient_accumulation_fusion=True, fsdp_one_rank=True)
+    with pytest.raises(ConfigError, match="use one of tiny"):
+        from_overrides({"model.name": "gpt5"})
+    with pytest.raises(ConfigError, match="needs checkpoint_dir"):
+        from_overrides({"checkpoint.resume": "latest"})
+    with pytest.raises(ConfigError, match="drop --fsdp-one-rank and --tensor-model-parallel-size"):
+        from_overrides({"te.gradient_accumulation_fusion": True, "parallelism.fsdp_one_rank": True})
     assert train_main(["--recompute-granularity", "full", "--recompute-modules", "mlp"]) == 2
     assert "drop one of them" in capsys.readouterr().err
     assert train_main(["--fp8-recipe", "rowwise_gw_hp", "--dtype", "bf16", "--device", "cpu", "--train-iters", "1",
@@ -297,7 +296,7 @@ def test_config_errors_name_the_fix(capsys):
 def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
     from fp8stack.train.loop import _backend_options, build_model, build_plan
 
-    cfg = config_from_args(build_parser().parse_args(["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
+    cfg = job_from_flags((["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
                                                       "--small-gemm-filter", "off", "--device", "cpu"]))
     plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
     assert _backend_options(cfg, plan, micro_batches=1)["te"]["delayed_margin"] == 2
@@ -306,9 +305,8 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
     from fp8stack.train.loop import _backend_options, build_model, build_plan
 
-    def plan(recipe: str, backend: str = "te", fusion: bool = True) -> tuple[TrainConfig, Plan]:
-        cfg = TrainConfig(model="tiny", recipe=recipe, backend=backend, small_gemm_filter="off", device="cpu",
-                          gradient_accumulation_fusion=fusion)
+    def plan(recipe: str, backend: str = "te", fusion: bool = True) -> tuple[JobConfig, Plan]:
+        cfg = from_overrides({"model.name": "tiny", "precision.recipe": recipe, "precision.backend": backend, "precision.small_gemm_filter": "off", "training.device": "cpu", "te.gradient_accumulation_fusion": fusion})
         return cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
 
     def options(recipe: str, backend: str = "te") -> dict | None:
@@ -316,7 +314,7 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
 
     assert options("delayed")["te"]["fuse_wgrad_accumulation"] is True
     assert options("bf16")["te"]["fuse_wgrad_accumulation"] is True  # a bf16 plan on te: TE modules without FP8
-    with pytest.raises(TrainConfigError, match="plan for recipe 'bf16' has no TE layers.*drop --gradient-accum"):
+    with pytest.raises(ConfigError, match="plan for recipe 'bf16' has no TE layers.*drop --gradient-accum"):
         options("bf16", backend="auto")
     # The output head joins the TE linears (without FP8) so that its wgrad GEMM accumulates in FP32 too: by default
     # wherever the linears run on TE (head_on_te auto), the wgrad fusion on or not.
@@ -331,14 +329,14 @@ def test_blockwise_experts_reach_the_plan():
     from fp8stack.train.loop import build_model, build_plan
 
     def expert_backend(**options) -> str:
-        cfg = TrainConfig(model="tiny-moe", recipe="blockwise", device="cpu", **options)
+        cfg = from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise", "training.device": "cpu", **options})
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
         return next(d.backend for d in plan.decisions if d.component.kind == "expert")
 
     assert expert_backend() == "grouped_fp8"  # auto on a CPU: the grouped kernels (te only where TE runs)
     assert expert_backend(blockwise_experts="te") == "te"
-    with pytest.raises(TrainConfigError, match="unknown blockwise_experts 'x': use auto, grouped_fp8 or te"):
-        TrainConfig(blockwise_experts="x")
+    with pytest.raises(ConfigError, match="unknown blockwise_experts 'x': use auto, grouped_fp8 or te"):
+        from_overrides({"precision.blockwise_experts": "x"})
 
 
 def test_auto_blockwise_experts_on_te_say_why_in_the_plan():
@@ -348,7 +346,7 @@ def test_auto_blockwise_experts_on_te_say_why_in_the_plan():
 
     assert blockwise_expert_options("auto", te_runs_blockwise=False) == {"blockwise_experts": "grouped_fp8"}
     assert blockwise_expert_options("grouped_fp8", te_runs_blockwise=True) == {"blockwise_experts": "grouped_fp8"}
-    cfg = TrainConfig(model="tiny-moe", recipe="blockwise", device="cpu")
+    cfg = from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise", "training.device": "cpu"})
     model = build_model(cfg, torch.device("cpu"))
     description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
 

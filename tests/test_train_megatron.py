@@ -1,4 +1,4 @@
-"""The trainer's Megatron path on a CPU: flags -> TrainConfig -> megatron TransformerConfig, the options it
+"""The trainer's Megatron path on a CPU: flags -> JobConfig -> megatron TransformerConfig, the options it
 refuses (and the CPU itself: the trainer needs CUDA for megatron), the GPTModel it builds (the plain
 Llama's weights in megatron's layouts, computing the plain Llama's function, the same weights at TP=2 as at
 TP=1) and its gradient finishing over two gloo ranks. Training it runs on GPUs (fp8stack.bench.multigpu_tp)."""
@@ -12,9 +12,9 @@ import torch.multiprocessing as mp
 
 from fp8stack.megatron import layer_precisions
 from fp8stack.models import Llama
-from fp8stack.train.__main__ import build_parser, config_from_args
-from fp8stack.train.__main__ import main as train_main
-from fp8stack.train.config import TrainConfig, TrainConfigError
+from fp8stack.train.command import job_from_flags
+from fp8stack.train.command import main as train_main
+from fp8stack.config import ConfigError, JobConfig, from_overrides
 from fp8stack.train.loop import _adamw, build_model, model_config, train
 from fp8stack.train import megatron_model
 
@@ -22,18 +22,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore
                                         "ignore:Apex is not installed")
 
 
-def megatron_cfg(*flags: str) -> TrainConfig:
-    return config_from_args(build_parser().parse_args(["--model-impl", "megatron", *flags]))
+def megatron_cfg(*flags: str) -> JobConfig:
+    return job_from_flags((["--model-impl", "megatron", *flags]))
 
 
-def build(cfg: TrainConfig, seed: int = 0):
+def build(cfg: JobConfig, seed: int = 0):
     """The GPTModel megatron_model.build makes, from the plain Llama the trainer draws on the CPU for `seed`."""
     shape = model_config(cfg)
     config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
     # megatron's local (torch) norms refuse sequence parallelism without Apex; the weight layout is the same.
     config.sequence_parallel = False
     plan = megatron_model.build_plan(config, cfg, shape, arch=90)
-    llama = build_model(replace(cfg, seed=seed), torch.device("cpu"))
+    llama = build_model(from_overrides({"training.seed": seed}, cfg), torch.device("cpu"))
     return megatron_model.gpt_model(config, plan, llama, use_te=False)  # TE needs CUDA: megatron's local modules
 
 
@@ -79,14 +79,14 @@ def test_options_the_megatron_path_cannot_honour_are_refused(flags, names, capsy
 
 
 def test_the_trainer_refuses_megatron_on_a_cpu():
-    with pytest.raises(TrainConfigError, match="the Megatron model needs CUDA.*--model-impl torch"):
-        train(TrainConfig(model_impl="megatron", device="cpu", progress=False))
+    with pytest.raises(ConfigError, match="the Megatron model needs CUDA.*--model-impl torch"):
+        train(from_overrides({"model.impl": "megatron", "training.device": "cpu", "logging.progress": False}))
 
 
 def test_gpt_model_starts_from_the_plain_llamas_weights(model_parallel):
     cfg = megatron_cfg()
     model, other = build(cfg), build(cfg, seed=1)
-    plain = build_model(TrainConfig(), torch.device("cpu"))
+    plain = build_model(from_overrides({}), torch.device("cpu"))
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
     assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 master weights
     assert not torch.equal(model.output_layer.weight, other.output_layer.weight)

@@ -24,7 +24,7 @@ from fp8stack.backends import BackendUnavailable, get_backend
 from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError, PolicyConfig, description_from_dict, load_description, make_plan
-from fp8stack.plan.recipes import BF16
+from fp8stack.plan.recipes import BF16, is_fp8
 
 DENSE_VARIANTS: tuple[tuple[str, str], ...] = (
     ("auto", BF16),
@@ -76,7 +76,7 @@ def _plan(spec: list[dict], block: str, recipe: str, backend: str, arch: int) ->
     plan = make_plan(description, PolicyConfig(recipe=recipe, backend=backend, arch=arch, small_gemm_filter="off",
                                                blockwise_experts="te" if backend == "te" else "grouped_fp8"))
     backends = {d.backend for d in plan.decisions}
-    if len(backends) != 1 or (recipe != BF16 and BF16 in backends):
+    if len(backends) != 1 or (is_fp8(recipe) and BF16 in backends):
         raise PlanError("the policy does not run this shape as asked: " + "; ".join(d.reason for d in plan.decisions))
     return plan, list(plan.decisions)
 
@@ -273,7 +273,7 @@ def linear_shapes(names: list[str]) -> list[dict]:
 
 def _speedups(results: list[dict], key: Callable[[dict], tuple]) -> None:
     """speedup_vs_bf16 on every timed entry: the bf16 median of the same key over its own."""
-    base = {key(r): r["median_ms"] for r in results if r["recipe"] == BF16 and "median_ms" in r}
+    base = {key(r): r["median_ms"] for r in results if not is_fp8(r["recipe"]) and "median_ms" in r}
     for r in results:
         if "median_ms" in r and key(r) in base:
             r["speedup_vs_bf16"] = round(base[key(r)] / r["median_ms"], 3)
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     dense = []
     for shape in linear_shapes(names):
         for backend, recipe in DENSE_VARIANTS:
-            for compiled in (False, True) if s.compile and (recipe == BF16 or backend == "torchao") else (False,):
+            for compiled in (False, True) if s.compile and (not is_fp8(recipe) or backend == "torchao") else (False,):
                 r = bench_linear(shape["n"], shape["k"], backend, recipe, compiled, s)
                 dense.append({"source": shape["source"], "names": shape["names"], **r})
                 print(f"linear {shape['n']}x{shape['k']} {r['backend']}/{recipe}{' compiled' if compiled else ''}: "

@@ -35,6 +35,7 @@ from fp8stack.ab import LAST_FRACTION, comma_separated, final_loss
 from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.bench.megatron_verdicts import (LOSS_TOLERANCE, MIN_WINDOWS, NOISE_METHOD, against, judge_pair,
                                               rounds_for, trains, window_order, window_summary)
+from fp8stack.plan.recipes import is_fp8
 
 DENSE = dict(num_layers=4, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8)
 MOE = dict(num_layers=4, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16, num_query_groups=8,
@@ -265,7 +266,7 @@ def moe_group(recipes: Sequence[str]) -> list[Arm]:
 def _builder(shape: dict, recipe: str, spec_fn) -> Callable[[], torch.nn.Module]:
     """Builds the arm's config and model when called, so that a config megatron refuses is that arm's error."""
     def build():
-        fp8 = recipe != "bf16"
+        fp8 = is_fp8(recipe)
         config = make_config(shape, "hybrid" if fp8 else None, recipe if fp8 else None)
         return build_gpt(config, spec_fn(config))
     return build
@@ -284,7 +285,7 @@ def report(dense: dict[str, list[Arm]], moe: list[Arm], args, data_source: str, 
     """(payload, markdown, every verdict passed) of the finished groups."""
     verdicts = [judge_pair(recipe, arms[0].record, arms[1].record) for recipe, arms in dense.items()]
     dense_bf16 = dense["bf16"][0].record if "bf16" in dense else None
-    moe_bf16 = next((a.record for a in moe if a.recipe == "bf16"), None)
+    moe_bf16 = next((a.record for a in moe if not is_fp8(a.recipe)), None)
     for arm in [a for arms in dense.values() for a in arms]:
         arm.record.update(against(dense_bf16, arm.record))
     for arm in moe:

@@ -25,6 +25,7 @@ from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 from fp8stack.runtime import capture_check, compress_saved_activations
+from fp8stack.plan.recipes import is_fp8
 
 GIB = 2 ** 30
 
@@ -92,7 +93,7 @@ def _error(err: BaseException) -> str:
 
 def measure(variant: MemoryVariant, batch: int, seq: int, steps: int, warmup: int) -> dict:
     """Peak memory (whole step, and above the memory held before it) and median step time."""
-    policy = PolicyConfig(recipe=variant.recipe, backend="te" if variant.recipe != "bf16" else "auto")
+    policy = PolicyConfig(recipe=variant.recipe, backend="te" if is_fp8(variant.recipe) else "auto")
     model = optimizer = None
     try:
         model = build("llama-1b-like", policy, recompute="all" if variant.recompute_modules else None,

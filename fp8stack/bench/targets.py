@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fp8stack.ab.verdicts import is_bf16_arm
 from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.plan.recipes import BF16, get_recipe, is_fp8
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def ab_arms(path: Path) -> list[dict]:
     # is in the arm's name).
     setup = json.dumps({k: v for k, v in config.items() if k != "blockwise_gemms"}, sort_keys=True)
     return [{"file": path.name, "arm": a["recipe"] + (f", recompute {','.join(levers)}" if levers else "")
-             + (", GEMMs on DeepGEMM" if on_deepgemm and a["recipe"] == "blockwise" else ""),
+             + (", GEMMs on DeepGEMM" if on_deepgemm and get_recipe(a["recipe"]).gemms_on_deepgemm else ""),
              "recipe": a["recipe"].split(" on ")[0],  # ab's arm "blockwise on deepgemm" runs recipe blockwise
              "reference": reference["recipe"], "reference_without": missing, "note": note, "setup": setup,
              "device": record["device"],
@@ -95,7 +96,7 @@ def ab_rows(arms: list[dict]) -> list[dict]:
     rows = [arm_row("speed", "speedup", fastest, arms),
             arm_row("memory", "memory", fastest, arms),
             arm_row("memory-lean", "memory", leanest, arms, f"{leanest['speedup']:.3f}x tokens/s.")]
-    blockwise = [a for a in arms if a["recipe"] == "blockwise"]
+    blockwise = [a for a in arms if is_fp8(a["recipe"]) and get_recipe(a["recipe"]).block_scaled]
     if blockwise:
         best = max(blockwise, key=lambda a: (not a["note"], a["speedup"]))
         rows.append(arm_row("blockwise", "speedup", best, arms))
@@ -131,7 +132,8 @@ def experts_row(path: Path) -> dict:
     """The best grouped blockwise FP8 w13 entry at issue 7's expert shape of a backends file."""
     record = json.loads(path.read_text())
     entries = [e for e in record.get("grouped", []) if e.get("source") == "issue-7" and e.get("gemm") == "w13"
-               and e.get("recipe") == "blockwise" and e.get("speedup_vs_bf16")]
+               and is_fp8(e.get("recipe", BF16)) and get_recipe(e["recipe"]).block_scaled
+               and e.get("speedup_vs_bf16")]
     if not entries:
         raise ValueError(f"{path} has no timed blockwise w13 entry at issue 7's expert shape")
     best = max(entries, key=lambda e: e["speedup_vs_bf16"])
@@ -162,7 +164,7 @@ def profile_row(path: Path) -> dict:
         derived = f" Derived here from each run's top {len(fp8['top_kernels'])} kernels: {fused_note(fused)}"
     bound = f"Amdahl bound of this configuration at a 2x FP8 GEMM: {record['amdahl_bound']:.3f}x"
     if "runs" in record:  # the bound at the speed-up the profile measured (computed here for older files too)
-        bf16_gemm, fp8_gemm = (record["runs"][r]["categories"]["gemm"]["ms_per_step"] for r in ("bf16", record["recipe"]))
+        bf16_gemm, fp8_gemm = (record["runs"][r]["categories"]["gemm"]["ms_per_step"] for r in (BF16, record["recipe"]))
         speedup = measured_gemm_speedup(bf16_gemm, fp8_gemm, record["fp8_share_of_gemm_flops"])
         if speedup:
             bound += (f"; at the FP8 GEMMs' measured {speedup:.2f}x: "

@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
 
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.from_megatron import describe_transformer_config
-from fp8stack.plan.recipes import BF16, MEGATRON_RECIPES
+from fp8stack.plan.recipes import MEGATRON_RECIPES, is_fp8
 from fp8stack.megatron.precision import te_usable, with_precision
 
 GEMM_KINDS = ("linear", "expert")
@@ -131,7 +131,7 @@ def _replace_leaf(node, path: list[str], swap, name: str):
 
 def _megatron_recipe(d) -> str | None:
     """The recipe megatron runs a decision with (None: BF16), or PlanError for backends it does not have."""
-    if d.recipe == BF16:  # on bf16 or te (a bf16 plan on te): what megatron's TE spec builds without FP8
+    if not is_fp8(d.recipe):  # on bf16 or te (a bf16 plan on te): what megatron's TE spec builds without FP8
         return None
     if d.backend == "te" or (d.backend == "grouped_fp8" and d.component.kind == "expert"):
         if d.recipe not in MEGATRON_RECIPES:

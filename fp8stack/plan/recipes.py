@@ -47,6 +47,8 @@ class Recipe:
     """One scale per weight, so FSDP2 can all-gather torchao's FP8 weights (torchao's FP8 all-gather)."""
     weight_grad_in_high_precision: bool = False
     """The weight-gradient GEMM stays in BF16 (torchao's rowwise_with_gw_hp)."""
+    block_scaled: bool = False
+    """One scale per block of each tensor (blockwise's 1x128 / 128x128, MXFP8's 1x32), not per tensor or row."""
     gemms_on_deepgemm: bool = False
     """TE's modules for this recipe can run their GEMMs on DeepGEMM's dense kernels (TEConfig.blockwise_gemms)."""
 
@@ -66,9 +68,9 @@ RECIPES: dict[str, Recipe] = {
                weight_grad_in_high_precision=True),
         Recipe("blockwise", ("te",), "grouped_fp8", "blockwise", 128, 90,
                "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3", "rowwise",
-               gemms_on_deepgemm=True),
+               block_scaled=True, gemms_on_deepgemm=True),
         Recipe("mxfp8", ("te",), "te", "mxfp8", 32, 100,
-               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3", "rowwise"),
+               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3", "rowwise", block_scaled=True),
     )
 }
 

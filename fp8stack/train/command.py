@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from fp8stack.config import ConfigError, add_config_arguments, job_from_args
+from fp8stack.config import ConfigError, JobConfig, add_config_arguments, job_from_args, parse_args
 from fp8stack.config.flags import add_megatron_recompute_arguments
 from fp8stack.plan import PlanError
 
@@ -64,3 +64,17 @@ def run_train(args: argparse.Namespace, prog: str = "fp8stack train") -> int:
     if args.result_json and os.environ.get("RANK", "0") == "0":
         Path(args.result_json).write_text(json.dumps(asdict(result)) + "\n")
     return 0
+
+
+def job_from_flags(argv: list[str]) -> JobConfig:
+    """The JobConfig `fp8stack train` builds from these flags (not resolved: fields left None stay None)."""
+    parser = argparse.ArgumentParser(prog="fp8stack train")
+    add_train_arguments(parser)
+    return job_from_args(parse_args(parser, argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`fp8stack train` with these arguments; the exit code."""
+    from fp8stack.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -1,4 +1,4 @@
-"""BF16 parameters with FP32 masters on TE modules (TrainConfig.param_dtype = "bf16", the A/B's --param-dtypes):
+"""BF16 parameters with FP32 masters on TE modules (training.param_dtype = "bf16", the A/B's --param-dtypes):
 TE's fused weight-gradient GEMMs write the FP32 main_grads the masters step from, the BF16 parameters need no cast
 (FP8 runs cast them once per step), and a run trains as the FP32-parameter run does, to rounding. With param_dtype
 "fp8" the TE FP8 layers hold their weights in FP8 only, quantized from the masters, and train as FP32 ones do.
@@ -7,7 +7,7 @@ Run with `pytest -m gpu tests/gpu/test_master_weights_gpu.py`."""
 import pytest
 import torch
 
-from fp8stack.train.config import TrainConfig
+from fp8stack.config import JobConfig, from_overrides
 from fp8stack.train.loop import session, train
 
 from gpu_skips import require_te, te_mark
@@ -20,9 +20,7 @@ from transformer_engine.pytorch import QuantizedTensor  # noqa: E402
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
-SETTINGS = dict(model="tiny", backend="te", small_gemm_filter="off", device="cuda", steps=3, warmup=1, micro_batch=2,
-                seq_len=128, global_batch=4, eval_batches=0, max_data_bytes=1 << 20, progress=False, fuse_norm=True,
-                fuse_mlp=True, gradient_accumulation_fusion=True)
+SETTINGS = {"model.name": "tiny", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 3, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.global_batch": 4, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False, "precision.fuse_norm": True, "precision.fuse_mlp": True, "te.gradient_accumulation_fusion": True}
 """The A/B's fastest configuration on the tiny model: TE modules with fused norms and MLPs, two micro-batches per
 step, weight gradients accumulated in FP32 by TE's GEMMs."""
 
@@ -36,8 +34,8 @@ def fresh_fp8_state():
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("recipe", ["bf16", "delayed", "tensorwise"])
 def test_bf16_parameters_on_te_train_as_fp32_ones(recipe, compile):
-    settings = {**SETTINGS, "recipe": recipe, "compile": compile}
-    with session(TrainConfig(**settings, param_dtype="bf16")) as run:
+    settings = {**SETTINGS, "precision.recipe": recipe, "compile": compile}
+    with session(from_overrides({**settings, "training.param_dtype": "bf16"})) as run:
         te_weights = [p for m in run.model.modules() if isinstance(m, TransformerEngineBaseModule)
                       for p in m.parameters(recurse=False) if p.ndim == 2]
         assert te_weights and {p.dtype for p in te_weights} == {torch.bfloat16}
@@ -55,9 +53,9 @@ def assert_trains_as_fp32_parameters(settings: dict, param_dtype: str) -> None:
     """A run with `param_dtype` and one with FP32 parameters, from one seed: losses to 1%, gradient norms to 5%, and
     no FP8 weight with an all-zero gradient."""
     FP8GlobalStateManager.reset()
-    other = train(TrainConfig(**settings, param_dtype=param_dtype))
+    other = train(from_overrides({**settings, "training.param_dtype": param_dtype}))
     FP8GlobalStateManager.reset()
-    fp32 = train(TrainConfig(**settings))
+    fp32 = train(from_overrides({**settings}))
     assert other.losses == pytest.approx(fp32.losses, rel=1e-2), (other.losses, fp32.losses)
     assert other.grad_norms == pytest.approx(fp32.grad_norms, rel=0.05), (other.grad_norms, fp32.grad_norms)
     assert not any(other.zero_fp8_weight_grads), other.zero_fp8_weight_grads
@@ -68,11 +66,11 @@ def assert_trains_as_fp32_parameters(settings: dict, param_dtype: str) -> None:
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise",
                                     pytest.param("blockwise", marks=te_mark(["blockwise"]))])
 def test_fp8_parameters_hold_no_high_precision_copy_and_train_as_fp32_ones(recipe, compile, fusion):
-    settings = {**SETTINGS, "recipe": recipe, "compile": compile, "gradient_accumulation_fusion": fusion}
-    with session(TrainConfig(**settings)) as reference:
+    settings = {**SETTINGS, "precision.recipe": recipe, "compile": compile, "gradient_accumulation_fusion": fusion}
+    with session(from_overrides({**settings})) as reference:
         initial = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
     FP8GlobalStateManager.reset()
-    with session(TrainConfig(**settings, param_dtype="fp8")) as run:
+    with session(from_overrides({**settings, "training.param_dtype": "fp8"})) as run:
         fp8_modules = [m for m in run.model.modules()
                        if isinstance(m, TransformerEngineBaseModule) and m.autocast_recipe is not None]
         fp8_weights = {id(p) for m in fp8_modules for p in m.parameters(recurse=False) if p.ndim == 2}

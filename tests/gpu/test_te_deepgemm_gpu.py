@@ -81,16 +81,14 @@ def test_megatron_path_routes_its_te_linears_blockwise_gemms_and_trains_as_on_cu
     pytest.importorskip("megatron.core")
     from megatron.core import parallel_state
 
-    from fp8stack.train.config import TrainConfig
+    from fp8stack.config import from_overrides
     from fp8stack.train.loop import train
 
     parallel_state.destroy_model_parallel()  # other GPU test modules leave theirs behind
-    settings = dict(model="tiny", model_impl="megatron", recipe="blockwise", backend="te", device="cuda",
-                    gradient_accumulation_fusion=True, steps=3, micro_batch=2, global_batch=4, lr=1e-3, warmup=1,
-                    eval_batches=0, progress=False)
-    on_cublas = train(TrainConfig(**settings))
+    settings = {"model.name": "tiny", "model.impl": "megatron", "precision.recipe": "blockwise", "precision.backend": "te", "training.device": "cuda", "te.gradient_accumulation_fusion": True, "training.steps": 3, "training.micro_batch": 2, "training.global_batch": 4, "optimizer.lr": 1e-3, "optimizer.warmup": 1, "training.eval_batches": 0, "logging.progress": False}
+    on_cublas = train(from_overrides({**settings}))
     try:
-        on_deepgemm = train(TrainConfig(**settings, blockwise_gemms="deepgemm"))
+        on_deepgemm = train(from_overrides({**settings, "te.blockwise_gemms": "deepgemm"}))
         calls = dict(te_deepgemm.route_blockwise_gemms(LIBRARY).calls)  # the router the Megatron path installed
     finally:
         te_deepgemm.unroute()

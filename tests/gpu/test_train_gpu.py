@@ -12,7 +12,7 @@ import torch
 from fp8stack.models import Llama
 from fp8stack.train import checkpoint
 from fp8stack.train.checkpoint import EXTRA_STATE_SUFFIX
-from fp8stack.train.config import TrainConfig
+from fp8stack.config import JobConfig, from_overrides
 from fp8stack.train.loop import session, train
 
 from gpu_skips import require_te
@@ -24,8 +24,7 @@ require_te(["delayed"])
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
-SETTINGS = dict(model="tiny", recipe="delayed", backend="te", small_gemm_filter="off", device="cuda", steps=6,
-                warmup=1, micro_batch=2, seq_len=128, eval_batches=0, max_data_bytes=1 << 20, progress=False)
+SETTINGS = {"model.name": "tiny", "precision.recipe": "delayed", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 6, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False}
 """Every GEMM of the tiny model on TE delayed scaling; 128-token sequences fit one attention tile, so
 the BF16 attention backward adds in a fixed order and the run repeats bit for bit."""
 MIDDLE = 3
@@ -57,10 +56,10 @@ def _saved_states(path) -> dict[str, dict[str, torch.Tensor]]:
 
 def _full_and_resumed(settings: dict, tmp_path) -> list[float]:
     """The losses of a run, after asserting that its resumed second half repeats them exactly."""
-    full = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), checkpoint_interval=MIDDLE))
+    full = train(from_overrides({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.interval": MIDDLE}))
     FP8GlobalStateManager.reset()  # each run starts as a new process would: no other model's FP8 buffers
     middle = checkpoint.checkpoint_path(tmp_path, MIDDLE)
-    resumed = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), resume=str(middle), trust_checkpoint=True))
+    resumed = train(from_overrides({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.resume": str(middle), "checkpoint.trust": True}))
     FP8GlobalStateManager.reset()
     assert resumed.first_step == MIDDLE
     assert resumed.losses == full.losses[MIDDLE:]  # exact equality, not approx
@@ -71,7 +70,7 @@ def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
     full_losses = _full_and_resumed(SETTINGS, tmp_path)
     middle = checkpoint.checkpoint_path(tmp_path, MIDDLE)
     saved = _saved_states(middle)
-    with session(TrainConfig(**SETTINGS)) as run:
+    with session(from_overrides({**SETTINGS})) as run:
         te_modules = {fqn: m for fqn, m in run.model.named_modules()
                       if isinstance(m, TransformerEngineBaseModule) and m.autocast_recipe is not None}  # not the head
         assert len(te_modules) >= 4 * len(run.model.layers), "every linear of every block should be on TE"
@@ -107,7 +106,7 @@ def test_resume_with_delayed_scaling_is_bit_identical(tmp_path):
 def test_resume_with_low_precision_parameters_is_bit_identical(param_dtype, tmp_path):
     """The checkpoint holds the FP32 masters; the resumed run copies them into its BF16 or FP8 parameters, the FP8
     ones quantized with the restored delayed scales, as the uninterrupted run's last optimizer step did."""
-    _full_and_resumed({**SETTINGS, "param_dtype": param_dtype}, tmp_path)
+    _full_and_resumed({**SETTINGS, "training.param_dtype": param_dtype}, tmp_path)
 
 
 @pytest.mark.parametrize("fuse_mlp", [False, True], ids=["linears", "layernorm-mlp"])
@@ -119,7 +118,7 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
     trains on step 0's FP8 weights."""
     from fp8stack.backends import te_modules
 
-    cfg = TrainConfig(**{**SETTINGS, "recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp})
+    cfg = from_overrides({**{**SETTINGS, "precision.recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp}})
 
     def losses(variant: str) -> list[float]:
         with session(cfg) as run:
@@ -145,8 +144,8 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
 def test_cached_fp8_weights_run_under_torch_compile(model, recipe, fuse_mlp):
     """TE modules run outside torch.compile (dynamo tracing into cached FP8 weights failed on llama-1b-like:
     'Float8Tensor' object has no attribute '_data'); the compiled blocks around them still compile."""
-    settings = {**SETTINGS, "model": model, "recipe": recipe, "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp}
-    compiled, eager = train(TrainConfig(**settings, compile=True)), train(TrainConfig(**settings))
+    settings = {**SETTINGS, "model.name": model, "recipe": recipe, "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp}
+    compiled, eager = train(from_overrides({**settings, "training.compile": True})), train(from_overrides({**settings}))
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-2), (compiled.losses, eager.losses)
 
 
@@ -156,11 +155,11 @@ def test_gradient_accumulation_fusion_trains_as_autograd_accumulation(compile):
     over a step's micro-batches and restart from zero at the next step, so each step's gradient norm (the TE weights
     hold most of the tiny model's) matches the unfused run's; double counting or a sum carried into the next step
     would move it by tens of percent."""
-    settings = {**SETTINGS, "recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_norm": True,
+    settings = {**SETTINGS, "precision.recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_norm": True,
                 "fuse_mlp": True, "compile": compile}
-    with session(TrainConfig(**settings, gradient_accumulation_fusion=True)) as run:  # the head's wgrad fused too
+    with session(from_overrides({**settings, "te.gradient_accumulation_fusion": True})) as run:  # the head's wgrad fused too
         assert isinstance(run.model.output, TransformerEngineBaseModule) and run.model.output.autocast_recipe is None
-    fused, plain = (train(TrainConfig(**settings, gradient_accumulation_fusion=True)), train(TrainConfig(**settings)))
+    fused, plain = (train(from_overrides({**settings, "te.gradient_accumulation_fusion": True})), train(from_overrides({**settings})))
     assert fused.grad_norms == pytest.approx(plain.grad_norms, rel=0.02), (fused.grad_norms, plain.grad_norms)
     assert fused.losses == pytest.approx(plain.losses, rel=1e-2), (fused.losses, plain.losses)
     assert not any(fused.zero_fp8_weight_grads), fused.zero_fp8_weight_grads
@@ -169,11 +168,11 @@ def test_gradient_accumulation_fusion_trains_as_autograd_accumulation(compile):
 def test_a_bf16_run_on_te_trains_as_the_plain_bf16_run():
     """--fp8-recipe bf16 --backend te with the TE levers (the A/B's --bf16-on-te): TE modules in BF16 with fused
     norms, MLPs and weight-gradient accumulation train like the plain BF16 model over a few steps."""
-    settings = {**SETTINGS, "recipe": "bf16", "steps": 3, "global_batch": 4}  # SETTINGS' backend is te
-    on_te = TrainConfig(**settings, fuse_norm=True, fuse_mlp=True, gradient_accumulation_fusion=True)
+    settings = {**SETTINGS, "precision.recipe": "bf16", "steps": 3, "global_batch": 4}  # SETTINGS' backend is te
+    on_te = from_overrides({**settings, "precision.fuse_norm": True, "precision.fuse_mlp": True, "te.gradient_accumulation_fusion": True})
     with session(on_te) as run:
         assert any(isinstance(m, TransformerEngineBaseModule) for m in run.model.modules())
-    te_run, plain = train(on_te), train(TrainConfig(**{**settings, "backend": "auto"}))
+    te_run, plain = train(on_te), train(from_overrides({**{**settings, "precision.backend": "auto"}}))
     assert te_run.grad_norms == pytest.approx(plain.grad_norms, rel=0.02), (te_run.grad_norms, plain.grad_norms)
     assert te_run.losses == pytest.approx(plain.losses, rel=1e-2), (te_run.losses, plain.losses)
 
@@ -183,7 +182,7 @@ def test_delayed_scaling_updates_its_scales_inside_compiled_blocks():
     step as in an eager run: the compiled run ends with the eager run's scales (up to the compiled glue's
     rounding), moved away from their initial 1.0."""
     def final_scales(compile: bool) -> dict[str, torch.Tensor]:
-        cfg = TrainConfig(**{**SETTINGS, "steps": 3}, compile=compile)
+        cfg = from_overrides({**{**SETTINGS, "training.steps": 3}, "training.compile": compile})
         with session(cfg) as run:
             for _ in range(cfg.steps):
                 run.step(cfg.grad_clip)
@@ -201,10 +200,10 @@ def test_priming_passes_end_the_delayed_scaling_cold_start():
     """TE DelayedScaling's scales start at 1, so unprimed the first step's E4M3 gradient casts flush: FP8 weights
     get all-zero gradients. With the default fp8_priming_passes no FP8 weight gradient of the first steps is zero.
     If the unprimed run stops showing zeros, TE has changed its start: re-check whether priming is still needed."""
-    settings = {**SETTINGS, "steps": 3, "fp8_format": "e4m3"}
-    cold = train(TrainConfig(**settings, fp8_priming_passes=0))
+    settings = {**SETTINGS, "training.steps": 3, "fp8_format": "e4m3"}
+    cold = train(from_overrides({**settings, "te.priming_passes": 0}))
     FP8GlobalStateManager.reset()
-    primed = train(TrainConfig(**settings))
+    primed = train(from_overrides({**settings}))
     assert cold.zero_fp8_weight_grads[0], cold.zero_fp8_weight_grads
     assert primed.zero_fp8_weight_grads == [[], [], []], primed.zero_fp8_weight_grads
 
@@ -214,9 +213,9 @@ def test_cached_fp8_weights_are_cast_once_per_step_not_per_micro_batch(param_dty
     """With four micro-batches per step each cached TE module casts its weights at the step's first forward only,
     whether the optimizer writes FP32 weights (fused AdamW, which leaves their versions alone) or the masters are
     copied into BF16 ones: a recast per micro-batch would train the same and cost the cache's whole gain."""
-    settings = {**SETTINGS, "steps": 3, "global_batch": 8, "param_dtype": param_dtype, "fuse_norm": True,
+    settings = {**SETTINGS, "training.steps": 3, "global_batch": 8, "param_dtype": param_dtype, "fuse_norm": True,
                 "fuse_mlp": True, "gradient_accumulation_fusion": True, "fp8_priming_passes": 0}
-    with session(TrainConfig(**settings)) as run:
+    with session(from_overrides({**settings})) as run:
         cached = [m for m in run.model.modules() if getattr(m, "cached_weights", ())]
         casts = {id(m): 0 for m in cached}
 

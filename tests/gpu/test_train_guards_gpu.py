@@ -13,9 +13,9 @@ import torch
 from fp8stack import assembly
 from fp8stack.runtime.numerics import NonFiniteLossError, load_pin
 from fp8stack.train import checkpoint
-from fp8stack.train.__main__ import main as train_main
+from fp8stack.train.command import main as train_main
 from fp8stack.train.checkpoint import UntrustedCheckpointError
-from fp8stack.train.config import TrainConfig
+from fp8stack.config import JobConfig, from_overrides
 from fp8stack.train.data import TextData
 from fp8stack.train.loop import train
 
@@ -27,10 +27,9 @@ require_te(["delayed"])
 
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
-SETTINGS = dict(model="tiny", recipe="delayed", backend="te", small_gemm_filter="off", device="cuda", steps=4,
-                warmup=1, micro_batch=2, seq_len=128, eval_batches=0, max_data_bytes=1 << 20, progress=False)
+SETTINGS = {"model.name": "tiny", "precision.recipe": "delayed", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 4, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False}
 """Every GEMM of the tiny model on TE delayed scaling (as tests/gpu/test_train_gpu.py)."""
-PRIMING = TrainConfig().fp8_priming_passes
+PRIMING = from_overrides({}).fp8_priming_passes
 """Forwards a delayed-scaling run takes before its first step."""
 
 
@@ -67,7 +66,7 @@ def test_a_nan_in_one_te_layer_stops_training_with_the_batch_pinned_and_the_laye
     monkeypatch.setattr(assembly, "assemble", assemble_and_hook)
     log = tmp_path / "log"
     with pytest.raises(NonFiniteLossError) as stopped:
-        train(TrainConfig(**SETTINGS, log_dir=str(log)))
+        train(from_overrides({**SETTINGS, "logging.dir": str(log)}))
     message = str(stopped.value)
     assert "step 1: loss nan" in message and "the optimizer step was not taken" in message, message
     assert "the first layer with a non-finite output is layers.1.feed_forward.w2" in message, message
@@ -80,7 +79,7 @@ def test_a_nan_in_one_te_layer_stops_training_with_the_batch_pinned_and_the_laye
 def test_fp8_statistics_of_te_layers_reach_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(TrainConfig(**SETTINGS, log_dir=str(tmp_path), fp8_stats_interval=2))
+    train(from_overrides({**SETTINGS, "logging.dir": str(tmp_path), "logging.fp8_stats_interval": 2}))
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     amax = events.Scalars("fp8/layers.0.attention.wqkv/amax/weight")
@@ -92,9 +91,9 @@ def test_fp8_statistics_of_te_layers_reach_tensorboard(tmp_path):
 
 def test_an_untrusted_delayed_scaling_checkpoint_is_refused_and_its_payload_never_runs(tmp_path, capsys):
     folder = tmp_path / "ckpt"
-    train(TrainConfig(**{**SETTINGS, "steps": 2}, checkpoint_dir=str(folder)))
+    train(from_overrides({**{**SETTINGS, "training.steps": 2}, "checkpoint.dir": str(folder)}))
     FP8GlobalStateManager.reset()
-    resume = TrainConfig(**SETTINGS, checkpoint_dir=str(folder), resume="latest")
+    resume = from_overrides({**SETTINGS, "checkpoint.dir": str(folder), "checkpoint.resume": "latest"})
     with pytest.raises(UntrustedCheckpointError, match="TE reads by unpickling, which can run code: pass "
                                                        "--trust-checkpoint"):
         train(resume)
@@ -122,9 +121,8 @@ def test_an_untrusted_delayed_scaling_checkpoint_is_refused_and_its_payload_neve
 def test_a_stateless_recipe_checkpoint_resumes_bit_identically_without_trust(tmp_path):
     """TE's tensorwise (current scaling) modules keep no scaling state: TE ignores their pickled extra state, and
     the resume needs no trust."""
-    settings = {**SETTINGS, "recipe": "tensorwise"}
-    full = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path), checkpoint_interval=2))
+    settings = {**SETTINGS, "precision.recipe": "tensorwise"}
+    full = train(from_overrides({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.interval": 2}))
     FP8GlobalStateManager.reset()
-    resumed = train(TrainConfig(**settings, checkpoint_dir=str(tmp_path),
-                                resume=str(checkpoint.checkpoint_path(tmp_path, 2))))
+    resumed = train(from_overrides({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.resume": str(checkpoint.checkpoint_path(tmp_path, 2))}))
     assert resumed.first_step == 2 and resumed.losses == full.losses[2:]

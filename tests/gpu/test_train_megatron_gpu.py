@@ -17,7 +17,7 @@ require_te()
 import transformer_engine.pytorch as te  # noqa: E402
 
 from fp8stack.train import megatron_model  # noqa: E402
-from fp8stack.train.config import TrainConfig  # noqa: E402
+from fp8stack.config import JobConfig, from_overrides  # noqa: E402
 from fp8stack.train.loop import _Distributed, train  # noqa: E402
 
 
@@ -29,9 +29,8 @@ def no_megatron_state_left_by_other_modules():
     parallel_state.destroy_model_parallel()
 
 
-def megatron_tensorwise(**kw) -> TrainConfig:
-    return TrainConfig(model="tiny", model_impl="megatron", recipe="tensorwise", backend="te", device="cuda",
-                       eval_batches=0, progress=False, **kw)
+def megatron_tensorwise(**kw) -> JobConfig:
+    return from_overrides({"model.name": "tiny", "model.impl": "megatron", "precision.recipe": "tensorwise", "precision.backend": "te", "training.device": "cuda", "training.eval_batches": 0, "logging.progress": False, **kw})
 
 
 def test_each_optimizer_step_marks_a_new_step_for_the_fp8_weight_cache():
@@ -70,7 +69,7 @@ def test_fused_wgrad_accumulation_writes_te_weight_gradients_into_main_grad():
         assert all(w.grad_added_to_main_grad and w.main_grad.dtype == torch.float32 for w in te_weights)
         assert all(w.main_grad.abs().sum() > 0 for w in te_weights), "the wgrad GEMMs wrote no gradient"
 
-    settings = dict(steps=5, lr=1e-3, warmup=1, micro_batch=2, global_batch=4)
+    settings = {"training.steps": 5, "optimizer.lr": 1e-3, "optimizer.warmup": 1, "training.micro_batch": 2, "training.global_batch": 4}
     fused = train(megatron_tensorwise(**settings, gradient_accumulation_fusion=True))
     plain = train(megatron_tensorwise(**settings))
     assert fused.losses[0] == pytest.approx(plain.losses[0], rel=1e-5)
@@ -83,8 +82,8 @@ def test_delayed_scaling_is_primed_on_the_megatron_path(fusion):
     """The trainer primes megatron's delayed-scaling TE linears as the plain path's (fp8_priming_passes): with
     E4M3 gradients, where an unprimed first step flushes them, no FP8 weight gradient of the first steps is zero,
     with autograd gradients and with DDP's main_grad buffers (zeroed again after the priming passes)."""
-    cfg = TrainConfig(**{**asdict(megatron_tensorwise(steps=3, micro_batch=2, global_batch=4,
+    cfg = from_overrides({**{**asdict(megatron_tensorwise(steps=3, micro_batch=2, global_batch=4,
                                                       gradient_accumulation_fusion=fusion)),
-                         "recipe": "delayed", "fp8_format": "e4m3"})
+                         "precision.recipe": "delayed", "fp8_format": "e4m3"}})
     result = train(cfg)
     assert result.zero_fp8_weight_grads == [[], [], []], result.zero_fp8_weight_grads
