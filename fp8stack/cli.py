@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from fp8stack import __version__
 from fp8stack.ab import add_ab_parser
+from fp8stack.doctor import add_doctor_parser
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan, parse_arch
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES
 from fp8stack.plan.recipe_file import SETTINGS
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=run_plan)
     add_ab_parser(commands)
     add_profile_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 
