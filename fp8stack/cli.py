@@ -13,6 +13,7 @@ from typing import NoReturn
 from fp8stack import __version__
 from fp8stack.ab import add_ab_parser
 from fp8stack.config import ConfigError, ModelConfig, add_section_arguments, parse_args
+from fp8stack.doctor import add_doctor_parser
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan, parse_arch
 from fp8stack.plan.recipes import BF16, RECIPES
 from fp8stack.plan.render import RENDERERS, render_table
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=run_plan)
     add_ab_parser(commands)
     add_profile_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 
