@@ -34,7 +34,7 @@ PLAN = ["plan", "--arch", "sm90"]
 
 BAD_INPUTS = [
     # (argv, where {tmp} is the folder holding BAD_FILES; text the one-line message must contain)
-    ([*PLAN, "--fp8-recipe", "fp4"], "argument --fp8-recipe: invalid choice: 'fp4'"),
+    ([*PLAN, "--fp8-recipe", "fp4"], "unknown FP8 recipe 'fp4': use one of bf16, delayed"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--model", "no-such-model"], "model description 'no-such-model' not found: give a YAML path"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--recipe-file", "no-such-recipe"], "recipe file 'no-such-recipe' not found"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--model", "{tmp}/broken.yaml"], "is not valid YAML at line 2: fix the syntax"),
@@ -52,7 +52,7 @@ BAD_INPUTS = [
     ([*PLAN, "--fp8-recipe", "rowwise", "--backend", "te"], "recipe 'rowwise' has no te implementation: use --backend torchao"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--head-on-te"], "head_on_te puts the output head beside the plan's "
                                                           "TransformerEngine linears, and recipe rowwise with backend auto has none"),
-    ([*PLAN, "--fp8-recipe", "rowwise", "--fp8-format", "e5m2"], "argument --fp8-format: invalid choice: 'e5m2'"),
+    ([*PLAN, "--fp8-recipe", "rowwise", "--fp8-format", "e5m2"], "--fp8-format: invalid choice: 'e5m2'"),
     (["plan", "--fp8-recipe", "rowwise", "--arch", "hopper"], "cannot read GPU arch 'hopper': write it like sm90"),
     (["plan", "--fp8-recipe", "rowwise", "--arch", "sm9"], "GPU arch 'sm9' is out of range"),
     ([*PLAN, "--recipe-file", "{tmp}/unknown-keys.yaml"], "unknown key(s) ['speed']; allowed:"),

@@ -1,15 +1,12 @@
-"""Issue-7 levers that are flags of the trainer and the A/B harness: the SDPA kernel choice and TE
-norm fusion. Their speed is measured on a GPU (profiles/NOTES.md); here, that they are wired and refuse
-what cannot work."""
-
-import argparse
+"""Levers that are options of the trainer and the A/B harness: the SDPA kernel choice, TE norm fusion, weight-gradient
+fusion, delayed scaling's margin. Their speed is measured on a GPU; here, that they are wired and refuse what cannot
+work."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8stack.ab import speed_levers
-from fp8stack.ab.run import _add_arguments as add_ab_arguments
+from fp8stack.ab import AbConfig, arm_configs
 from fp8stack.runtime.attention import SDPA_BACKENDS, sdpa_backend
 from fp8stack.train.command import job_from_flags
 from fp8stack.config import ConfigError, from_overrides
@@ -43,32 +40,30 @@ def test_named_backend_off_the_gpu_is_refused_not_silently_math():
 
 
 def test_trainer_flags_reach_the_config():
-    args = build_parser().parse_args(["--sdpa-backend", "cudnn", "--fuse-norm", "--fuse-mlp", "--backend", "te",
-                                      "--fp8-recipe", "tensorwise"])
-    cfg = config_from_args(args)
-    assert (cfg.sdpa_backend, cfg.fuse_norm, cfg.fuse_mlp) == ("cudnn", True, True)
+    cfg = job_from_flags(["--sdpa-backend", "cudnn", "--no-fuse-norm", "--fuse-mlp", "--backend", "te",
+                          "--fp8-recipe", "tensorwise"])
+    assert (cfg.training.sdpa_backend, cfg.precision.fuse_norm, cfg.precision.fuse_mlp) == ("cudnn", False, True)
     assert set(SDPA_BACKENDS) >= {"auto", "cudnn", "flash"}
-    with pytest.raises(ConfigError, match="unknown sdpa_backend"):
+    with pytest.raises(ConfigError, match="unknown training.sdpa_backend"):
         from_overrides({"training.sdpa_backend": "fa3"})
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"sdpa_backend": "cudnn"}, "is a CUDA kernel, but this run is on cpu"),
-    ({"fuse_norm": True}, "no TE layers"),
-    ({"fuse_mlp": True}, "LayerNormMLP modules, but the plan .* has no TE layers.*--fuse-mlp"),
+    ({"training.sdpa_backend": "cudnn"}, "is a CUDA kernel, but this run is on cpu"),
+    ({"te.gradient_accumulation_fusion": True}, "has no TE layers.*--gradient-accumulation-fusion"),
 ])
 def test_trainer_refuses_levers_that_cannot_apply(options, match):
     with pytest.raises(ConfigError, match=match):
-        train(from_overrides({"model.name": "tiny", "training.device": "cpu", "training.steps": 1, "training.eval_batches": 0, "logging.progress": False, **options}))
+        train(from_overrides({"model.name": "tiny", "training.device": "cpu", "training.steps": 1,
+                              "training.eval_batches": 0, "logging.progress": False, **options}))
 
 
-def test_ab_passes_the_levers_on():
-    parser = argparse.ArgumentParser()
-    add_ab_arguments(parser)
-    args = parser.parse_args(["--sdpa-backend", "cudnn", "--fuse-norm", "--fuse-mlp"])
-    assert (args.sdpa_backend, args.fuse_norm, args.fuse_mlp) == ("cudnn", True, True)
-    assert (parser.parse_args([]).sdpa_backend, parser.parse_args([]).fuse_norm) == ("auto", False)
-    assert not parser.parse_args([]).fuse_mlp
-    fp8, bf16 = speed_levers(args, "delayed"), speed_levers(args, "bf16")
-    assert (fp8["fuse_norm"], fp8["fuse_mlp"]) == (True, True), "FP8 arms get the TE fusions"
-    assert (bf16["fuse_norm"], bf16["fuse_mlp"]) == (False, False), "the bf16 arm has no TE layers to fuse"
+def test_ab_gives_each_arm_the_levers_its_plan_uses():
+    cfg = from_overrides({"model.name": "tiny", "precision.backend": "te", "te.gradient_accumulation_fusion": True,
+                          "te.delayed_margin": 1, "precision.recipe": "delayed"})
+    arms = arm_configs(AbConfig(fastest_bf16=False), cfg, ["bf16", "delayed", "tensorwise"], te_runs=True)
+    assert [a.te.delayed_margin for a in arms.values()] == [0, 1, 0], "the margin of scales taken from history"
+    assert [a.te.gradient_accumulation_fusion for a in arms.values()] == [None, True, True], \
+        "explicit weight-gradient fusion goes to arms with TE layers; the plain bf16 arm has none"
+    assert all(a.precision.fuse_norm and a.precision.fuse_mlp for a in arms.values()), \
+        "fusions are the plan's: a plan without TE layers fuses nothing and says so"

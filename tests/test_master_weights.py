@@ -55,7 +55,7 @@ def test_micro_batch_gradients_add_up_in_fp32():
 def test_bf16_parameters_compute_what_fp32_ones_under_autocast_do():
     """Without FP8, autocast's per-forward BF16 casts of FP32 parameters are the BF16 parameters, and both paths add
     BF16 weight gradients in FP32 (the embedding's rows too): the runs agree to FP32 summation order."""
-    settings = dict(FAST, recipe="bf16", steps=5, warmup=1, global_batch=4)
+    settings = {**FAST, "precision.recipe": "bf16", "training.steps": 5, "optimizer.warmup": 1, "training.global_batch": 4}
     fp32, bf16 = (train(from_overrides({**settings, "training.param_dtype": dtype})) for dtype in ("fp32", "bf16"))
     assert bf16.losses[-1] < bf16.losses[0]
     assert bf16.losses == pytest.approx(fp32.losses, rel=1e-5)
@@ -64,7 +64,7 @@ def test_bf16_parameters_compute_what_fp32_ones_under_autocast_do():
 
 def test_bf16_parameters_train_as_fp32_ones_to_rounding_in_fp8():
     """FP8 casts of BF16 parameters round twice where FP32 ones round once: close, not equal."""
-    settings = dict(FAST, recipe="tensorwise", steps=5, warmup=1, global_batch=4)
+    settings = {**FAST, "precision.recipe": "tensorwise", "training.steps": 5, "optimizer.warmup": 1, "training.global_batch": 4}
     fp32, bf16 = (train(from_overrides({**settings, "training.param_dtype": dtype})) for dtype in ("fp32", "bf16"))
     assert bf16.losses[-1] < bf16.losses[0]
     assert bf16.losses != fp32.losses and bf16.losses == pytest.approx(fp32.losses, rel=2e-2)

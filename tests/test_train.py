@@ -13,7 +13,7 @@ from fp8stack.train.command import job_from_flags
 from fp8stack.train.command import main as train_main
 from fp8stack.train.data import SPLITS, TextData, load_split, source_files, source_roots, split_of, stdlib_root
 from fp8stack.config import ConfigError, JobConfig, from_overrides
-from fp8stack.train.loop import cpu_fp8_gemms, lr_at, session, train
+from fp8stack.train.loop import cpu_fp8_gemms, lr_at, resolve_job, session, train
 
 SMALL_DATA = 1 << 20
 """1 MiB of stdlib source: plenty for a few short steps, quick to read."""
@@ -85,7 +85,7 @@ def test_python_source_adds_site_packages_after_the_stdlib():
     stdlib_bytes = sum(p.stat().st_size for p in source_files(stdlib_root()))
     more = stdlib_bytes + SMALL_DATA  # the whole stdlib, then a MiB of site-packages for the python source
     assert load_split("train", more, source="python").numel() > load_split("train", more).numel()
-    with pytest.raises(ConfigError, match="unknown data_source 'pypi': use stdlib or python"):
+    with pytest.raises(ConfigError, match="unknown data.source 'pypi': use stdlib, python"):
         from_overrides({"data.source": "pypi"})
 
 
@@ -110,7 +110,7 @@ def test_cpu_fp8_gemms_take_torchs_emulation_with_onednns_results(rowwise):
 
 def test_lr_warms_up_then_decays_to_min_lr():
     cfg = from_overrides({"training.steps": 20, "optimizer.warmup": 4, "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4})
-    lrs = [lr_at(step, cfg) for step in range(cfg.steps + 1)]
+    lrs = [lr_at(step, cfg) for step in range(cfg.training.steps + 1)]
     assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lrs[4] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
     assert all(later <= earlier for earlier, later in zip(lrs[4:], lrs[5:]))
@@ -118,8 +118,9 @@ def test_lr_warms_up_then_decays_to_min_lr():
 
 
 def test_min_lr_defaults_to_a_tenth_of_the_peak():
-    assert from_overrides({"optimizer.lr": 3e-4}).min_lr == pytest.approx(3e-5)
-    assert lr_at(39, from_overrides({"training.steps": 40, "optimizer.warmup": 4, "optimizer.lr": 3e-4})) < 4e-5
+    cfg = resolve_job(from_overrides({"training.steps": 40, "optimizer.warmup": 4, "optimizer.lr": 3e-4}))
+    assert cfg.optimizer.min_lr == pytest.approx(3e-5)
+    assert lr_at(39, cfg) < 4e-5
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
@@ -141,7 +142,7 @@ def test_short_run_trains(recipe, tmp_path):
 def test_compile_compiles_the_loss_and_trains_as_eager():
     """--compile compiles the blocks and the loss (torchtitan's practice: a fused cross-entropy without FP32 copies
     of the logits); on a CPU in FP32 the compiled run takes the eager run's steps to rounding."""
-    settings = dict(FAST, recipe="bf16", steps=3, warmup=1, eval_batches=0)
+    settings = {**FAST, "precision.recipe": "bf16", "training.steps": 3, "optimizer.warmup": 1, "training.eval_batches": 0}
     with session(from_overrides({**settings, "training.compile": True})) as run:
         _, loss = run.loss_fn.args
         assert loss is not Llama.loss and loss.__wrapped__ is Llama.loss, "the loss is torch.compile'd"
@@ -155,7 +156,7 @@ def test_gradient_accumulation_trains_on_the_whole_batch(recipe, rel):
     """Two micro-batches of 2 per step take the steps one micro-batch of 4 takes (same windows, mean loss).
     FP32 on a CPU agrees to rounding; tensorwise FP8 to its rounding, as each micro-batch has its own
     activation scales."""
-    settings = dict(FAST, recipe=recipe, steps=4, warmup=1, eval_batches=0)
+    settings = {**FAST, "precision.recipe": recipe, "training.steps": 4, "optimizer.warmup": 1, "training.eval_batches": 0}
     whole = train(from_overrides({**{**settings, "training.micro_batch": 4}}))
     accumulated = train(from_overrides({**{**settings, "training.micro_batch": 2}, "training.global_batch": 4}))
     halves = train(from_overrides({**{**settings, "training.micro_batch": 2}}))
@@ -163,7 +164,7 @@ def test_gradient_accumulation_trains_on_the_whole_batch(recipe, rel):
     assert accumulated.losses == pytest.approx(whole.losses, rel=rel)
     assert accumulated.grad_norms == pytest.approx(whole.grad_norms, rel=10 * rel)
     assert halves.losses != pytest.approx(whole.losses, rel=10 * rel)  # other batches: the check can fail
-    with pytest.raises(ConfigError, match="positive multiple of micro_batch=2"):
+    with pytest.raises(ConfigError, match="must be a multiple of training.micro_batch=2"):
         from_overrides({"training.micro_batch": 2, "training.global_batch": 3})
 
 
@@ -195,12 +196,12 @@ def test_priming_passes_leave_weights_optimizer_and_data_as_they_were():
         assert all(p.grad is None and torch.equal(p, before[name]) for name, p in run.model.named_parameters())
         primed = [float(run.step(1.0)[0]) for _ in range(3)]
     assert primed == train(from_overrides({**settings})).losses  # exact: priming changed nothing a torchao run keeps
-    with pytest.raises(ConfigError, match="fp8_priming_passes must be non-negative"):
+    with pytest.raises(ConfigError, match="te.priming_passes must be at least 0"):
         from_overrides({"te.priming_passes": -1})
 
 
 @pytest.mark.parametrize("recipe, params", [("bf16", {}), ("tensorwise", {}),
-                                            ("tensorwise", {"dtype": "bf16", "param_dtype": "bf16"})],
+                                            ("tensorwise", {"training.dtype": "bf16", "training.param_dtype": "bf16"})],
                          ids=["bf16", "tensorwise", "tensorwise-bf16-params"])
 def test_resume_continues_bit_identically(recipe, params, tmp_path):
     """With BF16 parameters too: the checkpoint holds the FP32 masters, which BF16 copies could not restore."""
@@ -252,8 +253,8 @@ def test_checkpoint_keeps_module_extra_state(tmp_path):
     (["--recompute-modules", "mlp", "--recompute-layers", "0,2"], "0,2", ("mlp",)),
 ])
 def test_megatron_recompute_flags(flags, recompute, modules):
-    cfg = job_from_flags((flags))
-    assert (cfg.recompute, cfg.recompute_modules) == (recompute, modules)
+    cfg = job_from_flags(flags)
+    assert (cfg.activation_checkpoint.layers, cfg.activation_checkpoint.modules) == (recompute, modules)
 
 
 def test_selective_recompute_trains():
@@ -279,8 +280,8 @@ def test_compression_refuses_an_fp32_run_where_it_would_compress_nothing():
 
 def test_config_errors_name_the_fix(capsys):
     with pytest.raises(ConfigError, match="use one of tiny"):
-        from_overrides({"model.name": "gpt5"})
-    with pytest.raises(ConfigError, match="needs checkpoint_dir"):
+        resolve_job(from_overrides({"model.name": "gpt5"}))
+    with pytest.raises(ConfigError, match="needs checkpoint.dir"):
         from_overrides({"checkpoint.resume": "latest"})
     with pytest.raises(ConfigError, match="drop --fsdp-one-rank and --tensor-model-parallel-size"):
         from_overrides({"te.gradient_accumulation_fusion": True, "parallelism.fsdp_one_rank": True})
@@ -296,9 +297,9 @@ def test_config_errors_name_the_fix(capsys):
 def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
     from fp8stack.train.loop import _backend_options, build_model, build_plan
 
-    cfg = job_from_flags((["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
-                                                      "--small-gemm-filter", "off", "--device", "cpu"]))
-    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
+    cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
+                                      "--small-gemm-filter", "off", "--device", "cpu"]))
+    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
     assert _backend_options(cfg, plan, micro_batches=1)["te"]["delayed_margin"] == 2
 
 
@@ -306,8 +307,10 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
     from fp8stack.train.loop import _backend_options, build_model, build_plan
 
     def plan(recipe: str, backend: str = "te", fusion: bool = True) -> tuple[JobConfig, Plan]:
-        cfg = from_overrides({"model.name": "tiny", "precision.recipe": recipe, "precision.backend": backend, "precision.small_gemm_filter": "off", "training.device": "cpu", "te.gradient_accumulation_fusion": fusion})
-        return cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
+        cfg = resolve_job(from_overrides({"model.name": "tiny", "precision.recipe": recipe, "precision.backend": backend,
+                                          "precision.small_gemm_filter": "off", "training.device": "cpu",
+                                          "te.gradient_accumulation_fusion": fusion}))
+        return cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")))
 
     def options(recipe: str, backend: str = "te") -> dict | None:
         return _backend_options(*plan(recipe, backend), 1)
@@ -329,36 +332,39 @@ def test_blockwise_experts_reach_the_plan():
     from fp8stack.train.loop import build_model, build_plan
 
     def expert_backend(**options) -> str:
-        cfg = from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise", "training.device": "cpu", **options})
-        plan = build_plan(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"))
+        cfg = resolve_job(from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise",
+                                          "training.device": "cpu", **options}))
+        plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
         return next(d.backend for d in plan.decisions if d.component.kind == "expert")
 
     assert expert_backend() == "grouped_fp8"  # auto on a CPU: the grouped kernels (te only where TE runs)
-    assert expert_backend(blockwise_experts="te") == "te"
-    with pytest.raises(ConfigError, match="unknown blockwise_experts 'x': use auto, grouped_fp8 or te"):
+    assert expert_backend(**{"precision.blockwise_experts": "te"}) == "te"
+    with pytest.raises(ConfigError, match="blockwise_experts='x': use auto, grouped_fp8 or te"):
         from_overrides({"precision.blockwise_experts": "x"})
 
 
 def test_auto_blockwise_experts_on_te_say_why_in_the_plan():
     from fp8stack.plan import PolicyConfig, make_plan
     from fp8stack.plan.from_module import describe_module
-    from fp8stack.train.loop import AUTO_BLOCKWISE_EXPERTS_ON_TE, blockwise_expert_options, build_model
+    from fp8stack.train.loop import build_model
+    from fp8stack.train.resolve import AUTO_BLOCKWISE_EXPERTS_ON_TE
 
-    assert blockwise_expert_options("auto", te_runs_blockwise=False) == {"blockwise_experts": "grouped_fp8"}
-    assert blockwise_expert_options("grouped_fp8", te_runs_blockwise=True) == {"blockwise_experts": "grouped_fp8"}
-    cfg = from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise", "training.device": "cpu"})
+    cfg = resolve_job(from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise",
+                                      "training.device": "cpu"}))
+    assert cfg.precision.blockwise_experts == "grouped_fp8", "auto on a CPU: TE runs no blockwise FP8 here"
     model = build_model(cfg, torch.device("cpu"))
-    description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model)
+    description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model.name)
 
-    def expert_reason(choice: str) -> str:  # build_plan's resolution, as on a GPU where TE runs blockwise
-        policy = PolicyConfig(recipe="blockwise", **blockwise_expert_options(choice, te_runs_blockwise=True))
-        d = next(d for d in make_plan(description, policy).decisions if d.component.kind == "expert")
+    def expert_reason(**choice) -> str:  # as resolve decides auto on a GPU where TE runs blockwise
+        d = next(d for d in make_plan(description, PolicyConfig(recipe="blockwise", **choice)).decisions
+                 if d.component.kind == "expert")
         assert (d.backend, d.recipe) == ("te", "blockwise")
         return d.reason
 
-    assert expert_reason("auto").endswith(
+    assert expert_reason(blockwise_experts="te", blockwise_experts_why=AUTO_BLOCKWISE_EXPERTS_ON_TE).endswith(
         f"GroupedLinear (blockwise_experts=te: {AUTO_BLOCKWISE_EXPERTS_ON_TE}; not fp8stack's grouped kernels)")
-    assert expert_reason("te").endswith("GroupedLinear (blockwise_experts=te, not fp8stack's grouped kernels)")
+    assert expert_reason(blockwise_experts="te").endswith(
+        "GroupedLinear (blockwise_experts=te, not fp8stack's grouped kernels)")
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

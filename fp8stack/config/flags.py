@@ -174,6 +174,8 @@ def add_section_arguments(parser: argparse.ArgumentParser, section: str, default
             options.update(nargs="+", metavar="NAME")
         else:
             options["type"] = _PARSERS.get(dotted, kind)
+            if dotted in CHOICES and dotted not in _PARSERS:
+                options["choices"] = CHOICES[dotted]
             options["metavar"] = "{" + ",".join(CHOICES[dotted]) + "}" if dotted in CHOICES else _METAVARS[kind]
         # a command's own section registered first keeps an alias both claim (ab's --blockwise-gemms)
         free = [alias for alias in aliases.get(dotted, ()) if alias not in parser._option_string_actions]
@@ -348,7 +350,8 @@ def _megatron_recompute(args: argparse.Namespace, given: dict[str, Any]) -> None
     granularity = getattr(args, "recompute_granularity", None)
     modules = getattr(args, "recompute_modules", None)
     if granularity == "full" and modules:
-        raise ConfigError("--recompute-modules applies to --recompute-granularity selective, not full: drop one")
+        raise ConfigError("--recompute-modules applies to --recompute-granularity selective, not full: drop one of "
+                          "them")
     if granularity is None and modules:
         granularity = "selective"
     if granularity is not None:

@@ -177,6 +177,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
     (resolve_job); ends the processes on exit."""
     from fp8stack.assembly import assemble, post_optimizer_step_hook  # the assembly pulls in every backend
 
+    cfg = resolve_job(cfg)
     with _Distributed(cfg) as env, _sdpa_backend(cfg, env.device), cpu_fp8_gemms(env.device), ExitStack() as stack:
         device, dtype = env.device, _activation_dtype(cfg)
         micro_batches = _micro_batches(cfg, env.dp_size)
