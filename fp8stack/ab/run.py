@@ -23,7 +23,8 @@ from pathlib import Path
 from fp8stack.ab.plot import plot
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_PARAMS_SUFFIX,
                                   GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
-                                  Arm, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms, repeat_note)
+                                  Arm, arm_label, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms,
+                                  repeat_note, verdict_cells)
 from fp8stack.backends import get_backend
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
 from fp8stack.config.flags import add_megatron_recompute_arguments
@@ -255,7 +256,9 @@ def run_ab(args: argparse.Namespace) -> int:
         bf16_arms = ("the bf16 arms are the plan without FP8, plain and on TE modules; the faster is the reference, "
                      "which the bf16 repeats rerun"
                      if BF16_ON_TE_ARM in configs else
-                     f"the bf16 arm is the plan without FP8{', on TE modules' if ab.bf16_on_te else ''}")
+                     f"the {arm_label(BF16, dtype)} arm"
+                     f"{'' if arm_label(BF16, dtype) == BF16 else ' (bf16 in the JSON)'} is the plan without FP8"
+                     f"{', on TE modules' if ab.bf16_on_te else ''}")
         checkpointed = first.activation_checkpoint
         arm_notes = (f" Every arm recomputes {', '.join(checkpointed.modules)} in blocks {checkpointed.layers} in "
                      "backward." if checkpointed.layers else "")
@@ -424,20 +427,23 @@ class _RunningArm:
 
 
 def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:
-    header = ["recipe", "backend", "step ms", "tokens/s", "TFLOP/s", "MFU", "mem GiB", "final loss", "loss gap",
-              "verdict", "reason"]
+    """The evidence's table: one row per arm, under the name it is shown by (Arm.label), with its measurements, its
+    speed, memory and loss verdicts (verdict_cells) and the overall verdict with its reason."""
+    header = ["arm", "backend", "step ms", "tokens/s", "TFLOP/s", "MFU", "mem GiB", "final loss", "speed", "memory",
+              "loss", "verdict", "reason"]
 
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    rows = [[a.recipe, a.backend, fmt(a.step_ms, ".1f"), fmt(a.tokens_per_s, ",.0f"), fmt(a.tflops, ".3g"),
-             fmt(a.mfu, ".1%"), fmt(a.peak_mem_gib, ".2f"), fmt(a.final_loss, ".4f"), fmt(a.rel_loss_gap, "+.2%"),
+    rows = [[a.label, a.backend, fmt(a.step_ms, ".1f"), fmt(a.tokens_per_s, ",.0f"), fmt(a.tflops, ".3g"),
+             fmt(a.mfu, ".1%"), fmt(a.peak_mem_gib, ".2f"), fmt(a.final_loss, ".4f"), *verdict_cells(a),
              a.verdict, a.reason] for a in arms]
     return header, rows
 
 
 def _print_table(table: tuple[list[str], list[list]], markdown: str) -> None:
-    """A rich table on a terminal; the Markdown table elsewhere (logs keep every column whole)."""
+    """A rich table on a terminal; the Markdown table elsewhere (logs keep every column whole). On a terminal the
+    numbers stay on one line; the arm's name, the verdicts and the reason wrap."""
     from rich.console import Console
     from rich.table import Table
 
@@ -447,8 +453,9 @@ def _print_table(table: tuple[list[str], list[list]], markdown: str) -> None:
         return
     header, rows = table
     view = Table(*header)
-    for column in view.columns[:-1]:
-        column.no_wrap = True
+    wrapping = {"arm", "speed", "memory", "loss", "reason"}
+    for name, column in zip(header, view.columns):
+        column.no_wrap = name not in wrapping
     for row in rows:
         view.add_row(*map(str, row))
     console.print(view)

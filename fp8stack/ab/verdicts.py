@@ -1,18 +1,28 @@
-"""How an A/B arm is judged against bf16, from the measurements of its run.
+"""How an A/B arm is judged against the reference BF16 arm, from the measurements of its run.
 
-An arm ships only if it is faster than the bf16 arm by more than the measured noise AND its final
-loss is within the tolerance of the bf16 arm's, above or below. The loss is not compared, and a faster
-FP8 arm is "inconclusive", where the comparison cannot resolve the tolerance: past one pass over the
-training text (the runs memorise it, at a rate set by rounding chaos: two bf16 runs of one configuration
-ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the bf16 runs' final losses
-span more than the tolerance; the verdict then says whether the arm's final loss lies between theirs.
-The bf16 arm runs --baseline-runs times (default 2: first and last), so the noise is run-to-run: the
-largest of the bf16 runs' step-time differences and each compared arm's step-time spread after warm-up
-(interquartile range / median); a ship verdict judged against a single bf16 run says that the loss
-spread between runs went unmeasured. A machine whose speed changes during the A/B (other work, clocks,
-heat) widens the noise and so cannot make an arm look faster. Final loss is the mean over the last 10%
-of steps. With two BF16 configurations (--fastest-bf16: plain, and on TE modules) the faster one is the
-reference every FP8 arm is judged against, as the fastest BF16 configuration of a model is the fair baseline.
+Each arm gets three verdicts and an overall one, each of them against what the A/B measured of its own noise:
+- speed: faster | slower | inconclusive. The arm's tokens/s over the reference's is faster above 1 + noise, slower
+  below 1 - noise, inconclusive in between (the gap is within the noise, noise_band). The noise is the largest of the
+  bf16 runs' step-time differences (the bf16 arm runs --baseline-runs times, default 2: first and last) and the
+  arm's and the reference's step-time spread after warm-up (interquartile range / median). A machine whose speed
+  changes during the A/B (other work, clocks, heat) widens the noise and so cannot make an arm look faster.
+- memory: less | more | same | inconclusive, the arm's peak memory over the reference's against the memory noise
+  measured as follows: on a GPU, CUDA's peak allocated memory, which one configuration reaches again byte for byte,
+  so the noise is the bf16 runs' differences when they differ and 0 otherwise; on a CPU, the process's max RSS
+  (allocator and library state), so the noise is the bf16 runs' max-RSS differences, unmeasured when bf16 ran once.
+- loss: within | above | below the tolerance, inconclusive, or not judged. Final loss is the mean over the last
+  LAST_FRACTION of steps. A run shorter than its loss_horizon is not judged. The loss is inconclusive where the
+  comparison cannot resolve the tolerance: past one pass over the training text (the runs memorise it, at a rate set
+  by rounding chaos: two bf16 runs of one configuration ended 2.6% apart after 4.2 passes, profiles/NOTES.md section
+  10), or when the bf16 runs' final losses span more than the tolerance; the reason then says whether the arm's
+  final loss lies between theirs.
+- overall (overall_verdict): ship when faster and the loss within the tolerance; rollback when slower or the loss
+  outside the tolerance (an arm far below bf16 computes something else too), or when the arm failed; inconclusive
+  otherwise, so a gap within the noise never reads rollback. Memory does not enter it: it is there to be read.
+A ship judged against a single bf16 run says that the loss spread between runs went unmeasured. With two BF16
+configurations (--fastest-bf16: plain, and on TE modules) the faster one is the reference every FP8 arm is judged
+against, as the fastest BF16 configuration of a model is the fair baseline. On a CPU the BF16 configurations run
+their activations in FP32: the table and the plot name them so (arm_label); the evidence's JSON keeps their keys.
 """
 
 import statistics
@@ -34,6 +44,10 @@ MAX_PASSES = 1.0
 """Training tokens over the training split's size beyond which final losses are not compared."""
 LAST_FRACTION = 0.10
 """Final loss = mean over this share of the last steps (at least one)."""
+MIN_LOSS_WINDOW = 5
+"""Steps the final-loss mean averages at the shortest run whose loss is judged (loss_horizon): one step's loss
+carries its batch's noise, ~1% of the loss on the tiny model (CPU_LOSS_TOLERANCE); a mean of 5 steps cuts that
+to under half, under a quarter of the CPU tolerance."""
 REPEAT_ARM = "bf16 (repeat)"
 """The second bf16 run, as a partial evidence file lists it among the pending arms (then 'bf16 (repeat 2)', ...)."""
 BF16_ON_TE_ARM = "bf16 on te"
@@ -47,6 +61,10 @@ FP8_PARAMS_SUFFIX = ", fp8 params"
 SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
                      "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
 """Added to a ship verdict judged against a single bf16 run."""
+FP32_ACTIVATIONS = "float32"
+"""TrainResult.dtype of a run whose activations are FP32 (a CPU's default): its BF16 configurations hold no BF16."""
+NO_FP8 = "(no FP8)"
+"""After the name a BF16 configuration is shown under when it ran in FP32 (arm_label)."""
 
 DENSE_PEAK_TFLOPS = {
     # (name marker, variant marker or '') -> {precision: dense TFLOP/s}, NVIDIA datasheets (no sparsity).
@@ -64,7 +82,8 @@ class Arm:
     """One recipe's run, as the JSON reports it (None where the arm did not run or the device has no value)."""
 
     recipe: str
-    """Plan recipe; bf16 is the plan without FP8, 'bf16 on te' the same on TE modules (--fastest-bf16)."""
+    """The arm's key: plan recipe; bf16 is the plan without FP8, 'bf16 on te' the same on TE modules
+    (--fastest-bf16)."""
     backend: str
     """Backend(s) the plan used other than plain bf16 ('torchao', 'te', 'torchao+grouped_fp8'; te for 'bf16 on
     te'), bf16 for the plain BF16 arm."""
@@ -81,12 +100,12 @@ class Arm:
     final_loss: float | None = None
     """Mean training loss over the last 10% of steps."""
     rel_loss_gap: float | None = None
-    """final_loss / bf16's final_loss - 1."""
+    """final_loss / the reference's final_loss - 1."""
     noise: float | None = None
     """Step-time interquartile range / median of this arm."""
     verdict: str = "rollback"
-    """baseline (the reference) | ship | rollback | inconclusive (the loss cannot resolve the tolerance:
-    loss_unresolved) | error (no BF16 configuration ran) | alternative (a slower or failed BF16 configuration)."""
+    """The overall verdict (overall_verdict): baseline (the reference) | ship | rollback | inconclusive | error (no
+    BF16 configuration ran) | alternative (a slower or failed BF16 configuration)."""
     reason: str = ""
     """Why, with the numbers."""
     val_loss: float | None = None
@@ -101,6 +120,32 @@ class Arm:
     """[start, collection] of the arm's process(es) in seconds since the epoch (arms run with --gpus overlap)."""
     zero_fp8_weight_grads: list[list[str]] | None = None
     """Per first step: FP8 weights whose whole gradient was zero (TrainResult.zero_fp8_weight_grads)."""
+    label: str = ""
+    """The arm's name in the table and the plot (arm_label): its key, but a BF16 configuration run with FP32
+    activations reads 'fp32 (no FP8)'."""
+    activation_dtype: str | None = None
+    """Activation dtype the run used (TrainResult.dtype: float32 | bfloat16)."""
+    speed_ratio: float | None = None
+    """tokens_per_s over the reference's."""
+    speed_noise: float | None = None
+    """The noise the speed verdict was judged against, as a share of the reference's tokens/s (noise_band); the
+    reference's own: the largest of the bf16 runs' step-time differences and its step-time spread."""
+    speed_verdict: str | None = None
+    """faster | slower | inconclusive (speed_ratio within the noise); None for the reference and failed arms."""
+    memory_ratio: float | None = None
+    """peak_mem_gib over the reference's."""
+    memory_noise: float | None = None
+    """The relative noise the memory verdict was judged against; None when unmeasured (max RSS, bf16 ran once)."""
+    memory_verdict: str | None = None
+    """less | more | same (equal, noise 0) | inconclusive (within the noise, or unmeasured noise); None for the
+    reference and failed arms."""
+    steps: int | None = None
+    """Training steps the run took (the length of loss_curve)."""
+    loss_horizon: int | None = None
+    """The fewest steps whose final loss is judged (loss_horizon of the run's LR warm-up)."""
+    loss_verdict: str | None = None
+    """within | above | below the tolerance | inconclusive (loss_unresolved) | not judged (steps < loss_horizon);
+    None for the reference and failed arms."""
 
 
 def peak_tflops(device: str) -> dict[str, float] | None:
@@ -123,30 +168,71 @@ def final_loss(losses: list[float]) -> float:
     return statistics.fmean(losses[-tail:])
 
 
-def verdict(arm_ms: float, base_ms: float, noise: float, loss_gap: float, tolerance: float,
-            unresolved: str = "", reference: str = BF16) -> tuple[str, str]:
-    """('ship' | 'rollback' | 'inconclusive', reason): ship only if faster than the `reference` BF16 arm by
-    more than `noise` (relative) and the relative loss gap is within `tolerance` either way (an arm far below
-    bf16 computes something else too). A faster arm is inconclusive when `unresolved` says why the loss cannot
-    be judged."""
-    speedup = base_ms / arm_ms - 1.0
-    if speedup <= noise:
-        speed = f"not faster than {reference} by more than the noise ({speedup:+.1%} speed-up, noise {noise:.1%})"
-    else:
-        speed = f"{speedup:+.1%} faster than {reference} (noise {noise:.1%})"
-    if speedup > noise and unresolved:
-        return "inconclusive", f"{speed}; loss not compared: {unresolved}"
-    problems = [] if speedup > noise else [speed]
-    if abs(loss_gap) > tolerance:
-        problems.append(f"loss {loss_gap:+.2%} vs {reference} is outside the +-{tolerance:.2%} tolerance")
-    if problems:
-        return "rollback", "; ".join(problems)
-    return "ship", f"{speed}, loss {loss_gap:+.2%} within +-{tolerance:.2%}"
+def loss_horizon(warmup: int) -> int:
+    """The fewest steps of a run whose final loss is judged: its LR warm-up (a loss taken while the learning rate
+    still ramps says nothing of the recipe: a 12-step run with 4 warm-up steps can end far above its first loss), plus
+    the steps whose last LAST_FRACTION holds MIN_LOSS_WINDOW of them."""
+    return warmup + round(MIN_LOSS_WINDOW / LAST_FRACTION)
+
+
+def noise_band(noise: float) -> tuple[float, float]:
+    """The ratios to the reference (tokens/s or peak memory over the reference's) that lie within `noise`: 1 - noise
+    (not below 0) to 1 + noise, the gap as a share of the reference. Judged so, a slower arm's gap is smaller than the
+    same arm's gap in step time, so the band errs toward inconclusive, never toward rollback: past 100% noise no arm
+    is slower."""
+    return max(0.0, 1.0 - noise), 1.0 + noise
+
+
+def speed_verdict(ratio: float, noise: float) -> str:
+    """faster | slower | inconclusive: tokens/s over the reference's (`ratio`) above, below or within noise_band."""
+    low, high = noise_band(noise)
+    return "faster" if ratio > high else "slower" if ratio < low else "inconclusive"
+
+
+def memory_verdict(ratio: float, noise: float | None) -> str:
+    """less | more | same | inconclusive: peak memory over the reference's (`ratio`) below, above or within
+    noise_band; same only where the noise is 0 (deterministic) and the peaks equal; inconclusive, whatever the
+    ratio, where the noise is unmeasured (None)."""
+    if noise is None:
+        return "inconclusive"
+    if noise == 0.0 and ratio == 1.0:
+        return "same"
+    low, high = noise_band(noise)
+    return "more" if ratio > high else "less" if ratio < low else "inconclusive"
+
+
+def loss_verdict(loss_gap: float, tolerance: float, steps: int, horizon: int, unresolved: str = "") -> str:
+    """not judged (fewer `steps` than `horizon`) | inconclusive (`unresolved` says why the tolerance cannot be
+    resolved) | above | below | within: the relative final-loss gap outside the tolerance either way, or inside."""
+    if steps < horizon:
+        return "not judged"
+    if unresolved:
+        return "inconclusive"
+    return "above" if loss_gap > tolerance else "below" if loss_gap < -tolerance else "within"
+
+
+def overall_verdict(speed: str, loss: str) -> str:
+    """ship | rollback | inconclusive from an FP8 arm's speed and loss verdicts: ship when faster and the loss within
+    the tolerance; rollback when slower or the loss outside the tolerance either way; inconclusive otherwise (a speed
+    gap within the noise, or a faster arm whose loss is not judged or inconclusive)."""
+    if speed == "slower" or loss in ("above", "below"):
+        return "rollback"
+    return "ship" if speed == "faster" and loss == "within" else "inconclusive"
 
 
 def is_bf16_arm(name: str) -> bool:
     """Whether the arm `name` is a BF16 configuration (BF16_ARMS, with FP32 or BF16 parameters)."""
     return name.removesuffix(BF16_PARAMS_SUFFIX) in BF16_ARMS
+
+
+def arm_label(name: str, dtype: str | None) -> str:
+    """The name an arm or a bf16 repeat is shown under: its key, but a BF16 configuration that ran its activations
+    in FP32 (`dtype`, TrainResult.dtype, is FP32_ACTIVATIONS: a CPU) holds no BF16, so 'bf16' reads 'fp32 (no FP8)',
+    'bf16 on te' 'fp32 on te (no FP8)' and 'bf16 (repeat)' 'fp32 (no FP8) (repeat)'."""
+    configuration, repeat, count = name.partition(" (repeat")
+    if dtype != FP32_ACTIVATIONS or not is_bf16_arm(configuration):
+        return name
+    return f"fp32{configuration.removeprefix(BF16)} {NO_FP8}" + (f"{repeat}{count}" if repeat else "")
 
 
 def repeat_arms(baseline_runs: int) -> list[str]:
@@ -166,58 +252,60 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
           repeats: dict[str, dict | str] | None = None, passes: float = 0.0) -> tuple[list[Arm], list[dict]]:
     """The arms with their measurements and verdicts, and what each repeated bf16 run (`repeats`, by name)
     measured. The baseline is reference_arm's (bf16 alone unless --fastest-bf16), and the repeats rerun it; a str
-    in place of a result is the error a run hit.
+    in place of a result is the error a run hit. Every arm that ran gets speed, memory and loss verdicts against the
+    reference; the FP8 arms an overall one (overall_verdict), the other BF16 configurations 'alternative'.
     `passes`: training tokens per arm over the training split's size (see loss_unresolved)."""
-    arms = [_measure(name, result, backends[name], peaks) for name, result in results.items()]
-    configurations = [arm for arm in arms if is_bf16_arm(arm.recipe)]
+    dtype = next((result["dtype"] for result in results.values() if isinstance(result, dict)), None)
+    arms = [_measure(name, result, backends[name], peaks, dtype) for name, result in results.items()]
     reference = reference_arm(results)
     if reference is None:
         for arm in arms:
             arm.verdict, arm.reason = ("error", f"bf16 baseline failed: {results[arm.recipe]}") if (
                 is_bf16_arm(arm.recipe)) else ("rollback", "no bf16 baseline to compare with")
         return arms, []
-    baseline = next(arm for arm in configurations if arm.recipe == reference)
-    baseline.verdict, baseline.rel_loss_gap = "baseline", 0.0
-    ran = sum(isinstance(results[arm.recipe], dict) for arm in configurations)
-    baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if ran > 1 else "")
-    for other in configurations:
-        if other is baseline:
-            continue
-        other.verdict = "alternative"
-        if isinstance(results[other.recipe], str):
-            other.reason = f"failed: {results[other.recipe]}; {baseline.recipe} is the reference"
-            continue
-        other.rel_loss_gap = other.final_loss / baseline.final_loss - 1.0
-        other.reason = (f"a BF16 configuration; {baseline.recipe}, {other.step_ms / baseline.step_ms - 1:.1%} faster, "
-                        "is the reference")
-    records = []
-    for name, repeat in (repeats or {}).items():
-        if isinstance(repeat, str):
-            records.append({"run": name, "error": repeat})
-            continue
-        again = _measure(BF16, repeat, BF16, peaks)
-        step_gap = abs(again.step_ms - baseline.step_ms) / min(again.step_ms, baseline.step_ms)
-        records.append({"run": name, "of": reference, "step_ms": again.step_ms, "final_loss": again.final_loss,
-                        "run_to_run_noise": step_gap, "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0,
-                        "ran_between": again.ran_between, "loss_curve": again.loss_curve})
+    baseline = next(arm for arm in arms if arm.recipe == reference)
+    records = _repeat_records(repeats or {}, baseline, peaks, dtype)
     measured = [r for r in records if "error" not in r]
-    run_to_run = max((r["run_to_run_noise"] for r in measured), default=0.0)
+    baseline.verdict, baseline.rel_loss_gap = "baseline", 0.0
+    baseline.speed_noise = max([baseline.noise, *(r["run_to_run_noise"] for r in measured)])
+    baseline.memory_noise = _memory_noise(baseline.memory_kind, measured)
+    ran = sum(isinstance(results[arm.recipe], dict) for arm in arms if is_bf16_arm(arm.recipe))
+    baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if ran > 1 else "")
     unresolved = loss_unresolved(passes, [r["rel_loss_gap"] for r in measured], tolerance)
     for arm, result in zip(arms, results.values()):
-        if is_bf16_arm(arm.recipe):
+        if arm is baseline:
             continue
         if isinstance(result, str):
-            arm.verdict, arm.reason = "rollback", f"failed: {result}"
+            arm.verdict, arm.reason = ("alternative", f"failed: {result}; {baseline.label} is the reference") if (
+                is_bf16_arm(arm.recipe)) else ("rollback", f"failed: {result}")
             continue
-        noise = max(run_to_run, baseline.noise, arm.noise)
-        arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
-        arm.verdict, arm.reason = verdict(arm.step_ms, baseline.step_ms, noise, arm.rel_loss_gap, tolerance, unresolved,
-                                          baseline.recipe)
+        loss = _compare(arm, baseline, tolerance, unresolved)
+        if is_bf16_arm(arm.recipe):
+            arm.verdict = "alternative"
+            arm.reason = (f"a BF16 configuration; {baseline.label}, {arm.step_ms / baseline.step_ms - 1:.1%} faster, "
+                          "is the reference")
+            continue
+        arm.verdict = overall_verdict(arm.speed_verdict, arm.loss_verdict)
+        arm.reason = f"{_speed_reason(arm, baseline.label)}; {loss}"
         if arm.verdict == "ship" and not measured:
             arm.reason += f"; {SINGLE_RUN_CAVEAT}"
-        if arm.verdict == "inconclusive" and measured:
+        if arm.loss_verdict == "inconclusive" and measured:
             arm.reason += f"; {band_note(arm.final_loss, [baseline.final_loss, *(r['final_loss'] for r in measured)])}"
     return arms, records
+
+
+def verdict_cells(arm: Arm) -> list[str]:
+    """The table's speed, memory and loss cells of `arm`: the speed and memory verdicts with the ratio to the reference
+    and the noise they were judged against, the loss verdict with the gap or the steps short of the horizon ('-' for
+    the reference and failed arms)."""
+    if arm.speed_verdict is None:
+        return ["-", "-", "-"]
+    memory_noise = "unmeasured" if arm.memory_noise is None else f"{arm.memory_noise:.1%}"
+    loss = (f"not judged ({arm.steps} steps < {arm.loss_horizon})" if arm.loss_verdict == "not judged" else
+            f"{arm.loss_verdict} ({arm.rel_loss_gap:+.2%})")
+    memory = "-" if arm.memory_verdict is None else (
+        f"{arm.memory_verdict} ({arm.memory_ratio:.3f}x, noise {memory_noise})")
+    return [f"{arm.speed_verdict} ({arm.speed_ratio:.3f}x, noise {arm.speed_noise:.1%})", memory, loss]
 
 
 def band_note(loss: float, bf16_losses: list[float]) -> str:
@@ -247,22 +335,89 @@ def loss_unresolved(passes: float, repeat_gaps: list[float], tolerance: float) -
 
 
 def repeat_note(records: list[dict]) -> str:
-    """The evidence's sentence on the bf16 repeats (`judge`'s records): step-time and final-loss gaps, failures."""
+    """The evidence's sentence on the bf16 repeats (`judge`'s records): step-time, peak-memory and final-loss gaps,
+    failures."""
     notes = [f"{r['run']} failed: {r['error']}" for r in records if "error" in r]
     measured = [r for r in records if "error" not in r]
     if measured:
         gaps = ", ".join(f"{r['rel_loss_gap']:+.3%}" for r in measured)
+        memory = max((r["memory_run_to_run"] for r in measured if r["memory_run_to_run"] is not None), default=None)
         notes.insert(0, f"bf16 run-to-run over {len(measured) + 1} runs: up to "
-                        f"{max(r['run_to_run_noise'] for r in measured):.1%} in step time, final loss {gaps} from the "
-                        "first run")
+                        f"{max(r['run_to_run_noise'] for r in measured):.1%} in step time, "
+                        + (f"{memory:.1%} in peak memory, " if memory is not None else "")
+                        + f"final loss {gaps} from the first run")
     return f" ({'; '.join(notes)})" if notes else ""
 
 
-def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None) -> Arm:
+def _compare(arm: Arm, baseline: Arm, tolerance: float, unresolved: str) -> str:
+    """Set `arm`'s speed, memory and loss verdicts against the reference `baseline` (whose speed_noise and memory_noise
+    are set); return the sentence on its loss."""
+    arm.speed_noise = max(baseline.speed_noise, arm.noise)
+    arm.speed_ratio = arm.tokens_per_s / baseline.tokens_per_s
+    arm.speed_verdict = speed_verdict(arm.speed_ratio, arm.speed_noise)
+    if arm.peak_mem_gib and baseline.peak_mem_gib:
+        arm.memory_noise, arm.memory_ratio = baseline.memory_noise, arm.peak_mem_gib / baseline.peak_mem_gib
+        arm.memory_verdict = memory_verdict(arm.memory_ratio, arm.memory_noise)
+    arm.rel_loss_gap = arm.final_loss / baseline.final_loss - 1.0
+    arm.loss_verdict = loss_verdict(arm.rel_loss_gap, tolerance, arm.steps, arm.loss_horizon, unresolved)
+    if arm.loss_verdict == "not judged":
+        return (f"loss not judged: {arm.steps} steps < {arm.loss_horizon} (the LR warm-up, then enough steps for a "
+                f"{MIN_LOSS_WINDOW}-step final-loss mean)")
+    if arm.loss_verdict == "inconclusive":
+        return f"loss not compared: {unresolved}"
+    if arm.loss_verdict == "within":
+        return f"loss {arm.rel_loss_gap:+.2%} within +-{tolerance:.2%}"
+    return f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label} is outside the +-{tolerance:.2%} tolerance"
+
+
+def _speed_reason(arm: Arm, reference: str) -> str:
+    """The reason's sentence on `arm`'s speed verdict against the `reference` arm's label."""
+    low, high = noise_band(arm.speed_noise)
+    where = (f"within the noise of {reference}" if arm.speed_verdict == "inconclusive" else
+             f"{arm.speed_verdict} than {reference} beyond the noise")
+    return f"{where}: {arm.speed_ratio:.3f}x its tokens/s (noise {arm.speed_noise:.1%}: {low:.3f}x to {high:.3f}x)"
+
+
+def _memory_noise(memory_kind: str | None, measured: list[dict]) -> float | None:
+    """The relative noise of peak memory: the largest difference between the bf16 runs; with
+    one bf16 run, 0 for CUDA's deterministic peak, None (unmeasured) for a CPU's max RSS."""
+    gaps = [r["memory_run_to_run"] for r in measured if r["memory_run_to_run"] is not None]
+    if gaps:
+        return max(gaps)
+    return 0.0 if memory_kind == "cuda_peak_allocated" else None
+
+
+def _repeat_records(repeats: dict[str, dict | str], baseline: Arm, peaks: dict | None, dtype: str | None
+                    ) -> list[dict]:
+    """What each bf16 repeat measured, against the reference `baseline` it reran (or the error it hit)."""
+    records = []
+    for name, repeat in repeats.items():
+        if isinstance(repeat, str):
+            records.append({"run": name, "error": repeat})
+            continue
+        again = _measure(BF16, repeat, BF16, peaks, dtype)
+        memory_gap = (_relative_gap(again.peak_mem_gib, baseline.peak_mem_gib)
+                      if again.peak_mem_gib and baseline.peak_mem_gib else None)
+        records.append({"run": name, "label": arm_label(name, dtype), "of": baseline.recipe, "step_ms": again.step_ms,
+                        "final_loss": again.final_loss,
+                        "run_to_run_noise": _relative_gap(again.step_ms, baseline.step_ms),
+                        "rel_loss_gap": again.final_loss / baseline.final_loss - 1.0,
+                        "peak_mem_gib": again.peak_mem_gib, "memory_run_to_run": memory_gap,
+                        "ran_between": again.ran_between, "loss_curve": again.loss_curve})
+    return records
+
+
+def _relative_gap(a: float, b: float) -> float:
+    """|a - b| relative to the smaller: how far two bf16 runs of one configuration part, their run-to-run noise."""
+    return abs(a - b) / min(a, b)
+
+
+def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None, dtype: str | None) -> Arm:
     """Throughput, FLOPs, memory and final loss of one arm's TrainResult. `backend` names the planned
-    dense backend; a run reports every FP8 backend its plan used (torchao+grouped_fp8 for MoE)."""
+    dense backend; a run reports every FP8 backend its plan used (torchao+grouped_fp8 for MoE). `dtype`: the A/B's
+    activation dtype, which names an arm that did not run."""
     if isinstance(result, str):
-        return Arm(recipe=recipe, backend=backend)
+        return Arm(recipe=recipe, backend=backend, label=arm_label(recipe, dtype))
     summary = result["plan_summary"]
     fp8_share = summary["flops_share_by_precision"].get("fp8", 0.0)
     backends = sorted(b for b in summary["flops_share_by_backend"] if b != BF16) or [BF16]
@@ -279,4 +434,6 @@ def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None) 
         memory_kind="cuda_peak_allocated" if on_cuda else "process_max_rss",
         final_loss=final_loss(result["losses"]), val_loss=result["val_loss"], fp8_flops_share=fp8_share,
         loss_curve=result["losses"], ran_between=result["ran_between"],
-        zero_fp8_weight_grads=result["zero_fp8_weight_grads"])
+        zero_fp8_weight_grads=result["zero_fp8_weight_grads"], label=arm_label(recipe, result["dtype"]),
+        activation_dtype=result["dtype"], steps=len(result["losses"]),
+        loss_horizon=loss_horizon(result["config"]["optimizer"]["warmup"]))
