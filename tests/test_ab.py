@@ -86,7 +86,7 @@ def _result(step_ms: float, loss: float, fp8_share: float) -> dict:
     """A TrainResult dict as the worker writes it, with the harness's ran_between: 100 steps, long enough for the
     loss to be judged after 4 warm-up steps."""
     by_backend = {"bf16": 1 - fp8_share, **({"torchao": fp8_share} if fp8_share else {})}
-    return {"config": {"warmup": 4}, "step_ms": [step_ms] * 100, "losses": [loss] * 100, "tokens_per_step": 1000,
+    return {"config": {"optimizer": {"warmup": 4}}, "step_ms": [step_ms] * 100, "losses": [loss] * 100, "tokens_per_step": 1000,
             "peak_mem_gib": 10.0,
             "max_rss_gib": 2.0, "val_loss": loss, "dtype": "bfloat16", "world_size": 1, "ran_between": [0.0, 1.0],
             "zero_fp8_weight_grads": [[], [], []],

@@ -19,7 +19,7 @@ def run(step_ms: float | list[float], loss: float = 2.0, *, fp8_share: float = 0
     step times themselves; `peak_gib` None for a CPU run, whose memory is `rss_gib`."""
     by_backend = {"bf16": 1 - fp8_share, **({"torchao": fp8_share} if fp8_share else {})}
     times = step_ms if isinstance(step_ms, list) else [step_ms] * steps
-    return {"config": {"warmup": WARMUP}, "step_ms": times, "losses": [loss] * steps, "tokens_per_step": 1000,
+    return {"config": {"optimizer": {"warmup": WARMUP}}, "step_ms": times, "losses": [loss] * steps, "tokens_per_step": 1000,
             "peak_mem_gib": peak_gib, "max_rss_gib": rss_gib, "val_loss": loss, "dtype": dtype, "world_size": 1,
             "ran_between": [0.0, 1.0], "zero_fp8_weight_grads": [],
             "plan_summary": {"gemm_flops_per_token": 10**9, "flops_share_by_precision": {"fp8": fp8_share},
