@@ -1,6 +1,6 @@
-"""Issue-7 levers that are flags of the trainer and the A/B harness: the SDPA kernel choice and TE
-norm fusion. Their speed is measured on a GPU (profiles/NOTES.md); here, that they are wired and refuse
-what cannot work."""
+"""Speed levers that are flags of the trainer and the A/B harness: the SDPA kernel choice and TE
+norm fusion. Their speed is measured on a GPU (profiles/INDEX.md: the lever-* runs); here, that they are wired
+and refuse what cannot work."""
 
 import argparse
 

@@ -4,7 +4,7 @@ An arm ships only if it is faster than the bf16 arm by more than the measured no
 loss is within the tolerance of the bf16 arm's, above or below. The loss is not compared, and a faster
 FP8 arm is "inconclusive", where the comparison cannot resolve the tolerance: past one pass over the
 training text (the runs memorise it, at a rate set by rounding chaos: two bf16 runs of one configuration
-ended 2.6% apart after 4.2 passes, profiles/NOTES.md section 10), or when the bf16 runs' final losses
+ended 2.6% apart after 4.2 passes, profiles/runs/2026-11-23-ab-loss-gb4-h200/), or when the bf16 runs' final losses
 span more than the tolerance; the verdict then says whether the arm's final loss lies between theirs.
 The bf16 arm runs --baseline-runs times (default 2: first and last), so the noise is run-to-run: the
 largest of the bf16 runs' step-time differences and each compared arm's step-time spread after warm-up
@@ -45,7 +45,8 @@ BF16_PARAMS_SUFFIX = ", bf16 params"
 FP8_PARAMS_SUFFIX = ", fp8 params"
 """After an FP8 arm's name when its TE layers hold their weights in FP8 only, FP32 masters (--param-dtypes fp8)."""
 SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
-                     "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
+                     "two bf16 runs of one seed part by 1-3.5% at 2 sequences per step; --baseline-runs 2 or more "
+                     "measures it)")
 """Added to a ship verdict judged against a single bf16 run."""
 
 DENSE_PEAK_TFLOPS = {

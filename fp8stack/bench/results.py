@@ -249,7 +249,8 @@ def _backends(evidence: Evidence) -> str:
     keep = lambda run: any(entry.get("gemm") == "w13" for entry in run.record.get("grouped", []))  # noqa: E731
     for device, run in evidence.newest("backends", keep).items():
         rows = [[describe_experts(entry), entry["recipe"],
-                 f"{entry['experts']} experts x {entry['tokens_per_expert']} tokens, {entry['dim']} -> {entry['hidden']}",
+                 f"{entry['experts']} experts x {entry['tokens_per_expert']} tokens, "
+                 f"{entry['dim']} -> {entry['hidden']}",
                  _number(entry.get("median_ms"), ".3f"), _number(entry.get("speedup_vs_bf16"), ".3f")]
                 for entry in run.record["grouped"] if entry.get("gemm") == "w13"]
         out += [f"## MoE expert GEMMs on {device}", "",
