@@ -320,8 +320,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
-    from fp8stack.bench.evidence import (EvidenceError, claim_evidence, device_slug, environment, markdown_table,
-                                         write_evidence)
+    from fp8stack.bench.evidence import (EvidenceError, claim_evidence, device_slug, environment, latest_evidence,
+                                         markdown_table, write_evidence)
     from fp8stack.train.loop import model_config, resolve_job
     from fp8stack.train.preflight import preflight
 
@@ -352,7 +352,7 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"fp8stack profile: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
-    ab_path = Path(options.out_dir) / f"ab-{name}.json"
+    ab_path = latest_evidence(f"ab-{name}", options.out_dir)
     profiled, baseline = runs[recipe], runs[BF16]
     gemm_share, fp8_share = baseline.share("gemm"), fp8_matmul_share(plan)
     gemm_ms = profiled.categories["gemm"]["ms_per_step"]

@@ -8,7 +8,7 @@ _LayerNormMLP.backward runs tex.dswiglu into BF16 (dgated_act_kernel) and then t
 quantizer itself (TE's own ops.SwiGLU passes it) and writes the FP8 data, its transpose and the amax in one call: the
 BF16 gradient is never stored, and the gradient is rounded once (FP32 -> FP8) instead of twice (FP32 -> BF16 -> FP8),
 as TE's fused entries for GELU and ReLU do: about 1.5% of the FP8 values move by one step, the gradient ends at least
-as close to the FP32 one and its amax is the FP32 one's (GPU test; profiles/probes/dswiglu-fp8-probe-h100.md).
+as close to the FP32 one and its amax is the FP32 one's (GPU test; profiles/runs/2026-11-25-probe-dswiglu-fp8-h100/).
 
 The patch: _LayerNormMLP's forward notes on its autograd context whether FC1 has a bias; its backward, for an MLP
 without one, lets _act_func offer that fused entry for swiglu under delayed scaling (TE checks its debug mode first,

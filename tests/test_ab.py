@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +16,16 @@ from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
                                   loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
                                   repeat_arms, speed_verdict)
+from fp8stack.bench.evidence import run_folder
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
             "rel_loss_gap", "verdict", "reason"}
+
+
+def _evidence(out_dir: Path, name: str) -> Path:
+    """Where this process's run writes the evidence file `name` under out_dir: its run folder."""
+    return run_folder(name.rsplit(".", 1)[0], out_dir) / name
 
 
 def test_ship_needs_speed_beyond_noise_and_loss_within_tolerance():
@@ -154,7 +161,7 @@ def test_fastest_bf16_runs_both_configurations_on_cpu(tmp_path, capsys):
     assert main([*common, "--fastest-bf16", "--model-impl", "megatron"]) == 2
     assert "megatron's BF16 run is on TE already" in capsys.readouterr().err
     assert main([*common, "--fastest-bf16", "--gpus", "0,1,2,3"]) == 0
-    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
     assert [(a["recipe"], a["backend"], a["verdict"]) for a in record["arms"]][:2] == [
         ("bf16", "bf16", "baseline"), (BF16_ON_TE_ARM, "te", "alternative")]
     assert record["arms"][0]["reason"] == "the reference arm"
@@ -164,7 +171,8 @@ def test_fastest_bf16_runs_both_configurations_on_cpu(tmp_path, capsys):
     assert repeat["of"] == "bf16" and repeat["rel_loss_gap"] == 0.0  # the reference again: same seed, CPU kernels
     assert repeat["ran_between"][0] >= record["arms"][0]["ran_between"][1], "the repeat waited for the reference"
     assert record["train_config"]["fastest_bf16"] is True
-    assert "the faster is the reference, which the bf16 repeats rerun" in (tmp_path / "ab-tiny-cpu.md").read_text()
+    markdown = _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
+    assert "the faster is the reference, which the bf16 repeats rerun" in markdown
 
 
 def test_the_reference_is_the_fastest_bf16_configuration_that_ran():
@@ -193,17 +201,18 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     code = main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2",
                  "--seq-len", "64", "--device", "cpu", "--fp8-recompute", "mlp", "--out-dir", str(tmp_path)])
     assert code == 0
-    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
     assert [record["runs"][arm]["config"]["recompute"] for arm in ("bf16", "tensorwise")] == [None, "all"]
     assert record["train_config"]["fp8_recompute"] == ["mlp"]
-    assert "The FP8 arms recompute mlp in every block in backward." in (tmp_path / "ab-tiny-cpu.md").read_text()
-    assert "2 sequences per optimizer step in micro-batches of 2" in (tmp_path / "ab-tiny-cpu.md").read_text()
+    markdown = _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
+    assert "The FP8 arms recompute mlp in every block in backward." in markdown
+    assert "2 sequences per optimizer step in micro-batches of 2" in markdown
     assert {"device", "versions", "date", "command", "model", "steps", "arms"} <= set(record)
     # 4 steps x 2 sequences x 64 tokens over the training split read from the default 8 MiB of sources
     assert record["train_split_passes"] == pytest.approx(4 * 2 * 64 / record["train_split_bytes"])
     assert record["train_split_bytes"] > 4 << 20
     assert record["complete"] is True and record["pending_arms"] == []
-    assert "Partial" not in (tmp_path / "ab-tiny-cpu.md").read_text()
+    assert "Partial" not in _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
     assert [arm["recipe"] for arm in record["arms"]] == ["bf16", "tensorwise"]  # bf16 added first
     for arm in record["arms"]:
         assert ARM_KEYS <= set(arm)
@@ -213,7 +222,7 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     (repeat,) = record["baseline_repeats"]
     assert repeat["run"] == REPEAT_ARM and repeat["rel_loss_gap"] == 0.0  # same seed and data, deterministic CPU
     assert repeat["run_to_run_noise"] >= 0
-    assert (tmp_path / "ab-tiny-cpu.md").read_text().count("| tensorwise |") == 1
+    assert _evidence(tmp_path, "ab-tiny-cpu.md").read_text().count("| tensorwise |") == 1
     assert "| tensorwise |" in capsys.readouterr().out
 
 
@@ -224,7 +233,7 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
               "--device", "cpu", "--no-repeat-baseline"]
     assert main([*common, "--out-dir", str(tmp_path / "one-by-one")]) == 0
     assert main([*common, "--gpus", "0,1", "--out-dir", str(tmp_path / "side-by-side")]) == 0
-    apart, together = (json.loads((tmp_path / d / "ab-tiny-cpu.json").read_text())
+    apart, together = (json.loads(_evidence(tmp_path / d, "ab-tiny-cpu.json").read_text())
                        for d in ("one-by-one", "side-by-side"))
     assert together["gpus"] == ["0", "1"] and apart["gpus"] is None
     assert [a["loss_curve"] for a in together["arms"]] == [a["loss_curve"] for a in apart["arms"]]
@@ -232,9 +241,9 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
     assert end_a <= start_b, "one after another: the second arm starts after the first"
     (start_a, end_a), (start_b, end_b) = (arm["ran_between"] for arm in together["arms"])
     assert start_b < end_a and start_a < end_b, "side by side: the arms run at the same time"
-    assert "arms side by side on GPUs 0,1" in (tmp_path / "side-by-side" / "ab-tiny-cpu.md").read_text()
+    assert "arms side by side on GPUs 0,1" in _evidence(tmp_path / "side-by-side", "ab-tiny-cpu.md").read_text()
     assert main([*common, "--gpus", "1", "--out-dir", str(tmp_path / "one-gpu")]) == 0
-    assert "each arm a fresh process (on GPU 1);" in (tmp_path / "one-gpu" / "ab-tiny-cpu.md").read_text()
+    assert "each arm a fresh process (on GPU 1);" in _evidence(tmp_path / "one-gpu", "ab-tiny-cpu.md").read_text()
     assert main([*common, "--gpus", "0,1", "--nproc", "2", "--out-dir", str(tmp_path)]) == 2
 
 
@@ -242,7 +251,7 @@ def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
     """With a GPU to spare, the second bf16 run starts with the arms instead of after them."""
     main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
           "--device", "cpu", "--gpus", "0,1,2", "--baseline-runs", "3", "--out-dir", str(tmp_path)])
-    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
     assert record["complete"] and [r["run"] for r in record["baseline_repeats"]] == [REPEAT_ARM, "bf16 (repeat 2)"]
     (start_bf16, end_bf16), _ = (arm["ran_between"] for arm in record["arms"])
     for repeat in record["baseline_repeats"]:
@@ -251,7 +260,7 @@ def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
     start_repeat, end_repeat = record["baseline_repeats"][0]["ran_between"]
     assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the first repeat ran alongside the first bf16 run"
     assert record["baseline_repeats"][1]["ran_between"][0] >= end_bf16, "the second repeat waited for a free GPU"
-    assert "bf16 run-to-run over 3 runs" in (tmp_path / "ab-tiny-cpu.md").read_text()
+    assert "bf16 run-to-run over 3 runs" in _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
 
 
 def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
@@ -270,24 +279,24 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
         os.killpg(ab.pid, signal.SIGKILL)  # the harness and the arm's training process with it
         ab.wait()
     assert started, "the A/B ended before its second arm started"
-    record = json.loads((tmp_path / "ab-tiny-killed-cpu.json").read_text())  # --label names the evidence
+    record = json.loads(_evidence(tmp_path, "ab-tiny-killed-cpu.json").read_text())  # --label names the evidence
     assert record["complete"] is False and record["pending_arms"] == ["tensorwise", "bf16 (repeat)"]
     assert [arm["recipe"] for arm in record["arms"]] == ["bf16"]
     assert record["arms"][0]["verdict"] == "baseline" and len(record["arms"][0]["loss_curve"]) == 3
-    markdown = (tmp_path / "ab-tiny-killed-cpu.md").read_text()
+    markdown = _evidence(tmp_path, "ab-tiny-killed-cpu.md").read_text()
     assert "**Partial: the run has not finished.** Measured: bf16; pending: tensorwise, bf16 (repeat)." in markdown
 
     partial = tmp_path / "partial.json"
-    (tmp_path / "ab-tiny-killed-cpu.json").rename(partial)
+    _evidence(tmp_path, "ab-tiny-killed-cpu.json").rename(partial)
     assert main([*command[3:], "--steps", "4", "--continue-from", str(partial)]) == 2
     assert "is another A/B (train_config differs in steps)" in capsys.readouterr().err
     assert main([*command[3:], "--continue-from", str(partial)]) == 0
-    whole = json.loads((tmp_path / "ab-tiny-killed-cpu.json").read_text())
+    whole = json.loads(_evidence(tmp_path, "ab-tiny-killed-cpu.json").read_text())
     assert whole["complete"] and [arm["recipe"] for arm in whole["arms"]] == ["bf16", "tensorwise"]
     assert whole["runs"]["bf16"] == record["runs"]["bf16"], "the earlier call's bf16 run is kept, not rerun"
     assert whole["baseline_repeats"][0]["rel_loss_gap"] == 0.0  # the new repeat matches it: same seed, CPU kernels
     assert [c["runs"] for c in whole["continued_from"]] == [["bf16"]]
-    assert "Runs bf16 from an earlier call" in (tmp_path / "ab-tiny-killed-cpu.md").read_text()
+    assert "Runs bf16 from an earlier call" in _evidence(tmp_path, "ab-tiny-killed-cpu.md").read_text()
 
 
 def test_blockwise_runs_once_per_gemm_library():
@@ -331,11 +340,11 @@ def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_refe
     common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "2", "--micro-batch", "2", "--seq-len", "64",
               "--device", "cpu", "--dtype", "bf16", "--no-repeat-baseline", "--out-dir", str(tmp_path)]
     assert main([*common, "--param-dtypes", "bf16"]) == 0
-    record = json.loads((tmp_path / "ab-tiny-cpu.json").read_text())
+    record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
     assert [a["recipe"] for a in record["arms"]] == ["bf16, bf16 params", "tensorwise, bf16 params"]
     assert record["arms"][0]["verdict"] == "baseline" and record["arms"][1]["rel_loss_gap"] is not None
     assert record["train_config"]["param_dtypes"] == ["bf16"]
-    assert "keep BF16 parameters with FP32 masters" in (tmp_path / "ab-tiny-cpu.md").read_text()
+    assert "keep BF16 parameters with FP32 masters" in _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
 
 
 def test_fp8_parameters_are_an_arm_of_each_fp8_recipe_only():

@@ -11,7 +11,7 @@ import torch
 
 from fp8stack import cli
 from fp8stack.ab import run as ab_run
-from fp8stack.bench.evidence import EvidenceError, claim_evidence, write_evidence
+from fp8stack.bench.evidence import EvidenceError, claim_evidence, run_folder, write_evidence
 from fp8stack.plan import Override, PlanError, PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.train import loop
 from fp8stack.train.command import main as train_main
@@ -34,7 +34,6 @@ FILES = {
     "not-json.json": "{steps: 10",
     "unknown-field.json": json.dumps({"speed": "max"}),
     "nan-lr.json": '{"lr": NaN}',
-    "ab-out/ab-tiny-cpu.json": '{"recorded": "on another day"}\n',
     "dup-recipe.yaml": "recipe: tensorwise\nsmall_gemm_filter: 'off'\nrecipe: rowwise\n",
     "dup-model.yaml": "name: x\nseq_len: 8\nseq_len: 16\nblocks: {dense: [{name: p, kind: linear, n: 16, k: 16}]}\n"
                       "layers: [{block: dense}]\n",
@@ -56,9 +55,11 @@ FILES = {
 
 @pytest.fixture
 def workspace(tmp_path) -> Path:
-    for name, text in FILES.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    recorded = run_folder("ab-tiny-cpu", tmp_path / "ab-out") / "ab-tiny-cpu.json"  # an A/B recorded earlier today
+    for path, text in [*((tmp_path / name, text) for name, text in FILES.items()),
+                       (recorded, '{"recorded": "earlier today"}\n')]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     return tmp_path
 
 
@@ -162,7 +163,7 @@ AB_BAD = [
     (["--fp8-recompute", "moe"], "recompute_modules moe: none of the recomputed blocks of tiny"),
     (["--out-dir", "{tmp}/a-file"], "{tmp}/a-file is a file, not a folder"),
     (["--out-dir", "{tmp}/a-file/out"], "cannot be created: {tmp}/a-file is a file"),
-    (["--out-dir", "{tmp}/ab-out"], "{tmp}/ab-out/ab-tiny-cpu.json exists: pass --force to replace that evidence"),
+    (["--out-dir", "{tmp}/ab-out"], "-ab-tiny-cpu/ab-tiny-cpu.json exists: pass --force to replace that evidence"),
 ]
 
 
@@ -232,7 +233,7 @@ def test_evidence_is_not_replaced_without_being_asked(tmp_path):
     with pytest.raises(EvidenceError, match=r"demo-cpu.json, .*demo-cpu.md exist: pass --force to replace"):
         write_evidence("demo-cpu", {"x": 2}, "| b |", tmp_path)
     assert (json_path.read_text(), md_path.read_text()) == recorded
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-cpu.json", "demo-cpu.md"], "no partial files left"
+    assert sorted(p.name for p in json_path.parent.iterdir()) == ["demo-cpu.json", "demo-cpu.md"], "no partial files"
     with pytest.raises(EvidenceError, match="is a file, not a folder"):
         claim_evidence("demo-cpu", json_path)
     claim_evidence("demo-cpu", tmp_path, force=True)

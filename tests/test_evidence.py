@@ -3,12 +3,14 @@
 import json
 import subprocess
 import sys
+from datetime import datetime, timezone
 
 import pytest
 import torch
 
 from fp8stack.bench import backends as bench
-from fp8stack.bench.evidence import device_slug, environment, rerender, write_evidence
+from fp8stack.bench.evidence import (EvidenceError, claim_evidence, device_copy, device_slug, environment,
+                                     latest_evidence, rerender, run_folder, write_evidence)
 from fp8stack.bench import gpu_tests
 from fp8stack.bench.gpu_tests import OutcomeCollector
 from fp8stack.plan import PlanError
@@ -38,14 +40,38 @@ def test_write_evidence_writes_json_and_markdown(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(out))
     json_path, md_path = write_evidence("demo-cpu", {"timings_ms": [1.0, 2.0]}, "| a |\n|---|\n| 1 |",
                                         tmp_path / "profiles")
+    folder = json_path.parent  # the run's own folder: profiles/runs/<UTC date>-<stem>/
+    assert folder == run_folder("demo-cpu", tmp_path / "profiles") and md_path.parent == folder
+    assert folder.parent == tmp_path / "profiles" / "runs"
+    assert folder.name == f"{datetime.now(timezone.utc).date().isoformat()}-demo-cpu"
     record = json.loads(json_path.read_text())
     assert {"date", "command", "environment", "timings_ms"} <= set(record)
     assert record["timings_ms"] == [1.0, 2.0] and record["environment"]["device"] == environment()["device"]
     markdown = md_path.read_text()
     for needle in ("# demo-cpu", "- device:", "- versions:", "- date:", "- command:", "| 1 |"):
         assert needle in markdown
-    assert (out / "demo-cpu.json").read_text() == json_path.read_text()
-    assert (out / "demo-cpu.md").read_text() == markdown
+    copies = out / "runs" / folder.name  # $OUT holds the run folder as profiles/runs/ does
+    assert (copies / "demo-cpu.json").read_text() == json_path.read_text()
+    assert (copies / "demo-cpu.md").read_text() == markdown
+    assert device_copy(folder / "demo-cpu.png") == copies / "demo-cpu.png"
+
+
+def test_a_run_folder_is_claimed_once_and_found_as_the_latest(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    assert device_copy(tmp_path / "x.json") is None
+    assert latest_evidence("ab-x-cpu", tmp_path) == run_folder("ab-x-cpu", tmp_path) / "ab-x-cpu.json"  # none yet
+    for folder in ("2026-01-02-older-run", "2026-03-04-newer-run"):
+        (tmp_path / "runs" / folder).mkdir(parents=True)
+        (tmp_path / "runs" / folder / "ab-x-cpu.json").write_text("{}")
+    (tmp_path / "archive" / "2027-01-01-superseded").mkdir(parents=True)
+    (tmp_path / "archive" / "2027-01-01-superseded" / "ab-x-cpu.json").write_text("{}")
+    assert latest_evidence("ab-x-cpu", tmp_path) == tmp_path / "runs" / "2026-03-04-newer-run" / "ab-x-cpu.json"
+    claim_evidence("demo-cpu", tmp_path)
+    json_path, _ = write_evidence("demo-cpu", {"x": 1}, "", tmp_path, replace=True)
+    with pytest.raises(EvidenceError, match="-demo-cpu/demo-cpu.json, .* exist: pass --force"):
+        claim_evidence("demo-cpu", tmp_path)
+    claim_evidence("demo-cpu-r2", tmp_path)  # another name, another folder
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir())[-1] == json_path.parent.name
 
 
 def test_write_evidence_refuses_reserved_keys(tmp_path):
@@ -89,7 +115,7 @@ def test_gpu_tests_runs_only_gpu_tests_and_writes_evidence(tmp_path):
                           "--import-mode=importlib", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
                          out_dir=tmp_path / "profiles")
     assert code == pytest.ExitCode.OK
-    (json_path,) = (tmp_path / "profiles").glob("gpu-tests-*.json")
+    (json_path,) = (tmp_path / "profiles").glob("runs/*-gpu-tests-*/gpu-tests-*.json")
     record = json.loads(json_path.read_text())
     assert record["exit_code"] == 0 and record["counts"] == {"passed": 1}
     assert [t["nodeid"].split("::")[-1] for t in record["tests"]] == ["test_on_gpu"]

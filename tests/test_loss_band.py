@@ -5,10 +5,24 @@ from pathlib import Path
 
 import pytest
 
+from fp8stack.bench.evidence import run_folder
 from fp8stack.bench.loss_band import band, main, place
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
-SEQ1024_LR3E4 = [PROFILES / f"ab-llama-1b-like-loss-300steps-{name}-h200.json"
+
+
+def committed(name: str) -> Path:
+    """The committed evidence file `name`: in its run folder under profiles/runs/."""
+    (path,) = PROFILES.glob(f"runs/*/{name}")
+    return path
+
+
+def written(out_dir: Path, name: str) -> Path:
+    """Where this process's tool wrote the evidence file `name` under out_dir: its run folder."""
+    return run_folder(name.rsplit(".", 1)[0], out_dir) / name
+
+
+SEQ1024_LR3E4 = [committed(f"ab-llama-1b-like-loss-300steps-{name}-h200.json")
                  for name in ("seq1024", "seq1024-tensorwise", "seq1024-e4m3", "seq1024-margin1", "seq1024-margin2",
                               "seq1024-margin1-e4m3")]
 
@@ -28,7 +42,7 @@ def test_band_statistics():
 
 def test_band_of_the_committed_seq1024_runs(tmp_path):
     assert main(["--label", "seq1024-lr3e-4", "--out-dir", str(tmp_path), *map(str, SEQ1024_LR3E4)]) == 0
-    record = json.loads((tmp_path / "loss-band-llama-1b-like-seq1024-lr3e-4-h200.json").read_text())
+    record = json.loads(written(tmp_path, "loss-band-llama-1b-like-seq1024-lr3e-4-h200.json").read_text())
     assert record["bf16_band"]["runs"] == 7  # six files' bf16 arms and the first file's repeat
     assert [r["file"] for r in record["sources"]] == list(map(str, SEQ1024_LR3E4))
     positions = {r["run"]: r["position"] for r in record["fp8_runs"]}
@@ -39,7 +53,7 @@ def test_band_of_the_committed_seq1024_runs(tmp_path):
 
 
 def test_runs_of_another_setting_are_refused(tmp_path, capsys):
-    other = PROFILES / "ab-llama-1b-like-loss-300steps-gb4-lr3e-4-h200.json"
+    other = committed("ab-llama-1b-like-loss-300steps-gb4-lr3e-4-h200.json")
     assert main(["--label", "mixed", "--out-dir", str(tmp_path), str(SEQ1024_LR3E4[0]), str(other)]) == 2
     err = capsys.readouterr().err
     assert "is of another setting" in err and "global_batch, micro_batch, seq_len differ" in err
@@ -49,9 +63,9 @@ def test_runs_of_another_setting_are_refused(tmp_path, capsys):
 def test_band_of_the_committed_2000_step_runs_names_fused_accumulation(tmp_path):
     """The two 2000-step A/Bs at 4 x 4096, LR 1e-4 (each a bf16 run and its repeat): four BF16 runs; the delayed
     runs differ by fused weight-gradient accumulation, which their names say."""
-    files = [PROFILES / f"ab-llama-1b-like-loss-2000steps{suffix}-h200.json" for suffix in ("", "-wgradfusion")]
+    files = [committed(f"ab-llama-1b-like-loss-2000steps{suffix}-h200.json") for suffix in ("", "-wgradfusion")]
     assert main(["--label", "2000steps", "--out-dir", str(tmp_path), *map(str, files)]) == 0
-    record = json.loads((tmp_path / "loss-band-llama-1b-like-2000steps-h200.json").read_text())
+    record = json.loads(written(tmp_path, "loss-band-llama-1b-like-2000steps-h200.json").read_text())
     assert record["bf16_band"]["runs"] == 4
     assert [r["run"] for r in record["fp8_runs"]] == [
         "delayed (recipe default format, margin 0)",
@@ -61,11 +75,11 @@ def test_band_of_the_committed_2000_step_runs_names_fused_accumulation(tmp_path)
 def test_evidence_of_the_same_name_is_replaced_only_with_force(tmp_path, capsys):
     argv = ["--label", "seq1024-lr3e-4", "--out-dir", str(tmp_path), *map(str, SEQ1024_LR3E4)]
     assert main(argv) == 0
-    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    recorded = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     capsys.readouterr()
     with pytest.raises(SystemExit) as refused:
         main(argv)
     err = capsys.readouterr().err
     assert refused.value.code == 2 and err.count("\n") == 1 and "exist: pass --force to replace that evidence" in err
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+    assert {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == recorded
     assert main([*argv, "--force"]) == 0

@@ -1,4 +1,4 @@
-"""Issue 8's multi-GPU flows on two gloo processes: the collective counts of FSDP2 with FP8 all-gather
+"""The multi-GPU flows on two gloo processes: the collective counts of FSDP2 with FP8 all-gather
 (fp8stack.train.comm_stats), and the fsdp and kill-a-rank / restart-from-checkpoint parts of
 fp8stack.bench.multigpu end to end on the tiny model.
 

@@ -1,12 +1,19 @@
 """`fp8stack profile`: the kernel classifier on real kernel names, the Amdahl bound, and a CPU run."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from fp8stack.bench.evidence import run_folder
 from fp8stack.cli import build_parser
 from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, family_ms, idle_gaps, kernel_family,
                               main, measured_gain, quantize_overhead, run_profile)
+
+
+def _evidence(out_dir: Path, name: str) -> Path:
+    """Where this process's run writes the evidence file `name` under out_dir: its run folder."""
+    return run_folder(name.rsplit(".", 1)[0], out_dir) / name
 
 KERNELS = {
     # cuBLAS / cuBLASLt / CUTLASS GEMMs, FP8 ones included (their operand types must not make them 'quantize')
@@ -97,6 +104,7 @@ def test_idle_gaps_count_time_with_no_kernel_on_any_stream():
 
 def _ab_json(path, arms, reference="bf16"):
     """An A/B evidence file's arms: tokens/s by arm, `reference` the baseline's verdict."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"arms": [{"recipe": r, "tokens_per_s": t, "verdict": "baseline" if r == reference
                                           else "ship"} for r, t in arms.items()]}))
 
@@ -113,12 +121,12 @@ def test_measured_gain_reads_the_ab_evidence(tmp_path):
 
 
 def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
-    _ab_json(tmp_path / "ab-tiny-gb4-cpu.json", {"bf16": 1000.0, "tensorwise": 900.0})  # the same label's A/B
+    _ab_json(_evidence(tmp_path, "ab-tiny-gb4-cpu.json"), {"bf16": 1000.0, "tensorwise": 900.0})  # the label's A/B
     code = main(["--model", "tiny", "--fp8-recipe", "tensorwise", "--steps", "2", "--warmup", "1",
                  "--micro-batch", "2", "--global-batch-size", "4", "--seq-len", "64", "--device", "cpu",
                  "--label", "gb4", "--out-dir", str(tmp_path)])
     assert code == 0
-    record = json.loads((tmp_path / "profile-tiny-gb4-cpu.json").read_text())
+    record = json.loads(_evidence(tmp_path, "profile-tiny-gb4-cpu.json").read_text())
     assert record["train_config"]["global_batch"] == 4
     assert {"date", "command", "environment", "runs", "amdahl_bound", "gemm_share"} <= set(record)
     assert list(record["runs"]) == ["bf16", "tensorwise"]  # the bf16 profile gives the GEMM share
@@ -145,7 +153,7 @@ def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert record["measured_gain"] == pytest.approx(0.9)
     out = capsys.readouterr().out
     assert "Amdahl bound on tensorwise's gain" in out and "measured (A/B tokens/s over bf16): 0.90x" in out
-    assert (tmp_path / "profile-tiny-gb4-cpu.md").read_text().count("| aten::mm | gemm |") == 1
+    assert _evidence(tmp_path, "profile-tiny-gb4-cpu.md").read_text().count("| aten::mm | gemm |") == 1
 
 
 def test_profile_subcommand_is_wired_into_the_cli(capsys):

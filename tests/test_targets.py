@@ -1,10 +1,17 @@
 """fp8stack.bench.targets on synthetic evidence files: which arm each target reads, the ratios, the statuses."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from fp8stack.bench import targets
+from fp8stack.bench.evidence import run_folder
+
+
+def written(out_dir: Path, name: str) -> Path:
+    """Where this process's tool wrote the evidence file `name` under out_dir: its run folder."""
+    return run_folder(name.rsplit(".", 1)[0], out_dir) / name
 
 
 def ab_file(tmp_path, name, arms, fastest_bf16=True, fp8_recompute=None, device="NVIDIA H200",
@@ -91,7 +98,7 @@ def test_a_target_met_only_against_plain_bf16_is_not_judged(tmp_path):
 
 
 def test_a_target_met_against_fp32_parameter_bf16_runs_only_is_not_judged(tmp_path):
-    """BF16 parameters with FP32 masters make the BF16 runs faster (profiles/NOTES.md 24): a file whose BF16 runs
+    """BF16 parameters with FP32 masters make the BF16 runs faster (by 1-2%): a file whose BF16 runs
     all had FP32 parameters (files before --param-dtypes hold no param_dtypes) judges against a slower reference."""
     older = ab_file(tmp_path, "older.json", [("bf16 on te", "baseline", 100.0, 20.0), ("delayed", "ship", 146.0, 17.0)],
                     param_dtypes=())
@@ -167,9 +174,9 @@ def test_main_writes_evidence_and_refuses_mixed_devices(tmp_path, capsys):
     h200 = ab_file(tmp_path, "a.json", [("bf16", "baseline", 100.0, 20.0), ("delayed", "ship", 140.0, 19.0)])
     out = tmp_path / "out"
     assert targets.main(["--ab", str(h200), "--label", "t", "--out-dir", str(out)]) == 0
-    record = json.loads((out / "targets-llama-1b-like-t-h200.json").read_text())
+    record = json.loads(written(out, "targets-llama-1b-like-t-h200.json").read_text())
     assert [r["target"] for r in record["rows"]] == ["speed", "memory", "memory-lean"]
-    assert "| speed | ≥ 1.450x | 1.400x | not met |" in (out / "targets-llama-1b-like-t-h200.md").read_text()
+    assert "| speed | ≥ 1.450x | 1.400x | not met |" in written(out, "targets-llama-1b-like-t-h200.md").read_text()
 
     h100 = ab_file(tmp_path, "b.json", [("bf16", "baseline", 100.0, 20.0), ("delayed", "ship", 140.0, 19.0)],
                    device="NVIDIA H100 80GB HBM3")

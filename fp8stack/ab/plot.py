@@ -1,6 +1,5 @@
 """The A/B evidence's figure: loss curves, loss relative to bf16 per step, throughput by verdict with its noise."""
 
-import os
 from pathlib import Path
 
 from fp8stack.ab.verdicts import Arm
@@ -33,8 +32,9 @@ def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path |
         print(f"matplotlib is not installed: skipping {path} (pip install 'fp8stack[plot]' for the plot)")
         return None
     fig = figure(arms, repeats, title)
-    targets = [path] + ([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else [])
-    for target in targets:
+    from fp8stack.bench.evidence import device_copy  # here: importing fp8stack ab stays free of torch
+
+    for target in filter(None, (path, device_copy(path))):
         target.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(target, dpi=110)
     plt.close(fig)

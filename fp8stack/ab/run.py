@@ -333,7 +333,7 @@ def run_ab(args: argparse.Namespace) -> int:
         _print_table(table, markdown)
         print("no arm measured anything: no evidence written", file=sys.stderr)
         return 1
-    png = plot(arms, repeat_records, Path(ab.out_dir) / f"{stem}.png", title=f"{base.model.name} on {env['device']}")
+    png = plot(arms, repeat_records, json_path.with_suffix(".png"), title=f"{base.model.name} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0 if any(arm.verdict == "baseline" for arm in arms) else 1

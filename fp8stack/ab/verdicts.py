@@ -13,9 +13,9 @@ Each arm gets three verdicts and an overall one, each of them against what the A
 - loss: within | above | below the tolerance, inconclusive, or not judged. Final loss is the mean over the last
   LAST_FRACTION of steps. A run shorter than its loss_horizon is not judged. The loss is inconclusive where the
   comparison cannot resolve the tolerance: past one pass over the training text (the runs memorise it, at a rate set
-  by rounding chaos: two bf16 runs of one configuration ended 2.6% apart after 4.2 passes, profiles/NOTES.md section
-  10), or when the bf16 runs' final losses span more than the tolerance; the reason then says whether the arm's
-  final loss lies between theirs.
+  by rounding chaos: two bf16 runs of one configuration ended 2.6% apart after 4.2 passes,
+  profiles/runs/2026-11-23-ab-loss-gb4-h200/), or when the bf16 runs' final losses span more than the tolerance; the
+  reason then says whether the arm's final loss lies between theirs.
 - overall (overall_verdict): ship when faster and the loss within the tolerance; rollback when slower or the loss
   outside the tolerance (an arm far below bf16 computes something else too), or when the arm failed; inconclusive
   otherwise, so a gap within the noise never reads rollback. Memory does not enter it: it is there to be read.
@@ -59,7 +59,8 @@ BF16_PARAMS_SUFFIX = ", bf16 params"
 FP8_PARAMS_SUFFIX = ", fp8 params"
 """After an FP8 arm's name when its TE layers hold their weights in FP8 only, FP32 masters (--param-dtypes fp8)."""
 SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
-                     "profiles/NOTES.md 13; --baseline-runs 2 or more measures it)")
+                     "two bf16 runs of one seed part by 1-3.5% at 2 sequences per step; --baseline-runs 2 or more "
+                     "measures it)")
 """Added to a ship verdict judged against a single bf16 run."""
 FP32_ACTIVATIONS = "float32"
 """TrainResult.dtype of a run whose activations are FP32 (a CPU's default): its BF16 configurations hold no BF16."""

@@ -19,7 +19,8 @@ from fp8stack.backends.blockwise import Fp8Tensor, cast_to_fp8, decode_scale, qu
 
 # Inductor's on-disk graph and autotuning caches would hand a process the Triton kernels another process compiled
 # and tuned for its first (dynamic-dim) sizes: after the GPU tests' small expert groups, the expert benchmark's
-# quantizers ran 2.3x slower (profiles/NOTES.md section 20). Each process compiles for the sizes it sees first.
+# quantizers ran 2.3x slower (profiles/runs/2026-11-23-experts-inductor-cache-h200/). Each process compiles for
+# the sizes it sees first.
 PER_PROCESS_COMPILE = {"fx_graph_cache": False, "autotune_local_cache": False}
 
 

@@ -3,11 +3,11 @@
 TE 2.20's Float8BlockScaling modules quantize with TE's fused kernels and multiply through `general_gemm` (cuBLAS).
 DeepGEMM's Hopper kernels take the same bytes and scales: TE's GEMM-ready 1x128 scales, transposed, are DeepGEMM's
 MN-major TMA-aligned layout as they are, and its 128x128 scales sliced to their K blocks; the results are
-bit-identical and faster at llama-1b-like's shapes (profiles/te-gemms-h200.md). `route_blockwise_gemms` gives the
-`general_gemm` that TE's Linear, LayerNormLinear and LayerNormMLP call a front that sends the blockwise GEMMs
-DeepGEMM takes to it (fprop and dgrad on its 1D2D kernel, BF16 out; wgrad on its 1D1D kernel, accumulating into
-an FP32 buffer in place, as fused wgrad accumulation does) and every other call to TE unchanged. Megatron's TE
-linears subclass those modules, so the Megatron path routes through the same front.
+bit-identical and faster at llama-1b-like's shapes (profiles/runs/2026-11-23-te-gemms-h200/).
+`route_blockwise_gemms` gives the `general_gemm` that TE's Linear, LayerNormLinear and LayerNormMLP call a front
+that sends the blockwise GEMMs DeepGEMM takes to it (fprop and dgrad on its 1D2D kernel, BF16 out; wgrad on its 1D1D
+kernel, accumulating into an FP32 buffer in place, as fused wgrad accumulation does) and every other call to TE
+unchanged. Megatron's TE linears subclass those modules, so the Megatron path routes through the same front.
 """
 
 import importlib
@@ -20,7 +20,7 @@ from fp8stack.backends.base import BackendUnavailable
 
 ROUTED_NOTE = ("blockwise_gemms=deepgemm: the blockwise TE modules' fprop and dgrad GEMMs, and their wgrad GEMMs where "
                "they accumulate into FP32 main_grad (gradient_accumulation_fusion), run on DeepGEMM's dense kernels, "
-               "bit-identical to TE's cuBLAS ones (profiles/te-gemms-h200.md); quantization and every other GEMM "
+               "bit-identical to TE's cuBLAS ones; quantization and every other GEMM "
                "stay TE's")
 """What the router changes, for the conversion record or the log of the path that installs it."""
 

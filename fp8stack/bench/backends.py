@@ -5,7 +5,7 @@ this GPU runs, forward + backward (input and weight gradients), against BF16.
                                       [--iters 20] [--compile] [--out profiles] [--label L]
 
 Each variant is a one-component model converted by the backend the policy names, exactly as the
-assembly would convert it. Writes profiles/backends-<device>.json (every raw timing) and .md.
+assembly would convert it. Writes profiles/runs/<date>-backends-<device>/ (.json: every raw timing; .md).
 A variant that cannot run records its error instead of a number.
 """
 
@@ -47,7 +47,7 @@ EXPERT_VARIANTS: tuple[tuple[str, str, dict], ...] = (
 decides the expert backend as in a real plan (te -> TE GroupedLinear, auto -> grouped_fp8)."""
 
 ISSUE7_EXPERTS = {"experts": 8, "dim": 7168, "hidden": 2048, "tokens_per_expert": 4096}
-"""Issue 7's grouped shape: 8 experts x 4096 tokens, K=7168 -> N=4096 for w13 (F=2048)."""
+"""The MoE target's grouped shape: 8 experts x 4096 tokens, K=7168 -> N=4096 for w13 (F=2048)."""
 
 ROTATE = 3
 """Input sets cycled through, so no iteration reads its operands from a warm L2."""
@@ -247,7 +247,7 @@ def _w13_gemm(module: nn.Module, tokens_per_expert: int) -> Callable[[torch.Tens
 
 def expert_shapes(names: list[str], tokens: int, local_experts: int) -> list[dict]:
     """Grouped shapes: each model's expert GEMMs with its routed rows spread evenly over the experts
-    one GPU holds (at most `local_experts`, as under expert parallelism), plus issue 7's shape."""
+    one GPU holds (at most `local_experts`, as under expert parallelism), plus the MoE target's shape."""
     shapes = []
     for name in names:
         description = load_description(name)
@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd bf16 and torchao linears")
     parser.add_argument("--out", default="profiles", help="folder for the evidence files")
     parser.add_argument("--label", help="added to the evidence's name, backends-<label>-<gpu>, so a partial run "
-                                        "(e.g. --shapes '' times issue 7's expert shape alone) keeps the full one")
+                                        "(e.g. --shapes '' times the MoE target's expert shape alone) keeps the "
+                                        "full one")
     add_force_option(parser)
     return run(parser.parse_args(argv))
 

@@ -1,11 +1,14 @@
 """Evidence files: every GPU claim is written by the code that measured it, with where and how.
 
-write_evidence() puts a JSON file (payload + environment + date + exact command) and a Markdown
-file (a header naming the same, then the caller's table) under profiles/, and a copy of both
-under $OUT when set (the folder a lent GPU machine sends back). Each file is written whole (a
-temporary file renamed into place) and an existing one is replaced only when the caller says so:
-a tool claims its files before measuring (claim_evidence, refused without --force) and then
-rewrites them as often as it likes.
+write_evidence() puts a JSON file (payload + environment + date + exact command + git commit) and a
+Markdown file (a header naming the same, then the caller's table) in the run's own folder,
+profiles/runs/<date>-<stem>/ (run_folder), beside the figure a tool draws there, and a copy of the
+folder under $OUT/runs/ when $OUT is set (the folder a lent GPU machine sends back, so the copy drops
+into profiles/ as it is). Each file is written whole (a temporary file renamed into place) and an
+existing one is replaced only when the caller says so: a tool claims its files before measuring
+(claim_evidence, refused without --force) and then rewrites them as often as it likes. A run measured
+again later gets a new folder; profiles/archive/ keeps the runs a later one superseded, and
+`python -m fp8stack.bench.results` writes profiles/INDEX.md and profiles/RESULTS.md from the folders.
 """
 
 import argparse
@@ -102,6 +105,38 @@ def commit() -> str | None:
 EVIDENCE_SUFFIXES = (".json", ".md")
 """The files write_evidence writes per stem."""
 
+RUNS = "runs"
+"""The folder, under an evidence folder (profiles/), of the current runs: one <date>-<slug>/ folder per run."""
+
+ARCHIVE = "archive"
+"""The folder, beside RUNS, of the runs a later run of the same kind, model, device and arms superseded."""
+
+_run_folders: dict[tuple[Path, str], Path] = {}
+"""(evidence folder, stem) -> the run folder this process chose: fixed at the first call."""
+
+
+def run_folder(stem: str, out_dir: str | Path = "profiles") -> Path:
+    """The folder this process's evidence named `stem` goes in: <out_dir>/runs/<UTC date>-<stem>/, the date taken at
+    the first call, so that a run which passes midnight keeps one folder for its JSON, Markdown and figure."""
+    key = (Path(out_dir).resolve(), stem)
+    if key not in _run_folders:
+        _run_folders[key] = Path(out_dir) / RUNS / f"{datetime.now(timezone.utc).date().isoformat()}-{stem}"
+    return _run_folders[key]
+
+
+def latest_evidence(stem: str, out_dir: str | Path = "profiles") -> Path:
+    """The newest current run's <stem>.json under <out_dir>/runs/ (run folders sort by their date), else the path this
+    process would write it to (which does not exist)."""
+    found = sorted((Path(out_dir) / RUNS).glob(f"*/{stem}.json"))
+    return found[-1] if found else run_folder(stem, out_dir) / f"{stem}.json"
+
+
+def device_copy(path: str | Path) -> Path | None:
+    """Where the copy of the evidence file `path` goes under $OUT: $OUT/runs/<its run folder>/<its name>, the layout
+    of profiles/; None when $OUT is not set."""
+    path = Path(path)
+    return Path(os.environ["OUT"]) / RUNS / path.parent.name / path.name if os.environ.get("OUT") else None
+
 
 class EvidenceError(ValueError):
     """Evidence that cannot be written where asked (a file it would replace, a folder it cannot write in)."""
@@ -114,13 +149,15 @@ def add_force_option(parser: argparse.ArgumentParser) -> None:
 
 def claim_evidence(stem: str, out_dir: str | Path = "profiles", force: bool = False,
                    suffixes: tuple[str, ...] = EVIDENCE_SUFFIXES) -> None:
-    """Before measuring: refuse (EvidenceError) when out_dir cannot be written in, or when <out_dir>/<stem> with one
-    of `suffixes` exists and not `force`; afterwards the tool writes with write_evidence(..., replace=True)."""
+    """Before measuring: refuse (EvidenceError) when out_dir cannot be written in, or when this run's folder
+    (run_folder) holds <stem> with one of `suffixes` and not `force`; afterwards the tool writes with
+    write_evidence(..., replace=True)."""
     try:
         check_output_dir(out_dir, "the evidence folder")
     except ConfigError as err:
         raise EvidenceError(str(err)) from None
-    existing = [str(path) for path in (Path(out_dir) / f"{stem}{suffix}" for suffix in suffixes) if path.exists()]
+    folder = run_folder(stem, out_dir)
+    existing = [str(path) for path in (folder / f"{stem}{suffix}" for suffix in suffixes) if path.exists()]
     if existing and not force:
         raise EvidenceError(f"{', '.join(existing)} exist{'s' if len(existing) == 1 else ''}: pass --force to replace "
                             "that evidence, or write elsewhere (--out-dir, --label)")
@@ -137,7 +174,8 @@ def claim_or_exit(prog: str, stem: str, out_dir: str | Path, force: bool) -> Non
 
 def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path = "profiles",
                    replace: bool = False) -> tuple[Path, Path]:
-    """Write <out_dir>/<stem>.json and .md (and copies under $OUT, replaced there); returns the two paths.
+    """Write <stem>.json and .md in this run's folder under out_dir (run_folder; copies under $OUT, replaced there);
+    returns the two paths.
     replace: replace existing files (claimed with claim_evidence); without it an existing file is an EvidenceError,
     raised before anything is written."""
     if not replace:
@@ -149,11 +187,12 @@ def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path 
     record = {**meta, **payload}
     text_json = json.dumps(record, indent=2, default=str) + "\n"
     text_md = _header(stem, record) + markdown.rstrip() + "\n"
-    for folder in [Path(out_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
-        folder.mkdir(parents=True, exist_ok=True)
-        _write_whole(folder / f"{stem}.json", text_json)
-        _write_whole(folder / f"{stem}.md", text_md)
-    return Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.md"
+    json_path, md_path = run_folder(stem, out_dir) / f"{stem}.json", run_folder(stem, out_dir) / f"{stem}.md"
+    for path, text in ((json_path, text_json), (md_path, text_md)):
+        for target in filter(None, (path, device_copy(path))):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_whole(target, text)
+    return json_path, md_path
 
 
 def _write_whole(path: Path, text: str) -> None:

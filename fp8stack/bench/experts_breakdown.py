@@ -1,9 +1,10 @@
 """Where a blockwise grouped expert GEMM's time goes: `python -m fp8stack.bench.experts_breakdown`.
 
-At issue 7's expert shape (E experts x T tokens, D -> N, the w13 GEMM alone), forward + backward of
+At the MoE target's expert shape (E experts x T tokens, D -> N, the w13 GEMM alone), forward + backward of
 grouped_fp8's BlockwiseGroupedMM on the chosen kernels against torch's BF16 grouped GEMM, then each part
 alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand flattening its kernel
-needs), the quantizers, and the step's CUDA kernels by time. Writes profiles/experts-breakdown-<kernels>-<gpu>.
+needs), the quantizers, and the step's CUDA kernels by time. Writes
+profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/.
 """
 
 import argparse

@@ -2,7 +2,7 @@
 
     python -m fp8stack.bench.gpu_tests [pytest args]
 
-Writes profiles/gpu-tests-<device>.json/.md (every test's outcome and duration, failure tails)
+Writes profiles/runs/<date>-gpu-tests-<device>/ (.json and .md: every test's outcome and duration, failure tails)
 and exits with pytest's exit code.
 """
 

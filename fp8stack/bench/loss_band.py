@@ -2,12 +2,13 @@
 files (`fp8stack ab`). Two BF16 runs of one seed and batches part by chance (kernels that reduce in no fixed
 order), so one repeat is a poor measure of the band; several A/B files of one setting hold more BF16 runs.
 
-    python -m fp8stack.bench.loss_band --label seq1024-lr3e-4 profiles/ab-llama-1b-like-loss-300steps-seq1024*-h200.json
+    python -m fp8stack.bench.loss_band --label seq1024-lr3e-4 \\
+        profiles/runs/*/ab-llama-1b-like-loss-300steps-seq1024*-h200.json
 
-Writes profiles/loss-band-<model>-<label>-<device>.json and .md: every BF16 run's final loss, their mean, span
-and standard deviation, and each FP8 run's gap to the BF16 mean, in standard deviations and against the band's
-edges. Files of different settings (anything both arms share: model, shape, batch, LR schedule, steps, seed,
-data) are refused.
+Writes profiles/runs/<date>-loss-band-<model>-<label>-<device>/ (.json and .md): every BF16 run's final loss,
+their mean, span and standard deviation, and each FP8 run's gap to the BF16 mean, in standard deviations and against
+the band's edges. Files of different settings (anything both arms share: model, shape, batch, LR schedule, steps,
+seed, data) are refused.
 """
 
 import argparse

@@ -50,8 +50,8 @@ EMBEDDING_INIT_STD = 1.0
 as the plain Llama's too (init_output_layer_like_llama). With megatron's defaults (both
 N(0, 0.02)) the loss jumped from 10.9 to 14-17 within the first 10 steps, even with the warm-up, and the
 spikes amplified the GPU's unordered reductions into a 1% final-loss gap between two runs of the same
-computation (the bf16 pair, profiles/megatron-h200 at commit d8f377a); with N(0, 1) embeddings alone the
-bf16 pair agreed within 0.04% but the FP8 pairs, still spiking, parted by 0.5-1.6%."""
+computation (the bf16 pair, profiles/runs/2026-11-22-megatron-h200/ at commit d8f377a); with N(0, 1) embeddings
+alone the bf16 pair agreed within 0.04% but the FP8 pairs, still spiking, parted by 0.5-1.6%."""
 SPECS = ("megatron-spec", "fp8stack-spec")
 """The two specs compared per recipe: megatron's get_gpt_decoder_block_spec with TE, and fp8stack's block_spec."""
 GIB = 2 ** 30

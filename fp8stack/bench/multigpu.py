@@ -1,4 +1,5 @@
-"""`python -m fp8stack.bench.multigpu`: issue 8's two-GPU evidence, every run a launch/train.sh subprocess.
+"""`python -m fp8stack.bench.multigpu`: the multi-GPU evidence (FSDP2 with FP8 all-gather, tensor parallel,
+restart), every run a launch/train.sh subprocess.
 
     python -m fp8stack.bench.multigpu [--parts fsdp,tp,restart] [--steps 600] [--tp-steps 600] [--seed 0]
 
@@ -14,7 +15,7 @@ Parts (--parts, default all three):
   checkpoint; then both ranks restarted with --load latest. The restarted losses must equal the
   uninterrupted run's.
 
-Every part judges itself ("checks"); one evidence file, profiles/multigpu-<gpu>.json + .md, holds all
+Every part judges itself ("checks"); one evidence run, profiles/runs/<date>-multigpu-<gpu>/ (.json + .md), holds all
 parts with the exact launch commands. Exit status 1 when a check fails. Each part's wall time is in its
 evidence (wall_s); split a run over two calls with --keep-other-parts.
 """
@@ -49,24 +50,25 @@ LR, LR_WARMUP = 1e-4, 60
 """Peak LR and warm-up of every loss comparison here (FSDP and TP). At 3e-4 / 30 steps, llama-1b-like on these
 4-8k-token batches spiked (single-step losses 15% above the neighbours'), and a spike in one run and not in its
 twin left the two 1-3% apart for a hundred steps: runs that differ only in rounding parted by 1-2.3% at 200-300
-steps, in either direction, FP8 and BF16 all-gather alike (profiles/multigpu-second-run-h200.md and the git
-history of profiles/multigpu-h200.md). A lower LR and a longer warm-up make Adam's first, nearly sign-like steps
-(where rounding differences are amplified most) smaller and spikes rarer; single steps still part by up to 16%
-(max_step_rel_gap), which is why only the first step and the last quarter's mean are judged."""
+steps, in either direction, FP8 and BF16 all-gather alike (profiles/archive/2026-11-22-multigpu-second-h200/ and
+the git history of profiles/runs/2026-11-22-multigpu-h200/multigpu-h200.md). A lower LR and a longer warm-up make
+Adam's first, nearly sign-like steps (where rounding differences are amplified most) smaller and spikes rarer;
+single steps still part by up to 16% (max_step_rel_gap), which is why only the first step and the last quarter's
+mean are judged."""
 LOSS_STEPS = 600
 """Steps of every run whose loss is compared: long enough for the LR to decay to lr / 10 and the curve to flatten,
 so that the mean over the last quarter measures where the run ended, not a spike on the way there."""
 FSDP_SEQ, FSDP_MICRO_BATCH = 1024, 4
 """FSDP arms' sequence length and micro-batch per rank: 8 sequences (8k tokens) per step over 2 ranks. At sequence
 4096 and micro-batch 1 (2 sequences per step, the same tokens) the 600-step runs parted by more than the 1%
-tolerance, FP8 and BF16 all-gather alike (1.46% and 0.87%; profiles/multigpu-seq4096-run-h200.md), while the TP
-part, at 1024 x 4 sequences, stayed within 0.6%: the fewer the sequences per step, the noisier each gradient and
-the further two runs that round differently drift apart."""
+tolerance, FP8 and BF16 all-gather alike (1.46% and 0.87%; profiles/archive/2026-11-22-multigpu-seq4096-h200/),
+while the TP part, at 1024 x 4 sequences, stayed within 0.6%: the fewer the sequences per step, the noisier each
+gradient and the further two runs that round differently drift apart."""
 PROFILED_STEPS = 2
 """Steps whose collectives are counted: steps 1 and 2 (step 0 initialises lazily); with 30 or more steps the
 step-time median skips them as warm-up (fp8stack.train.timing.steady_state)."""
 ALL_GATHER_RATIO = 0.55
-"""Issue 8: FP8 all-gather bytes per step at most this share of the BF16 all-gather's, judged over the
+"""The target: FP8 all-gather bytes per step at most this share of the BF16 all-gather's, judged over the
 all-gathers of the transformer blocks, whose weights the FP8 all-gather carries. The root group's (embeddings,
 final norm, output head) stay BF16 by plan rule 1 and weigh the same in both arms; the whole-model ratio is
 reported beside it: 0.5 x (1 - s) + s for a root share s of the BF16 bytes, under 0.55 once s < 0.1."""
@@ -387,7 +389,7 @@ def render(payload: dict) -> str:
     """The evidence's Markdown: one section per part, its checks, then every launch command."""
     verdict = "PASS" if payload["passed"] else "FAIL"
     pending = f" Partial: not yet run: {', '.join(payload['pending'])}." if payload.get("pending") else ""
-    sections = [f"Issue 8 on {payload['gpus']} GPU(s). Overall: **{verdict}**.{pending}\n"]
+    sections = [f"Multi-GPU checks on {payload['gpus']} GPU(s). Overall: **{verdict}**.{pending}\n"]
     renderers = {"fsdp": _render_fsdp, "tp": _render_tp, "restart": _render_restart}
     for part in PARTS:
         found = payload.get(KEYS[part])

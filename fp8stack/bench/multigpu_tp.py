@@ -1,4 +1,4 @@
-"""Issue 8, tensor parallel 2: does a TP=2 run train like the TP=1 run of the same model, seed and batches?
+"""Tensor parallel 2: does a TP=2 run train like the TP=1 run of the same model, seed and batches?
 
     python -m fp8stack.bench.multigpu_tp [--steps 600] [--workdir DIR]     # prints run_tp's dict as JSON
 
@@ -23,7 +23,7 @@ sums run in another order. A TP bug (a missing gradient reduction, a wrong shard
 loss or gradient norm by far more than that; later steps are judged through the final mean only
 (multigpu.compare_losses): Adam's first steps are nearly sign steps and amplify rounding differences, so at a 30-step
 warm-up to 3e-4 the tensorwise arms parted by 5% at step 4 while delayed stayed within 0.02%, and all arms' losses
-met again later (profiles/multigpu-h200.md's git history).
+met again later (the git history of profiles/runs/2026-11-22-multigpu-h200/multigpu-h200.md).
 """
 
 import argparse

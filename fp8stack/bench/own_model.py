@@ -16,10 +16,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import date
 from pathlib import Path
 
-from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.bench.evidence import (add_force_option, claim_or_exit, device_copy, device_slug, markdown_table,
+                                     write_evidence)
 from fp8stack.train.timing import relative_spread, steady_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per arm")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds an arm may take")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "profiles" / "runs")
-    parser.add_argument("--label", default="", help="suffix of the run folder (a second run of the same day)")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "profiles",
+                        help="evidence folder; the run goes in its runs/<date>-<name>/ (default: profiles)")
+    parser.add_argument("--label", default="", help="added to the evidence's name, own-model-<label>-<device> (a "
+                                                    "second run of the same day)")
     parser.add_argument("--earlier-tree", type=Path, action="append", default=[],
                         help="also run the trainer (delayed) of this source tree (repeatable)")
     add_force_option(parser)
@@ -152,9 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [arm for arm in chosen if arm not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
-    stem = f"own-model-{device_slug()}"
-    folder = args.out_dir / f"{date.today().isoformat()}-{stem}{'-' + args.label if args.label else ''}"
-    claim_or_exit(parser.prog, stem, folder, args.force)
+    stem = "-".join(filter(None, ("own-model", args.label, device_slug())))
+    claim_or_exit(parser.prog, stem, args.out_dir, args.force)
     runs = [(arm, None) for arm in chosen] + [(f"{EARLIER} {tree}", tree) for tree in args.earlier_tree]
     arms = {}
     for arm, tree in runs:
@@ -163,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     record = {"shape": SHAPE, "steps": args.steps, "trainer_flags": TRAINER_FASTEST, "arms": list(arms.values()),
               "targets": targets(arms),
               "earlier_trees": [str(tree) for tree in args.earlier_tree]}
-    json_path, _ = write_evidence(stem, record, render(record), out_dir=folder, replace=args.force)
-    for out in [folder] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
-        plot(record, out / f"{stem}.png")
+    json_path, _ = write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=args.force)
+    figure = json_path.with_suffix(".png")
+    for path in filter(None, (figure, device_copy(figure))):
+        plot(record, path)
     print(render(record))
     return 0
 

@@ -1,18 +1,19 @@
-"""Issue 7's targets against the evidence files that measured them, read on any machine:
+"""The FP8 targets (speed, memory, blockwise, MoE, quantize overhead, loss) against the evidence files that
+measured them, read on any machine:
 
-    python -m fp8stack.bench.targets --label issue7 --ab profiles/ab-...-h200.json [...] \\
-        --experts profiles/backends-...-h200.json --profile profiles/profile-...-h200.json \\
-        --loss-band profiles/loss-band-...-h200.json
+    python -m fp8stack.bench.targets --label issue7 --ab profiles/runs/*/ab-...-h200.json [...] \\
+        --experts profiles/runs/*/backends-...-h200.json --profile profiles/runs/*/profile-...-h200.json \\
+        --loss-band profiles/runs/*/loss-band-...-h200.json
 
 Per target: the best value the files hold, the file and arm it comes from, and met / not met / inconclusive (a
 loss gap beyond the tolerance while the FP8 run lies among the BF16 runs, whose own spread exceeds it).
 Ratios are against each A/B file's reference arm (`fp8stack ab`'s baseline: the fastest of its BF16
 configurations). Only a file whose BF16 configurations include the fastest one known (--fastest-bf16: plain and on
-TE; --param-dtypes with bf16: BF16 parameters with FP32 masters, faster than FP32 ones, profiles/NOTES.md 24) can
+TE; --param-dtypes with bf16: BF16 parameters with FP32 masters, 1-2% faster than FP32 ones) can
 show a target met; any other file can show it not met (its reference is no faster than the fastest), and a row
 that would be met says "not judged". Where other files repeat
 the chosen arm (same name and settings), the row lists them and, when they straddle the limit, reads "met in k of n
-runs". Writes profiles/targets-<model>-<label>-<device>.json and .md.
+runs". Writes profiles/runs/<date>-targets-<model>-<label>-<device>/ (.json and .md).
 """
 
 import argparse
@@ -29,7 +30,7 @@ from fp8stack.plan.recipes import BF16, get_recipe, is_fp8
 
 @dataclass(frozen=True)
 class Target:
-    """One of issue 7's targets."""
+    """One FP8 target."""
 
     key: str
     """Short name, the row's id."""
@@ -129,13 +130,13 @@ def row(key: str, value: float, source: dict, note: str = "", status: str | None
 
 
 def experts_row(path: Path) -> dict:
-    """The best grouped blockwise FP8 w13 entry at issue 7's expert shape of a backends file."""
+    """The best grouped blockwise FP8 w13 entry at MoE target's expert shape of a backends file."""
     record = json.loads(path.read_text())
     entries = [e for e in record.get("grouped", []) if e.get("source") == "issue-7" and e.get("gemm") == "w13"
                and is_fp8(e.get("recipe", BF16)) and get_recipe(e["recipe"]).block_scaled
                and e.get("speedup_vs_bf16")]
     if not entries:
-        raise ValueError(f"{path} has no timed blockwise w13 entry at issue 7's expert shape")
+        raise ValueError(f"{path} has no timed blockwise w13 entry at the MoE target's expert shape")
     best = max(entries, key=lambda e: e["speedup_vs_bf16"])
     others = ", ".join(f"{describe(e)} {e['speedup_vs_bf16']:.3f}x" for e in entries if e is not best)
     return row("moe", best["speedup_vs_bf16"], {"file": path.name, "arm": describe(best), "reference": "bf16"},
@@ -197,7 +198,7 @@ def render(value: float, key: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8stack.bench.targets", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ab", nargs="+", type=Path, required=True, help="A/B evidence files (speed, memory)")
-    parser.add_argument("--experts", type=Path, help="a backends evidence file with issue 7's expert shape")
+    parser.add_argument("--experts", type=Path, help="a backends evidence file with the MoE target's expert shape")
     parser.add_argument("--profile", type=Path, help="a profile evidence file of the fastest FP8 configuration")
     parser.add_argument("--loss-band", type=Path, help="a loss-band file of the 2 000-step runs")
     parser.add_argument("--label", required=True, help="names the evidence: targets-<model>-<label>-<device>")

@@ -8,7 +8,7 @@ accumulating into an FP32 main_grad as with fused wgrad accumulation), against t
 - per-tensor current scaling: TE's cuBLAS GEMM with the split accumulator TE uses for dgrad and wgrad,
   and with fast accumulation (the recipe's MMParams switch).
 Each entry has its median ms, TF/s and relative error against the FP32 product of the unquantized inputs.
-Writes profiles/te-gemms-<gpu>.json and .md.
+Writes profiles/runs/<date>-te-gemms-<gpu>/ (.json and .md).
 """
 
 import argparse

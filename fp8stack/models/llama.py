@@ -92,7 +92,7 @@ def rope_table(head_dim: int, seq_len: int, theta: float, device: torch.device |
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs of x [B, S, H, head_dim] by rope [S, head_dim / 2], in FP32. Compiled, in real
     arithmetic (Inductor has no complex kernels and fuses it into one kernel each way); eager, as one complex
-    product, fewer kernels than the real form (profiles/probes/rope-glue-probe-h200.md)."""
+    product, fewer kernels than the real form (measured: profiles/runs/2026-11-24-probe-rope-glue-h200/)."""
     if torch.compiler.is_compiling():
         even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
         cos, sin = torch.view_as_real(rope)[:, None].unbind(-1)
@@ -149,7 +149,7 @@ class Attention(nn.Module):
         heads = (batch, seq, -1, self.head_dim)
         if self.fused:
             # q and k rotated as one tensor of heads: rotated apart, Inductor's backward wrote their gradients into
-            # wqkv's at a third of memory speed (profiles/probes/rope-glue-probe-h200.md).
+            # wqkv's at a third of memory speed (profiles/runs/2026-11-24-probe-rope-glue-h200/).
             qk, v = self.wqkv(x).split([(self.n_heads + self.n_kv_heads) * self.head_dim,
                                         self.n_kv_heads * self.head_dim], dim=-1)
             q, k = apply_rope(qk.view(heads), rope).split([self.n_heads, self.n_kv_heads], dim=2)

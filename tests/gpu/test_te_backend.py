@@ -356,7 +356,7 @@ def test_fuse_norm_matches_unfused(recipe):
 def test_converting_lets_go_of_the_replaced_weights(fuse):
     """TE keeps each module's init_method for later reset_parameters calls; the one that copies the replaced
     module's weights must not keep them alive (it once did: +3.7 GiB on llama-1b-like,
-    profiles/levers/ab-llama-1b-like-gb64-fp8-params-init-method-leak-h100.md)."""
+    profiles/archive/2026-11-25-ab-fp8-params-init-leak-h100/)."""
     with torch.device("cuda"):
         model = Llama(LlamaConfig.tiny())
     plan = make_plan(load_description("tiny"), policy("tensorwise", "hybrid", fuse_norm=fuse, fuse_mlp=fuse))

@@ -31,9 +31,9 @@ PASSES = 3
 amax yet)."""
 GRAD_REL_DIFF = 0.03
 """Bound on ||patched - TE|| / ||TE|| of each gradient. Rounding once instead of twice moves about 1.5% of the FC1
-output gradient's E5M2 values by one step (12-25% of a value; profiles/probes/dswiglu-fp8-probe-h100.md), ~2-3% rms,
-which the dgrad and wgrad GEMMs pass on (1.7% in the input gradient on an H100); a wrong gate/up order or scale would
-differ by O(1)."""
+output gradient's E5M2 values by one step (12-25% of a value; profiles/runs/2026-11-25-probe-dswiglu-fp8-h100/),
+~2-3% rms, which the dgrad and wgrad GEMMs pass on (1.7% in the input gradient on an H100); a wrong gate/up order
+or scale would differ by O(1)."""
 
 
 def delayed():

@@ -1,0 +1,86 @@
+"""profiles/INDEX.md and RESULTS.md are generated from the evidence JSONs (fp8stack.bench.results) and committed
+current; a page rendered on a CPU from GPU evidence names the GPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from fp8stack.bench.results import PROFILES, main, pages
+
+GPU = "NVIDIA H100 80GB HBM3"
+
+
+def test_committed_pages_match_the_evidence():
+    result = subprocess.run([sys.executable, "-m", "fp8stack.bench.results", "--check"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+def _run(profiles: Path, area: str, folder: str, name: str, record: dict) -> None:
+    (profiles / area / folder).mkdir(parents=True)
+    (profiles / area / folder / name).write_text(json.dumps(record))
+
+
+def _ab(tokens_per_s: float, date: str) -> dict:
+    arms = [{"recipe": "bf16", "backend": "bf16", "tokens_per_s": 100.0, "peak_mem_gib": 10.0, "rel_loss_gap": 0.0,
+             "verdict": "baseline"},
+            {"recipe": "delayed", "backend": "te", "tokens_per_s": tokens_per_s, "peak_mem_gib": 9.0,
+             "rel_loss_gap": 0.001, "verdict": "ship"}]
+    return {"date": date, "commit": "abc1234", "environment": {"device": GPU}, "model": "tiny", "steps": 30,
+            "train_config": {"model_impl": "torch", "global_batch": 16, "micro_batch": 2}, "arms": arms}
+
+
+def _profiles(tmp_path: Path) -> Path:
+    """An evidence folder: an A/B on a GPU, a later one that superseded it, and targets read on a CPU."""
+    profiles = tmp_path / "profiles"
+    _run(profiles, "archive", "2026-01-01-ab-first", "ab-tiny-h100.json", _ab(120.0, "2026-01-01T00:00:00+00:00"))
+    _run(profiles, "runs", "2026-01-02-ab-again", "ab-tiny-h100.json", _ab(137.5, "2026-01-02T00:00:00+00:00"))
+    row = {"target": "speed", "limit": 1.45, "at_least": True, "value": 1.375, "status": "not met",
+           "file": "ab-tiny-h100.json", "arm": "delayed"}
+    _run(profiles, "runs", "2026-01-03-targets", "targets-tiny-h100.json",
+         {"date": "2026-01-03T00:00:00+00:00", "environment": {"device": "cpu"}, "rows": [row],
+          "sources": ["profiles/ab-tiny-h100.json"]})
+    return profiles
+
+
+def test_pages_read_every_figure_from_the_evidence_and_name_the_gpu(tmp_path):
+    profiles = _profiles(tmp_path)
+    generated = pages(profiles)
+    index, results = generated[profiles / "INDEX.md"], generated[profiles / "RESULTS.md"]
+    assert "## Current runs (2)" in index and "## Superseded runs (1)" in index
+    assert "[2026-01-01-ab-first](archive/2026-01-01-ab-first/)" in index and "`abc1234`" in index
+    assert "cpu" not in results and f"## Targets on {GPU}" in results  # rendered on a CPU, measured on the GPU
+    assert "| speed | ≥ 1.450x | 1.375x | not met | delayed | [2026-01-02-ab-again](runs/2026-01-02-ab-again/) |" in results
+    assert "| delayed | te | 138 | 1.375x | 9.00 | +0.10% | ship |" in results  # the newer run's figures
+    assert "120" not in results  # the superseded run is indexed, not a headline
+
+
+def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
+    profiles = _profiles(tmp_path)
+    assert main(["--profiles", str(profiles), "--check"]) == 1
+    assert "INDEX.md" in capsys.readouterr().err
+    assert main(["--profiles", str(profiles)]) == 0
+    assert main(["--profiles", str(profiles), "--check"]) == 0
+    (profiles / "RESULTS.md").write_text((profiles / "RESULTS.md").read_text().replace("1.375x", "1.500x"))
+    assert main(["--profiles", str(profiles), "--check"]) == 1
+    assert "RESULTS.md differ from the evidence" in capsys.readouterr().err
+
+
+def test_a_folder_without_runs_is_refused(tmp_path, capsys):
+    try:
+        main(["--profiles", str(tmp_path)])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    else:
+        raise AssertionError("a folder without runs/ was accepted")
+    assert "is not a folder: pass --profiles the evidence folder" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_repository_evidence_is_laid_out_by_run():
+    top = sorted(p.name for p in PROFILES.iterdir())
+    assert top == ["INDEX.md", "RESULTS.md", "archive", "runs"], top
+    assert not [p for p in (PROFILES / "runs").iterdir() if p.is_file()]
+    for area in ("runs", "archive"):
+        assert all(list(folder.glob("*.json")) for folder in (PROFILES / area).iterdir())
