@@ -139,6 +139,17 @@ BAD = {
                "block 'dense' (no MLP: feed_forward or moe) cannot be built yet"),
     "dense after moe": ({**_tiny_moe_yaml(), "layers": [{"block": "moe"}, {"block": "dense", "repeat": 3}]},
                         "layer 1 has a dense MLP after the MoE layer 0: fp8stack's Llama keeps its dense layers first"),
+    "no wo": ({**_tiny_yaml(), "blocks": {"dense": [c for c in _tiny_yaml()["blocks"]["dense"]
+                                                    if c["name"] != "attention.wo"]}},
+              "block 'dense' (no attention.wo) cannot be built yet"),
+    "router without experts": ({**_tiny_moe_yaml(), "blocks": {
+        **_tiny_moe_yaml()["blocks"], "moe": [c for c in _tiny_moe_yaml()["blocks"]["moe"]
+                                              if not c["name"].startswith("moe.experts")]}},
+        "block 'moe' (no moe.experts.w13) cannot be built yet"),
+    "dense and moe in one block": ({**_tiny_moe_yaml(), "blocks": {
+        **_tiny_moe_yaml()["blocks"], "moe": [*_tiny_moe_yaml()["blocks"]["moe"], _tiny_yaml()["blocks"]["dense"][-1]]}},
+        "block 'moe' (feed_forward.w2, linear) cannot be built yet"),
+    "no layers": ({**_tiny_yaml(), "layers": []}, "no layers: fp8stack builds a stack of attention + MLP blocks"),
     "extra outside": ({**_tiny_yaml(), "before_layers": [*_tiny_yaml()["before_layers"],
                                                          {"name": "pos_embeddings", "kind": "embedding", "n": 256,
                                                           "k": 256}]},

@@ -56,7 +56,7 @@ class _Block:
 
     @property
     def is_moe(self) -> bool:
-        return "moe.experts.w13" in self.parts
+        return "moe.router.gate" in self.parts
 
 
 def load_model_config(name_or_path: str) -> LlamaConfig:
@@ -92,6 +92,8 @@ def _blocks(description: ModelDescription, where: str) -> list[_Block]:
         block = by_type.setdefault(component.block, _Block(component.block, component.layer, {}))
         if block.layer == component.layer:
             block.parts[component.name] = component
+    if not by_type:
+        raise ModelBuildError(f"{where}: no layers: fp8stack builds a stack of attention + MLP blocks; add 'layers'")
     for block in by_type.values():
         _check_buildable(block, where)
     moe_layers = [c.layer for c in description.components if c.name == "moe.experts.w13"]
@@ -106,25 +108,34 @@ def _blocks(description: ModelDescription, where: str) -> list[_Block]:
 
 def _check_buildable(block: _Block, where: str) -> None:
     """Refuse a block that is not attention + dense MLP or attention + MoE in fp8stack's Llama's names."""
+    missing = _unbuildable_part(block)
+    if missing:
+        raise ModelBuildError(f"{where}: block '{block.name}' ({missing}) cannot be built yet: {BUILDABLE}, named as "
+                              f"fp8stack.models.llama names them (configs/models/tiny.yaml, tiny-moe.yaml); {WAY_OUT}")
+
+
+def _unbuildable_part(block: _Block) -> str | None:
+    """What in `block` fp8stack's Llama has no module for, or lacks; None when it builds."""
     names = set(block.parts)
     scans = [c.name for c in block.parts.values() if c.kind == "ssm_scan"]
     latent = [name for name in block.parts if name in MLA]
     if scans:
-        missing = f"ssm_scan: {scans[0]}"
-    elif latent:
-        missing = f"multi-head latent attention (MLA): {latent[0]}"
-    elif "attention.core" not in names:
-        missing = "no attention: attention.core"
-    elif not names & (DENSE_MLP | MOE_MLP) - {"ffn_norm"}:
-        missing = "no MLP: feed_forward or moe"
-    else:
-        mlp = MOE_MLP if "moe.router.gate" in names else DENSE_MLP
-        unknown = [c for c in block.parts.values() if c.name not in ATTENTION | mlp]
-        if not unknown:
-            return
-        missing = f"{unknown[0].name}, {unknown[0].kind}"
-    raise ModelBuildError(f"{where}: block '{block.name}' ({missing}) cannot be built yet: {BUILDABLE}, named as "
-                          f"fp8stack.models.llama names them (configs/models/tiny.yaml, tiny-moe.yaml); {WAY_OUT}")
+        return f"ssm_scan: {scans[0]}"
+    if latent:
+        return f"multi-head latent attention (MLA): {latent[0]}"
+    if "attention.core" not in names:
+        return "no attention: attention.core"
+    mlp = MOE_MLP if names & MOE_MLP - {"ffn_norm"} else DENSE_MLP if names & DENSE_MLP - {"ffn_norm"} else None
+    if mlp is None:
+        return "no MLP: feed_forward or moe"
+    unknown = [c for c in block.parts.values() if c.name not in ATTENTION | mlp]
+    if unknown:
+        return f"{unknown[0].name}, {unknown[0].kind}"
+    # What the shapes are read from; the comparison with the built model finds anything else missing.
+    required = ["attention.wo", "attention.wqkv" if "attention.wqkv" in names else "attention.wk",
+                *(("moe.router.gate", "moe.experts.w13", "moe.experts.w2") if mlp is MOE_MLP else ("feed_forward.w2",))]
+    absent = [name for name in required if name not in names]
+    return f"no {absent[0]}" if absent else None
 
 
 def _config(description: ModelDescription, blocks: list[_Block], where: str) -> LlamaConfig:
@@ -144,8 +155,7 @@ def _config(description: ModelDescription, blocks: list[_Block], where: str) -> 
         n_kv_heads = _whole(_whole(first["attention.wqkv"].n, head_dim, "attention.wqkv's outputs", where) - n_heads,
                             2, "attention.wqkv's key and value heads", where)
     else:
-        n_kv_heads = _whole(first.get("attention.wk", first["attention.core"]).n, head_dim,
-                            "attention.wk's outputs", where)
+        n_kv_heads = _whole(first["attention.wk"].n, head_dim, "attention.wk's outputs", where)
     dense = next((b.parts for b in blocks if not b.is_moe), None)
     moe = next((b for b in blocks if b.is_moe), None)
     moe_config = _moe_config(moe.parts) if moe else None
