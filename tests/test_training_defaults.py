@@ -47,3 +47,20 @@ def test_300_bf16_steps_of_tiny_on_the_defaults_descend_without_a_spike():
     losses = result.losses
     assert max(losses[1:]) < losses[0], f"step {losses.index(max(losses[1:]))} spiked above the first loss"
     assert losses[-1] < losses[0] / 2
+
+
+@pytest.mark.slow
+def test_at_width_2048_the_defaults_do_not_spike_where_a_fixed_lr_did(monkeypatch):
+    """Two Llama-3-8B-wide-ish layers, 12 steps (the speed A/B's length): the former fixed lr 2e-3 with 4 warm-up
+    steps drove the loss above its first value, as it did on llama-1b-like; the width's defaults descend."""
+    from fp8stack.train import config
+
+    wide = LlamaConfig(dim=2048, n_layers=2, n_heads=16, n_kv_heads=4, ffn_dim=5632, vocab_size=256, seq_len=128)
+    monkeypatch.setitem(config.MODELS, "wide", lambda: wide)
+    defaults = training_defaults(wide, 12)
+    runs = {name: train(TrainConfig(model="wide", recipe="bf16", device="cpu", steps=12, lr=lr, warmup=warmup,
+                                     micro_batch=4, eval_batches=0, progress=False)).losses
+            for name, lr, warmup in (("fixed", 2e-3, 4), ("defaults", defaults.lr, defaults.warmup))}
+    assert max(runs["fixed"][1:]) > runs["fixed"][0]
+    assert max(runs["defaults"][1:]) < runs["defaults"][0]
+    assert runs["defaults"][-1] < runs["defaults"][0] * 0.75

@@ -17,7 +17,8 @@ import torch
 
 from fp8stack.models.llama import Llama, LlamaConfig
 from fp8stack.models.moe import MoEConfig
-from fp8stack.plan.description import Component, ModelDescription, load_description, resolve_model_path
+from fp8stack.plan.description import (CONFIGS_DIR, Component, ModelDescription, load_description,
+                                       resolve_model_path)
 from fp8stack.plan.errors import PlanError
 from fp8stack.plan.from_module import describe_module
 
@@ -59,12 +60,17 @@ class _Block:
         return "moe.router.gate" in self.parts
 
 
-def load_model_config(name_or_path: str) -> LlamaConfig:
+def load_model_config(name_or_path: str | Path) -> LlamaConfig:
     """The LlamaConfig of a model description: what `fp8stack plan --model` takes (a name in configs/models or a
     YAML path). Raises PlanError for a missing or malformed file, ModelBuildError for blocks fp8stack cannot build."""
     path = resolve_model_path(name_or_path)
     shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
     return model_config_from_description(load_description(path), source=str(shown))
+
+
+def named_model_config(name: str) -> LlamaConfig:
+    """The LlamaConfig of configs/models/<name>.yaml (a file of that name in the working folder does not count)."""
+    return load_model_config(CONFIGS_DIR / "models" / f"{name}.yaml")
 
 
 def model_config_from_description(description: ModelDescription, source: str | None = None) -> LlamaConfig:

@@ -67,20 +67,20 @@ class LlamaConfig:
     @classmethod
     def tiny(cls) -> "LlamaConfig":
         """configs/models/tiny.yaml: CPU-sized, byte vocabulary."""
-        from fp8stack.models.from_description import load_model_config
-        return load_model_config("tiny")
+        from fp8stack.models.from_description import named_model_config
+        return named_model_config("tiny")
 
     @classmethod
     def tiny_moe(cls) -> "LlamaConfig":
         """configs/models/tiny-moe.yaml: tiny with layers 1-3 as 8-expert top-2 MoE plus a shared expert."""
-        from fp8stack.models.from_description import load_model_config
-        return load_model_config("tiny-moe")
+        from fp8stack.models.from_description import named_model_config
+        return named_model_config("tiny-moe")
 
     @classmethod
     def llama_1b_like(cls) -> "LlamaConfig":
         """configs/models/llama-1b-like.yaml: 4 Llama-3-8B-shaped layers, the single-GPU benchmark."""
-        from fp8stack.models.from_description import load_model_config
-        return load_model_config("llama-1b-like")
+        from fp8stack.models.from_description import named_model_config
+        return named_model_config("llama-1b-like")
 
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
