@@ -376,7 +376,10 @@ def _cuda(torch_ok: bool, torch_package: Package) -> tuple[list[Gpu], Cuda]:
         props = torch.cuda.get_device_properties(index)
         gpus.append(Gpu(index, props.name, f"sm{props.major}{props.minor}", round(props.total_memory / 2**30, 1)))
     # This loads torch's cuDNN, hence after TE's probe (TE must load its own first).
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    try:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except RuntimeError as err:  # a second cuDNN loaded first (TE's, or LD_LIBRARY_PATH's) that torch cannot use
+        cudnn = f"unusable: {' '.join(str(err).split())}"
     return gpus, Cuda(True, runtime, driver, driver_cuda, None if cudnn is None else str(cudnn))
 
 

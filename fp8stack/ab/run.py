@@ -165,6 +165,9 @@ def add_ab_parser(subparsers) -> argparse.ArgumentParser:
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_section_arguments(parser, "ab", AbConfig(), aliases=AB_ALIASES)
+    parser.add_argument("--no-repeat-baseline", dest="ab.baseline_runs", action="store_const", const=1,
+                        default=argparse.SUPPRESS,
+                        help="--ab.baseline-runs 1: faster, but the noise is then only step-time spread")
     add_config_arguments(parser)
     add_megatron_recompute_arguments(parser)
 

@@ -31,7 +31,11 @@ def test_doctor_names_the_gpu_its_arch_and_the_cuda_stack(capsys):
     assert len(report["gpus"]) == torch.cuda.device_count()
     cuda = report["cuda"]
     assert cuda["available"] is True and cuda["problem"] == ""
-    assert cuda["runtime"] == torch.version.cuda and cuda["cudnn"] == str(torch.backends.cudnn.version())
+    assert cuda["runtime"] == torch.version.cuda
+    try:
+        assert cuda["cudnn"] == str(torch.backends.cudnn.version())
+    except RuntimeError as err:  # torch cannot use the cuDNN loaded first: doctor says so instead of failing
+        assert cuda["cudnn"].startswith("unusable: ") and str(err).split(":")[0] in cuda["cudnn"]
     assert cuda["driver"] and cuda["driver_cuda"], "the NVIDIA driver's release and CUDA version"
 
 

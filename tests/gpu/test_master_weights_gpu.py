@@ -21,7 +21,7 @@ from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
 SETTINGS = {"model.name": "tiny", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 3, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.global_batch": 4, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False, "precision.fuse_norm": True, "precision.fuse_mlp": True, "te.gradient_accumulation_fusion": True,
-            "training.compile": False, "training.sdpa_backend": "auto"}
+            "training.compile": False, "training.sdpa_backend": "auto", "training.param_dtype": "fp32"}
 """The A/B's fastest configuration on the tiny model: TE modules with fused norms and MLPs, two micro-batches per
 step, weight gradients accumulated in FP32 by TE's GEMMs."""
 

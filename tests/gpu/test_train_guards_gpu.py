@@ -104,7 +104,8 @@ def test_an_untrusted_delayed_scaling_checkpoint_is_refused_and_its_payload_neve
     flags = ["--model", "tiny", "--fp8-recipe", "delayed", "--backend", "te", "--small-gemm-filter", "off",
              "--device", "cuda", "--train-iters", "4", "--lr-warmup-iters", "1", "--micro-batch-size", "2",
              "--seq-length", "128", "--eval-iters", "0", "--max-data-bytes", str(1 << 20), "--no-progress",
-             "--save", str(folder), "--load", "latest"]
+             "--no-compile", "--param-dtype", "fp32", "--sdpa-backend", "auto", "--no-gradient-accumulation-fusion",
+             "--no-fuse-norm", "--no-fuse-mlp", "--save", str(folder), "--load", "latest"]
     assert train_main(flags) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--trust-checkpoint" in err and "Traceback" not in err, err
