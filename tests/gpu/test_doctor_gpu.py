@@ -32,10 +32,10 @@ def test_doctor_names_the_gpu_its_arch_and_the_cuda_stack(capsys):
     cuda = report["cuda"]
     assert cuda["available"] is True and cuda["problem"] == ""
     assert cuda["runtime"] == torch.version.cuda
-    try:
-        assert cuda["cudnn"] == str(torch.backends.cudnn.version())
-    except RuntimeError as err:  # torch cannot use the cuDNN loaded first: doctor says so instead of failing
-        assert cuda["cudnn"].startswith("unusable: ") and str(err).split(":")[0] in cuda["cudnn"]
+    # torch checks the cuDNN it loads against its build once: where another (TE's) loaded first, doctor reports the
+    # mismatch that check raised, and later reads return the loaded version
+    assert cuda["cudnn"] == str(torch.backends.cudnn.version()) or cuda["cudnn"].startswith(
+        "unusable: cuDNN version incompatibility")
     assert cuda["driver"] and cuda["driver_cuda"], "the NVIDIA driver's release and CUDA version"
 
 
