@@ -116,11 +116,22 @@ class Evidence:
         return found
 
 
+def _train_config(record: dict) -> dict:
+    """An A/B's model, batch and path settings, from a flat train_config (files written before the configuration
+    tree) or a nested one ({"job": {section: {field: value}}, "ab": ...})."""
+    config = record.get("train_config") or {}
+    if "job" not in config:
+        return config
+    job = config["job"]
+    return {"model_impl": job["model"]["impl"], "global_batch": job["training"]["global_batch"],
+            "micro_batch": job["training"]["micro_batch"]}
+
+
 def describe(run: Run) -> str:
     """What the run measured, in a few words, from its record."""
     record, kind = run.record, run.kind
     if kind == "ab" and "arms" in record:
-        config = record.get("train_config") or {}
+        config = _train_config(record)
         path = " (Megatron path)" if config.get("model_impl") == "megatron" else ""
         sequences = config.get("global_batch") or config.get("micro_batch")
         arms = " · ".join(arm["recipe"] for arm in record["arms"])
@@ -199,7 +210,7 @@ def _headline_abs(evidence: Evidence) -> list[Run]:
             ab = evidence.cited(row["file"], run.record.get("date"))
             if ab is not None and ab.kind == "ab" and ab not in cited:
                 cited.append(ab)
-    megatron = evidence.newest("ab", lambda run: (run.record.get("train_config") or {}).get("model_impl") == "megatron")
+    megatron = evidence.newest("ab", lambda run: _train_config(run.record).get("model_impl") == "megatron")
     return cited + [run for run in megatron.values() if run not in cited]
 
 
