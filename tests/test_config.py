@@ -186,3 +186,20 @@ def test_no_module_outside_plan_and_backends_compares_a_recipe_name():
             if compare.search(line) and "param_dtype" not in line and "dtype" not in line:
                 found.append(f"{relative}:{number}: {line.strip()}")
     assert not found, "recipe names compared outside plan/ and backends/:\n" + "\n".join(found)
+
+
+def test_ab_takes_a_yaml_model_and_a_factory_model(tmp_path, capsys):
+    """`fp8stack ab` trains what `fp8stack plan` describes (a YAML path) and a user's module on a user's batches."""
+    fast = ["--steps", "2", "--seq-length", "64", "--micro-batch", "2", "--eval-iters", "0", "--no-repeat-baseline",
+            "--device", "cpu", "--no-progress"]
+    assert main(["ab", "--model", str(ROOT / "configs/models/tiny.yaml"), "--recipes", "bf16,tensorwise",
+                 "--out-dir", str(tmp_path / "yaml"), *fast]) == 0
+    record = json.loads(next((tmp_path / "yaml").rglob("ab-tiny-cpu.json")).read_text())
+    assert [arm["recipe"] for arm in record["arms"]] == ["bf16", "tensorwise"]
+    assert all(isinstance(run, dict) for run in record["runs"].values())
+    factories = ROOT / "examples/own_model/factories.py"
+    assert main(["ab", "--model-factory", f"{factories}:model", "--data", f"{factories}:data", "--recipes",
+                 "bf16,tensorwise", "--out-dir", str(tmp_path / "factory"), *fast]) == 0
+    record = json.loads(next((tmp_path / "factory").rglob("ab-model-cpu.json")).read_text())
+    run = record["runs"]["tensorwise"]
+    assert run["config"]["model"]["factory"].endswith("factories.py:model") and run["plan_summary"]["fp8_gemms"] > 0
