@@ -5,7 +5,7 @@ import pytest
 from fp8stack.models import LlamaConfig, load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan import load_description
-from fp8stack.train.config import TrainConfig
+from fp8stack.config import from_overrides
 from fp8stack.train.loop import train
 
 
@@ -41,9 +41,10 @@ def test_300_bf16_steps_of_tiny_on_the_defaults_descend_without_a_spike():
     """The CPU runs the bf16 arm in FP32 activations; a smaller micro-batch than the trainer's (noisier steps) keeps
     the run short."""
     defaults = training_defaults(LlamaConfig.tiny(), 300)
-    result = train(TrainConfig(model="tiny", recipe="bf16", device="cpu", steps=300, lr=defaults.lr,
-                               warmup=defaults.warmup, min_lr=defaults.min_lr, micro_batch=4, eval_batches=0,
-                               progress=False))
+    result = train(from_overrides({"model.name": "tiny", "precision.recipe": "bf16", "training.device": "cpu",
+                                   "training.steps": 300, "training.micro_batch": 4, "training.eval_batches": 0,
+                                   "logging.progress": False}))
+    assert (result.config["optimizer"]["lr"], result.config["optimizer"]["warmup"]) == (defaults.lr, defaults.warmup)
     losses = result.losses
     assert max(losses[1:]) < losses[0], f"step {losses.index(max(losses[1:]))} spiked above the first loss"
     assert losses[-1] < losses[0] / 2
@@ -53,14 +54,12 @@ def test_300_bf16_steps_of_tiny_on_the_defaults_descend_without_a_spike():
 def test_at_width_2048_the_defaults_do_not_spike_where_a_fixed_lr_did(monkeypatch):
     """Two Llama-3-8B-wide-ish layers, 12 steps (the speed A/B's length): the former fixed lr 2e-3 with 4 warm-up
     steps drove the loss above its first value, as it did on llama-1b-like; the width's defaults descend."""
-    from fp8stack.train import config
-
     wide = LlamaConfig(dim=2048, n_layers=2, n_heads=16, n_kv_heads=4, ffn_dim=5632, vocab_size=256, seq_len=128)
-    monkeypatch.setitem(config.MODELS, "wide", lambda: wide)
-    defaults = training_defaults(wide, 12)
-    runs = {name: train(TrainConfig(model="wide", recipe="bf16", device="cpu", steps=12, lr=lr, warmup=warmup,
-                                     micro_batch=4, eval_batches=0, progress=False)).losses
-            for name, lr, warmup in (("fixed", 2e-3, 4), ("defaults", defaults.lr, defaults.warmup))}
+    monkeypatch.setattr("fp8stack.train.loop.load_model_config", lambda name: wide)
+    settings = {"model.name": "wide", "precision.recipe": "bf16", "training.device": "cpu", "training.steps": 12,
+                "training.micro_batch": 4, "training.eval_batches": 0, "logging.progress": False}
+    runs = {"fixed": train(from_overrides({**settings, "optimizer.lr": 2e-3, "optimizer.warmup": 4})).losses,
+            "defaults": train(from_overrides(settings)).losses}
     assert max(runs["fixed"][1:]) > runs["fixed"][0]
     assert max(runs["defaults"][1:]) < runs["defaults"][0]
     assert runs["defaults"][-1] < runs["defaults"][0] * 0.75
