@@ -1,7 +1,7 @@
 """The FP8 targets (speed, memory, blockwise, MoE, quantize overhead, loss) against the evidence files that
 measured them, read on any machine:
 
-    python -m fp8stack.bench.targets --label issue7 --ab profiles/runs/*/ab-...-h200.json [...] \\
+    python -m fp8stack.bench.targets --label h200 --ab profiles/runs/*/ab-...-h200.json [...] \\
         --experts profiles/runs/*/backends-...-h200.json --profile profiles/runs/*/profile-...-h200.json \\
         --loss-band profiles/runs/*/loss-band-...-h200.json
 
