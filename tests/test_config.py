@@ -203,3 +203,36 @@ def test_ab_takes_a_yaml_model_and_a_factory_model(tmp_path, capsys):
     record = json.loads(next((tmp_path / "factory").rglob("ab-model-cpu.json")).read_text())
     run = record["runs"]["tensorwise"]
     assert run["config"]["model"]["factory"].endswith("factories.py:model") and run["plan_summary"]["fp8_gemms"] > 0
+
+
+EARLIER_AB_FLAGS = {
+    "--recipes": ("bf16,delayed", "ab.recipes"), "--param-dtypes": ("fp32,bf16", "ab.param_dtypes"),
+    "--blockwise-gemms": ("te,deepgemm", "ab.blockwise_gemms"), "--baseline-runs": ("3", "ab.baseline_runs"),
+    "--loss-tolerance": ("0.01", "ab.loss_tolerance"), "--nproc": ("2", "ab.nproc"), "--gpus": ("0,1", "ab.gpus"),
+    "--continue-from": ("a.json", "ab.continue_from"), "--out-dir": ("out", "ab.out_dir"), "--label": ("x", "ab.label"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(EARLIER_AB_FLAGS))
+def test_every_earlier_ab_flag_sets_its_field(flag):
+    from fp8stack.ab.run import ab_config
+    from fp8stack.cli import build_parser
+    from fp8stack.config import parse_args
+
+    value, dotted = EARLIER_AB_FLAGS[flag]
+    ab = ab_config(parse_args(build_parser(), ["ab", flag, value]))
+    got = getattr(ab, dotted.removeprefix("ab."))
+    assert (",".join(got) if isinstance(got, tuple) else str(got)) == value
+
+
+def test_earlier_ab_and_profile_switches():
+    from fp8stack.ab.run import ab_config
+    from fp8stack.cli import build_parser
+    from fp8stack.config import parse_args
+
+    parser = build_parser()
+    ab = ab_config(parse_args(parser, ["ab", "--fastest-bf16", "--bf16-on-te", "--no-repeat-baseline", "--force"]))
+    assert (ab.fastest_bf16, ab.bf16_on_te, ab.baseline_runs, ab.force) == (True, True, 1, True)
+    profile = vars(parse_args(parser, ["profile", "--steps", "7", "--gemm-speedup", "1.5", "--label", "x"]))
+    assert (profile["profile.steps"], profile["profile.gemm_speedup"], profile["profile.label"]) == (7, 1.5, "x")
+    assert "training.steps" not in profile, "a profile's --steps counts profiled steps, not training steps"
