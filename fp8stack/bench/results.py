@@ -294,7 +294,7 @@ def _megatron(evidence: Evidence) -> str:
     return "\n".join(out)
 
 
-def readme_table(evidence: Evidence, readme: Path, headline: str = HEADLINE_RUN) -> str:
+def readme_table(evidence: Evidence, readme: Path, headline: str) -> str:
     """The README's results section: the headline A/B's setting, one row per arm, and a link to the run."""
     run = next((run for run in evidence.runs if run.folder.name == headline and run.kind == "ab"), None)
     if run is None:
@@ -310,7 +310,8 @@ def readme_table(evidence: Evidence, readme: Path, headline: str = HEADLINE_RUN)
              _number(arm.get("peak_mem_gib"), ".2f"), _verdict(arm, "speed"), _verdict(arm, "memory"),
              _verdict(arm, "loss", arm.get("rel_loss_gap"), "+.2%"), f"**{arm['verdict']}**"] for arm in record["arms"]]
     folder = run.folder.relative_to(readme.parent).as_posix()
-    report = next((name for name in sorted(p.name for p in run.folder.glob("*.md"))), None)
+    reports = sorted(path.name for path in run.folder.glob("*.md"))
+    report = reports[0] if reports else None
     command = record.get("command", "")
     command = "fp8stack " + command.split(" -m fp8stack ", 1)[1] if " -m fp8stack " in command else command
     lines = [
@@ -319,13 +320,10 @@ def readme_table(evidence: Evidence, readme: Path, headline: str = HEADLINE_RUN)
         ", ".join(f"{name} {versions[name]}" for name in ("torch", "cuda", "transformer_engine", "torchao")
                   if versions.get(name)) + f", by `{command}`.", "",
         f"- **Model**: {_shape(record.get('model'), training.get('seq_len'))}.",
-        f"- **Configuration**: {training.get('global_batch')} sequences of {training.get('seq_len')} tokens per "
-        f"step in micro-batches of {training.get('micro_batch')}, {record.get('steps')} steps, "
-        f"{'compiled' if training.get('compile') else 'eager'}, attention on {training.get('sdpa_backend')}, "
-        f"norm fused into the next GEMM: {_yes(precision.get('fuse_norm'))}, SwiGLU MLP fused: "
-        f"{_yes(precision.get('fuse_mlp'))}, parameters in {training.get('param_dtype')}.",
-        f"- **Reference**: `{reference['recipe'] if reference else '-'}`, the fastest BF16 arm; every ratio and verdict "
-        f"is against it, judged beyond the measured step-time noise.", "",
+        f"- **Configuration**: {_configuration(record, training, precision)}.",
+        f"- **Reference**: " + (f"`{reference['recipe']}`, {reference.get('reason', 'the reference arm')}; every ratio "
+                                 "and verdict is against it, each judged beyond the noise measured in the same run."
+                                 if reference else "none: no BF16 arm completed."), "",
         markdown_table(["arm", "backend", "tokens/s", "over reference", "peak GiB", "speed", "memory", "loss",
                         "verdict"], rows).rstrip(), "",
         "Why each verdict:", "", *(f"- `{arm['recipe']}`: {arm.get('reason', '-')}." for arm in record["arms"]), "",
@@ -333,6 +331,16 @@ def readme_table(evidence: Evidence, readme: Path, headline: str = HEADLINE_RUN)
         ". Every run, current and superseded: [profiles/INDEX.md](profiles/INDEX.md); the standing against the "
         "targets: [profiles/RESULTS.md](profiles/RESULTS.md)."]
     return "\n".join(lines)
+
+
+def _configuration(record: dict, training: dict, precision: dict) -> str:
+    """The batch, length and levers every arm shared, from the nested configuration (older files: see the report)."""
+    if not training:
+        return "as recorded in the run's report"
+    return (f"{training['global_batch']} sequences of {training['seq_len']} tokens per step in micro-batches of "
+            f"{training['micro_batch']}, {record.get('steps')} steps, {'compiled' if training['compile'] else 'eager'}, "
+            f"attention on {training['sdpa_backend']}, norm fused into the next GEMM: {_yes(precision['fuse_norm'])}, "
+            f"SwiGLU MLP fused: {_yes(precision['fuse_mlp'])}, parameters in {training['param_dtype']}")
 
 
 def _verdict(arm: dict, what: str, value=None, spec: str = "") -> str:
@@ -375,14 +383,14 @@ def _readme_text(readme: Path, table: str) -> str:
     return f"{before}{README_START}\n{table}\n{README_END}{after}"
 
 
-def pages(profiles: Path = PROFILES, headline: str = HEADLINE_RUN) -> dict[Path, str]:
+def pages(profiles: Path = PROFILES, headline: str | None = None) -> dict[Path, str]:
     """INDEX.md and RESULTS.md as the evidence under `profiles` makes them, and the README beside `profiles` (when
-    there is one) with its results table."""
+    there is one) with its results table of the run folder `headline` (default HEADLINE_RUN)."""
     evidence = Evidence(load_runs(profiles), profiles)
     generated = {profiles / "INDEX.md": index_page(evidence), profiles / "RESULTS.md": results_page(evidence)}
     readme = profiles.parent / "README.md"
     if readme.is_file():
-        generated[readme] = _readme_text(readme, readme_table(evidence, readme, headline))
+        generated[readme] = _readme_text(readme, readme_table(evidence, readme, headline or HEADLINE_RUN))
     return generated
 
 
