@@ -1,4 +1,4 @@
-"""Every relative link in README.md, docs/*.md and profiles/*.md points at a file or folder that exists."""
+"""Every relative link in README.md, docs/**/*.md and profiles/*.md points at a file or folder that exists."""
 
 import re
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "profiles").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "profiles").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fp8stack.bench.results import PROFILES, main, pages
+import fp8stack.bench.results as results
+from fp8stack.bench.results import PROFILES, README_END, README_START, main, pages
 
 GPU = "NVIDIA H100 80GB HBM3"
 
@@ -84,3 +85,39 @@ def test_the_repository_evidence_is_laid_out_by_run():
     assert not [p for p in (PROFILES / "runs").iterdir() if p.is_file()]
     for area in ("runs", "archive"):
         assert all(list(folder.glob("*.json")) for folder in (PROFILES / area).iterdir())
+
+
+def _readme(tmp_path: Path, body: str = f"# x\n\n{README_START}\nold table\n{README_END}\n\nhand-written\n") -> Path:
+    (tmp_path / "README.md").write_text(body)
+    return tmp_path / "README.md"
+
+
+def test_the_readme_table_is_read_from_the_headline_run(tmp_path):
+    profiles = _profiles(tmp_path)
+    readme = _readme(tmp_path)
+    text = pages(profiles, headline="2026-01-02-ab-again")[readme]
+    assert text.startswith("# x\n\n") and text.endswith(f"{README_END}\n\nhand-written\n") and "old table" not in text
+    assert f"Measured on one {GPU} on 2026-01-02 at commit `abc1234`" in text
+    assert "| `delayed` | te | 138 | 1.375x | 9.00 |" in text
+    assert "[profiles/runs/2026-01-02-ab-again/](profiles/runs/2026-01-02-ab-again/)" in text
+    assert "`tiny` (" in text  # the model's shape, from its description
+
+
+def test_check_fails_on_a_stale_readme_and_refuses_one_without_markers(tmp_path, monkeypatch, capsys):
+    profiles = _profiles(tmp_path)
+    _readme(tmp_path)
+    monkeypatch.setattr(results, "HEADLINE_RUN", "2026-01-02-ab-again")
+    assert main(["--profiles", str(profiles)]) == 0
+    assert main(["--profiles", str(profiles), "--check"]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(readme.read_text().replace("1.375x", "1.400x"))
+    assert main(["--profiles", str(profiles), "--check"]) == 1
+    assert "README.md" in capsys.readouterr().err
+    _readme(tmp_path, "# no markers\n")
+    assert main(["--profiles", str(profiles)]) == 2
+    assert "has no <!-- results:start -->" in capsys.readouterr().err
+    assert readme.read_text() == "# no markers\n"  # nothing written
+    monkeypatch.setattr(results, "HEADLINE_RUN", "2026-01-09-missing")
+    _readme(tmp_path)
+    assert main(["--profiles", str(profiles)]) == 2
+    assert "headline run 2026-01-09-missing is not an A/B folder" in capsys.readouterr().err
