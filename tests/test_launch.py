@@ -52,7 +52,7 @@ def test_train_sh_tensor_parallel_matches_one_process(tmp_path):
                           cwd=ROOT, env=launch_env(29615), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, workers_output(done.stderr)
     tp = json.loads((tmp_path / "tp.json").read_text())
-    assert tp["world_size"] == 2 and tp["config"]["tensor_parallel"] == 2
+    assert tp["world_size"] == 2 and tp["config"]["parallelism"]["tensor_parallel"] == 2
     one = train(job_from_flags(([*flags, "--no-progress"])))
     assert len(tp["losses"]) == len(one.losses) == 3
     for step, (a, b) in enumerate(zip(one.losses, tp["losses"])):
