@@ -157,8 +157,9 @@ class TrainingConfig:
                 raise ConfigError(f"training.global_batch={self.global_batch} must be a multiple of "
                                   f"training.micro_batch={self.micro_batch} (times the data-parallel ranks)")
         if self.param_dtype in ("bf16", "fp8") and self.dtype == "fp32":
-            raise ConfigError(f"training.param_dtype {self.param_dtype} keeps BF16 parameters for BF16 activations: "
-                              "drop --training.dtype fp32 or use --training.param-dtype fp32")
+            raise ConfigError(f"training.param_dtype {self.param_dtype} keeps BF16 parameters for BF16 activations, "
+                              "and this run's are FP32 (auto is on a CPU): pass --training.dtype bf16 or "
+                              "--training.param-dtype fp32")
 
 
 @dataclass
