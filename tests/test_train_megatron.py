@@ -3,7 +3,6 @@ refuses (and the CPU itself: the trainer needs CUDA for megatron), the GPTModel 
 Llama's weights in megatron's layouts, computing the plain Llama's function, the same weights at TP=2 as at
 TP=1) and its gradient finishing over two gloo ranks. Training it runs on GPUs (fp8stack.bench.multigpu_tp)."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
