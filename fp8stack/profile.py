@@ -322,7 +322,7 @@ def run_profile(args: argparse.Namespace) -> int:
     """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
     from fp8stack.bench.evidence import (EvidenceError, claim_evidence, device_slug, environment, latest_evidence,
                                          markdown_table, write_evidence)
-    from fp8stack.train.loop import model_config, resolve_job
+    from fp8stack.train.loop import model_shape, resolve_job
     from fp8stack.train.preflight import preflight
 
     env = environment()
@@ -342,7 +342,7 @@ def run_profile(args: argparse.Namespace) -> int:
         configs = [resolve_job(_without_fp8(job)), *([resolve_job(job)] if is_fp8(recipe) else [])]
         claim_evidence(stem, options.out_dir, options.force)
         for cfg in configs:
-            preflight(cfg, model_config(cfg))
+            preflight(cfg, model_shape(cfg))
         runs, plan = {}, None
         for cfg in configs:
             print(f"profiling {cfg.model.name} {cfg.precision.recipe}: {options.warmup_steps} + 1 warm-up and "

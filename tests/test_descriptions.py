@@ -150,6 +150,9 @@ GOOD = {
     ({"shape": 3}, "unknown key(s) ['shape']"),
     ({"layers": "dense"}, "layers must be a list"),
     ({"seq_len": 0}, "seq_len must be a positive integer"),
+    ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+    ({"rope_theta": "1e4"}, "rope_theta must be a positive number, got '1e4'"),
+    ({"rope_theta": float("inf")}, "rope_theta must be a positive number, got inf"),
     ({"blocks": {}}, "'blocks' must map block type names"),
     ({"layers": [{"block": "moe"}]}, "layers use block 'moe', not defined under 'blocks'"),
     ({"layers": [{"repeat": 2}]}, "each 'layers' entry needs 'block'"),
@@ -165,6 +168,12 @@ def test_bad_description_raises_plan_error_naming_the_fix(change, message):
         description_from_dict({**GOOD, **change}, source="bad.yaml")
     assert message in str(err.value)
     assert str(err.value).startswith("bad.yaml")
+
+
+def test_rope_theta_is_read_and_optional():
+    assert load_description("llama3-8b").rope_theta == 500000.0
+    assert load_description("hybrid-mamba-moe").rope_theta is None
+    assert description_from_dict({**GOOD, "rope_theta": 10000}).rope_theta == 10000.0
 
 
 def test_missing_required_key():

@@ -90,6 +90,13 @@ def blockwise_arm(library: str) -> str:
     return "blockwise" if library == "te" else f"blockwise on {library}"
 
 
+def model_label(job: JobConfig) -> str:
+    """The model as evidence names it: a named model's name, a YAML's file stem, a factory's function."""
+    if job.model.factory:
+        return job.model.factory.rpartition(":")[2]
+    return Path(job.model.name).stem if job.model.name.endswith((".yaml", ".yml")) else job.model.name
+
+
 def to_plain(ab: AbConfig) -> dict:
     """The ab section as JSON data."""
     return json.loads(json.dumps(asdict(ab)))
@@ -187,7 +194,7 @@ def run_ab(args: argparse.Namespace) -> int:
 
     from fp8stack.bench.evidence import claim_evidence, device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
-    from fp8stack.train.loop import model_config
+    from fp8stack.train.loop import model_shape
     from fp8stack.train.preflight import preflight
     from fp8stack.train.resolve import resolve
 
@@ -201,12 +208,12 @@ def run_ab(args: argparse.Namespace) -> int:
             GPU_LOSS_TOLERANCE if on_gpu else CPU_LOSS_TOLERANCE)
         _check(ab, tolerance)
         recipes = _recipes(ab.recipes or AB_RECIPES["te" if te_runs else "torchao"])
-        shape = model_config(base)
+        shape = model_shape(base)
         configs = {name: resolve(cfg, shape, ab.nproc)
                    for name, cfg in arm_configs(ab, base, recipes, te_runs).items()}
         first = next(iter(configs.values()))
         impl = "megatron" if base.model.impl == "megatron" else None  # the plain path's evidence keeps its name
-        stem = "-".join(filter(None, ("ab", base.model.name, impl, ab.label, device_slug(env["device"]))))
+        stem = "-".join(filter(None, ("ab", model_label(base), impl, ab.label, device_slug(env["device"]))))
         train_config = {"job": to_dict(replace(first, precision=replace(first.precision, recipe=BF16))),
                         "ab": {k: v for k, v in to_plain(ab).items()
                                if k not in ("continue_from", "force", "out_dir", "label")}}
@@ -215,7 +222,7 @@ def run_ab(args: argparse.Namespace) -> int:
         # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
         claim_evidence(stem, ab.out_dir, ab.force or ab.continue_from is not None, suffixes=(".json", ".md", ".png"))
         for cfg in configs.values():  # what each arm's process would refuse, before any runs
-            preflight(cfg, model_config(cfg))
+            preflight(cfg, model_shape(cfg))
     except (ValueError, PlanError) as err:  # ConfigError and EvidenceError are ValueErrors
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -253,7 +260,7 @@ def run_ab(args: argparse.Namespace) -> int:
             "pending_arms": todo,
             "device": env["device"],
             "versions": {k: v for k, v in env.items() if k not in ("device", "compute_capability")},
-            "model": base.model.name, "steps": first.training.steps, "nproc": ab.nproc,
+            "model": model_label(base), "steps": first.training.steps, "nproc": ab.nproc,
             "gpus": list(ab.gpus) if ab.gpus else None,
             "recipes": recipes, "train_config": train_config,
             "continued_from": continued_from,
@@ -353,7 +360,7 @@ def run_ab(args: argparse.Namespace) -> int:
         _print_table(table, markdown)
         print("no arm measured anything: no evidence written", file=sys.stderr)
         return 1
-    png = plot(arms, repeat_records, json_path.with_suffix(".png"), title=f"{base.model.name} on {env['device']}")
+    png = plot(arms, repeat_records, json_path.with_suffix(".png"), title=f"{model_label(base)} on {env['device']}")
     _print_table(table, markdown)
     print(f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0 if any(arm.verdict == "baseline" for arm in arms) else 1

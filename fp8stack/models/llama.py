@@ -62,22 +62,25 @@ class LlamaConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.first_moe_layer
 
+    # The named shapes are read from their descriptions, which `fp8stack plan` reads too (imported when called:
+    # from_description builds on this module).
     @classmethod
     def tiny(cls) -> "LlamaConfig":
         """configs/models/tiny.yaml: CPU-sized, byte vocabulary."""
-        return cls(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256, seq_len=256)
+        from fp8stack.models.from_description import named_model_config
+        return named_model_config("tiny")
 
     @classmethod
     def tiny_moe(cls) -> "LlamaConfig":
         """configs/models/tiny-moe.yaml: tiny with layers 1-3 as 8-expert top-2 MoE plus a shared expert."""
-        moe = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256)
-        return cls(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256, seq_len=256,
-                   moe=moe, first_moe_layer=1)
+        from fp8stack.models.from_description import named_model_config
+        return named_model_config("tiny-moe")
 
     @classmethod
     def llama_1b_like(cls) -> "LlamaConfig":
         """configs/models/llama-1b-like.yaml: 4 Llama-3-8B-shaped layers, the single-GPU benchmark."""
-        return cls(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, seq_len=4096)
+        from fp8stack.models.from_description import named_model_config
+        return named_model_config("llama-1b-like")
 
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:

@@ -142,6 +142,9 @@ class ModelDescription:
     head_replaceable: bool = True
     """Whether a backend may replace the output head by its own module (False for megatron's GPTModel, whose output
     layer stays its ColumnParallelLinear)."""
+    rope_theta: float | None = None
+    """RoPE base frequency, read when the trainer builds the model (fp8stack.models.from_description); None where
+    the description does not say (the plan needs no rotary frequencies)."""
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -163,7 +166,7 @@ _FEED_KEYS = {"feeds", "swiglu", "eps", "normalization"}
 """A norm's keys saying what reads its output (what describe_module finds by tracing a built model): `feeds` the
 linears, in call order; `swiglu: {module, down}` when they are the gate and up of a SwiGLU MLP (two linears, or
 the two halves of one)."""
-_TOP_KEYS = {"name", "seq_len", "layer_prefix", "before_layers", "blocks", "layers", "after_layers"}
+_TOP_KEYS = {"name", "seq_len", "rope_theta", "layer_prefix", "before_layers", "blocks", "layers", "after_layers"}
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
@@ -260,7 +263,9 @@ def description_from_dict(data: dict, source: str = "<dict>") -> ModelDescriptio
     after = _list(data.get("after_layers") or [], f"{source}: after_layers")
     components += [_component(c, _name_of(c, source), "model", None, source) for c in after]
     feeds += [f for c in after for f in _feeds(c, "", source)]
-    return ModelDescription(name=str(data["name"]), seq_len=seq_len, components=tuple(components), feeds=tuple(feeds))
+    rope_theta = _positive_number(data["rope_theta"], f"{source}: rope_theta") if "rope_theta" in data else None
+    return ModelDescription(name=str(data["name"]), seq_len=seq_len, components=tuple(components), feeds=tuple(feeds),
+                            rope_theta=rope_theta)
 
 
 def _feeds(spec: dict, prefix: str, source: str) -> list[NormFeed | SwiGLUFeed]:
@@ -333,6 +338,12 @@ def _positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise PlanError(f"{what} must be a positive integer, got {value!r}")
     return value
+
+
+def _positive_number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise PlanError(f"{what} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _list(value: object, what: str) -> Iterable:

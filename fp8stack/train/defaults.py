@@ -1,6 +1,5 @@
-"""Batch and learning-rate defaults per model size, for the fields a JobConfig leaves None."""
-
-from dataclasses import dataclass
+"""Batch defaults per model size, for the fields a JobConfig leaves None (the learning rate's are the model's:
+fp8stack.models.training_defaults)."""
 
 from fp8stack.models import LlamaConfig
 
@@ -11,27 +10,12 @@ ACCUMULATED_MICRO_BATCHES = 8
 """Micro-batches per optimizer step and data-parallel rank of a large model."""
 
 
-@dataclass(frozen=True)
-class TrainingDefaults:
-    """What a run of a model takes where its configuration says nothing."""
-
-    lr: float
-    """Peak learning rate."""
-    warmup: int
-    """Linear warm-up steps."""
-    micro_batch: int
-    """Sequences per forward/backward pass."""
-    global_batch: int | None
-    """Sequences per optimizer step over all data-parallel ranks; None: one micro-batch."""
-
-
-def training_defaults(shape: LlamaConfig | None, steps: int, dp_size: int) -> TrainingDefaults:
-    """The defaults for a model of `shape` trained `steps` steps on `dp_size` data-parallel ranks (shape None: a
-    user's own model, taken as small)."""
-    large = shape is not None and parameter_count(shape) > LARGE_MODEL_PARAMS
-    micro_batch = 2 if large else 8
-    return TrainingDefaults(lr=2e-3, warmup=4, micro_batch=micro_batch,
-                            global_batch=micro_batch * ACCUMULATED_MICRO_BATCHES * dp_size if large else None)
+def batch_defaults(shape: LlamaConfig | None, dp_size: int) -> tuple[int, int | None]:
+    """(micro_batch, global_batch) for a model of `shape` on `dp_size` data-parallel ranks (shape None: a user's own
+    model, taken as small); global_batch None is one micro-batch per step."""
+    if shape is None or parameter_count(shape) <= LARGE_MODEL_PARAMS:
+        return 8, None
+    return 2, 2 * ACCUMULATED_MICRO_BATCHES * dp_size
 
 
 def parameter_count(shape: LlamaConfig) -> int:

@@ -38,7 +38,9 @@ from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.numerics import (NonFiniteLossError, clear_fp8_stats, fp8_stats, pin_step, rng_states,
                                        set_rng_states, track_fp8_stats, watch_layers, zero_fp8_weight_grads)
-from fp8stack.train import checkpoint, comm_stats, fault
+from fp8stack.models import load_model_config
+from fp8stack.models.training_defaults import training_defaults
+from fp8stack.train import checkpoint, comm_stats, fault, user_code
 from fp8stack.train.result import TrainResult
 from fp8stack.train.data import TextData
 from fp8stack.train.preflight import plan_settings, preflight, run_settings
@@ -56,24 +58,23 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     return opt.min_lr + (opt.lr - opt.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-_NAMED_MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-like": LlamaConfig.llama_1b_like}
-
-
-def load_model_config(name: str) -> LlamaConfig:
-    """The shape of a named model."""
-    if name not in _NAMED_MODELS:
-        raise ConfigError(f"unknown model {name!r}: use one of {', '.join(_NAMED_MODELS)}")
-    return _NAMED_MODELS[name]()
-
-
 def model_config(cfg: JobConfig) -> LlamaConfig:
     """The model's shape: model.name with the configuration's projections and sequence length."""
     config = replace(load_model_config(cfg.model.name), fused_projections=cfg.model.fused_projections)
     return replace(config, seq_len=cfg.training.seq_len) if cfg.training.seq_len is not None else config
 
 
-def build_model(cfg: JobConfig, device: torch.device) -> Llama:
-    """The plain-torch model, initialised from training.seed directly on `device`."""
+def model_shape(cfg: JobConfig) -> LlamaConfig | None:
+    """model_config, or None for a model.factory model (its shape is the built module's)."""
+    return None if cfg.model.factory else model_config(cfg)
+
+
+def build_model(cfg: JobConfig, device: torch.device) -> torch.nn.Module:
+    """The model initialised from training.seed directly on `device`: the described Llama, or the one
+    model.factory returns."""
+    if cfg.model.factory:
+        factory = user_code.load_factory(cfg.model.factory, user_code.MODEL_FACTORY_FLAG)
+        return user_code.build_model(factory, seed=cfg.training.seed, device=device)
     with torch.device(device):
         model = Llama(model_config(cfg))
     model.init_weights(seed=cfg.training.seed)
@@ -84,6 +85,17 @@ def build_plan(cfg: JobConfig, model: torch.nn.Module) -> Plan:
     """The plan for this model as built (its seq_len), under the resolved configuration's precision policy."""
     description = describe_module(model, seq_len=cfg.training.seq_len, name=cfg.model.factory or cfg.model.name)
     return make_plan(description, cfg.precision)
+
+
+def batches(cfg: JobConfig, split: str, batch_size: int, env: "_Distributed", vocab_size: int | None = None):
+    """One split's batches for this data-parallel rank: source text, or data.factory's."""
+    if cfg.data.factory:
+        factory = user_code.load_factory(cfg.data.factory, user_code.DATA_FLAG)
+        return user_code.FactoryBatches(factory, split=split, seq_len=cfg.training.seq_len, batch_size=batch_size,
+                                        seed=cfg.training.seed, rank=env.dp_rank, ranks=env.dp_size,
+                                        vocab_size=vocab_size)
+    return TextData(cfg.training.seq_len, batch_size, cfg.training.seed, split, rank=env.dp_rank, ranks=env.dp_size,
+                    max_bytes=cfg.data.max_bytes, source=cfg.data.source)
 
 
 @dataclass
@@ -190,12 +202,15 @@ def session(cfg: JobConfig) -> Iterator[Session]:
 
             cfg = _with_wgrad_fusion(cfg, plan_has_te_layers=True, world_size=env.world_size)
             built = stack.enter_context(megatron_model.build(cfg, env))
+            vocab_size = None
             model, plan, seq_len = built.model, built.plan, built.seq_len
             loss_fn, clip_fn, after_step = built.loss, built.clip, built.after_optimizer_step
         else:
             model = build_model(cfg, device)
             seq_len = cfg.training.seq_len
+            vocab_size = _vocab_size(cfg, model)
             plan = build_plan(cfg, model)
+            cfg = _with_optimizer_defaults(cfg, model)
             _check_cpu_support(plan, device, dtype)
             cfg = _with_wgrad_fusion(cfg, bool(plan.for_backend("te")), env.world_size)
             model = assemble(model, plan, tp_mesh=env.tp_mesh,
@@ -225,9 +240,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                                   lambda step: lr_at(step, cfg) / cfg.optimizer.lr),
-                      data=TextData(seq_len, cfg.training.micro_batch * micro_batches, cfg.training.seed, "train",
-                                    rank=env.dp_rank, ranks=env.dp_size, max_bytes=cfg.data.max_bytes,
-                                    source=cfg.data.source),
+                      data=batches(cfg, "train", cfg.training.micro_batch * micro_batches, env, vocab_size),
                       micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
                       compressor=compress_saved_activations(model) if cfg.activation_checkpoint.compress else None,
@@ -236,7 +249,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
 
 def resolve_job(cfg: JobConfig) -> JobConfig:
     """The configuration with what it leaves open chosen for this machine, model and process count (train.resolve)."""
-    shape = None if cfg.model.factory else model_config(cfg)
+    shape = model_shape(cfg)
     return resolve(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
 
 
@@ -245,13 +258,13 @@ def train(cfg: JobConfig) -> TrainResult:
     configuration included. Stops with NonFiniteLossError on a NaN or infinite loss or gradient norm, and with
     TrainingStopped on SIGTERM or SIGINT."""
     cfg = resolve_job(cfg)
-    resume_from = preflight(cfg, model_config(cfg))  # before any model is built
+    resume_from = preflight(cfg, model_shape(cfg))  # before any model is built
     with session(cfg) as run:
         cfg = run.config
         env, device, dtype, seq_len = run.env, run.env.device, run.dtype, run.seq_len
         model, optimizer, scheduler, data = run.model, run.optimizer, run.scheduler, run.data
         master_module = run.masters.module if run.masters else None
-        settings = {**run_settings(cfg, model_config(cfg), env.world_size), **plan_settings(run.plan)}
+        settings = {**run_settings(cfg, model_shape(cfg), env.world_size), **plan_settings(run.plan)}
 
         def save(done: int) -> Path:  # run.json: the settings a resume must share, and the whole config for the record
             return checkpoint.save(cfg.checkpoint.dir, done, model, optimizer, scheduler, data.position,
@@ -386,6 +399,33 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str
     return {"te": options} if plan.for_backend("te") else None
 
 
+def _vocab_size(cfg: JobConfig, model: torch.nn.Module) -> int | None:
+    """A factory model's vocabulary, from one forward on a batch of the data (None for the described Llama)."""
+    if not cfg.model.factory:
+        return None
+    probe = batches(cfg, "train", 1, _OneRank())
+    return user_code.vocab_size_of(model, probe.batch(0)[0])
+
+
+def _with_optimizer_defaults(cfg: JobConfig, model: torch.nn.Module) -> JobConfig:
+    """A factory model's learning-rate schedule where the configuration leaves it open, by its embedding's width."""
+    if cfg.optimizer.lr is not None and cfg.optimizer.warmup is not None:
+        return cfg
+    defaults = training_defaults(describe_module(model, seq_len=cfg.training.seq_len, name=cfg.model.factory,
+                                                 trace=False),
+                                 cfg.training.steps)
+    lr = cfg.optimizer.lr or defaults.lr
+    return replace(cfg, optimizer=replace(cfg.optimizer, lr=lr, min_lr=cfg.optimizer.min_lr or lr / 10,
+                                          warmup=defaults.warmup if cfg.optimizer.warmup is None
+                                          else cfg.optimizer.warmup))
+
+
+class _OneRank:
+    """The rank fields batches() reads, for a probe outside the run's ranks."""
+
+    dp_rank, dp_size = 0, 1
+
+
 def _with_wgrad_fusion(cfg: JobConfig, plan_has_te_layers: bool, world_size: int) -> JobConfig:
     """cfg with te.gradient_accumulation_fusion decided for this plan (resolve.wgrad_fusion)."""
     return replace(cfg, te=replace(cfg.te, gradient_accumulation_fusion=wgrad_fusion(cfg, plan_has_te_layers,
@@ -471,8 +511,7 @@ def _stop_on_nonfinite(run: Session, cfg: JobConfig, step: int, position: int, r
 
 @torch.no_grad()
 def _validate(loss_fn: Callable, cfg: JobConfig, seq_len: int, env: "_Distributed", autocast) -> float:
-    data = TextData(seq_len, cfg.training.micro_batch, cfg.training.seed, "validation", rank=env.dp_rank, ranks=env.dp_size,
-                    max_bytes=cfg.data.max_bytes, source=cfg.data.source)
+    data = batches(cfg, "validation", cfg.training.micro_batch, env)
     losses = []
     for index in range(cfg.training.eval_batches):
         tokens, targets = (t.to(env.device) for t in data.batch(index))

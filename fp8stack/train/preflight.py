@@ -26,7 +26,7 @@ RUN_SETTINGS = ("model.name", "model.impl", "model.factory", "model.fused_projec
 processes and the plan)."""
 
 
-def preflight(cfg: JobConfig, model: LlamaConfig) -> Path | None:
+def preflight(cfg: JobConfig, model: LlamaConfig | None) -> Path | None:
     """Check cfg against the outputs, the model's shape and the data; returns the checkpoint to resume from
     (its settings checked against cfg's, its files read), or None. Raises ConfigError or
     checkpoint.CheckpointError."""
@@ -36,8 +36,10 @@ def preflight(cfg: JobConfig, model: LlamaConfig) -> Path | None:
     if cfg.logging.dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(f"logging.dir {cfg.logging.dir!r} (--tensorboard-dir) writes TensorBoard scalars and "
                           "tensorboard is not installed: pip install 'fp8stack[tb]'")
-    _check_fits_model(cfg, model)
-    _check_data(cfg, model.seq_len)
+    if model is not None:  # a factory model's shape is known once it is built
+        _check_fits_model(cfg, model)
+    if not cfg.data.factory:
+        _check_data(cfg, cfg.training.seq_len or model.seq_len)
     if not cfg.checkpoint.resume:
         return None
     path = resume_path(cfg)
@@ -66,9 +68,10 @@ def check_output_file(path: str | Path, option: str) -> None:
     check_output_dir(target.parent, f"{option} {path}: its folder")
 
 
-def run_settings(cfg: JobConfig, model: LlamaConfig, world_size: int) -> dict:
+def run_settings(cfg: JobConfig, model: LlamaConfig | None, world_size: int) -> dict:
     """What a checkpoint's run.json records of cfg for a resume to match (without the plan)."""
-    return {**{name: _field(cfg, name) for name in RUN_SETTINGS}, "seq_len": model.seq_len, "world_size": world_size}
+    seq_len = cfg.training.seq_len or model.seq_len
+    return {**{name: _field(cfg, name) for name in RUN_SETTINGS}, "seq_len": seq_len, "world_size": world_size}
 
 
 def _field(cfg: JobConfig, dotted: str):

@@ -10,7 +10,8 @@ import torch
 from fp8stack.backends import get_backend
 from fp8stack.config import ConfigError, JobConfig
 from fp8stack.models import LlamaConfig
-from fp8stack.train.defaults import training_defaults
+from fp8stack.models.training_defaults import training_defaults
+from fp8stack.train.defaults import batch_defaults
 
 CPU_ARCH = 90
 """On a CPU the plan targets Hopper: torch's CPU scaled GEMMs emulate its FP8 recipes."""
@@ -30,21 +31,26 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
     dtype = training.dtype if training.dtype != "auto" else ("bf16" if on_gpu else "fp32")
     plain_one_process = (job.model.impl == "torch" and world_size == 1 and not job.parallelism.fsdp_one_rank
                          and job.parallelism.tensor_parallel == 1)
-    defaults = training_defaults(shape, training.steps, world_size // job.parallelism.tensor_parallel)
-    micro_batch = training.micro_batch or defaults.micro_batch
+    default_micro_batch, default_global_batch = batch_defaults(shape, world_size // job.parallelism.tensor_parallel)
+    micro_batch = training.micro_batch or default_micro_batch
     global_batch = training.global_batch
+    if job.model.factory and training.seq_len is None:
+        raise ConfigError("model.factory builds a model whose sequence length fp8stack cannot read: pass "
+                          "--seq-length N")
     if global_batch is None and training.micro_batch is None:
-        global_batch = defaults.global_batch
+        global_batch = default_global_batch
     training = replace(
         training, device=device, dtype=dtype, micro_batch=micro_batch, global_batch=global_batch,
         seq_len=training.seq_len or (shape.seq_len if shape else None),
         param_dtype=training.param_dtype or ("bf16" if dtype == "bf16" and plain_one_process else "fp32"),
         compile=training.compile if training.compile is not None else on_gpu and job.model.impl == "torch",
         sdpa_backend=training.sdpa_backend or _sdpa_backend(on_gpu, arch, job.model.impl))
-    lr = job.optimizer.lr or defaults.lr
-    optimizer = replace(job.optimizer, lr=lr,
-                        warmup=job.optimizer.warmup if job.optimizer.warmup is not None else defaults.warmup,
-                        min_lr=job.optimizer.min_lr if job.optimizer.min_lr is not None else lr / 10)
+    optimizer = job.optimizer
+    if shape is not None:  # a factory model's schedule is chosen once it is built (its width)
+        defaults = training_defaults(shape, training.steps)
+        lr = optimizer.lr or defaults.lr
+        optimizer = replace(optimizer, lr=lr, warmup=optimizer.warmup if optimizer.warmup is not None
+                            else defaults.warmup, min_lr=optimizer.min_lr if optimizer.min_lr is not None else lr / 10)
     precision = replace(precision, arch=arch,
                         small_gemm_filter="off" if not on_gpu and precision.small_gemm_filter == "auto"
                         else precision.small_gemm_filter,

@@ -21,7 +21,7 @@ def test_fastest_bf16_judges_the_fp8_arm_against_the_faster_bf16_configuration(r
                  "--steps", "8", "--micro-batch", "2", "--seq-len", "128", "--device", "cuda",
                  "--out-dir", str(tmp_path)])
     assert code == 0
-    record = json.loads(next(tmp_path.glob("ab-tiny-*.json")).read_text())
+    record = json.loads(next(tmp_path.rglob("ab-tiny-*.json")).read_text())
     plain, on_te, delayed = record["arms"]
     assert [(a["recipe"], a["backend"]) for a in record["arms"][:2]] == [("bf16", "bf16"), (BF16_ON_TE_ARM, "te")]
     assert plain["step_ms"] and on_te["step_ms"], "both BF16 configurations ran"

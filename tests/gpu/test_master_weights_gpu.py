@@ -20,7 +20,8 @@ from transformer_engine.pytorch import QuantizedTensor  # noqa: E402
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
-SETTINGS = {"model.name": "tiny", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 3, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.global_batch": 4, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False, "precision.fuse_norm": True, "precision.fuse_mlp": True, "te.gradient_accumulation_fusion": True}
+SETTINGS = {"model.name": "tiny", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 3, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.global_batch": 4, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False, "precision.fuse_norm": True, "precision.fuse_mlp": True, "te.gradient_accumulation_fusion": True,
+            "training.compile": False, "training.sdpa_backend": "auto"}
 """The A/B's fastest configuration on the tiny model: TE modules with fused norms and MLPs, two micro-batches per
 step, weight gradients accumulated in FP32 by TE's GEMMs."""
 
@@ -34,7 +35,7 @@ def fresh_fp8_state():
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("recipe", ["bf16", "delayed", "tensorwise"])
 def test_bf16_parameters_on_te_train_as_fp32_ones(recipe, compile):
-    settings = {**SETTINGS, "precision.recipe": recipe, "compile": compile}
+    settings = {**SETTINGS, "precision.recipe": recipe, "training.compile": compile}
     with session(from_overrides({**settings, "training.param_dtype": "bf16"})) as run:
         te_weights = [p for m in run.model.modules() if isinstance(m, TransformerEngineBaseModule)
                       for p in m.parameters(recurse=False) if p.ndim == 2]
@@ -66,7 +67,7 @@ def assert_trains_as_fp32_parameters(settings: dict, param_dtype: str) -> None:
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise",
                                     pytest.param("blockwise", marks=te_mark(["blockwise"]))])
 def test_fp8_parameters_hold_no_high_precision_copy_and_train_as_fp32_ones(recipe, compile, fusion):
-    settings = {**SETTINGS, "precision.recipe": recipe, "compile": compile, "gradient_accumulation_fusion": fusion}
+    settings = {**SETTINGS, "precision.recipe": recipe, "training.compile": compile, "te.gradient_accumulation_fusion": fusion}
     with session(from_overrides({**settings})) as reference:
         initial = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
     FP8GlobalStateManager.reset()

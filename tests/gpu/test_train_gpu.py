@@ -24,7 +24,10 @@ require_te(["delayed"])
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
-SETTINGS = {"model.name": "tiny", "precision.recipe": "delayed", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 6, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False}
+SETTINGS = {"model.name": "tiny", "precision.recipe": "delayed", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 6, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False,
+            # the levers a GPU run resolves to by default, off: each test turns on what it tests
+            "training.compile": False, "training.param_dtype": "fp32", "training.sdpa_backend": "auto",
+            "te.gradient_accumulation_fusion": False, "precision.fuse_norm": False, "precision.fuse_mlp": False}
 """Every GEMM of the tiny model on TE delayed scaling; 128-token sequences fit one attention tile, so
 the BF16 attention backward adds in a fixed order and the run repeats bit for bit."""
 MIDDLE = 3
@@ -118,7 +121,7 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
     trains on step 0's FP8 weights."""
     from fp8stack.backends import te_modules
 
-    cfg = from_overrides({**{**SETTINGS, "precision.recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp}})
+    cfg = from_overrides({**{**SETTINGS, "precision.recipe": "tensorwise", "training.steps": 3, "training.global_batch": 4, "precision.fuse_mlp": fuse_mlp}})
 
     def losses(variant: str) -> list[float]:
         with session(cfg) as run:
@@ -132,7 +135,7 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
                 run.after_optimizer_step = lambda: [setattr(
                     m, "_cast_at", (te_modules._OPTIMIZER_STEPS[0], tuple(w._version for w in m.cached_weights)))
                     for m in caches]
-            return [float(run.step(cfg.grad_clip)[0]) for _ in range(cfg.steps)]
+            return [float(run.step(cfg.optimizer.grad_clip)[0]) for _ in range(cfg.training.steps)]
 
     cached, uncached, stale = losses("cached"), losses("uncached"), losses("stale")
     assert cached == uncached
@@ -144,7 +147,7 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
 def test_cached_fp8_weights_run_under_torch_compile(model, recipe, fuse_mlp):
     """TE modules run outside torch.compile (dynamo tracing into cached FP8 weights failed on llama-1b-like:
     'Float8Tensor' object has no attribute '_data'); the compiled blocks around them still compile."""
-    settings = {**SETTINGS, "model.name": model, "recipe": recipe, "steps": 3, "global_batch": 4, "fuse_mlp": fuse_mlp}
+    settings = {**SETTINGS, "model.name": model, "precision.recipe": recipe, "training.steps": 3, "training.global_batch": 4, "precision.fuse_mlp": fuse_mlp}
     compiled, eager = train(from_overrides({**settings, "training.compile": True})), train(from_overrides({**settings}))
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-2), (compiled.losses, eager.losses)
 
@@ -155,8 +158,8 @@ def test_gradient_accumulation_fusion_trains_as_autograd_accumulation(compile):
     over a step's micro-batches and restart from zero at the next step, so each step's gradient norm (the TE weights
     hold most of the tiny model's) matches the unfused run's; double counting or a sum carried into the next step
     would move it by tens of percent."""
-    settings = {**SETTINGS, "precision.recipe": "tensorwise", "steps": 3, "global_batch": 4, "fuse_norm": True,
-                "fuse_mlp": True, "compile": compile}
+    settings = {**SETTINGS, "precision.recipe": "tensorwise", "training.steps": 3, "training.global_batch": 4, "precision.fuse_norm": True,
+                "precision.fuse_mlp": True, "training.compile": compile}
     with session(from_overrides({**settings, "te.gradient_accumulation_fusion": True})) as run:  # the head's wgrad fused too
         assert isinstance(run.model.output, TransformerEngineBaseModule) and run.model.output.autocast_recipe is None
     fused, plain = (train(from_overrides({**settings, "te.gradient_accumulation_fusion": True})), train(from_overrides({**settings})))
@@ -168,7 +171,7 @@ def test_gradient_accumulation_fusion_trains_as_autograd_accumulation(compile):
 def test_a_bf16_run_on_te_trains_as_the_plain_bf16_run():
     """--fp8-recipe bf16 --backend te with the TE levers (the A/B's --bf16-on-te): TE modules in BF16 with fused
     norms, MLPs and weight-gradient accumulation train like the plain BF16 model over a few steps."""
-    settings = {**SETTINGS, "precision.recipe": "bf16", "steps": 3, "global_batch": 4}  # SETTINGS' backend is te
+    settings = {**SETTINGS, "precision.recipe": "bf16", "training.steps": 3, "training.global_batch": 4}  # SETTINGS' backend is te
     on_te = from_overrides({**settings, "precision.fuse_norm": True, "precision.fuse_mlp": True, "te.gradient_accumulation_fusion": True})
     with session(on_te) as run:
         assert any(isinstance(m, TransformerEngineBaseModule) for m in run.model.modules())
@@ -184,8 +187,8 @@ def test_delayed_scaling_updates_its_scales_inside_compiled_blocks():
     def final_scales(compile: bool) -> dict[str, torch.Tensor]:
         cfg = from_overrides({**{**SETTINGS, "training.steps": 3}, "training.compile": compile})
         with session(cfg) as run:
-            for _ in range(cfg.steps):
-                run.step(cfg.grad_clip)
+            for _ in range(cfg.training.steps):
+                run.step(cfg.optimizer.grad_clip)
             return {fqn: _module_state(m)["scale_fwd"] for fqn, m in run.model.named_modules()
                     if isinstance(m, TransformerEngineBaseModule) and m.autocast_recipe is not None}  # FP8 ones
 
@@ -200,7 +203,7 @@ def test_priming_passes_end_the_delayed_scaling_cold_start():
     """TE DelayedScaling's scales start at 1, so unprimed the first step's E4M3 gradient casts flush: FP8 weights
     get all-zero gradients. With the default fp8_priming_passes no FP8 weight gradient of the first steps is zero.
     If the unprimed run stops showing zeros, TE has changed its start: re-check whether priming is still needed."""
-    settings = {**SETTINGS, "training.steps": 3, "fp8_format": "e4m3"}
+    settings = {**SETTINGS, "training.steps": 3, "precision.fp8_format": "e4m3"}
     cold = train(from_overrides({**settings, "te.priming_passes": 0}))
     FP8GlobalStateManager.reset()
     primed = train(from_overrides({**settings}))
@@ -213,8 +216,8 @@ def test_cached_fp8_weights_are_cast_once_per_step_not_per_micro_batch(param_dty
     """With four micro-batches per step each cached TE module casts its weights at the step's first forward only,
     whether the optimizer writes FP32 weights (fused AdamW, which leaves their versions alone) or the masters are
     copied into BF16 ones: a recast per micro-batch would train the same and cost the cache's whole gain."""
-    settings = {**SETTINGS, "training.steps": 3, "global_batch": 8, "param_dtype": param_dtype, "fuse_norm": True,
-                "fuse_mlp": True, "gradient_accumulation_fusion": True, "fp8_priming_passes": 0}
+    settings = {**SETTINGS, "training.steps": 3, "training.global_batch": 8, "training.param_dtype": param_dtype, "precision.fuse_norm": True,
+                "precision.fuse_mlp": True, "te.gradient_accumulation_fusion": True, "te.priming_passes": 0}
     with session(from_overrides({**settings})) as run:
         cached = [m for m in run.model.modules() if getattr(m, "cached_weights", ())]
         casts = {id(m): 0 for m in cached}

@@ -27,9 +27,12 @@ require_te(["delayed"])
 
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
-SETTINGS = {"model.name": "tiny", "precision.recipe": "delayed", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 4, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False}
+SETTINGS = {"model.name": "tiny", "precision.recipe": "delayed", "precision.backend": "te", "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 4, "optimizer.warmup": 1, "training.micro_batch": 2, "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False,
+            # the levers a GPU run resolves to by default, off: each test turns on what it tests
+            "training.compile": False, "training.param_dtype": "fp32", "training.sdpa_backend": "auto",
+            "te.gradient_accumulation_fusion": False, "precision.fuse_norm": False, "precision.fuse_mlp": False}
 """Every GEMM of the tiny model on TE delayed scaling (as tests/gpu/test_train_gpu.py)."""
-PRIMING = from_overrides({}).fp8_priming_passes
+PRIMING = from_overrides({}).te.priming_passes
 """Forwards a delayed-scaling run takes before its first step."""
 
 

@@ -3,7 +3,6 @@ to FP8 once per step and reuse the copy until told that a new step began (`set_i
 the trainer must tell them after every optimizer step, or every later step runs the step-0 weights.
 Run with `pytest -m gpu tests/gpu/test_train_megatron_gpu.py`."""
 
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -29,12 +28,14 @@ def no_megatron_state_left_by_other_modules():
     parallel_state.destroy_model_parallel()
 
 
-def megatron_tensorwise(**kw) -> JobConfig:
-    return from_overrides({"model.name": "tiny", "model.impl": "megatron", "precision.recipe": "tensorwise", "precision.backend": "te", "training.device": "cuda", "training.eval_batches": 0, "logging.progress": False, **kw})
+def megatron_tensorwise(overrides: dict) -> JobConfig:
+    return from_overrides({"model.name": "tiny", "model.impl": "megatron", "precision.recipe": "tensorwise",
+                           "precision.backend": "te", "training.device": "cuda", "training.eval_batches": 0,
+                           "te.gradient_accumulation_fusion": False, "logging.progress": False, **overrides})
 
 
 def test_each_optimizer_step_marks_a_new_step_for_the_fp8_weight_cache():
-    cfg = megatron_tensorwise(steps=1)
+    cfg = megatron_tensorwise({"training.steps": 1})
     with _Distributed(cfg) as env, megatron_model.build(cfg, env) as built:
         fp8_linears = [m for m in built.model.decoder.modules()
                        if isinstance(m, (te.Linear, te.LayerNormLinear)) and hasattr(m, "is_first_microbatch")]
@@ -47,7 +48,7 @@ def test_each_optimizer_step_marks_a_new_step_for_the_fp8_weight_cache():
 
 
 def test_megatron_fp8_training_learns():
-    result = train(megatron_tensorwise(steps=30, lr=1e-3, warmup=3))
+    result = train(megatron_tensorwise({"training.steps": 30, "optimizer.lr": 1e-3, "optimizer.warmup": 3}))
     head, tail = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
     assert all(x == x for x in result.losses) and tail < 0.8 * head, result.losses
 
@@ -58,7 +59,7 @@ def test_fused_wgrad_accumulation_writes_te_weight_gradients_into_main_grad():
     autograd's gradients do: the same first loss (no update yet) and losses within BF16 wgrad rounding."""
     from megatron.core.distributed import DistributedDataParallel
 
-    cfg = megatron_tensorwise(steps=1, gradient_accumulation_fusion=True)
+    cfg = megatron_tensorwise({"training.steps": 1, "te.gradient_accumulation_fusion": True})
     with _Distributed(cfg) as env, megatron_model.build(cfg, env) as built:
         assert isinstance(built.model, DistributedDataParallel) and built.main_grads
         te_weights = [m.weight for m in built.model.module.decoder.modules()
@@ -70,8 +71,8 @@ def test_fused_wgrad_accumulation_writes_te_weight_gradients_into_main_grad():
         assert all(w.main_grad.abs().sum() > 0 for w in te_weights), "the wgrad GEMMs wrote no gradient"
 
     settings = {"training.steps": 5, "optimizer.lr": 1e-3, "optimizer.warmup": 1, "training.micro_batch": 2, "training.global_batch": 4}
-    fused = train(megatron_tensorwise(**settings, gradient_accumulation_fusion=True))
-    plain = train(megatron_tensorwise(**settings))
+    fused = train(megatron_tensorwise({**settings, "te.gradient_accumulation_fusion": True}))
+    plain = train(megatron_tensorwise(settings))
     assert fused.losses[0] == pytest.approx(plain.losses[0], rel=1e-5)
     assert fused.grad_norms[0] == pytest.approx(plain.grad_norms[0], rel=1e-2)
     assert fused.losses == pytest.approx(plain.losses, rel=2e-2), (fused.losses, plain.losses)
@@ -82,8 +83,8 @@ def test_delayed_scaling_is_primed_on_the_megatron_path(fusion):
     """The trainer primes megatron's delayed-scaling TE linears as the plain path's (fp8_priming_passes): with
     E4M3 gradients, where an unprimed first step flushes them, no FP8 weight gradient of the first steps is zero,
     with autograd gradients and with DDP's main_grad buffers (zeroed again after the priming passes)."""
-    cfg = from_overrides({**{**asdict(megatron_tensorwise(steps=3, micro_batch=2, global_batch=4,
-                                                      gradient_accumulation_fusion=fusion)),
-                         "precision.recipe": "delayed", "fp8_format": "e4m3"}})
+    cfg = megatron_tensorwise({"training.steps": 3, "training.micro_batch": 2, "training.global_batch": 4,
+                               "te.gradient_accumulation_fusion": fusion, "precision.recipe": "delayed",
+                               "precision.fp8_format": "e4m3"})
     result = train(cfg)
     assert result.zero_fp8_weight_grads == [[], [], []], result.zero_fp8_weight_grads
