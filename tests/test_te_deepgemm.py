@@ -48,7 +48,8 @@ def test_a_3d_activations_columnwise_data_keeps_k_as_its_rows():
 
 
 def test_blockwise_gemms_on_deepgemm_needs_the_blockwise_recipe():
-    assert from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm"}).te.blockwise_gemms == "deepgemm"
+    blockwise = from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm"})
+    assert blockwise.te.blockwise_gemms == "deepgemm"
     with pytest.raises(ConfigError, match="use --fp8-recipe blockwise or drop --te.blockwise-gemms"):
         from_overrides({"precision.recipe": "delayed", "te.blockwise_gemms": "deepgemm"})
     with pytest.raises(ConfigError, match="unknown te.blockwise_gemms 'cutlass': use te, deepgemm"):
