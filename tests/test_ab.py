@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from fp8stack.ab import add_ab_parser, final_loss, main, run_ab, speed_levers
-from fp8stack.ab.run import arm_configs
+from fp8stack.ab import add_ab_parser, arm_configs, final_loss, main, run_ab
+from fp8stack.ab.run import ab_config, base_job
 from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
                                   loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
                                   repeat_arms, speed_verdict)
 from fp8stack.bench.evidence import run_folder
+from fp8stack.config import ConfigError, parse_args
 from fp8stack.train.timing import relative_spread, steady_state
 
 ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_loss",
@@ -26,6 +27,20 @@ ARM_KEYS = {"recipe", "backend", "step_ms", "tokens_per_s", "tflops", "mfu", "pe
 def _evidence(out_dir: Path, name: str) -> Path:
     """Where this process's run writes the evidence file `name` under out_dir: its run folder."""
     return run_folder(name.rsplit(".", 1)[0], out_dir) / name
+
+
+def _ab_args(*flags: str) -> argparse.Namespace:
+    """`fp8stack ab` flags as its parser reads them."""
+    parser = argparse.ArgumentParser(prog="fp8stack")
+    add_ab_parser(parser.add_subparsers(dest="command"))
+    return parse_args(parser, ["ab", *flags])
+
+
+def _arms(*flags: str, recipes: tuple[str, ...] = ("bf16", "delayed"), te_runs: bool = False) -> dict:
+    """Arm name -> JobConfig of an A/B given these flags (arm_configs, as run_ab builds them)."""
+    args = _ab_args(*flags)
+    ab = ab_config(args)
+    return arm_configs(ab, base_job(args, ab), list(recipes), te_runs)
 
 
 def test_ship_needs_speed_beyond_noise_and_loss_within_tolerance():
@@ -93,8 +108,8 @@ def _result(step_ms: float, loss: float, fp8_share: float) -> dict:
     """A TrainResult dict as the worker writes it, with the harness's ran_between: 100 steps, long enough for the
     loss to be judged after 4 warm-up steps."""
     by_backend = {"bf16": 1 - fp8_share, **({"torchao": fp8_share} if fp8_share else {})}
-    return {"config": {"optimizer": {"warmup": 4}}, "step_ms": [step_ms] * 100, "losses": [loss] * 100, "tokens_per_step": 1000,
-            "peak_mem_gib": 10.0,
+    return {"config": {"optimizer": {"warmup": 4}}, "step_ms": [step_ms] * 100, "losses": [loss] * 100,
+            "tokens_per_step": 1000, "peak_mem_gib": 10.0,
             "max_rss_gib": 2.0, "val_loss": loss, "dtype": "bfloat16", "world_size": 1, "ran_between": [0.0, 1.0],
             "zero_fp8_weight_grads": [[], [], []],
             "plan_summary": {"gemm_flops_per_token": 10**9, "flops_share_by_precision": {"fp8": fp8_share},
@@ -170,7 +185,7 @@ def test_fastest_bf16_runs_both_configurations_on_cpu(tmp_path, capsys):
     (repeat,) = record["baseline_repeats"]
     assert repeat["of"] == "bf16" and repeat["rel_loss_gap"] == 0.0  # the reference again: same seed, CPU kernels
     assert repeat["ran_between"][0] >= record["arms"][0]["ran_between"][1], "the repeat waited for the reference"
-    assert record["train_config"]["fastest_bf16"] is True
+    assert record["train_config"]["ab"]["fastest_bf16"] is True
     markdown = _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
     assert "the faster is the reference, which the bf16 repeats rerun" in markdown
 
@@ -199,13 +214,16 @@ def test_second_bf16_run_sets_the_noise():
 
 def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     code = main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2",
-                 "--seq-len", "64", "--device", "cpu", "--fp8-recompute", "mlp", "--out-dir", str(tmp_path)])
+                 "--seq-len", "64", "--device", "cpu", "--recompute-modules", "mlp", "--out-dir", str(tmp_path)])
     assert code == 0
     record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
-    assert [record["runs"][arm]["config"]["recompute"] for arm in ("bf16", "tensorwise")] == [None, "all"]
-    assert record["train_config"]["fp8_recompute"] == ["mlp"]
+    checkpointed = [record["runs"][arm]["config"]["activation_checkpoint"] for arm in ("bf16", "tensorwise")]
+    assert [(c["layers"], c["modules"]) for c in checkpointed] == [("all", ["mlp"]), ("all", ["mlp"])]
+    assert record["train_config"]["job"]["activation_checkpoint"] == {"layers": "all", "modules": ["mlp"],
+                                                                      "compress": False}
+    assert record["train_config"]["job"]["precision"]["recipe"] == "bf16"
     markdown = _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
-    assert "The FP8 arms recompute mlp in every block in backward." in markdown
+    assert "Every arm recomputes mlp in every block in backward." in markdown
     assert "2 sequences per optimizer step in micro-batches of 2" in markdown
     assert {"device", "versions", "date", "command", "model", "steps", "arms"} <= set(record)
     # 4 steps x 2 sequences x 64 tokens over the training split read from the default 8 MiB of sources
@@ -230,7 +248,7 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
     """--gpus runs the arms at once, one per GPU (on a CPU the list only sets CUDA_VISIBLE_DEVICES): the same
     losses as arms run one after another, with the arms' processes running at the same time."""
     common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "6", "--micro-batch", "2", "--seq-len", "64",
-              "--device", "cpu", "--no-repeat-baseline"]
+              "--device", "cpu", "--baseline-runs", "1"]
     assert main([*common, "--out-dir", str(tmp_path / "one-by-one")]) == 0
     assert main([*common, "--gpus", "0,1", "--out-dir", str(tmp_path / "side-by-side")]) == 0
     apart, together = (json.loads(_evidence(tmp_path / d, "ab-tiny-cpu.json").read_text())
@@ -289,7 +307,8 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     partial = tmp_path / "partial.json"
     _evidence(tmp_path, "ab-tiny-killed-cpu.json").rename(partial)
     assert main([*command[3:], "--steps", "4", "--continue-from", str(partial)]) == 2
-    assert "is another A/B (train_config differs in steps)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is another A/B (train_config differs in " in err and "job.training.steps" in err, err
     assert main([*command[3:], "--continue-from", str(partial)]) == 0
     whole = json.loads(_evidence(tmp_path, "ab-tiny-killed-cpu.json").read_text())
     assert whole["complete"] and [arm["recipe"] for arm in whole["arms"]] == ["bf16", "tensorwise"]
@@ -299,32 +318,26 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     assert "Runs bf16 from an earlier call" in _evidence(tmp_path, "ab-tiny-killed-cpu.md").read_text()
 
 
-def test_blockwise_runs_once_per_gemm_library():
+def test_blockwise_runs_once_per_gemm_library(capsys):
     """--blockwise-gemms te,deepgemm: the blockwise recipe twice in one A/B, on cuBLAS and on DeepGEMM, beside the
     other arms (which take no GEMM library); refused where no blockwise run would take it."""
-    parser = argparse.ArgumentParser(prog="fp8stack")
-    add_ab_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["ab", "--model", "tiny", "--recipes", "bf16,delayed,blockwise", "--backend", "te",
-                              "--blockwise-gemms", "te,deepgemm", "--fastest-bf16"])
-    configs = arm_configs(args, ["bf16", "delayed", "blockwise"], {"model.name": "tiny", "steps": 4})
-    assert {name: (cfg.recipe, cfg.blockwise_gemms) for name, cfg in configs.items()} == {
+    configs = _arms("--model", "tiny", "--backend", "te", "--blockwise-gemms", "te,deepgemm", "--fastest-bf16",
+                    recipes=("bf16", "delayed", "blockwise"))
+    assert {name: (cfg.precision.recipe, cfg.te.blockwise_gemms) for name, cfg in configs.items()} == {
         "bf16": ("bf16", "te"), "bf16 on te": ("bf16", "te"), "delayed": ("delayed", "te"),
         "blockwise": ("blockwise", "te"), "blockwise on deepgemm": ("blockwise", "deepgemm")}
-    with pytest.raises(ValueError, match="add blockwise to --recipes or drop --blockwise-gemms"):
-        arm_configs(parser.parse_args(["ab", "--blockwise-gemms", "deepgemm"]), ["bf16", "delayed"], {})
-    with pytest.raises(SystemExit):
-        parser.parse_args(["ab", "--blockwise-gemms", "te,cutlass"])
+    with pytest.raises(ConfigError, match="add blockwise to --recipes or drop --blockwise-gemms"):
+        _arms("--blockwise-gemms", "deepgemm")
+    assert main(["--blockwise-gemms", "te,cutlass", "--out-dir", "unused"]) == 2
+    assert "unknown cutlass in --param-dtypes/--blockwise-gemms" in capsys.readouterr().err
 
 
-def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_reference(tmp_path):
+def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_reference(tmp_path, capsys):
     """--param-dtypes fp32,bf16: each arm with FP32 parameters and with BF16 ones (FP32 masters), the latter named
     '<arm>, bf16 params'; a BF16 configuration either way, so the faster BF16 run is the reference."""
-    parser = argparse.ArgumentParser(prog="fp8stack")
-    add_ab_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["ab", "--recipes", "bf16,delayed", "--backend", "te", "--fastest-bf16",
-                              "--param-dtypes", "fp32,bf16", "--dtype", "bf16"])
-    configs = arm_configs(args, ["bf16", "delayed"], {"model.name": "tiny", "steps": 4, "dtype": "bf16"})
-    assert {name: (cfg.recipe, cfg.backend, cfg.param_dtype) for name, cfg in configs.items()} == {
+    configs = _arms("--model", "tiny", "--steps", "4", "--backend", "te", "--fastest-bf16", "--param-dtypes",
+                    "fp32,bf16", "--dtype", "bf16")
+    assert {name: (c.precision.recipe, c.precision.backend, c.training.param_dtype) for name, c in configs.items()} == {
         "bf16": ("bf16", "auto", "fp32"), "bf16, bf16 params": ("bf16", "auto", "bf16"),
         "bf16 on te": ("bf16", "te", "fp32"), "bf16 on te, bf16 params": ("bf16", "te", "bf16"),
         "delayed": ("delayed", "te", "fp32"), "delayed, bf16 params": ("delayed", "te", "bf16")}
@@ -335,54 +348,64 @@ def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_refe
                     peaks=None)
     assert [a.verdict for a in arms] == ["alternative", "baseline", "ship"]
     assert "faster than bf16, bf16 params beyond the noise" in arms[2].reason
-    with pytest.raises(SystemExit):
-        parser.parse_args(["ab", "--param-dtypes", "fp16"])
+    assert main(["--param-dtypes", "fp16", "--out-dir", "unused"]) == 2
+    assert "unknown fp16 in --param-dtypes/--blockwise-gemms: use fp32, bf16, fp8" in capsys.readouterr().err
     common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "2", "--micro-batch", "2", "--seq-len", "64",
-              "--device", "cpu", "--dtype", "bf16", "--no-repeat-baseline", "--out-dir", str(tmp_path)]
+              "--device", "cpu", "--dtype", "bf16", "--baseline-runs", "1", "--out-dir", str(tmp_path)]
     assert main([*common, "--param-dtypes", "bf16"]) == 0
     record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
     assert [a["recipe"] for a in record["arms"]] == ["bf16, bf16 params", "tensorwise, bf16 params"]
     assert record["arms"][0]["verdict"] == "baseline" and record["arms"][1]["rel_loss_gap"] is not None
-    assert record["train_config"]["param_dtypes"] == ["bf16"]
+    assert record["train_config"]["ab"]["param_dtypes"] == ["bf16"]
     assert "keep BF16 parameters with FP32 masters" in _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
 
 
 def test_fp8_parameters_are_an_arm_of_each_fp8_recipe_only():
     """--param-dtypes bf16,fp8: the FP8 arms once more with their TE weights in FP8 only ('<arm>, fp8 params'); the
     BF16 arms have no FP8 weights, so they run with BF16 parameters alone."""
-    parser = argparse.ArgumentParser(prog="fp8stack")
-    add_ab_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["ab", "--recipes", "bf16,delayed", "--backend", "te", "--fastest-bf16",
-                              "--param-dtypes", "bf16,fp8", "--dtype", "bf16"])
-    configs = arm_configs(args, ["bf16", "delayed"], {"model.name": "tiny", "steps": 4, "dtype": "bf16"})
-    assert {name: (cfg.recipe, cfg.param_dtype) for name, cfg in configs.items()} == {
+    configs = _arms("--model", "tiny", "--steps", "4", "--backend", "te", "--fastest-bf16", "--param-dtypes",
+                    "bf16,fp8", "--dtype", "bf16")
+    assert {name: (cfg.precision.recipe, cfg.training.param_dtype) for name, cfg in configs.items()} == {
         "bf16, bf16 params": ("bf16", "bf16"), "bf16 on te, bf16 params": ("bf16", "bf16"),
         "delayed, bf16 params": ("delayed", "bf16"), "delayed, fp8 params": ("delayed", "fp8")}
 
 
 def test_ab_subcommand_plugs_into_a_parser():
-    parser = argparse.ArgumentParser(prog="fp8stack")
-    add_ab_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["ab", "--model", "tiny", "--recipes", "bf16,rowwise", "--steps", "7"])
-    assert (args.run, args.recipes, args.steps, args.backend, args.nproc) == (run_ab, "bf16,rowwise", 7, "auto", 1)
-    args = parser.parse_args(["ab", "--fp8-margin", "1"])
-    assert [speed_levers(args, recipe)["fp8_margin"] for recipe in ("bf16", "tensorwise", "delayed")] == [0, 0, 1]
-    for impl, in_bf16 in (("torch", False), ("megatron", True)):  # the plain BF16 run has no TE layers to fuse
-        args = parser.parse_args(["ab", "--gradient-accumulation-fusion", "--model-impl", impl, "--backend", "te"])
-        assert [speed_levers(args, r)["gradient_accumulation_fusion"] for r in ("bf16", "delayed")] == [in_bf16, True]
-        assert [speed_levers(args, r)["backend"] for r in ("bf16", "delayed")] == ["auto", "te"]
-    args = parser.parse_args(["ab", "--bf16-on-te", "--fuse-mlp", "--gradient-accumulation-fusion", "--backend", "te"])
-    on_te = speed_levers(args, "bf16")  # the BF16 baseline on TE modules gets the TE levers, not the FP8-only ones
-    assert (on_te["backend"], on_te["fuse_mlp"], on_te["gradient_accumulation_fusion"]) == ("te", True, True)
-    assert "recompute" not in on_te
-    args = parser.parse_args(["ab", "--fp8-recompute", "mlp,core_attn", "--fuse-mlp", "--backend", "te"])
-    assert "recompute" not in speed_levers(args, "bf16")  # a memory lever of the FP8 runs only
-    fp8_run = speed_levers(args, "delayed")
-    assert (fp8_run["recompute"], fp8_run["recompute_modules"]) == ("all", ("mlp", "core_attn"))
-    with pytest.raises(ValueError, match="megatron's BF16 run is on TE already"):
-        speed_levers(parser.parse_args(["ab", "--bf16-on-te", "--model-impl", "megatron"]), "bf16")
-    assert args.baseline_runs == 2 and parser.parse_args(["ab", "--no-repeat-baseline"]).baseline_runs == 1
-    assert parser.parse_args(["ab", "--baseline-runs", "4"]).baseline_runs == 4
+    args = _ab_args("--model", "tiny", "--recipes", "bf16,rowwise", "--steps", "7")
+    ab, base = ab_config(args), base_job(args, ab_config(args))
+    assert (args.run, ab.recipes, base.training.steps, base.precision.backend, ab.nproc) == (
+        run_ab, ("bf16", "rowwise"), 7, "auto", 1)
+    assert ab.baseline_runs == 2 and ab_config(_ab_args("--baseline-runs", "4")).baseline_runs == 4
+
+
+def test_options_apply_to_every_arm_whose_plan_uses_them():
+    """A delayed-scaling margin goes to the recipes scaled from an amax history, TE weight-gradient fusion to the arms
+    with TE layers (all of megatron's); recompute and the plan's fusions go to every arm, the BF16 ones included."""
+    margins = _arms("--fp8-margin", "1", recipes=("bf16", "tensorwise", "delayed"))
+    assert [cfg.te.delayed_margin for cfg in margins.values()] == [0, 0, 1]
+    for impl, in_bf16 in (("torch", None), ("megatron", True)):  # the plain BF16 run has no TE layers to fuse
+        arms = _arms("--gradient-accumulation-fusion", "--model-impl", impl, "--backend", "te")
+        assert [cfg.te.gradient_accumulation_fusion for cfg in arms.values()] == [in_bf16, True]
+        assert [cfg.precision.backend for cfg in arms.values()] == ["auto", "te"]
+    (on_te,) = _arms("--bf16-on-te", "--no-fuse-mlp", "--gradient-accumulation-fusion", "--backend", "te",
+                     recipes=("bf16",)).values()
+    assert (on_te.precision.backend, on_te.precision.fuse_mlp, on_te.te.gradient_accumulation_fusion) == (
+        "te", False, True)
+    arms = _arms("--recompute-modules", "mlp", "core_attn", "--backend", "te")
+    assert {name: (cfg.activation_checkpoint.layers, cfg.activation_checkpoint.modules) for name, cfg in arms.items()
+            } == {"bf16": ("all", ("mlp", "core_attn")), "delayed": ("all", ("mlp", "core_attn"))}
+    assert {cfg.logging.interval for cfg in _arms("--steps", "40").values()} == {10}
+    with pytest.raises(ConfigError, match="megatron's BF16 run is on TE already"):
+        _arms("--bf16-on-te", "--model-impl", "megatron")
+
+
+def test_an_option_of_some_recipes_is_checked_under_the_arms_that_take_it(capsys):
+    """Without --fp8-recipe the options are checked under an arm's recipe, not the configuration's default bf16: a
+    margin is taken when a delayed arm runs, refused when none does."""
+    args = _ab_args("--recipes", "bf16,delayed", "--fp8-margin", "2")
+    assert base_job(args, ab_config(args)).te.delayed_margin == 2
+    assert main(["--recipes", "bf16,tensorwise", "--fp8-margin", "1", "--device", "cpu", "--out-dir", "unused"]) == 2
+    assert "te.delayed_margin sets the headroom of scales taken from an amax history" in capsys.readouterr().err
 
 
 def test_bf16_repeats_are_named_in_order(capsys):
@@ -394,9 +417,9 @@ def test_bf16_repeats_are_named_in_order(capsys):
 
 def test_ab_rejects_unknown_recipes(capsys):
     assert main(["--recipes", "bf16,fp4", "--out-dir", "unused"]) == 2
-    assert "unknown recipe(s) fp4" in capsys.readouterr().err
+    assert "unknown FP8 recipe 'fp4': use one of bf16, delayed," in capsys.readouterr().err
     assert main(["--data-source", "pypi", "--out-dir", "unused"]) == 2
-    assert "unknown data_source 'pypi': use stdlib or python" in capsys.readouterr().err
+    assert "--data-source: invalid choice: 'pypi' (choose from 'stdlib', 'python')" in capsys.readouterr().err
 
 
 def test_relative_gap_is_a_trailing_mean_of_the_per_step_gap():

@@ -26,14 +26,16 @@ FILES = {
     "a-file": "not a folder\n",
     "a-dir/kept": "an existing folder\n",
     "empty-ckpts/kept": "a folder without step-* checkpoints\n",
-    "wrong-type.json": json.dumps({"warmup": "ten"}),
-    "bool-int.json": json.dumps({"seed": True}),
-    "string-lr.json": json.dumps({"lr": "1e-3"}),
-    "tuple-as-string.json": json.dumps({"recompute": "all", "recompute_modules": "mlp"}),
+    "wrong-type.json": json.dumps({"optimizer": {"warmup": "ten"}}),
+    "bool-int.json": json.dumps({"training": {"seed": True}}),
+    "string-lr.json": json.dumps({"optimizer": {"lr": "1e-3"}}),
+    "tuple-as-string.json": json.dumps({"activation_checkpoint": {"layers": "all", "modules": "mlp"}}),
     "list.json": json.dumps([1, 2]),
     "not-json.json": "{steps: 10",
-    "unknown-field.json": json.dumps({"speed": "max"}),
-    "nan-lr.json": '{"lr": NaN}',
+    "unknown-field.json": json.dumps({"training": {"speed": "max"}}),
+    "unknown-section.json": json.dumps({"speed": "max"}),
+    "flat-field.json": json.dumps({"steps": 10}),
+    "nan-lr.json": '{"optimizer": {"lr": NaN}}',
     "dup-recipe.yaml": "recipe: tensorwise\nsmall_gemm_filter: 'off'\nrecipe: rowwise\n",
     "dup-model.yaml": "name: x\nseq_len: 8\nseq_len: 16\nblocks: {dense: [{name: p, kind: linear, n: 16, k: 16}]}\n"
                       "layers: [{block: dense}]\n",
@@ -89,32 +91,32 @@ def no_model(monkeypatch):
 
 
 TRAIN_BAD = [
-    (["--save", "{tmp}/a-file"], "checkpoint_dir (--save) {tmp}/a-file is a file, not a folder: pass a folder"),
+    (["--save", "{tmp}/a-file"], "checkpoint.dir (--save) {tmp}/a-file is a file, not a folder: pass a folder"),
     (["--save", "{tmp}/a-file/ckpt"], "cannot be created: {tmp}/a-file is a file: pass a path under a folder"),
     (["--save", "/proc/fp8stack-ckpt"], "cannot write in /proc"),
-    (["--tensorboard-dir", "{tmp}/a-file"], "log_dir (--tensorboard-dir) {tmp}/a-file is a file, not a folder"),
+    (["--tensorboard-dir", "{tmp}/a-file"], "logging.dir (--tensorboard-dir) {tmp}/a-file is a file, not a folder"),
     (["--tensorboard-dir", "{tmp}/a-file/log"], "cannot be created: {tmp}/a-file is a file"),
     (["--result-json", "{tmp}/a-dir"], "--result-json {tmp}/a-dir is a folder: pass a file path"),
     (["--result-json", "{tmp}/a-file/result.json"],
      "--result-json {tmp}/a-file/result.json: its folder {tmp}/a-file is a file, not a folder"),
-    (["--lr", "0"], "lr must be positive, got 0.0"),
-    (["--lr=-1e-3"], "lr must be positive"),
-    (["--lr", "inf"], "lr must be a finite number, got inf"),
-    (["--lr", "nan"], "lr must be a finite number, got nan"),
-    (["--min-lr", "inf"], "min_lr must be a finite number"),
-    (["--clip-grad", "-1"], "grad_clip must be non-negative (0: no clipping), got -1.0"),
-    (["--weight-decay", "-5"], "weight_decay must be non-negative (0: no decay), got -5.0"),
-    (["--weight-decay", "inf"], "weight_decay must be a finite number"),
-    (["--micro-batch-size", "0"], "micro_batch must be at least 1, got 0"),
-    (["--seq-length", "0"], "seq_len must be between 2 and 131072, got 0"),
-    (["--seq-length", "100000000"], "seq_len must be between 2 and 131072, got 100000000"),
-    (["--max-data-bytes", "0"], "max_data_bytes must be at least 1, got 0"),
+    (["--lr", "0"], "optimizer.lr must be positive, got 0.0"),
+    (["--lr=-1e-3"], "optimizer.lr must be positive"),
+    (["--lr", "inf"], "optimizer.lr must be a finite number, got inf"),
+    (["--lr", "nan"], "optimizer.lr must be a finite number, got nan"),
+    (["--min-lr", "inf"], "optimizer.min_lr must be a finite number"),
+    (["--clip-grad", "-1"], "optimizer.grad_clip must be at least 0, got -1.0"),
+    (["--weight-decay", "-5"], "optimizer.weight_decay must be at least 0, got -5.0"),
+    (["--weight-decay", "inf"], "optimizer.weight_decay must be a finite number"),
+    (["--micro-batch-size", "0"], "training.micro_batch must be at least 1, got 0"),
+    (["--seq-length", "0"], "training.seq_len must be between 2 and 131072, got 0"),
+    (["--seq-length", "100000000"], "training.seq_len must be between 2 and 131072, got 100000000"),
+    (["--max-data-bytes", "0"], "data.max_bytes must be at least 1, got 0"),
     (["--max-data-bytes", "3000", "--seq-length", "100000"], "too few for seq_len=100000: raise --max-data-bytes"),
-    (["--eval-iters", "-1"], "eval_batches must be non-negative, got -1"),
-    (["--train-iters", "0"], "steps must be at least 1, got 0"),
-    (["--save-interval", "-1"], "checkpoint_interval must be non-negative"),
-    (["--lr-warmup-iters", "-1"], "warmup must be non-negative"),
-    (["--global-batch-size", "3"], "global_batch=3 must be a positive multiple of micro_batch=2"),
+    (["--eval-iters", "-1"], "training.eval_batches must be at least 0, got -1"),
+    (["--train-iters", "0"], "training.steps must be at least 1, got 0"),
+    (["--save-interval", "-1"], "checkpoint.interval must be at least 0, got -1"),
+    (["--lr-warmup-iters", "-1"], "optimizer.warmup must be at least 0, got -1"),
+    (["--global-batch-size", "3"], "training.global_batch=3 must be a multiple of training.micro_batch=2"),
     (["--recompute-layers", "9"], "recompute names block(s) 9, and tiny has blocks 0-3"),
     (["--recompute-modules", "moe"], "recompute_modules moe: none of the recomputed blocks of tiny has that part"),
     (["--model", "tiny-moe", "--recompute-layers", "0", "--recompute-modules", "moe"],
@@ -124,19 +126,24 @@ TRAIN_BAD = [
     (["--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2",
       "--num-layers-at-end-in-bf16", "2"], "keep all 4 layers BF16, so recipe tensorwise would train none in FP8"),
     (["--fp8-recipe", "tensorwise", "--num-layers-at-start-in-bf16", "2"],
-     "--num-layers-at-start-in-bf16 only apply with --first-last-layers-bf16: add that flag"),
+     "--num-layers-at-start-in-bf16 only applies with --first-last-layers-bf16: add that flag"),
+    (["--fp8-recipe", "tensorwise", "--num-layers-at-start-in-bf16", "2", "--num-layers-at-end-in-bf16", "0"],
+     "--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 only apply with --first-last-layers-bf16"),
     (["--no-fused-projections", "--tensor-model-parallel-size", "2", "--seq-length", "63"],
      "seq_len=63 is not divisible by tensor_parallel=2"),
-    (["--fp8-stats-interval", "2", "--tensorboard-dir", ""], "fp8_stats_interval writes FP8 statistics to TensorBoard"),
-    (["--fp8-stats-interval", "-1"], "fp8_stats_interval must be non-negative"),
-    (["--config", "{tmp}/wrong-type.json"], "warmup must be an integer, got 'ten'"),
-    (["--config", "{tmp}/bool-int.json"], "seed must be an integer, got True"),
-    (["--config", "{tmp}/string-lr.json"], "lr must be a number, got '1e-3'"),
-    (["--config", "{tmp}/tuple-as-string.json"], "recompute_modules must be a list of names, got 'mlp'"),
-    (["--config", "{tmp}/list.json"], "holds a JSON list: pass a JSON object of TrainConfig fields"),
+    (["--fp8-stats-interval", "2", "--tensorboard-dir", ""],
+     "logging.fp8_stats_interval writes to TensorBoard: pass --tensorboard-dir DIR"),
+    (["--fp8-stats-interval", "-1"], "logging.fp8_stats_interval must be at least 0, got -1"),
+    (["--config", "{tmp}/wrong-type.json"], "optimizer.warmup must be an integer or unset (omit it), got 'ten'"),
+    (["--config", "{tmp}/bool-int.json"], "training.seed must be an integer, got True"),
+    (["--config", "{tmp}/string-lr.json"], "optimizer.lr must be a number or unset (omit it), got '1e-3'"),
+    (["--config", "{tmp}/tuple-as-string.json"], "activation_checkpoint.modules must be a list of names, got 'mlp'"),
+    (["--config", "{tmp}/list.json"], "--config {tmp}/list.json holds a list: pass a table of sections"),
     (["--config", "{tmp}/not-json.json"], "cannot read --config {tmp}/not-json.json"),
-    (["--config", "{tmp}/unknown-field.json"], "has unknown field(s) ['speed']"),
-    (["--config", "{tmp}/nan-lr.json"], "lr must be a finite number, got nan"),
+    (["--config", "{tmp}/unknown-field.json"], "unknown field(s) training.speed; section training has steps,"),
+    (["--config", "{tmp}/unknown-section.json"], "unknown section(s) speed: use model, precision,"),
+    (["--config", "{tmp}/flat-field.json"], "unknown section(s) steps: use model, precision,"),
+    (["--config", "{tmp}/nan-lr.json"], "optimizer.lr must be a finite number, got nan"),
     (["--load", "{tmp}/no-such-checkpoint"], "checkpoint {tmp}/no-such-checkpoint does not exist"),
     (["--save", "{tmp}/empty-ckpts", "--load", "latest"], "no step-* checkpoint under {tmp}/empty-ckpts"),
 ]
@@ -144,23 +151,25 @@ TRAIN_BAD = [
 
 @pytest.mark.parametrize("argv, message", TRAIN_BAD, ids=[" ".join(a)[:40] for a, _ in TRAIN_BAD])
 def test_train_refuses_bad_input_before_building_a_model(workspace, capsys, no_model, argv, message):
-    _refused(train_main, [*FAST, *argv], workspace, capsys, "python -m fp8stack.train: error: ", message)
+    _refused(train_main, [*FAST, *argv], workspace, capsys, "fp8stack train: error: ", message)
 
 
 AB = ["ab", "--model", "tiny", "--device", "cpu", "--steps", "2", "--recipes", "tensorwise", "--out-dir", "{tmp}/out"]
 
 AB_BAD = [
-    (["--micro-batch", "0"], "micro_batch must be at least 1, got 0"),
-    (["--seq-len", "0"], "seq_len must be between 2 and 131072, got 0"),
-    (["--seq-len", "100000000"], "seq_len must be between 2 and 131072"),
-    (["--max-data-bytes", "0"], "max_data_bytes must be at least 1, got 0"),
-    (["--steps", "0"], "steps must be at least 1, got 0"),
-    (["--lr", "0"], "lr must be positive"),
-    (["--warmup", "-1"], "warmup must be non-negative"),
+    (["--micro-batch", "0"], "training.micro_batch must be at least 1, got 0"),
+    (["--seq-len", "0"], "training.seq_len must be between 2 and 131072, got 0"),
+    (["--seq-len", "100000000"], "training.seq_len must be between 2 and 131072"),
+    (["--max-data-bytes", "0"], "data.max_bytes must be at least 1, got 0"),
+    (["--steps", "0"], "training.steps must be at least 1, got 0"),
+    (["--lr", "0"], "optimizer.lr must be positive"),
+    (["--lr-warmup-iters", "-1"], "optimizer.warmup must be at least 0, got -1"),
     (["--nproc", "0"], "--nproc 0: each arm runs in at least one process"),
     (["--loss-tolerance", "-0.1"], "--loss-tolerance -0.1: pass a relative gap >= 0"),
     (["--loss-tolerance", "nan"], "--loss-tolerance nan: pass a relative gap >= 0"),
-    (["--fp8-recompute", "moe"], "recompute_modules moe: none of the recomputed blocks of tiny"),
+    (["--activation-checkpoint.layers", "all", "--activation-checkpoint.modules", "moe"],
+     "recompute_modules moe: none of the recomputed blocks of tiny"),
+    (["--recompute-modules", "moe"], "recompute_modules moe: none of the recomputed blocks of tiny"),
     (["--out-dir", "{tmp}/a-file"], "{tmp}/a-file is a file, not a folder"),
     (["--out-dir", "{tmp}/a-file/out"], "cannot be created: {tmp}/a-file is a file"),
     (["--out-dir", "{tmp}/ab-out"], "-ab-tiny-cpu/ab-tiny-cpu.json exists: pass --force to replace that evidence"),
@@ -210,21 +219,22 @@ def test_plan_refuses_bad_input_quickly(workspace, capsys, argv, message):
 
 
 API_BAD = [
-    ({"training.steps": "10"}, "steps must be an integer, got '10'"),
-    (dict(compile=1), "compile must be true or false, got 1"),
-    (dict(lr=float("inf")), "lr must be a finite number"),
-    (dict(grad_clip=float("nan")), "grad_clip must be a finite number"),
-    ({"training.seq_len": 1 << 20}, "seq_len must be between 2 and 131072"),
-    (dict(recompute_modules="mlp"), "recompute_modules must be a list of names"),
-    (dict(resume=7), "resume must be a string or null, got 7"),
-    (dict(eval_batches=-3), "eval_batches must be non-negative"),
+    ({"training.steps": "10"}, "training.steps must be an integer, got '10'"),
+    ({"training.compile": 1}, "training.compile must be true or false or unset (omit it), got 1"),
+    ({"optimizer.lr": float("inf")}, "optimizer.lr must be a finite number"),
+    ({"optimizer.grad_clip": float("nan")}, "optimizer.grad_clip must be a finite number"),
+    ({"training.seq_len": 1 << 20}, "training.seq_len must be between 2 and 131072"),
+    ({"activation_checkpoint.modules": "mlp"}, "activation_checkpoint.modules must be a list of names"),
+    ({"checkpoint.resume": 7}, "checkpoint.resume must be a string or unset (omit it), got 7"),
+    ({"training.eval_batches": -3}, "training.eval_batches must be at least 0, got -3"),
+    ({"training.step": 3}, "unknown option 'training.step'"),
 ]
 
 
 @pytest.mark.parametrize("fields, message", API_BAD, ids=[m[:30] for _, m in API_BAD])
 def test_train_config_refuses_bad_values_by_name(fields, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        from_overrides({**fields})
+        from_overrides(fields)
 
 
 def test_evidence_is_not_replaced_without_being_asked(tmp_path):
@@ -254,11 +264,24 @@ def test_a_description_with_a_repeat_of_the_wrong_type_is_refused():
         description_from_dict(data)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs its arm to fail: --device cuda on a CPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs its arm to fail: the bf16 arm on TE modules, which "
+                                                      "need a CUDA GPU")
 def test_an_ab_in_which_no_arm_measures_anything_writes_no_evidence(tmp_path, capsys):
-    code = cli.main(["ab", "--model", "tiny", "--recipes", "bf16", "--no-repeat-baseline", "--device", "cuda",
-                     "--steps", "2", "--out-dir", str(tmp_path / "out")])
+    code = cli.main(["ab", "--model", "tiny", "--recipes", "bf16", "--baseline-runs", "1", "--bf16-on-te",
+                     "--device", "cpu", "--steps", "2", "--out-dir", str(tmp_path / "out")])
     out, err = capsys.readouterr()
-    assert code == 1 and "device cuda requested but torch sees no CUDA GPU" in out, out
+    assert code == 1 and "failed: fp8stack train: error: the plan runs" in out, out
+    assert "on te: TransformerEngine" in out, out
     assert "no arm measured anything: no evidence written" in err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_an_ab_on_a_device_this_machine_lacks_is_refused_before_any_arm(tmp_path, capsys, monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("an arm was started")
+
+    monkeypatch.setattr(ab_run, "_RunningArm", started)
+    _refused(cli.main, ["ab", "--model", "tiny", "--recipes", "bf16", "--device", "cuda", "--steps", "2",
+                        "--out-dir", "{tmp}/out"], tmp_path, capsys, "fp8stack ab: error: ",
+             "training.device cuda requested but torch sees no CUDA GPU: pass --device cpu")

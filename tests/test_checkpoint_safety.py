@@ -109,7 +109,7 @@ def test_damaged_files_are_reported_as_damage_in_one_line(ckpt, capsys, name, da
     target.write_bytes(damage(target.read_bytes()))
     code, err = _resume(ckpt, capsys)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith("python -m fp8stack.train: error: ") and named in err and "damaged" in err, err
+    assert err.startswith("fp8stack train: error: ") and named in err and "damaged" in err, err
 
 
 def test_a_checkpoint_with_only_dcps_pickled_metadata_is_named_as_older(ckpt, capsys):
@@ -120,11 +120,11 @@ def test_a_checkpoint_with_only_dcps_pickled_metadata_is_named_as_older(ckpt, ca
 
 
 @pytest.mark.parametrize("flags, change", [
-    (["--fp8-recipe", "rowwise"], 'recipe: "tensorwise" -> "rowwise"'),
-    (["--micro-batch-size", "4"], "micro_batch: 2 -> 4"),
-    (["--global-batch-size", "4"], "global_batch: null -> 4"),
+    (["--fp8-recipe", "rowwise"], 'precision.recipe: "tensorwise" -> "rowwise"'),
+    (["--micro-batch-size", "4"], "training.micro_batch: 2 -> 4"),
+    (["--global-batch-size", "4"], "training.global_batch: null -> 4"),
     (["--seq-length", "32"], "seq_len: 64 -> 32"),
-    (["--seed", "1"], "seed: 0 -> 1"),
+    (["--seed", "1"], "training.seed: 0 -> 1"),
     (["--first-last-layers-bf16"], "plan ("),
 ], ids=lambda v: v[0] if isinstance(v, list) else "")
 def test_a_resume_under_other_settings_is_refused_naming_them(ckpt, capsys, flags, change):
@@ -144,7 +144,7 @@ def test_the_api_names_damage_and_mismatch_by_type(tmp_path):
         return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     path = checkpoint.save(tmp_path, 1, *parts(nn.Linear(4, 4)), data_position=1, run={"precision.recipe": "bf16"})
-    with pytest.raises(CheckpointMismatchError, match=r"recipe: \"bf16\" -> \"tensorwise\""):
+    with pytest.raises(CheckpointMismatchError, match=r"precision\.recipe: \"bf16\" -> \"tensorwise\""):
         checkpoint.load(path, *parts(nn.Linear(4, 4)), run={"precision.recipe": "tensorwise"})
     (path / "rank0.pt").write_bytes(b"\x00" * 64)
     with pytest.raises(CheckpointDamagedError, match="rank0.pt is damaged"):

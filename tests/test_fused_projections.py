@@ -12,7 +12,7 @@ from fp8stack.models.llama import Attention, rope_table
 from fp8stack.plan import ModelDescription, PolicyConfig, load_description, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.train.command import job_from_flags
-from fp8stack.config import JobConfig, from_overrides
+from fp8stack.config import from_overrides
 from fp8stack.train.loop import build_model
 
 MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe}
@@ -109,11 +109,11 @@ def test_meta_device_llama_1b_like_unfused():
 
 
 def test_trainer_flag_builds_unfused_projections():
-    parse = build_parser().parse_args
-    assert config_from_args(parse([])).fused_projections is True
-    cfg = config_from_args(parse(["--no-fused-projections", "--tensor-model-parallel-size", "2"]))
+    assert job_from_flags([]).model.fused_projections is True
+    cfg = job_from_flags(["--no-fused-projections", "--tensor-model-parallel-size", "2"])
     assert cfg == from_overrides({"model.fused_projections": False, "parallelism.tensor_parallel": 2})
-    assert config_from_args(parse(["--fused-projections"])).fused_projections is True
+    assert job_from_flags(["--no-model.fused-projections"]).model.fused_projections is False
+    assert job_from_flags(["--fused-projections"]).model.fused_projections is True
     attention = build_model(from_overrides({"training.seq_len": 16}, cfg), torch.device("cpu")).layers[0].attention
     assert hasattr(attention, "wq") and not hasattr(attention, "wqkv")
 

@@ -83,3 +83,11 @@ def test_evidence_of_the_same_name_is_replaced_only_with_force(tmp_path, capsys)
     assert refused.value.code == 2 and err.count("\n") == 1 and "exist: pass --force to replace that evidence" in err
     assert {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == recorded
     assert main([*argv, "--force"]) == 0
+
+
+def test_arms_named_by_their_parameter_dtype_are_placed_by_their_recipe(tmp_path):
+    ab = committed("ab-llama-1b-like-loss-2000steps-wgradfusion-bf16-params-head-on-te-h100.json")
+    assert main(["--label", "bf16-params", "--out-dir", str(tmp_path), str(ab)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-llama-1b-like-bf16-params-h100.json").read_text())
+    runs = [r["run"] for r in record["fp8_runs"]]
+    assert "delayed, bf16 params (recipe default format, margin 0, fused wgrad accumulation)" in runs, runs

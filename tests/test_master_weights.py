@@ -7,12 +7,14 @@ import torch
 from fp8stack.config import ConfigError, from_overrides
 from fp8stack.train.loop import session, train
 
-FAST = {"training.micro_batch": 2, "training.seq_len": 64, "training.eval_batches": 0, "data.max_bytes": 1 << 20, "logging.progress": False, "training.dtype": "bf16"}
+FAST = {"training.micro_batch": 2, "training.seq_len": 64, "training.eval_batches": 0, "data.max_bytes": 1 << 20,
+        "logging.progress": False, "training.dtype": "bf16"}
 """A tiny-model run in BF16 activations, a fraction of a second per step on 2 cores."""
 
 
 def test_the_optimizer_steps_fp32_masters_and_the_model_holds_their_bf16_copies():
-    with session(from_overrides({**FAST, "training.param_dtype": "bf16", "training.steps": 2, "optimizer.warmup": 1})) as run:
+    with session(from_overrides({**FAST, "training.param_dtype": "bf16", "training.steps": 2,
+                                 "optimizer.warmup": 1})) as run:
         masters = run.masters
         names = [name for name, _ in run.model.named_parameters()]
         assert [name for name, _ in masters.module.named_parameters()] == names  # what a checkpoint saves
@@ -33,7 +35,8 @@ def test_the_optimizer_steps_fp32_masters_and_the_model_holds_their_bf16_copies(
 def test_micro_batch_gradients_add_up_in_fp32():
     """Each micro-batch's BF16 gradient is added into the FP32 main_grad as it arrives: two micro-batches
     leave the FP32 sum of their gradients, where BF16 accumulation would round each partial sum to BF16."""
-    with session(from_overrides({**FAST, "training.param_dtype": "bf16", "training.steps": 1, "training.global_batch": 4})) as run:
+    with session(from_overrides({**FAST, "training.param_dtype": "bf16", "training.steps": 1,
+                                 "training.global_batch": 4})) as run:
         tokens, targets = next(iter(run.data))
         halves = list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
 
@@ -55,7 +58,8 @@ def test_micro_batch_gradients_add_up_in_fp32():
 def test_bf16_parameters_compute_what_fp32_ones_under_autocast_do():
     """Without FP8, autocast's per-forward BF16 casts of FP32 parameters are the BF16 parameters, and both paths add
     BF16 weight gradients in FP32 (the embedding's rows too): the runs agree to FP32 summation order."""
-    settings = {**FAST, "precision.recipe": "bf16", "training.steps": 5, "optimizer.warmup": 1, "training.global_batch": 4}
+    settings = {**FAST, "precision.recipe": "bf16", "training.steps": 5, "optimizer.warmup": 1,
+                "training.global_batch": 4}
     fp32, bf16 = (train(from_overrides({**settings, "training.param_dtype": dtype})) for dtype in ("fp32", "bf16"))
     assert bf16.losses[-1] < bf16.losses[0]
     assert bf16.losses == pytest.approx(fp32.losses, rel=1e-5)
@@ -64,7 +68,8 @@ def test_bf16_parameters_compute_what_fp32_ones_under_autocast_do():
 
 def test_bf16_parameters_train_as_fp32_ones_to_rounding_in_fp8():
     """FP8 casts of BF16 parameters round twice where FP32 ones round once: close, not equal."""
-    settings = {**FAST, "precision.recipe": "tensorwise", "training.steps": 5, "optimizer.warmup": 1, "training.global_batch": 4}
+    settings = {**FAST, "precision.recipe": "tensorwise", "training.steps": 5, "optimizer.warmup": 1,
+                "training.global_batch": 4}
     fp32, bf16 = (train(from_overrides({**settings, "training.param_dtype": dtype})) for dtype in ("fp32", "bf16"))
     assert bf16.losses[-1] < bf16.losses[0]
     assert bf16.losses != fp32.losses and bf16.losses == pytest.approx(fp32.losses, rel=2e-2)
@@ -72,21 +77,24 @@ def test_bf16_parameters_train_as_fp32_ones_to_rounding_in_fp8():
 
 
 def test_bf16_parameters_refuse_what_they_cannot_serve():
-    with pytest.raises(ConfigError, match="unknown param_dtype 'fp16'"):
+    with pytest.raises(ConfigError, match="unknown training.param_dtype 'fp16': use fp32, bf16, fp8"):
         from_overrides({"training.param_dtype": "fp16"})
-    for refused in ({"fsdp_one_rank": True}, {"dtype": "fp32"}):
-        with pytest.raises(ConfigError, match="drop --fsdp-one-rank"):
-            from_overrides({"training.param_dtype": "bf16", **refused})
-    with pytest.raises(ConfigError, match="use --model-impl torch"):
-        from_overrides({"training.param_dtype": "bf16", "model.impl": "megatron", "model.name": "llama-1b-like", "training.dtype": "bf16"})
-    with pytest.raises(ConfigError, match="pass --dtype bf16"), session(
-            from_overrides({**{**FAST, "training.dtype": "auto"}, "training.device": "cpu", "training.param_dtype": "bf16", "training.steps": 1})):
+    with pytest.raises(ConfigError, match="drop --parallelism.fsdp-one-rank"):
+        from_overrides({"training.param_dtype": "bf16", "parallelism.fsdp_one_rank": True})
+    with pytest.raises(ConfigError, match="pass --training.dtype bf16 or --training.param-dtype fp32"):
+        from_overrides({"training.param_dtype": "bf16", "training.dtype": "fp32"})
+    with pytest.raises(ConfigError, match="megatron does not take training.param_dtype.*use --model.impl torch"):
+        from_overrides({"training.param_dtype": "bf16", "model.impl": "megatron", "model.name": "llama-1b-like",
+                        "training.dtype": "bf16"})
+    with pytest.raises(ConfigError, match="FP32 \\(auto is on a CPU\\): pass --training.dtype bf16"), session(
+            from_overrides({**FAST, "training.dtype": "auto", "training.device": "cpu", "training.param_dtype": "bf16",
+                            "training.steps": 1})):
         pass
 
 
 @pytest.mark.parametrize(("settings", "why"), [
     ({"precision.recipe": "bf16"}, "has no FP8 layer"),
-    ({"precision.recipe": "tensorwise", "backend": "torchao"}, "in FP8 on torchao"),
+    ({"precision.recipe": "tensorwise", "precision.backend": "torchao"}, "in FP8 on torchao"),
 ])
 def test_fp8_parameters_need_every_fp8_layer_on_te(settings, why):
     """param_dtype fp8 holds TE's FP8 weights in FP8 only (the TE path is a GPU test): a plan without FP8 layers, or
@@ -94,6 +102,7 @@ def test_fp8_parameters_need_every_fp8_layer_on_te(settings, why):
     with pytest.raises(ConfigError, match=f"param_dtype fp8 .*{why}.*--param-dtype bf16"), session(
             from_overrides({**FAST, **settings, "training.param_dtype": "fp8", "training.steps": 1})):
         pass
-    for refused in ({"fsdp_one_rank": True}, {"dtype": "fp32"}):
-        with pytest.raises(ConfigError, match="param_dtype fp8 keeps FP32 masters.*drop --fsdp-one-rank"):
-            from_overrides({"training.param_dtype": "fp8", **refused})
+    with pytest.raises(ConfigError, match="param_dtype fp8 keeps FP32 masters.*drop --parallelism.fsdp-one-rank"):
+        from_overrides({"training.param_dtype": "fp8", "parallelism.fsdp_one_rank": True})
+    with pytest.raises(ConfigError, match="param_dtype fp8 keeps BF16 parameters.*pass --training.dtype bf16"):
+        from_overrides({"training.param_dtype": "fp8", "training.dtype": "fp32"})

@@ -18,7 +18,7 @@ from torch import nn
 
 from fp8stack.bench.multigpu import ONE_RANK_TWINS, earlier_parts, render, restart_plan, run_fsdp, run_restart
 from fp8stack.models import Llama, LlamaConfig
-from fp8stack.config import JobConfig, from_overrides
+from fp8stack.config import from_overrides
 from fp8stack.train.loop import train
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,12 @@ def _train_both(rank: int, world: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)  # two ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        results = {precompute: train(from_overrides({"model.name": "tiny", "precision.recipe": "tensorwise", "precision.backend": "torchao", "torchao.fsdp_float8_all_gather": True, "torchao.precompute_fp8_scales": precompute, "training.steps": STEPS, "training.micro_batch": 1, "training.seq_len": 32, "training.eval_batches": 0, "logging.profile_collectives": PROFILED, "training.device": "cpu", "logging.progress": False, "data.max_bytes": 1 << 20}))
-            for precompute in (True, False)}
+        results = {precompute: train(from_overrides({
+            "model.name": "tiny", "precision.recipe": "tensorwise", "precision.backend": "torchao",
+            "torchao.fsdp_float8_all_gather": True, "torchao.precompute_fp8_scales": precompute,
+            "training.steps": STEPS, "training.micro_batch": 1, "training.seq_len": 32, "training.eval_batches": 0,
+            "logging.profile_collectives": PROFILED, "training.device": "cpu", "logging.progress": False,
+            "data.max_bytes": 1 << 20})) for precompute in (True, False)}
         if rank == 0:
             torch.save({k: (r.collectives, r.losses) for k, r in results.items()}, out)
     finally:

@@ -7,6 +7,7 @@ import pytest
 
 from fp8stack.bench.evidence import run_folder
 from fp8stack.cli import build_parser
+from fp8stack.config import parse_args
 from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, family_ms, idle_gaps, kernel_family,
                               main, measured_gain, quantize_overhead, run_profile)
 
@@ -122,12 +123,12 @@ def test_measured_gain_reads_the_ab_evidence(tmp_path):
 
 def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
     _ab_json(_evidence(tmp_path, "ab-tiny-gb4-cpu.json"), {"bf16": 1000.0, "tensorwise": 900.0})  # the label's A/B
-    code = main(["--model", "tiny", "--fp8-recipe", "tensorwise", "--steps", "2", "--warmup", "1",
+    code = main(["--model", "tiny", "--fp8-recipe", "tensorwise", "--steps", "2", "--profile.warmup-steps", "1",
                  "--micro-batch", "2", "--global-batch-size", "4", "--seq-len", "64", "--device", "cpu",
                  "--label", "gb4", "--out-dir", str(tmp_path)])
     assert code == 0
     record = json.loads(_evidence(tmp_path, "profile-tiny-gb4-cpu.json").read_text())
-    assert record["train_config"]["global_batch"] == 4
+    assert record["train_config"]["training"]["global_batch"] == 4 and record["warmup"] == 1
     assert {"date", "command", "environment", "runs", "amdahl_bound", "gemm_share"} <= set(record)
     assert list(record["runs"]) == ["bf16", "tensorwise"]  # the bf16 profile gives the GEMM share
     for run in record["runs"].values():
@@ -157,18 +158,22 @@ def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
 
 
 def test_profile_subcommand_is_wired_into_the_cli(capsys):
-    args = build_parser().parse_args(["profile", "--model", "tiny", "--fp8-recipe", "rowwise", "--compile"])
-    assert (args.run, args.recipe, args.steps, args.warmup, args.gemm_speedup, args.compile) == (
-        run_profile, "rowwise", 5, 3, 2.0, True)
+    args = parse_args(build_parser(), ["profile", "--model", "tiny", "--fp8-recipe", "rowwise", "--compile",
+                                       "--steps", "7", "--profile.warmup-steps", "2"])
+    assert args.run is run_profile
+    assert (getattr(args, "precision.recipe"), getattr(args, "training.compile")) == ("rowwise", True)
+    assert (getattr(args, "profile.steps"), getattr(args, "profile.warmup_steps")) == (7, 2)
     assert main(["--fp8-recipe", "tensorwise", "--steps", "0", "--out-dir", "unused"]) == 2
-    assert "need --steps >= 1" in capsys.readouterr().err
-    # the FP8 run takes --blockwise-gemms (one library), which the blockwise recipe needs
+    assert "need --profile.steps >= 1" in capsys.readouterr().err
+    assert main(["--fp8-recipe", "tensorwise", "--profile.warmup-steps", "-1", "--out-dir", "unused"]) == 2
+    assert "--profile.warmup-steps >= 0" in capsys.readouterr().err
+    # the FP8 run takes one --blockwise-gemms library, which the blockwise recipe needs
     assert main(["--fp8-recipe", "blockwise", "--blockwise-gemms", "te,deepgemm", "--out-dir", "unused"]) == 2
-    assert "profile profiles one FP8 run, so one GEMM library" in capsys.readouterr().err
+    assert "--blockwise-gemms: invalid choice: 'te,deepgemm'" in capsys.readouterr().err
     assert main(["--fp8-recipe", "delayed", "--blockwise-gemms", "deepgemm", "--out-dir", "unused"]) == 2
-    assert "use --fp8-recipe blockwise or drop --blockwise-gemms" in capsys.readouterr().err
-    assert main(["--fp8-recipe", "delayed", "--param-dtypes", "bf16,fp8", "--out-dir", "unused"]) == 2
-    assert "pass fp32, bf16 or fp8" in capsys.readouterr().err
+    assert "use --fp8-recipe blockwise or drop --te.blockwise-gemms" in capsys.readouterr().err
+    assert main(["--fp8-recipe", "delayed", "--param-dtype", "bf16,fp8", "--out-dir", "unused"]) == 2
+    assert "--param-dtype: invalid choice: 'bf16,fp8'" in capsys.readouterr().err
 
 
 def test_fp8_parameters_are_profiled_against_bf16_ones(monkeypatch):
@@ -179,15 +184,15 @@ def test_fp8_parameters_are_profiled_against_bf16_ones(monkeypatch):
         pass
 
     def record(cfg, warmup, steps):  # the configurations profile runs, without TE's CUDA runs
-        profiled.append((cfg.recipe, cfg.param_dtype))
-        if cfg.recipe != "bf16":
+        profiled.append((cfg.precision.recipe, cfg.training.param_dtype))
+        if cfg.precision.recipe != "bf16":
             raise Stop
         return None, None
 
     monkeypatch.setattr("fp8stack.profile.profile_run", record)
     with pytest.raises(Stop):
-        main(["--model", "tiny", "--fp8-recipe", "delayed", "--backend", "te", "--param-dtypes", "fp8",
-              "--out-dir", "unused"])
+        main(["--model", "tiny", "--fp8-recipe", "delayed", "--backend", "te", "--param-dtype", "fp8",
+              "--dtype", "bf16", "--out-dir", "unused"])
     assert profiled == [("bf16", "bf16"), ("delayed", "fp8")]
 
 

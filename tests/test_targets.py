@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from fp8stack.ab.run import AbConfig, to_plain
 from fp8stack.bench import targets
 from fp8stack.bench.evidence import run_folder
+from fp8stack.config import from_overrides, to_dict
 
 
 def written(out_dir: Path, name: str) -> Path:
@@ -114,6 +116,49 @@ def test_a_target_met_against_fp32_parameter_bf16_runs_only_is_not_judged(tmp_pa
         "both.json", "delayed, bf16 params", "not met")
     assert rows["speed"]["value"] == pytest.approx(141 / 102) and rows["memory"]["value"] == pytest.approx(21 / 20.5)
     assert (rows["memory-lean"]["arm"], rows["memory-lean"]["value"]) == ("delayed", pytest.approx(19 / 20.5))
+
+
+def tree_ab_file(tmp_path, name, arms, job, ab):
+    """An A/B evidence file as `fp8stack ab` writes it from the configuration tree: train_config holds the first
+    arm's JobConfig sections and the A/B's options."""
+    record = {"device": "NVIDIA H200", "model": "llama-1b-like",
+              "train_config": {"job": to_dict(job), "ab": to_plain(ab)},
+              "arms": [{"recipe": r, "verdict": v, "tokens_per_s": t, "peak_mem_gib": m} for r, v, t, m in arms]}
+    path = tmp_path / name
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_files_of_the_configuration_tree_are_read_from_their_sections(tmp_path):
+    recomputed = from_overrides({"training.param_dtype": "bf16", "activation_checkpoint.layers": "all",
+                                 "activation_checkpoint.modules": ("mlp",)})
+    fastest = tree_ab_file(tmp_path, "tree.json", [("bf16", "alternative", 98.0, 25.0),
+                                                   ("bf16 on te", "baseline", 100.0, 24.0),
+                                                   ("delayed", "ship", 146.0, 21.0),
+                                                   ("blockwise on deepgemm, bf16 params", "ship", 131.0, 22.0)],
+                           recomputed, AbConfig(blockwise_gemms=("deepgemm",)))
+    arms = targets.ab_arms(fastest)
+    assert [(a["arm"], a["recipe"], a["note"]) for a in arms] == [
+        ("delayed, recompute mlp", "delayed", ""),
+        ("blockwise on deepgemm, bf16 params, recompute mlp", "blockwise", "")]
+    rows = by_target(targets.ab_rows(arms))
+    assert (rows["speed"]["status"], rows["memory"]["value"]) == ("met", pytest.approx(21 / 24))
+    assert (rows["blockwise"]["arm"], rows["blockwise"]["status"]) == ("blockwise on deepgemm, bf16 params, recompute "
+                                                                       "mlp", "met")
+    plain = tree_ab_file(tmp_path, "plain.json", [("bf16", "baseline", 100.0, 20.0), ("delayed", "ship", 150.0, 17.0)],
+                         from_overrides({"training.param_dtype": "fp32"}), AbConfig(fastest_bf16=False))
+    [arm] = targets.ab_arms(plain)
+    assert arm["reference_without"] == ["--fastest-bf16", "--param-dtypes bf16"]
+    assert by_target(targets.ab_rows([arm]))["speed"]["status"] == "not judged"
+    # the same A/B again is a repeat of its arms; one of other settings is not
+    again = tree_ab_file(tmp_path, "again.json", [("bf16 on te", "baseline", 100.0, 24.0),
+                                                  ("delayed", "ship", 140.0, 21.0)],
+                         recomputed, AbConfig(blockwise_gemms=("te",)))
+    other = tree_ab_file(tmp_path, "other.json", [("bf16 on te", "baseline", 100.0, 24.0),
+                                                  ("delayed", "ship", 140.0, 21.0)],
+                         from_overrides({"training.param_dtype": "bf16"}), AbConfig())
+    rows = by_target(targets.ab_rows([*arms, *targets.ab_arms(again), *targets.ab_arms(other)]))
+    assert "Repeats: 1.400x (again.json)." in rows["speed"]["note"] and "other.json" not in rows["speed"]["note"]
 
 
 def test_a_file_without_a_reference_that_ran_is_refused(tmp_path):

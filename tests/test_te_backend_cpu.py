@@ -16,7 +16,7 @@ needs_no_te = pytest.mark.skipif(TE_RUNS_HERE, reason="TransformerEngine runs he
 
 
 def te_plan(model: str = "tiny", **policy):
-    settings = {"precision.recipe": "delayed", "small_gemm_filter": "off", **policy}
+    settings = {"recipe": "delayed", "small_gemm_filter": "off", **policy}
     return make_plan(load_description(model), PolicyConfig(**settings))
 
 

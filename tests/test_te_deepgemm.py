@@ -48,14 +48,16 @@ def test_a_3d_activations_columnwise_data_keeps_k_as_its_rows():
 
 
 def test_blockwise_gemms_on_deepgemm_needs_the_blockwise_recipe():
-    assert from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm"}).blockwise_gemms == "deepgemm"
-    with pytest.raises(ConfigError, match="use --fp8-recipe blockwise or drop --blockwise-gemms"):
+    blockwise = from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm"})
+    assert blockwise.te.blockwise_gemms == "deepgemm"
+    with pytest.raises(ConfigError, match="use --fp8-recipe blockwise or drop --te.blockwise-gemms"):
         from_overrides({"precision.recipe": "delayed", "te.blockwise_gemms": "deepgemm"})
-    with pytest.raises(ConfigError, match="unknown blockwise_gemms 'cutlass': use te or deepgemm"):
+    with pytest.raises(ConfigError, match="unknown te.blockwise_gemms 'cutlass': use te, deepgemm"):
         from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "cutlass"})
     # megatron's TE linears call the general_gemm the router replaces (megatron_model.build installs it)
-    megatron = from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm", "model.impl": "megatron", "model.name": "llama-1b-like"})
-    assert megatron.blockwise_gemms == "deepgemm"
+    megatron = from_overrides({"precision.recipe": "blockwise", "te.blockwise_gemms": "deepgemm",
+                               "model.impl": "megatron", "model.name": "llama-1b-like"})
+    assert megatron.te.blockwise_gemms == "deepgemm"
 
 
 def _shape(source, names, ms_by_variant):

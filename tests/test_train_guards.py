@@ -12,12 +12,13 @@ import torch
 from fp8stack import assembly
 from fp8stack.runtime.numerics import E4M3_MAX, load_pin
 from fp8stack.train.command import main as train_main
-from fp8stack.config import JobConfig, from_overrides
+from fp8stack.config import from_overrides
 from fp8stack.train.data import TextData
 from fp8stack.train.loop import train
 
 SMALL_DATA = 1 << 20
-FAST = {"training.micro_batch": 2, "training.seq_len": 64, "training.eval_batches": 0, "data.max_bytes": SMALL_DATA, "logging.progress": False, "optimizer.warmup": 1}
+FAST = {"training.micro_batch": 2, "training.seq_len": 64, "training.eval_batches": 0, "data.max_bytes": SMALL_DATA,
+        "logging.progress": False, "optimizer.warmup": 1}
 FAST_FLAGS = ["--device", "cpu", "--no-progress", "--micro-batch-size", "2", "--seq-length", "64",
               "--max-data-bytes", str(SMALL_DATA), "--eval-iters", "0", "--lr-warmup-iters", "1"]
 
@@ -68,7 +69,8 @@ def test_a_nan_in_one_layer_stops_before_the_optimizer_step_with_the_batch_pinne
 
 @pytest.mark.parametrize("interval, logged", [(1, [0, 1, 2, 3]), (2, [1, 3])])
 def test_fp8_statistics_reach_tensorboard_every_interval(tmp_path, interval, logged):
-    train(from_overrides({"precision.recipe": "tensorwise", "training.steps": 4, "logging.dir": str(tmp_path), "logging.fp8_stats_interval": interval, **FAST}))
+    train(from_overrides({"precision.recipe": "tensorwise", "training.steps": 4, "logging.dir": str(tmp_path),
+                          "logging.fp8_stats_interval": interval, **FAST}))
     amax = _scalars(tmp_path, "fp8/layers.0.attention.wqkv/amax/weight")
     scale = _scalars(tmp_path, "fp8/layers.0.attention.wqkv/scale/weight")
     assert [e.step for e in amax] == [e.step for e in scale] == logged
@@ -102,7 +104,8 @@ def test_a_signal_ends_the_run_with_a_checkpoint_it_resumes_from_exactly(tmp_pat
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path):
-    settings = {"precision.recipe": "tensorwise", "training.steps": 4, "logging.dir": str(tmp_path / "log"), "checkpoint.dir": str(tmp_path / "ckpt"), **FAST}
+    settings = {"precision.recipe": "tensorwise", "training.steps": 4, "logging.dir": str(tmp_path / "log"),
+                "checkpoint.dir": str(tmp_path / "ckpt"), **FAST}
     train(from_overrides({**settings, "checkpoint.interval": 2}))
     # TensorBoard reads event files in name order: <seconds>.<host>.<pid>.<writer count>; one process writing both
     # in one second can name the second file first (writer 10 before writer 9), where a resumed process is later

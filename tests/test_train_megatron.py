@@ -3,8 +3,6 @@ refuses (and the CPU itself: the trainer needs CUDA for megatron), the GPTModel 
 Llama's weights in megatron's layouts, computing the plain Llama's function, the same weights at TP=2 as at
 TP=1) and its gradient finishing over two gloo ranks. Training it runs on GPUs (fp8stack.bench.multigpu_tp)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore
 
 
 def megatron_cfg(*flags: str) -> JobConfig:
-    return job_from_flags((["--model-impl", "megatron", *flags]))
+    return job_from_flags(["--model-impl", "megatron", *flags])
 
 
 def build(cfg: JobConfig, seed: int = 0):
@@ -40,7 +38,7 @@ def build(cfg: JobConfig, seed: int = 0):
 def test_flags_map_onto_megatrons_transformer_config():
     cfg = megatron_cfg("--model", "llama-1b-like", "--fp8-recipe", "tensorwise", "--tensor-model-parallel-size", "2",
                        "--seq-length", "1024", "--first-last-layers-bf16")
-    assert cfg.model_impl == "megatron" and cfg.tensor_parallel == 2
+    assert cfg.model.impl == "megatron" and cfg.parallelism.tensor_parallel == 2
     shape = model_config(cfg)
     config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
     assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (4, 4096, 14336)
@@ -60,22 +58,31 @@ def test_flags_map_onto_megatrons_transformer_config():
 
 
 @pytest.mark.parametrize("flags, names", [
-    (["--compile"], "compile"),
-    (["--recompute-granularity", "full"], "recompute"),
-    (["--fuse-norm"], "fuse_norm"),
-    (["--fuse-mlp"], "fuse_mlp"),
-    (["--model", "tiny-moe"], "dense models only"),
+    (["--compile"], "does not take training.compile (torch.compile of the blocks)"),
+    (["--recompute-granularity", "full"], "does not take activation_checkpoint.layers (fp8stack's recompute)"),
+    (["--param-dtype", "bf16"], "does not take training.param_dtype"),
+    (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
+    (["--fsdp-one-rank"], "does not take parallelism.fsdp_one_rank (FSDP2)"),
+    (["--model", "tiny-moe"], "builds tiny, llama-1b-like, not 'tiny-moe'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),
     (["--backend", "torchao"], "--backend te"),
-    (["--small-gemm-filter", "rowwise"], "small-gemm-filter"),
-    (["--no-fused-projections"], "fused"),
+    (["--small-gemm-filter", "rowwise"], "precision.small_gemm_filter='rowwise'"),
+    (["--no-fused-projections"], "model.fused_projections false shapes the plain Llama"),
     (["--tensor-model-parallel-size", "2", "--save", "ckpt"], "--tensor-model-parallel-size 1"),
-    (["--gradient-accumulation-fusion", "--save", "ckpt"], "drop --save/--load or --gradient-accumulation-fusion"),
+    (["--gradient-accumulation-fusion", "--save", "ckpt"], "drop --save/--load or --no-gradient-accumulation-fusion"),
 ])
 def test_options_the_megatron_path_cannot_honour_are_refused(flags, names, capsys):
     assert train_main(["--model-impl", "megatron", *flags]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("python -m fp8stack.train: error:") and names in error
+    assert error.startswith("fp8stack train: error: ") and names in error, error
+    assert len(error.splitlines()) == 1 and "needs CUDA" not in error
+
+
+def test_the_plans_fusion_flags_are_accepted_on_the_megatron_path():
+    for flags in ([], ["--fuse-norm", "--fuse-mlp"], ["--no-fuse-norm", "--no-fuse-mlp"]):
+        cfg = megatron_cfg(*flags)
+        fused = "--no-fuse-norm" not in flags
+        assert (cfg.model.impl, cfg.precision.fuse_norm, cfg.precision.fuse_mlp) == ("megatron", fused, fused)
 
 
 def test_the_trainer_refuses_megatron_on_a_cpu():
@@ -118,7 +125,7 @@ def test_gpt_model_computes_the_plain_llamas_function(megatron_rope_on_cpu):
     """FP32 on the CPU: the same logits, and after one step of the trainer's AdamW on each, the same loss.
     Measured: logits agree within 1e-6 (max |logit| ~4); a wrong RoPE pairing moves them by ~1e-2 at this
     init (q.k is small), GLU order by ~5e-2, the plain [Q; K; V] order instead of megatron's groups by ~0.4."""
-    cfg = replace(megatron_cfg(), lr=1e-3)
+    cfg = from_overrides({"optimizer.lr": 1e-3}, megatron_cfg())
     megatron, plain = build(cfg), build_model(cfg, torch.device("cpu"))
     tokens = torch.randint(0, plain.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     targets = tokens.roll(-1, 1)
@@ -160,7 +167,8 @@ def _two_ranks(rank: int, init_file: str, out: str) -> None:
     replicated.grad = torch.tensor([12.0])
     norm_weight = torch.nn.Parameter(torch.zeros(1))
     norm_weight.sequence_parallel, norm_weight.grad = True, torch.tensor([1.0 + rank])
-    total = megatron_model.finish_grads([sharded, replicated, norm_weight], 0.0, parallel_state.get_tensor_model_parallel_group())
+    total = megatron_model.finish_grads([sharded, replicated, norm_weight], 0.0,
+                                        parallel_state.get_tensor_model_parallel_group())
     torch.save({"shards": shards, "norm": float(total), "norm_weight_grad": float(norm_weight.grad)}, f"{out}{rank}")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

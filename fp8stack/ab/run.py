@@ -111,6 +111,25 @@ def ab_config(args: argparse.Namespace) -> AbConfig:
     return AbConfig(**given)
 
 
+def base_job(args: argparse.Namespace, ab: AbConfig) -> JobConfig:
+    """The configuration every arm runs (job_from_args). Some options hold under some recipes only (a delayed-scaling
+    margin) and arm_configs gives them to the arms they fit, so without --fp8-recipe they are checked under the arms'
+    FP8 recipes in turn, the first that takes them; where none does, the error is the one under --fp8-recipe's
+    default."""
+    try:
+        return job_from_args(args)
+    except ConfigError:
+        if hasattr(args, "precision.recipe"):
+            raise
+        candidates = ab.recipes or sorted({r for names in AB_RECIPES.values() for r in names})
+        for recipe in (r for r in map(recipe_name, candidates) if is_fp8(r)):
+            try:
+                return job_from_args(argparse.Namespace(**{**vars(args), "precision.recipe": recipe}))
+            except ConfigError:
+                continue
+        raise
+
+
 def arm_configs(ab: AbConfig, base: JobConfig, recipes: list[str], te_runs: bool) -> dict[str, JobConfig]:
     """Arm name -> its JobConfig: bf16 (and bf16 on te with fastest_bf16), then each FP8 recipe; blockwise once per
     blockwise_gemms library; each once per param_dtypes entry (BF16_PARAMS_SUFFIX after bf16's, FP8_PARAMS_SUFFIX
@@ -185,7 +204,7 @@ def run_ab(args: argparse.Namespace) -> int:
     env = environment()
     try:
         ab = ab_config(args)
-        base = job_from_args(args)
+        base = base_job(args, ab)
         on_gpu = base.training.device == "cuda" or (base.training.device == "auto" and torch.cuda.is_available())
         te_runs = on_gpu and get_backend("te").available(["delayed"])[0]
         tolerance = ab.loss_tolerance if ab.loss_tolerance is not None else (
@@ -270,8 +289,9 @@ def run_ab(args: argparse.Namespace) -> int:
                      f"{'' if arm_label(BF16, dtype) == BF16 else ' (bf16 in the JSON)'} is the plan without FP8"
                      f"{', on TE modules' if ab.bf16_on_te else ''}")
         checkpointed = first.activation_checkpoint
-        arm_notes = (f" Every arm recomputes {', '.join(checkpointed.modules)} in blocks {checkpointed.layers} in "
-                     "backward." if checkpointed.layers else "")
+        blocks = "every block" if checkpointed.layers == "all" else f"blocks {checkpointed.layers}"
+        arm_notes = (f" Every arm recomputes {', '.join(checkpointed.modules)} in {blocks} in backward."
+                     if checkpointed.layers else "")
         if any(library != "te" for library in ab.blockwise_gemms):
             arm_notes += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
                           "dense kernels (--blockwise-gemms).")
@@ -360,8 +380,8 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
         raise ValueError(f"cannot read --continue-from {path}: {err}") from None
     if "runs" not in record:
         raise ValueError(f"{path} holds no runs to continue from (written before A/B files kept them): rerun the A/B")
-    differ = sorted(k for k in set(train_config) | set(record["train_config"])
-                    if train_config.get(k) != record["train_config"].get(k))
+    ours, theirs = _leaves(train_config), _leaves(record["train_config"])
+    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
     if differ or record.get("recipes") != recipes or record.get("nproc") != nproc:
         what = (f"train_config differs in {', '.join(differ)}" if differ else
                 f"its arms are {record.get('recipes')} on {record.get('nproc')} process(es) each")
@@ -370,6 +390,17 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
                                            "runs": [name for name in record["runs"]
                                                     if not any(name in c["runs"] for c in record["continued_from"])]}]
     return record["runs"], earlier
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """A nested record as {dotted path: value} of its leaves ('job.training.steps')."""
+    leaves = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
 
 
 def _recipes(names: Sequence[str]) -> list[str]:

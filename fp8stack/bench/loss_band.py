@@ -20,6 +20,7 @@ from pathlib import Path
 
 from fp8stack.ab.verdicts import REPEAT_ARM, is_bf16_arm
 from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.bench.targets import plan_recipe
 from fp8stack.plan.recipes import get_recipe, is_fp8
 
 SHARED_SETTINGS = ("model", "model_impl", "steps", "warmup", "lr", "min_lr", "weight_decay", "grad_clip", "micro_batch",
@@ -54,7 +55,8 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
             if is_bf16_arm(arm["recipe"]):
                 bf16_runs.append({**run, "run": arm["recipe"]})
             else:
-                options = (f"{fp8_format}, margin {margin}" if is_fp8(arm["recipe"]) and get_recipe(arm["recipe"]).scales_from_history
+                recipe = plan_recipe(arm["recipe"])
+                options = (f"{fp8_format}, margin {margin}" if is_fp8(recipe) and get_recipe(recipe).scales_from_history
                            else fp8_format) + fused
                 fp8_runs.append({**run, "run": f"{arm['recipe']} ({options})"})
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fp8stack.ab.verdicts import is_bf16_arm
+from fp8stack.ab.verdicts import BF16_ON_TE_ARM, is_bf16_arm
 from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.plan.recipes import BF16, get_recipe, is_fp8
 
@@ -65,26 +65,50 @@ def ab_arms(path: Path) -> list[dict]:
     reference = next((a for a in arms if a.get("verdict") == "baseline"), None)
     if reference is None:
         raise ValueError(f"{path} has no reference (baseline) arm that ran: nothing to compare the FP8 arms with")
-    config = record["train_config"]
-    levers = config.get("fp8_recompute")
+    settings = ab_settings(record)
+    levers = settings["recompute"]
     # Files of one blockwise run with --blockwise-gemms deepgemm named it blockwise; later ones, blockwise on deepgemm.
-    on_deepgemm = config.get("blockwise_gemms") == "deepgemm"
-    missing = [flag for flag, given in (("--fastest-bf16", config.get("fastest_bf16")),
-                                        ("--param-dtypes bf16", "bf16" in config.get("param_dtypes", ())))
+    on_deepgemm = settings["blockwise_gemms"] == "deepgemm"
+    missing = [flag for flag, given in (("--fastest-bf16", settings["fastest_bf16"]),
+                                        ("--param-dtypes bf16", "bf16" in settings["param_dtypes"]))
                if not given]
     note = f"reference not the fastest BF16 configuration: run without {' and '.join(missing)}" if missing else ""
-    # The settings an arm ran with, so that repeats of one arm in several files are seen as such (the GEMM library
-    # is in the arm's name).
-    setup = json.dumps({k: v for k, v in config.items() if k != "blockwise_gemms"}, sort_keys=True)
     return [{"file": path.name, "arm": a["recipe"] + (f", recompute {','.join(levers)}" if levers else "")
-             + (", GEMMs on DeepGEMM" if on_deepgemm and get_recipe(a["recipe"]).gemms_on_deepgemm else ""),
-             "recipe": a["recipe"].split(" on ")[0],  # ab's arm "blockwise on deepgemm" runs recipe blockwise
-             "reference": reference["recipe"], "reference_without": missing, "note": note, "setup": setup,
-             "device": record["device"],
+             + (", GEMMs on DeepGEMM" if on_deepgemm and get_recipe(plan_recipe(a["recipe"])).gemms_on_deepgemm
+                else ""),
+             "recipe": plan_recipe(a["recipe"]),
+             "reference": reference["recipe"], "reference_without": missing, "note": note,
+             "setup": settings["setup"], "device": record["device"],
              "model": record["model"],
              "speedup": a["tokens_per_s"] / reference["tokens_per_s"],
              "memory": a["peak_mem_gib"] / reference["peak_mem_gib"]}
             for a in arms if not is_bf16_arm(a["recipe"])]
+
+
+def ab_settings(record: dict) -> dict:
+    """What ab_arms reads of an A/B file's train_config: the recompute lever (modules), blockwise_gemms, whether the
+    BF16 configurations included the fastest (bf16 on TE, BF16 parameters), and the settings as one JSON text, so
+    that repeats of one arm in several files are seen as such (the GEMM library is in the arm's name, so not in it).
+    Files of the configuration tree hold {"job": sections, "ab": the A/B's options}; earlier ones, flat fields."""
+    config = record["train_config"]
+    if "job" not in config:
+        return {"recompute": config.get("fp8_recompute"), "blockwise_gemms": config.get("blockwise_gemms"),
+                "fastest_bf16": config.get("fastest_bf16"), "param_dtypes": config.get("param_dtypes", ()),
+                "setup": json.dumps({k: v for k, v in config.items() if k != "blockwise_gemms"}, sort_keys=True)}
+    job, ab = config["job"], config["ab"]
+    checkpointed = job["activation_checkpoint"]
+    return {"recompute": checkpointed["modules"] if checkpointed["layers"] else None,
+            "blockwise_gemms": ab["blockwise_gemms"],
+            "fastest_bf16": any(a["recipe"].startswith(BF16_ON_TE_ARM) for a in record["arms"]),
+            "param_dtypes": ab["param_dtypes"] or (job["training"]["param_dtype"],),
+            "setup": json.dumps({"job": job, "ab": {k: v for k, v in ab.items() if k != "blockwise_gemms"}},
+                                sort_keys=True)}
+
+
+def plan_recipe(arm: str) -> str:
+    """The plan recipe an A/B arm ran: its name up to the GEMM library (' on deepgemm') or parameter dtype (', bf16
+    params')."""
+    return arm.split(",")[0].split(" on ")[0]
 
 
 def ab_rows(arms: list[dict]) -> list[dict]:

@@ -192,7 +192,13 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
     given = {k: v for k, v in vars(args).items() if "." in k and not k.startswith(("ab.", "profile."))}
     base = load_config(args.config) if getattr(args, "config", None) else JobConfig()
     _megatron_recompute(args, given)
-    return from_overrides(given, base)
+    job = from_overrides(given, base)
+    counts = [ALIASES[name][0] for name in ("precision.num_layers_at_start_in_bf16",
+                                            "precision.num_layers_at_end_in_bf16") if name in given]
+    if counts and not job.precision.first_last_layers_bf16:
+        verb = "applies" if len(counts) == 1 else "apply"
+        raise ConfigError(f"{' and '.join(counts)} only {verb} with --first-last-layers-bf16: add that flag")
+    return job
 
 
 def from_overrides(dotted: Mapping[str, Any], base: JobConfig | None = None) -> JobConfig:
@@ -283,7 +289,7 @@ def _check_type(dotted: str, value, annotation) -> None:
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 _KIND_NAMES = {type(None): "unset (omit it)", bool: "true or false", int: "an integer", float: "a number",
-               str: "a string"}
+               str: "a string", tuple[str, ...]: "a list of names"}
 
 
 def _is_a(value, kind) -> bool:

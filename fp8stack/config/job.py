@@ -157,8 +157,9 @@ class TrainingConfig:
                 raise ConfigError(f"training.global_batch={self.global_batch} must be a multiple of "
                                   f"training.micro_batch={self.micro_batch} (times the data-parallel ranks)")
         if self.param_dtype in ("bf16", "fp8") and self.dtype == "fp32":
-            raise ConfigError(f"training.param_dtype {self.param_dtype} keeps BF16 parameters for BF16 activations: "
-                              "drop --training.dtype fp32 or use --training.param-dtype fp32")
+            raise ConfigError(f"training.param_dtype {self.param_dtype} keeps BF16 parameters for BF16 activations, "
+                              "and this run's are FP32 (auto is on a CPU): pass --training.dtype bf16 or "
+                              "--training.param-dtype fp32")
 
 
 @dataclass
@@ -328,7 +329,7 @@ class JobConfig:
         if self.te.delayed_margin and not (is_fp8(recipe) and get_recipe(recipe).scales_from_history):
             raise ConfigError(f"te.delayed_margin sets the headroom of scales taken from an amax history, and recipe "
                               f"{recipe} does not take them so: drop --fp8-margin or use --fp8-recipe delayed")
-        if self.te.blockwise_gemms != "te" and not (is_fp8(recipe) and get_recipe(recipe).block_scaled_on_te):
+        if self.te.blockwise_gemms != "te" and not (is_fp8(recipe) and get_recipe(recipe).gemms_on_deepgemm):
             raise ConfigError(f"te.blockwise_gemms={self.te.blockwise_gemms} moves TE's block-scaled GEMMs, and recipe "
                               f"{recipe} has none: use --fp8-recipe blockwise or drop --te.blockwise-gemms")
         if self.model.impl == "torch" and self.te.gradient_accumulation_fusion and (

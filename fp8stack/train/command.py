@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from fp8stack import __version__
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, job_from_args, parse_args
 from fp8stack.config.flags import add_megatron_recompute_arguments
 from fp8stack.plan import PlanError
@@ -22,7 +23,8 @@ USAGE_ERROR = 2
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every configuration option, Megatron's recompute flags and --result-json."""
+    """Every configuration option, Megatron's recompute flags, --result-json and --version."""
+    parser.add_argument("--version", action="version", version=f"fp8stack {__version__}")
     add_config_arguments(parser)
     add_megatron_recompute_arguments(parser)
     parser.add_argument("--result-json", metavar="PATH", help="write the TrainResult here (rank 0)")
