@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fp8stack.models import Llama
-from fp8stack.plan import Plan
+from fp8stack.plan import Plan, PlanError
 from fp8stack.train import checkpoint
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.command import main as train_main
@@ -279,11 +279,11 @@ def test_compression_refuses_an_fp32_run_where_it_would_compress_nothing():
 
 
 def test_config_errors_name_the_fix(capsys):
-    with pytest.raises(ConfigError, match="use one of tiny"):
+    with pytest.raises(PlanError, match="'gpt5' not found: give a YAML path or one of deepseek"):
         resolve_job(from_overrides({"model.name": "gpt5"}))
     with pytest.raises(ConfigError, match="needs checkpoint.dir"):
         from_overrides({"checkpoint.resume": "latest"})
-    with pytest.raises(ConfigError, match="drop --fsdp-one-rank and --tensor-model-parallel-size"):
+    with pytest.raises(ConfigError, match="drop --parallelism.fsdp-one-rank and --tensor-model-parallel-size"):
         from_overrides({"te.gradient_accumulation_fusion": True, "parallelism.fsdp_one_rank": True})
     assert train_main(["--recompute-granularity", "full", "--recompute-modules", "mlp"]) == 2
     assert "drop one of them" in capsys.readouterr().err

@@ -321,7 +321,7 @@ def readme_table(evidence: Evidence, readme: Path, headline: str) -> str:
                   if versions.get(name)) + f", by `{command}`.", "",
         f"- **Model**: {_shape(record.get('model'), training.get('seq_len'))}.",
         f"- **Configuration**: {_configuration(record, training, precision)}.",
-        f"- **Reference**: " + (f"`{reference['recipe']}`, {reference.get('reason', 'the reference arm')}; every ratio "
+        "- **Reference**: " + (f"`{reference['recipe']}`, {reference.get('reason', 'the reference arm')}; every ratio "
                                  "and verdict is against it, each judged beyond the noise measured in the same run."
                                  if reference else "none: no BF16 arm completed."), "",
         markdown_table(["arm", "backend", "tokens/s", "over reference", "peak GiB", "speed", "memory", "loss",
