@@ -31,6 +31,26 @@ OLDER_FILE_DEFAULTS = {"data_source": "stdlib"}
 """Values of fields that A/B files written before the field existed leave out."""
 
 
+def flat_config(config: dict) -> dict:
+    """A train_config under the flat names older A/B files used; newer ones nest the arms' shared job by section
+    ({"job": {section: {field: value}}, "ab": ...})."""
+    if "job" not in config:
+        return config
+    job = config["job"]
+    training, optimizer = job["training"], job["optimizer"]
+    return {"model": job["model"]["name"], "model_impl": job["model"]["impl"], "steps": training["steps"],
+            "warmup": optimizer["warmup"], "lr": optimizer["lr"], "min_lr": optimizer["min_lr"],
+            "weight_decay": optimizer["weight_decay"], "grad_clip": optimizer["grad_clip"],
+            "micro_batch": training["micro_batch"], "global_batch": training["global_batch"],
+            "seq_len": training["seq_len"], "seed": training["seed"], "dtype": training["dtype"],
+            "compile": training["compile"], "sdpa_backend": training["sdpa_backend"],
+            "max_data_bytes": job["data"]["max_bytes"], "data_source": job["data"]["source"],
+            "tensor_parallel": job["parallelism"]["tensor_parallel"],
+            "recompute": job["activation_checkpoint"]["layers"], "fp8_format": job["precision"]["fp8_format"],
+            "fp8_margin": job["te"]["delayed_margin"],
+            "gradient_accumulation_fusion": job["te"]["gradient_accumulation_fusion"]}
+
+
 def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list[dict]]:
     """(the shared settings, the BF16 runs, the FP8 runs, each file's date and command), each run with its file,
     name and final loss; ValueError when the files are not of one setting or device."""
@@ -38,7 +58,7 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
     for path in paths:
         record = json.loads(Path(path).read_text())
         sources.append({"file": str(path), "date": record["date"], "command": record["command"]})
-        config = record["train_config"]
+        config = flat_config(record["train_config"])
         these = {k: OLDER_FILE_DEFAULTS.get(k) if config.get(k) is None else config[k] for k in SHARED_SETTINGS}
         if settings is None:
             settings, device = these, record["device"]
@@ -56,6 +76,11 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
                 bf16_runs.append({**run, "run": arm["recipe"]})
             else:
                 recipe = plan_recipe(arm["recipe"])
+                own = (record.get("runs") or {}).get(arm["recipe"])
+                if isinstance(own, dict) and "te" in own.get("config", {}):  # the arm's own resolved options
+                    arm_config = flat_config({"job": own["config"]})
+                    margin = arm_config["fp8_margin"]
+                    fused = ", fused wgrad accumulation" if arm_config["gradient_accumulation_fusion"] else ""
                 options = (f"{fp8_format}, margin {margin}" if is_fp8(recipe) and get_recipe(recipe).scales_from_history
                            else fp8_format) + fused
                 fp8_runs.append({**run, "run": f"{arm['recipe']} ({options})"})
