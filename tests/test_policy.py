@@ -375,7 +375,7 @@ def test_blockwise_experts_may_run_on_te_grouped_linear():
                           "loaded")  # a tool chose te for the user: the reason says why
     assert make_plan(moe_model(), chosen).decision("layers.1.moe.experts.w13").reason.endswith(
         "GroupedLinear (blockwise_experts=te: auto, DeepGEMM cannot be loaded; not fp8stack's grouped kernels)")
-    with pytest.raises(PlanError, match="blockwise_experts='deepgemm': use grouped_fp8 or te"):
+    with pytest.raises(PlanError, match="blockwise_experts='deepgemm': use auto, grouped_fp8 or te"):
         PolicyConfig(recipe="blockwise", blockwise_experts="deepgemm")
 
 
