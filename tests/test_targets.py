@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.bench import targets
-from fp8stack.bench.evidence import run_folder
+from fp8stack.evidence import run_folder
 
 
 def written(out_dir: Path, name: str) -> Path:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8stack.bench.evidence import ARCHIVE, RUNS, markdown_table
+from fp8stack.evidence import ARCHIVE, RUNS, describe_commit, markdown_table
 from fp8stack.bench.targets import describe as describe_experts
 from fp8stack.bench.targets import render as render_target
 
@@ -171,7 +171,7 @@ def index_page(evidence: Evidence) -> str:
 
 
 def _commit(record: dict) -> str:
-    return f"`{record['commit']}`" if record.get("commit") else "not recorded"
+    return f"`{describe_commit(record)}`" if record.get("commit") else "not recorded"
 
 
 def results_page(evidence: Evidence) -> str:
