@@ -15,9 +15,10 @@ from fp8stack.train.command import job_from_flags
 @pytest.mark.parametrize("arm", multigpu_tp.ARMS, ids=lambda arm: arm.name)
 def test_every_arms_flags_make_a_valid_train_config(arm, tp):
     cfg = job_from_flags((multigpu_tp.train_flags(arm, tp, 20)))
-    assert (cfg.model, cfg.tensor_parallel, cfg.steps, cfg.seq_len) == (multigpu_tp.MODEL, tp, 20, multigpu_tp.SEQ)
-    assert cfg.recipe in ("tensorwise", "delayed")
-    assert cfg.model_impl == "megatron" or (not cfg.fused_projections and cfg.backend == "torchao")
+    assert (cfg.model.name, cfg.parallelism.tensor_parallel, cfg.training.steps, cfg.training.seq_len) == \
+        (multigpu_tp.MODEL, tp, 20, multigpu_tp.SEQ)
+    assert cfg.precision.recipe in ("tensorwise", "delayed")
+    assert cfg.model.impl == "megatron" or (not cfg.model.fused_projections and cfg.precision.backend == "torchao")
 
 
 def test_compare_losses_gives_the_documented_gaps():
