@@ -16,7 +16,7 @@ from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
                                   loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
                                   repeat_arms, speed_verdict)
-from fp8stack.bench.evidence import run_folder
+from fp8stack.evidence import run_folder
 from fp8stack.config import ConfigError, parse_args
 from fp8stack.train.timing import relative_spread, steady_state
 

@@ -11,7 +11,7 @@ import torch
 
 from fp8stack import cli
 from fp8stack.ab import run as ab_run
-from fp8stack.bench.evidence import EvidenceError, claim_evidence, run_folder, write_evidence
+from fp8stack.evidence import EvidenceError, claim_evidence, run_folder, write_evidence
 from fp8stack.plan import Override, PlanError, PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.train import loop
 from fp8stack.train.command import main as train_main

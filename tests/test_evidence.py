@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fp8stack.bench import backends as bench
-from fp8stack.bench.evidence import (EvidenceError, claim_evidence, device_copy, device_slug, environment,
-                                     latest_evidence, rerender, run_folder, write_evidence)
+from fp8stack.evidence import (EvidenceError, claim_evidence, describe_commit, device_copy, device_slug, environment,
+                               latest_evidence, rerender, run_folder, write_evidence)
 from fp8stack.bench import gpu_tests
 from fp8stack.bench.gpu_tests import OutcomeCollector
 from fp8stack.plan import PlanError
@@ -72,6 +72,40 @@ def test_a_run_folder_is_claimed_once_and_found_as_the_latest(tmp_path, monkeypa
         claim_evidence("demo-cpu", tmp_path)
     claim_evidence("demo-cpu-r2", tmp_path)  # another name, another folder
     assert sorted(p.name for p in (tmp_path / "runs").iterdir())[-1] == json_path.parent.name
+
+
+def test_evidence_records_the_commit_and_whether_the_tree_was_dirty(tmp_path, monkeypatch):
+    monkeypatch.delenv("FP8STACK_COMMIT", raising=False)
+    monkeypatch.delenv("FP8STACK_DIRTY", raising=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    json_path, md_path = write_evidence("checkout", {}, "", tmp_path)
+    record = json.loads(json_path.read_text())
+    assert (record["commit"], record["dirty"]) == (head, bool(status.strip()))
+    assert f"- commit: {head} ({'dirty' if status.strip() else 'clean'})" in md_path.read_text()
+
+    monkeypatch.setenv("FP8STACK_COMMIT", "0123abc")  # a tree sent to a GPU machine without .git
+    monkeypatch.setenv("FP8STACK_DIRTY", "1")
+    json_path, md_path = write_evidence("device", {}, "", tmp_path)
+    record = json.loads(json_path.read_text())
+    assert (record["commit"], record["dirty"]) == ("0123abc", True)
+    assert "- commit: 0123abc (dirty)" in md_path.read_text()
+    monkeypatch.delenv("FP8STACK_DIRTY")
+    assert json.loads(write_evidence("unknown", {}, "", tmp_path)[0].read_text())["dirty"] is None
+
+
+def test_a_bad_dirty_flag_is_refused_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8STACK_DIRTY", "maybe")
+    with pytest.raises(EvidenceError, match="FP8STACK_DIRTY='maybe': set it to 1 .* or 0"):
+        write_evidence("bad", {}, "", tmp_path)
+    assert not run_folder("bad", tmp_path).exists()
+
+
+@pytest.mark.parametrize("record, line", [
+    ({"commit": "abc", "dirty": False}, "abc (clean)"), ({"commit": "abc", "dirty": None}, "abc (dirty: not recorded)"),
+    ({"commit": "abc (dirty)"}, "abc (dirty)"), ({}, "not recorded")])
+def test_describe_commit(record, line):
+    assert describe_commit(record) == line
 
 
 def test_write_evidence_refuses_reserved_keys(tmp_path):

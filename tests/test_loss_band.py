@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8stack.bench.evidence import run_folder
+from fp8stack.evidence import run_folder
 from fp8stack.bench.loss_band import band, main, place
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"

@@ -113,7 +113,7 @@ def test_killed_rank_restarts_from_the_checkpoint_with_identical_losses(tmp_path
 
 
 def test_keep_other_parts_takes_the_parts_not_rerun_from_the_same_environments_evidence(tmp_path):
-    from fp8stack.bench.evidence import device_slug, environment
+    from fp8stack.evidence import device_slug, environment
 
     path = tmp_path / f"multigpu-{device_slug()}.json"
     path.write_text(json.dumps({"environment": environment(), "fsdp": {"checks": {}}, "restart": {"checks": {}}}))

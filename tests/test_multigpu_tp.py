@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fp8stack.bench import multigpu_tp
-from fp8stack.bench.multigpu import LOSS_RTOL, Run, compare_losses, render, run_record
+from fp8stack.bench.launches import LOSS_RTOL, Run, compare_losses, run_record
+from fp8stack.bench.multigpu import render
 from fp8stack.train.command import job_from_flags
 
 

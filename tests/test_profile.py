@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8stack.bench.evidence import run_folder
+from fp8stack.evidence import run_folder
 from fp8stack.cli import build_parser
 from fp8stack.config import parse_args
 from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, family_ms, idle_gaps, kernel_family,

@@ -7,7 +7,7 @@ import pytest
 
 from fp8stack.ab.run import AbConfig, to_plain
 from fp8stack.bench import targets
-from fp8stack.bench.evidence import run_folder
+from fp8stack.evidence import run_folder
 from fp8stack.config import from_overrides, to_dict
 
 

@@ -9,7 +9,7 @@ import torch
 
 from fp8stack.backends.te_deepgemm import operand
 from fp8stack.bench import te_gemms
-from fp8stack.bench.evidence import write_evidence
+from fp8stack.evidence import write_evidence
 from fp8stack.config import ConfigError, from_overrides
 
 

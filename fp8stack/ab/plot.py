@@ -32,7 +32,7 @@ def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path |
         print(f"matplotlib is not installed: skipping {path} (pip install 'fp8stack[plot]' for the plot)")
         return None
     fig = figure(arms, repeats, title)
-    from fp8stack.bench.evidence import device_copy  # here: importing fp8stack ab stays free of torch
+    from fp8stack.evidence import device_copy  # here: importing fp8stack ab stays free of torch
 
     for target in filter(None, (path, device_copy(path))):
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -195,7 +195,7 @@ def run_ab(args: argparse.Namespace) -> int:
     """Run every arm, judge them, write and print the evidence. 0 when a bf16 arm ran, else 1."""
     import torch  # after argument parsing: --help stays fast
 
-    from fp8stack.bench.evidence import claim_evidence, device_slug, environment, markdown_table, write_evidence
+    from fp8stack.evidence import claim_evidence, device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
     from fp8stack.train.loop import model_shape
     from fp8stack.train.preflight import preflight

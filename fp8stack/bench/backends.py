@@ -21,7 +21,7 @@ from torch import nn
 
 from fp8stack.ab import comma_separated
 from fp8stack.backends import BackendUnavailable, get_backend
-from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError, PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.plan.recipes import BF16, is_fp8

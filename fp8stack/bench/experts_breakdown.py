@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from fp8stack.backends import deepgemm, fp8_quant
 from fp8stack.backends.grouped import BlockwiseGroupedMM, TorchBlockwiseKernels
 from fp8stack.bench.backends import time_steps
-from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 
 KERNELS = {"deepgemm": deepgemm.DeepGemmKernels, "torch": TorchBlockwiseKernels}
 

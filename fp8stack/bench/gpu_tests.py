@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from fp8stack.bench.evidence import claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import claim_or_exit, device_slug, markdown_table, write_evidence
 
 FAILURE_LINES = 15
 """Lines kept from the end of a failure's report: the assertion and the line that raised."""

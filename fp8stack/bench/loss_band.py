@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp8stack.ab.verdicts import REPEAT_ARM, is_bf16_arm
-from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.bench.targets import plan_recipe
 from fp8stack.plan.recipes import get_recipe, is_fp8
 

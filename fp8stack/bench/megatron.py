@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8stack.ab import LAST_FRACTION, comma_separated, final_loss
-from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.bench.megatron_verdicts import (LOSS_TOLERANCE, MIN_WINDOWS, NOISE_METHOD, against, judge_pair,
                                               rounds_for, trains, window_order, window_summary)
 from fp8stack.plan.recipes import is_fp8

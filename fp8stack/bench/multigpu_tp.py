@@ -12,7 +12,7 @@ Model: llama-1b-like (4 layers of Llama-3-8B width: hidden 4096, ffn 14336) at s
 Its GEMMs per rank at TP=2 (2048-3072 wide) are the shapes TP is used for, and the runs stay short (about
 50 ms a step on an H200; process start-up, imports, NCCL and the CPU weight init, takes longer than the
 steps). The tiny model would also satisfy TE's multiples of 16, but its GEMMs are too small to say anything
-about FP8 at TP. LR schedule and steps: the FSDP part's (multigpu.LR, LR_WARMUP, LOSS_STEPS). The TP=1 runs of all
+about FP8 at TP. LR schedule and steps: the FSDP part's (launches.LR, LR_WARMUP, LOSS_STEPS). The TP=1 runs of all
 arms start together (one per GPU, two on one), then the TP=2 runs one after another.
 
 Both TP degrees start from the same weights (megatron: the plain Llama's, copied shard by shard by
@@ -21,7 +21,7 @@ batches. What may differ: TE's current scaling scales each weight shard by its o
 scale (delayed scaling reduces amaxes over the TP group; torchao's Float8 styles scale the whole DTensor), and
 sums run in another order. A TP bug (a missing gradient reduction, a wrong shard layout) moves the first step's
 loss or gradient norm by far more than that; later steps are judged through the final mean only
-(multigpu.compare_losses): Adam's first steps are nearly sign steps and amplify rounding differences, so at a 30-step
+(launches.compare_losses): Adam's first steps are nearly sign steps and amplify rounding differences, so at a 30-step
 warm-up to 3e-4 the tensorwise arms parted by 5% at step 4 while delayed stayed within 0.02%, and all arms' losses
 met again later (the git history of profiles/runs/2026-11-22-multigpu-h200/multigpu-h200.md).
 """
@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8stack.bench.multigpu import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, LOSS_STEPS, LR, LR_WARMUP,
+from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, LOSS_STEPS, LR, LR_WARMUP,
                                      compare_losses, loss_checks, run_record, start, wait)
 
 MODEL, SEQ, MICRO_BATCH = "llama-1b-like", 1024, 4
@@ -58,7 +58,7 @@ ARMS = (
 
 
 def train_flags(arm: Arm, tp: int, steps: int, seed: int = 0) -> list[str]:
-    """launch/train.sh arguments of one run (multigpu.start adds where it writes)."""
+    """launch/train.sh arguments of one run (launches.start adds where it writes)."""
     return ["--model", MODEL, "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
             "--train-iters", str(steps), "--lr", str(LR), "--lr-warmup-iters", str(LR_WARMUP), "--seed", str(seed),
             "--eval-iters", "0", "--tensor-model-parallel-size", str(tp), *arm.flags, "--log-interval", "50"]

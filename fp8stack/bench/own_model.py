@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fp8stack.bench.evidence import (add_force_option, claim_or_exit, device_copy, device_slug, markdown_table,
+from fp8stack.evidence import (add_force_option, claim_or_exit, device_copy, device_slug, markdown_table,
                                      write_evidence)
 from fp8stack.train.timing import relative_spread, steady_state
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8stack.bench.evidence import ARCHIVE, RUNS, EvidenceError, markdown_table
+from fp8stack.evidence import ARCHIVE, RUNS, EvidenceError, describe_commit, markdown_table
 from fp8stack.bench.targets import describe as describe_experts
 from fp8stack.bench.targets import render as render_target
 
@@ -29,7 +29,7 @@ PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 """The repository's evidence folder."""
 
 KINDS = ("ab", "profile", "backends", "gpu-tests", "multigpu", "loss-band", "targets", "te-gemms",
-         "experts-breakdown", "megatron", "runtime", "own-model")
+         "experts-breakdown", "megatron", "runtime", "own-model", "example-megatron")
 """Evidence kinds, by the start of the tool's file name; anything else is a probe."""
 
 HEADLINE_RUN = "2026-11-25-ab-llama-1b-like-h200"
@@ -158,6 +158,9 @@ def describe(run: Run) -> str:
         return f"{record.get('gpus')}-GPU checks ({', '.join(parts)}): {outcome}"
     if kind == "own-model":
         return "own model against the trainer and torchao by hand: " + " · ".join(a["arm"] for a in record["arms"])
+    if kind == "example-megatron":
+        return (f"examples/megatron/train.py, {record['recipe']} for {record['steps']} steps: loss "
+                f"{record['loss_first']:.3f} -> {record['loss_final_mean']:.3f}")
     if kind == "loss-band":
         return f"loss band: {record['bf16_band']['runs']} BF16 runs, {len(record['fp8_runs'])} FP8 runs placed"
     text = {"backends": "GEMM backends bench (dense and grouped experts)", "targets": "targets against their evidence",
@@ -182,7 +185,7 @@ def index_page(evidence: Evidence) -> str:
 
 
 def _commit(record: dict) -> str:
-    return f"`{record['commit']}`" if record.get("commit") else "not recorded"
+    return f"`{describe_commit(record)}`" if record.get("commit") else "not recorded"
 
 
 def results_page(evidence: Evidence) -> str:

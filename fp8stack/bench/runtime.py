@@ -21,7 +21,7 @@ import torch
 
 from fp8stack.assembly import assemble
 from fp8stack.backends import backend_class
-from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 from fp8stack.runtime import capture_check, compress_saved_activations

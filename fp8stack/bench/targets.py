@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fp8stack.ab.verdicts import BF16_ON_TE_ARM, is_bf16_arm
-from fp8stack.bench.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.plan.recipes import BF16, get_recipe, is_fp8
 
 

@@ -20,7 +20,7 @@ import torch
 from fp8stack.ab import comma_separated
 from fp8stack.backends import deepgemm, te_deepgemm
 from fp8stack.bench.backends import linear_shapes, time_steps
-from fp8stack.bench.evidence import (add_force_option, claim_or_exit, device_slug, markdown_table, rerender,
+from fp8stack.evidence import (add_force_option, claim_or_exit, device_slug, markdown_table, rerender,
                                      write_evidence)
 
 GEMMS = ("fprop", "dgrad", "wgrad")

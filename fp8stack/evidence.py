@@ -1,7 +1,7 @@
 """Evidence files: every GPU claim is written by the code that measured it, with where and how.
 
-write_evidence() puts a JSON file (payload + environment + date + exact command + git commit) and a
-Markdown file (a header naming the same, then the caller's table) in the run's own folder,
+write_evidence() puts a JSON file (payload + environment + date + exact command + git commit and whether
+the tree was dirty) and a Markdown file (a header naming the same, then the caller's table) in the run's own folder,
 profiles/runs/<date>-<stem>/ (run_folder), beside the figure a tool draws there, and a copy of the
 folder under $OUT/runs/ when $OUT is set (the folder a lent GPU machine sends back, so the copy drops
 into profiles/ as it is). Each file is written whole (a temporary file renamed into place) and an
@@ -9,6 +9,9 @@ existing one is replaced only when the caller says so: a tool claims its files b
 (claim_evidence, refused without --force) and then rewrites them as often as it likes. A run measured
 again later gets a new folder; profiles/archive/ keeps the runs a later one superseded, and
 `python -m fp8stack.bench.results` writes profiles/INDEX.md and profiles/RESULTS.md from the folders.
+
+A library module above train (it checks folders as the trainer does): the tools (ab, profile, bench) write
+through it, nothing below them imports it.
 """
 
 import argparse
@@ -82,24 +85,60 @@ def command_line() -> str:
 
 
 def provenance() -> dict:
-    """When, how and on what code this process measured: the UTC date, the exact command line and the git commit."""
+    """When, how and on what code this process measured: the UTC date, the exact command line, the git commit and
+    whether the tree had uncommitted changes."""
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
-            "commit": commit()}
+            "commit": commit(), "dirty": dirty()}
+
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+"""The checkout this module runs from (where git is asked for the commit)."""
+
+
+def _git(*args: str) -> str | None:
+    """git's output in REPOSITORY, None outside a checkout (a tree copied without .git, git not installed)."""
+    try:
+        return subprocess.run(["git", *args], cwd=REPOSITORY, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def commit() -> str | None:
     """The git commit measured: $FP8STACK_COMMIT (set where the tree travels without .git, as to a GPU machine), else
-    the checkout's HEAD with ' (dirty)' when it has uncommitted changes; None outside a checkout."""
+    the checkout's HEAD; None outside a checkout."""
     if os.environ.get("FP8STACK_COMMIT"):
         return os.environ["FP8STACK_COMMIT"]
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
+    head = _git("rev-parse", "HEAD")
+    return head.strip() if head else None
+
+
+DIRTY_VALUES = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+"""What $FP8STACK_DIRTY may say (case-insensitive)."""
+
+
+def dirty() -> bool | None:
+    """The measured tree had changes not in its commit: $FP8STACK_DIRTY (1/0, set beside $FP8STACK_COMMIT where the tree
+    travels without .git), else whether `git status --porcelain` lists anything; None when neither can tell."""
+    flag = os.environ.get("FP8STACK_DIRTY")
+    if flag:
+        if flag.strip().lower() not in DIRTY_VALUES:
+            raise EvidenceError(f"FP8STACK_DIRTY={flag!r}: set it to 1 (uncommitted changes) or 0 (a clean tree)")
+        return DIRTY_VALUES[flag.strip().lower()]
+    if os.environ.get("FP8STACK_COMMIT"):
+        return None  # the commit was named from outside: this tree's git status says nothing about it
+    status = _git("status", "--porcelain")
+    return None if status is None else bool(status.strip())
+
+
+def describe_commit(record: dict) -> str:
+    """The commit of an evidence record and whether its tree was dirty, as one line (records older than the dirty
+    field say it inside the commit, or not at all)."""
+    if not record.get("commit"):
+        return "not recorded"
+    if "dirty" not in record:
+        return record["commit"]
+    state = {True: "dirty", False: "clean", None: "dirty: not recorded"}[record["dirty"]]
+    return f"{record['commit']} ({state})"
 
 
 EVIDENCE_SUFFIXES = (".json", ".md")
@@ -210,7 +249,7 @@ def _header(stem: str, record: dict) -> str:
     return (f"# {stem}\n\n"
             f"- device: {env['device']} (compute capability {env['compute_capability'] or '-'})\n"
             f"- versions: {versions}\n- date: {record['date']}\n- command: `{record['command']}`\n"
-            f"- commit: {record.get('commit') or 'not recorded'}\n\n")
+            f"- commit: {describe_commit(record)}\n\n")
 
 
 def rerender(json_path: str | Path, render: Callable[[dict], str]) -> Path:

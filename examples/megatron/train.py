@@ -1,0 +1,281 @@
+"""Train the model_provider's GPTModel with megatron-core's own loop pieces on fp8stack's text data.
+
+    python examples/megatron/train.py --fp8-format hybrid --fp8-recipe delayed --train-iters 50
+    torchrun --nproc-per-node 2 examples/megatron/train.py --fp8-format hybrid --fp8-recipe delayed
+
+What Megatron-LM's pretrain() would do, with megatron-core alone: parallel state and CUDA RNG, the GPTModel
+from fp8stack_model_provider.build_gpt_model (fp8stack's plan from the --fp8* flags), Float16Module (BF16 parameters),
+megatron's DistributedDataParallel (FP32 gradient buffers), get_megatron_optimizer (Adam with FP32 master
+weights, gradient clipping), OptimizerParamScheduler (linear warm-up, cosine decay), and each step through
+get_forward_backward_func() with finalize_model_grads. The flags are pretrain_gpt's names for the same
+things. Tokens are bytes (vocabulary 256) of the standard library's sources (fp8stack.train.data.TextData);
+data-parallel ranks take their slices of one global batch. Needs CUDA and TransformerEngine.
+
+--out-dir writes the losses, the layers' precision classes and the plan as evidence
+(fp8stack.evidence.write_evidence: the run's folder under <out-dir>/runs/, with the commit).
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8stack_model_provider import build_gpt_model, plan_for  # noqa: E402  (this folder's)
+
+from fp8stack.evidence import (EvidenceError, add_force_option, claim_evidence, device_slug,  # noqa: E402
+                               markdown_table, write_evidence)
+from fp8stack.plan.recipes import MEGATRON_RECIPES  # noqa: E402
+from fp8stack.train.data import TextData  # noqa: E402
+
+PROG = "examples/megatron/train.py"
+VOCAB = 256
+"""Byte tokens: TextData's ids are 0..255."""
+LOSS_EVERY = 10
+"""Steps between printed losses."""
+TIMING_WARMUP = 5
+"""Steps left out of tokens/s (kernel selection, FP8 scale histories filling, allocator growth)."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    shape = parser.add_argument_group("model (pretrain_gpt's flags)")
+    shape.add_argument("--num-layers", type=int, default=4)
+    shape.add_argument("--hidden-size", type=int, default=256)
+    shape.add_argument("--ffn-hidden-size", type=int, default=768)
+    shape.add_argument("--num-attention-heads", type=int, default=4)
+    shape.add_argument("--num-query-groups", type=int, default=2)
+    shape.add_argument("--seq-length", type=int, default=256)
+    fp8 = parser.add_argument_group("FP8 (megatron's flags, read into fp8stack's plan)")
+    fp8.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="unset: BF16")
+    fp8.add_argument("--fp8-recipe", choices=MEGATRON_RECIPES, default="delayed")
+    fp8.add_argument("--first-last-layers-bf16", action="store_true")
+    fp8.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    fp8.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+    train = parser.add_argument_group("training")
+    train.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank and step")
+    train.add_argument("--train-iters", type=int, default=50)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--min-lr", type=float, default=1e-4)
+    train.add_argument("--lr-warmup-iters", type=int, default=10)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--weight-decay", type=float, default=0.1)
+    train.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    train.add_argument("--seed", type=int, default=1234)
+    out = parser.add_argument_group("evidence")
+    out.add_argument("--out-dir", default=None, help="write the run's evidence under <out-dir>/runs/")
+    out.add_argument("--label", default=None, help="added to the evidence's name")
+    add_force_option(out)
+    args = parser.parse_args(argv)
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "seq_length", "micro_batch_size", "train_iters", "tensor_model_parallel_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
+    if args.clip_grad <= 0:
+        parser.error(f"--clip-grad {args.clip_grad}: give a positive norm (the run reports the gradient norm the "
+                     "clipping computes)")
+    if args.lr_warmup_iters >= args.train_iters:
+        parser.error(f"--lr-warmup-iters {args.lr_warmup_iters} leaves no step after the warm-up of "
+                     f"--train-iters {args.train_iters}: lower it")
+    # The attributes Megatron-LM's gpt_builder reads, as its argument parser would set them.
+    args.padded_vocab_size, args.max_position_embeddings = VOCAB, args.seq_length
+    args.position_embedding_type, args.untie_embeddings_and_output_weights = "rope", True
+    return args
+
+
+def evidence_stem(args) -> str:
+    precision = f"{args.fp8_recipe}-{args.fp8_format}" if args.fp8_format else "bf16"
+    return "-".join(filter(None, ["example-megatron", precision, args.label, device_slug()]))
+
+
+def transformer_config(args):
+    """The TransformerConfig pretrain_gpt would make from the same flags (Llama-style: SwiGLU, RMSNorm, no biases)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = args.tensor_model_parallel_size
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+        fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, first_last_layers_bf16=args.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)
+
+
+def check_machine() -> None:
+    """CUDA and TransformerEngine, before anything is built (one line and exit code 2 otherwise)."""
+    from fp8stack.megatron import te_usable
+
+    if not torch.cuda.is_available():
+        _refuse("needs a CUDA GPU: megatron-core's GPTModel and its TransformerEngine layers run on CUDA; "
+                "tests/test_megatron_example.py builds the model on a CPU")
+    if not te_usable():
+        _refuse("needs TransformerEngine: pip install 'fp8stack[te]'")
+
+
+def _refuse(message: str):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def init_distributed(args) -> tuple[int, int]:
+    """torch.distributed over torchrun's processes (or this one alone), megatron's parallel state and RNG;
+    returns this rank's data-parallel (rank, size)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    if "RANK" not in os.environ:  # run without torchrun: a one-process group
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if torch.distributed.get_world_size() % args.tensor_model_parallel_size:
+        raise SystemExit(f"{PROG}: error: {torch.distributed.get_world_size()} processes are not a multiple of "
+                         f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed, te_rng_tracker=True)
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def build(args, config):
+    """The model as pretrain() builds it: GPTModel (through build_gpt_model), Float16Module, DDP; its optimizer
+    and LR schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(args.seed)
+    gpt = build_gpt_model(args, config, use_te=True).cuda()
+    layers = [type(layer).__name__ for layer in gpt.decoder.layers]
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                    module=Float16Module(config, gpt))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                        adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad, bf16=True,
+                        params_dtype=torch.bfloat16), [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.train_iters, lr_decay_style="cosine", start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
+    # What pretrain()'s setup gives the schedule: the gradient all-reduce and the loss scale.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, scheduler, layers
+
+
+def forward_step(data_iterator, model):
+    """pretrain_gpt's forward_step shape: one micro-batch through the model, and the loss function for its output."""
+    tokens, labels = (t.cuda(non_blocking=True) for t in next(data_iterator))
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return model(tokens, positions, None, labels=labels), loss_func
+
+
+def loss_func(output_tensor):
+    """Mean next-token cross-entropy (megatron's per-token losses) and what the schedule reports of it."""
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def train(args, model, optimizer, scheduler, data) -> dict:
+    """args.train_iters steps of megatron's schedule; losses (this rank's), gradient norms, tokens/s."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward = get_forward_backward_func()
+    losses, grad_norms, began = [], [], None
+    for step in range(args.train_iters):
+        if step == TIMING_WARMUP:
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        reported = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                    num_microbatches=1, seq_length=args.seq_length,
+                                    micro_batch_size=args.micro_batch_size, forward_only=False)
+        updated, grad_norm, _ = optimizer.step()
+        if not updated:
+            raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (non-finite gradients)")
+        scheduler.step(increment=1)
+        losses.append(reported[0]["lm loss"].item())
+        grad_norms.append(float(grad_norm))
+        if step % LOSS_EVERY == 0 or step == args.train_iters - 1:
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  grad norm {grad_norms[-1]:.3f}  "
+                  f"lr {optimizer.param_groups[0]['lr']:.2e}", flush=True)
+    torch.cuda.synchronize()
+    timed = args.train_iters - TIMING_WARMUP
+    tokens = timed * args.micro_batch_size * args.seq_length * torch.distributed.get_world_size() \
+        // args.tensor_model_parallel_size
+    return {"losses": losses, "grad_norms": grad_norms,
+            "tokens_per_s": tokens / (time.perf_counter() - began) if timed > 0 else None,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+
+
+def report(args, plan, layers: list[str], result: dict, patch_report) -> tuple[dict, str]:
+    """The evidence's payload and Markdown."""
+    window = max(1, args.train_iters // 5)
+    first, final = result["losses"][0], sum(result["losses"][-window:]) / window
+    payload = {"model": {k: getattr(args, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                                        "num_attention_heads", "num_query_groups", "seq_length")},
+               "vocab_size": VOCAB, "fp8_format": args.fp8_format, "recipe": args.fp8_recipe if args.fp8_format
+               else "bf16", "steps": args.train_iters, "micro_batch": args.micro_batch_size,
+               "tensor_parallel": args.tensor_model_parallel_size, "world_size": torch.distributed.get_world_size(),
+               "lr": args.lr, "layers": layers, "plan": plan.summary(), "patches": patch_report,
+               "loss_first": first, "loss_final_mean": final, "final_window": window, **result}
+    rows = [[step, f"{loss:.4f}"] for step, loss in enumerate(result["losses"])
+            if step % LOSS_EVERY == 0 or step == args.train_iters - 1]
+    tokens_per_s = f"{result['tokens_per_s']:,.0f}" if result["tokens_per_s"] else "-"
+    markdown = (f"GPTModel from examples/megatron/fp8stack_model_provider.py ({args.num_layers} layers, hidden "
+                f"{args.hidden_size}, seq {args.seq_length}), trained by megatron-core's schedule, DDP and optimizer "
+                f"for {args.train_iters} steps: {payload['recipe']} "
+                f"({args.fp8_format or 'no FP8'}).\n\n"
+                f"Layers: {', '.join(layers)}.\n\n"
+                + markdown_table(["first loss", f"mean loss of the last {window} steps", "tokens/s", "peak GiB"],
+                                 [[f"{first:.4f}", f"{final:.4f}", tokens_per_s, f"{result['peak_mem_gib']:.2f}"]])
+                + "\n" + markdown_table(["step", "loss"], rows))
+    return payload, markdown
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.out_dir is not None:
+        try:
+            claim_evidence(evidence_stem(args), args.out_dir, args.force)
+        except EvidenceError as err:
+            _refuse(str(err))
+    check_machine()
+    from fp8stack import patches
+
+    patch_report = patches.apply_all()
+    dp_rank, dp_size = init_distributed(args)
+    try:
+        config = transformer_config(args)
+        plan = plan_for(args, config)
+        model, optimizer, scheduler, layers = build(args, config)
+        data = TextData(args.seq_length, args.micro_batch_size, args.seed, rank=dp_rank, ranks=dp_size)
+        result = train(args, model, optimizer, scheduler, data)
+        if args.out_dir is not None and torch.distributed.get_rank() == 0:
+            payload, markdown = report(args, plan, layers, result, patch_report)
+            for path in write_evidence(evidence_stem(args), payload, markdown, args.out_dir, replace=True):
+                print(f"wrote {path}")
+        if not all(math.isfinite(loss) for loss in result["losses"]):
+            print(f"{PROG}: the loss went non-finite", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
