@@ -322,7 +322,8 @@ def run_profile(args: argparse.Namespace) -> int:
     """Profile bf16 (for the GEMM share) and the recipe, write and print the evidence."""
     from fp8stack.evidence import (EvidenceError, claim_evidence, device_slug, environment, latest_evidence,
                                          markdown_table, write_evidence)
-    from fp8stack.train.loop import model_shape, resolve_job
+    from fp8stack.train.loop import resolve_job
+    from fp8stack.train.model import model_shape
     from fp8stack.train.preflight import preflight
 
     env = environment()

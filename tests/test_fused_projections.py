@@ -13,7 +13,7 @@ from fp8stack.plan import ModelDescription, PolicyConfig, load_description, make
 from fp8stack.plan.from_module import describe_module
 from fp8stack.train.command import job_from_flags
 from fp8stack.config import from_overrides
-from fp8stack.train.loop import build_model
+from fp8stack.train.model import build_model
 
 MODELS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe}
 

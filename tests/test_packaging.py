@@ -148,7 +148,7 @@ CORE_SCRIPT = textwrap.dedent("""
     from fp8stack.models import Llama, LlamaConfig
     from fp8stack.patches import apply_all
     from fp8stack.config import from_overrides
-    from fp8stack.train.loop import model_config
+    from fp8stack.train.model import model_config
     from fp8stack.train.preflight import preflight
 
     logged = from_overrides({"logging.dir": "logs"})

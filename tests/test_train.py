@@ -295,7 +295,8 @@ def test_config_errors_name_the_fix(capsys):
 
 
 def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
-    from fp8stack.train.loop import _backend_options, build_model, build_plan
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
 
     cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
                                       "--small-gemm-filter", "off", "--device", "cpu"]))
@@ -304,7 +305,8 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
 
 
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
-    from fp8stack.train.loop import _backend_options, build_model, build_plan
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
 
     def plan(recipe: str, backend: str = "te", fusion: bool = True) -> tuple[JobConfig, Plan]:
         cfg = resolve_job(from_overrides({"model.name": "tiny", "precision.recipe": recipe, "precision.backend": backend,
@@ -329,7 +331,8 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
 
 
 def test_blockwise_experts_reach_the_plan():
-    from fp8stack.train.loop import build_model, build_plan
+    from fp8stack.train.loop import build_plan
+    from fp8stack.train.model import build_model
 
     def expert_backend(**options) -> str:
         cfg = resolve_job(from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise",
@@ -346,7 +349,7 @@ def test_blockwise_experts_reach_the_plan():
 def test_auto_blockwise_experts_on_te_say_why_in_the_plan():
     from fp8stack.plan import PolicyConfig, make_plan
     from fp8stack.plan.from_module import describe_module
-    from fp8stack.train.loop import build_model
+    from fp8stack.train.model import build_model
     from fp8stack.train.resolve import AUTO_BLOCKWISE_EXPERTS_ON_TE
 
     cfg = resolve_job(from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise",

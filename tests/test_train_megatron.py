@@ -13,7 +13,8 @@ from fp8stack.models import Llama
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.command import main as train_main
 from fp8stack.config import ConfigError, JobConfig, from_overrides
-from fp8stack.train.loop import _adamw, build_model, model_config, train
+from fp8stack.train.loop import _adamw, train
+from fp8stack.train.model import build_model, model_config
 from fp8stack.train import megatron_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore:.*tp_group is None",

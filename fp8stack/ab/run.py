@@ -197,7 +197,7 @@ def run_ab(args: argparse.Namespace) -> int:
 
     from fp8stack.evidence import claim_evidence, device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
-    from fp8stack.train.loop import model_shape
+    from fp8stack.train.model import model_shape
     from fp8stack.train.preflight import preflight
     from fp8stack.train.resolve import resolve
 

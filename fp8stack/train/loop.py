@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.config import ConfigError, JobConfig, recompute_blocks, to_dict
 from fp8stack.plan import Plan, make_plan
@@ -38,11 +38,11 @@ from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.numerics import (NonFiniteLossError, clear_fp8_stats, fp8_stats, pin_step, rng_states,
                                        set_rng_states, track_fp8_stats, watch_layers, zero_fp8_weight_grads)
-from fp8stack.models import load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train import checkpoint, comm_stats, fault, user_code
 from fp8stack.train.result import TrainResult
 from fp8stack.train.data import TextData
+from fp8stack.train.model import build_model, model_shape
 from fp8stack.train.preflight import plan_settings, preflight, run_settings
 from fp8stack.train.resolve import resolve, wgrad_fusion
 from fp8stack.train.stop import StopSignals, TrainingStopped
@@ -56,29 +56,6 @@ def lr_at(step: int, cfg: JobConfig) -> float:
         return opt.lr * (step + 1) / opt.warmup
     progress = min(1.0, (step - opt.warmup) / max(1, cfg.training.steps - opt.warmup))
     return opt.min_lr + (opt.lr - opt.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def model_config(cfg: JobConfig) -> LlamaConfig:
-    """The model's shape: model.name with the configuration's projections and sequence length."""
-    config = replace(load_model_config(cfg.model.name), fused_projections=cfg.model.fused_projections)
-    return replace(config, seq_len=cfg.training.seq_len) if cfg.training.seq_len is not None else config
-
-
-def model_shape(cfg: JobConfig) -> LlamaConfig | None:
-    """model_config, or None for a model.factory model (its shape is the built module's)."""
-    return None if cfg.model.factory else model_config(cfg)
-
-
-def build_model(cfg: JobConfig, device: torch.device) -> torch.nn.Module:
-    """The model initialised from training.seed directly on `device`: the described Llama, or the one
-    model.factory returns."""
-    if cfg.model.factory:
-        factory = user_code.load_factory(cfg.model.factory, user_code.MODEL_FACTORY_FLAG)
-        return user_code.build_model(factory, seed=cfg.training.seed, device=device)
-    with torch.device(device):
-        model = Llama(model_config(cfg))
-    model.init_weights(seed=cfg.training.seed)
-    return model
 
 
 def build_plan(cfg: JobConfig, model: torch.nn.Module) -> Plan:

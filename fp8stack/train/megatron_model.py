@@ -26,7 +26,7 @@ from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import get_recipe, is_fp8
 from fp8stack.config import ConfigError, JobConfig
-from fp8stack.train.loop import build_model, model_config
+from fp8stack.train.model import build_model, model_config
 
 log = logging.getLogger(__name__)
 
