@@ -55,7 +55,7 @@ def test_at_width_2048_the_defaults_do_not_spike_where_a_fixed_lr_did(monkeypatc
     """Two Llama-3-8B-wide-ish layers, 12 steps (the speed A/B's length): the former fixed lr 2e-3 with 4 warm-up
     steps drove the loss above its first value, as it did on llama-1b-like; the width's defaults descend."""
     wide = LlamaConfig(dim=2048, n_layers=2, n_heads=16, n_kv_heads=4, ffn_dim=5632, vocab_size=256, seq_len=128)
-    monkeypatch.setattr("fp8stack.train.loop.load_model_config", lambda name: wide)
+    monkeypatch.setattr("fp8stack.train.model.load_model_config", lambda name: wide)
     settings = {"model.name": "wide", "precision.recipe": "bf16", "training.device": "cpu", "training.steps": 12,
                 "training.micro_batch": 4, "training.eval_batches": 0, "logging.progress": False}
     runs = {"fixed": train(from_overrides({**settings, "optimizer.lr": 2e-3, "optimizer.warmup": 4})).losses,
