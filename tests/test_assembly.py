@@ -17,13 +17,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torchao.float8.float8_linear import Float8Linear
 
+from fp8stack.models import load_model_config
 import fp8stack
 from fp8stack import OrderingError, PolicyConfig, assemble, load_description, make_plan
 from fp8stack.assembly import (AssemblyState, AssemblyWarning, apply_ac, apply_compile, apply_fp8, apply_fsdp,
                                apply_tp, assembly_state, post_optimizer_step_hook)
 from fp8stack.backends import BackendUnavailable
 from fp8stack.backends.bf16 import BF16Backend
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.plan import Component, Decision, Plan
 from fp8stack.plan.parallel import TensorParallelPlan
@@ -53,7 +54,7 @@ def mesh(tmp_path_factory):
 
 @pytest.fixture
 def model() -> Llama:
-    return Llama(LlamaConfig.tiny())
+    return Llama(load_model_config("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +237,7 @@ def test_the_llama_tp_plan_refuses_fused_projections_naming_the_fix(model):
 
 
 def test_the_llama_tp_plan_refuses_experts():
-    model = Llama(replace(LlamaConfig.tiny_moe(), fused_projections=False))
+    model = Llama(replace(load_model_config("tiny-moe"), fused_projections=False))
     with pytest.raises(NotImplementedError, match=r"layers\.1\.moe: experts need expert parallelism"):
         tensor_parallel_plan(model, 1)
 
@@ -261,7 +262,7 @@ def test_options_for_a_backend_the_plan_does_not_use_raise(model):
 
 
 def test_bf16_backend_changes_nothing_and_records_every_component():
-    model = Llama(LlamaConfig.tiny_moe())
+    model = Llama(load_model_config("tiny-moe"))
     plan = tiny_plan("bf16", model="tiny-moe")
     before = dict(model.named_modules())
     out, record = BF16Backend().convert(model, list(plan.decisions), plan)
@@ -320,7 +321,7 @@ def test_the_hook_does_nothing_when_precompute_is_not_asked(model, mesh):
 
 
 def test_a_plan_made_for_other_shapes_is_refused_before_any_module_changes():
-    other = Llama(replace(LlamaConfig.tiny(), ffn_dim=512))
+    other = Llama(replace(load_model_config("tiny"), ffn_dim=512))
     with pytest.raises(fp8stack.PlanError, match=r"sizes layers.0.feed_forward.w13 as 1536 x 256, but this Llama's "
                                                  r"is 1024 x 256: make the plan from this model"):
         apply_fp8(other, tiny_plan())

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from fp8stack.models import load_model_config
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import PlanError, PolicyConfig, load_description, make_plan
 from fp8stack.plan.from_module import describe_module
@@ -42,7 +43,7 @@ def test_plan_from_module_equals_plan_from_yaml(built, model, policy):
 
 def test_meta_device_llama_1b_like():
     with torch.device("meta"):
-        model = Llama(LlamaConfig.llama_1b_like())
+        model = Llama(load_model_config("llama-1b-like"))
     # fp8stack's Llama asks autocast about its device, which 'meta' is not: its feeds need a built model
     assert describe_module(model, seq_len=4096, name="llama-1b-like").components == \
         load_description("llama-1b-like").components
@@ -51,7 +52,7 @@ def test_meta_device_llama_1b_like():
 def test_torchao_float8_linears_are_still_linears():
     from torchao.float8 import convert_to_float8_training
 
-    model = Llama(LlamaConfig.tiny_moe())
+    model = Llama(load_model_config("tiny-moe"))
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "output")
     assert type(model.layers[1].moe.shared_experts.w13).__name__ == "Float8Linear"
     assert describe_module(model, seq_len=256, name="tiny-moe").components == load_description("tiny-moe").components

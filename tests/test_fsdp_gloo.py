@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
 
+from fp8stack.models import load_model_config
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
 from fp8stack.assembly import apply_fp8, apply_tp, assembly_state
 from fp8stack.models import Llama, LlamaConfig
@@ -47,7 +48,7 @@ LOSS_RTOL = 1e-3
 def fsdp_losses(rank: int, world: int) -> list[float]:
     """Losses of STEPS AdamW steps of the tiny Llama, torchao tensorwise, assembled with FSDP2."""
     plan = make_plan(load_description("tiny"), PolicyConfig(recipe="tensorwise", small_gemm_filter="off"))
-    model = assemble(Llama(LlamaConfig.tiny()), plan, fsdp_mesh=init_device_mesh("cpu", (world,)))
+    model = assemble(Llama(load_model_config("tiny")), plan, fsdp_mesh=init_device_mesh("cpu", (world,)))
     assert assembly_state(model).stages == ["convert_fp8", "fully_shard"]
     wqkv = model.layers[0].attention.wqkv
     assert isinstance(wqkv, Float8Linear) and isinstance(wqkv.weight, DTensor)

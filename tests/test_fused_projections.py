@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fp8stack.models import load_model_config
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.models.llama import Attention, rope_table
 from fp8stack.plan import ModelDescription, PolicyConfig, load_description, make_plan
@@ -101,7 +102,7 @@ def test_unfused_model_is_described_per_projection(model):
 
 
 def test_meta_device_llama_1b_like_unfused():
-    config = unfused(LlamaConfig.llama_1b_like())
+    config = unfused(load_model_config("llama-1b-like"))
     with torch.device("meta"):
         model = Llama(config)
     described = describe_module(model, seq_len=config.seq_len, name="llama-1b-like", trace=False)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8stack.models import load_model_config
 from fp8stack.backends import get_backend
 from fp8stack.backends.blockwise import (BLOCK, FP8_MAX, Fp8Tensor, GroupLayout, dequantize_1x128,
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
@@ -23,7 +24,7 @@ from fp8stack.backends.grouped import (BlockwiseGroupedMM, Float8GroupedExperts,
                                        TokenGroupPadding, rhs_block_scale)
 from fp8stack.backends import fp8_quant
 from fp8stack.backends.fp8_quant import quantize_rowwise, quantize_token_groups
-from fp8stack.models.llama import Llama, LlamaConfig
+from fp8stack.models.llama import Llama
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Component, Decision, Plan, PlanError, PolicyConfig, load_description, make_plan
 
@@ -369,7 +370,7 @@ def test_rowwise_fwd_dgrad_wgrad(high_precision_wgrad):
 
 def _tiny_moe_and_plan(recipe="blockwise", fp8_format="hybrid"):
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny_moe())
+    model = Llama(load_model_config("tiny-moe"))
     plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format=fp8_format))
     return model, plan
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8stack.models import load_model_config
 from fp8stack.models import Attention, GroupedExperts, Llama, LlamaConfig, MoE, MoEConfig
 from fp8stack.models.llama import apply_rope, rope_table
 from fp8stack.models.moe import permute
@@ -44,7 +45,7 @@ class IdentityExperts(GroupedExperts):
         return x_sorted
 
 
-@pytest.mark.parametrize("config", [LlamaConfig.tiny(), LlamaConfig.tiny_moe()], ids=["dense", "moe"])
+@pytest.mark.parametrize("config", [load_model_config("tiny"), load_model_config("tiny-moe")], ids=["dense", "moe"])
 def test_forward_backward(config):
     model = Llama(config)
     tokens = torch.randint(0, config.vocab_size, (2, 32))
@@ -61,7 +62,7 @@ def test_forward_backward(config):
 
 def test_bf16_model_runs_and_autocast_reaches_grouped_mm():
     tokens = torch.randint(0, 256, (1, 16))
-    model = Llama(LlamaConfig.tiny_moe())
+    model = Llama(load_model_config("tiny-moe"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(tokens).dtype == torch.bfloat16
     model = model.to(torch.bfloat16)
@@ -71,7 +72,7 @@ def test_bf16_model_runs_and_autocast_reaches_grouped_mm():
 
 
 def test_causal():
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     tokens = torch.randint(0, 256, (1, 16))
     changed = tokens.clone()
     changed[0, 10:] = (changed[0, 10:] + 1) % 256
@@ -79,7 +80,7 @@ def test_causal():
 
 
 def test_gqa_matches_repeated_kv_heads():
-    config = LlamaConfig.tiny()
+    config = load_model_config("tiny")
     attention = Attention(config)
     nn.init.normal_(attention.wqkv.weight, std=0.05)
     nn.init.normal_(attention.wo.weight, std=0.05)
@@ -120,7 +121,7 @@ def test_rope_is_the_complex_rotation_by_position_times_frequency(traced):
 def test_residual_stream_runs_in_the_activation_dtype(autocast):
     """Under BF16 autocast every block gets (and returns) BF16, as the plan's embedding and norm rows say; the FP32
     table's lookup is cast once. Without autocast (FP32 activations) nothing is cast."""
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     seen = []
     for layer in model.layers:
         layer.register_forward_hook(lambda _, args, out: seen.append((args[0].dtype, out.dtype)))
@@ -131,7 +132,7 @@ def test_residual_stream_runs_in_the_activation_dtype(autocast):
 
 
 def test_init_is_seeded_and_leaves_global_rng_alone():
-    config = LlamaConfig.tiny()
+    config = load_model_config("tiny")
     torch.manual_seed(1)
     a = Llama(config)
     torch.manual_seed(2)
@@ -146,7 +147,7 @@ def test_init_is_seeded_and_leaves_global_rng_alone():
 
 
 def test_meta_build_then_init_matches_cpu_build():
-    config = LlamaConfig.tiny_moe()
+    config = load_model_config("tiny-moe")
     with torch.device("meta"):
         model = Llama(config)
     model.to_empty(device="cpu")

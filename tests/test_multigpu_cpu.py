@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from fp8stack.models import load_model_config
 from fp8stack.bench.multigpu import ONE_RANK_TWINS, earlier_parts, render, restart_plan, run_fsdp, run_restart
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.config import from_overrides
 from fp8stack.train.loop import train
 
@@ -56,7 +57,7 @@ def _expected_all_gather_bytes() -> tuple[dict[str, int], int]:
     """Group -> bytes all-gathered per step, from the model's parameters: each block twice (forward, and
     again in backward after resharding), its Linear weights as 1-byte FP8 and its norms in FP32; the
     root (embeddings, final norm, head; not resharded after forward) once, in FP32."""
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     groups, fp8_weights = {}, 0
     for index, block in enumerate(model.layers):
         linears = [m for m in block.modules() if isinstance(m, nn.Linear)]

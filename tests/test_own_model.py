@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8stack.models import load_model_config
 import fp8stack
 from fp8stack.backends.fused import FoldedNorm, Part, StateKeys, merged_projections, unfused_state_dict
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.plan import PlanError, PlanWarning, PolicyConfig, make_plan
 from fp8stack.plan.description import NormFeed, Rows, SwiGLUFeed
 from fp8stack.plan.from_module import describe_module
@@ -54,7 +55,7 @@ def test_torchtitan_layout_feeds_are_found():
 
 
 def test_fp8stack_layout_feeds_are_found_with_the_halves_of_the_fused_gate_up():
-    feeds = describe_module(Llama(LlamaConfig.tiny()), seq_len=256, name="tiny").feeds
+    feeds = describe_module(Llama(load_model_config("tiny")), seq_len=256, name="tiny").feeds
     assert SwiGLUFeed("layers.2.ffn_norm", "RMSNorm", 1e-5, "layers.2.feed_forward",
                       Rows("layers.2.feed_forward.w13", 0, 768), Rows("layers.2.feed_forward.w13", 768, 1536),
                       "layers.2.feed_forward.w2") in feeds
@@ -186,7 +187,7 @@ def test_the_small_gemm_filter_judges_merged_projections_by_the_merged_gemm():
 
 
 def test_yaml_descriptions_declare_what_the_trace_finds():
-    built = describe_module(Llama(LlamaConfig.tiny()), seq_len=256, name="tiny")
+    built = describe_module(Llama(load_model_config("tiny")), seq_len=256, name="tiny")
     assert fp8stack.load_description("tiny").feeds == built.feeds
 
 
@@ -219,7 +220,7 @@ def test_without_embeddings_the_last_linear_after_the_blocks_is_the_head():
 
 
 def test_a_router_is_found_by_its_width_not_its_name():
-    model = Llama(LlamaConfig.tiny_moe())
+    model = Llama(load_model_config("tiny-moe"))
     moe = model.layers[1].moe
     moe.router.scorer = moe.router.__dict__["_modules"].pop("gate")
     kinds = {c.fqn: c.kind for c in describe_module(model, seq_len=256, name="x", trace=False).components}
@@ -325,7 +326,7 @@ def test_state_keys_load_the_users_keys_and_write_them_back():
 
 
 def test_a_fused_gate_up_is_written_back_as_one_tensor():
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     keys = StateKeys.of(model)
     w13 = model.layers[0].feed_forward.w13.weight.detach().clone()
     keys.fused = {"fc1": (Part("layers.0.feed_forward.w13.weight", 768, 1536),
@@ -392,7 +393,7 @@ def test_the_trace_runs_in_a_process_limited_to_one_attention_kernel():
     from fp8stack.runtime.attention import sdpa_backend
 
     with sdpa_backend("cudnn", torch.device("cuda")):  # the flags only: CPU attention reads them too
-        feeds = describe_module(Llama(LlamaConfig.tiny()), seq_len=256, name="tiny").feeds
+        feeds = describe_module(Llama(load_model_config("tiny")), seq_len=256, name="tiny").feeds
         assert not torch.backends.cuda.math_sdp_enabled(), "the process's own choice is back after the trace"
     assert len(feeds) == 4 * 3 + 1
 

@@ -145,7 +145,7 @@ CORE_SCRIPT = textwrap.dedent("""
     import fp8stack
     import fp8stack.cli, fp8stack.train.loop  # the tools import without the extras
     from fp8stack.backends.te import TEBackend
-    from fp8stack.models import Llama, LlamaConfig
+    from fp8stack.models import Llama, load_model_config
     from fp8stack.patches import apply_all
     from fp8stack.config import from_overrides
     from fp8stack.train.model import model_config
@@ -156,7 +156,7 @@ CORE_SCRIPT = textwrap.dedent("""
     plan = fp8stack.make_plan(fp8stack.load_description("llama-1b-like"), fp8stack.PolicyConfig(recipe="tensorwise"))
     tiny = fp8stack.make_plan(fp8stack.load_description("tiny"),
                               fp8stack.PolicyConfig(recipe="tensorwise", small_gemm_filter="off"))
-    model = fp8stack.assemble(Llama(LlamaConfig.tiny()), tiny)
+    model = fp8stack.assemble(Llama(load_model_config("tiny")), tiny)
     with torch.backends.mkldnn.flags(enabled=False):  # torch's FP8 emulation on a CPU, as the trainer runs it
         model(torch.randint(0, 256, (2, 64)))[0].float().sum().backward()
     failures = {"te": TEBackend().available()[1]}

@@ -12,7 +12,8 @@ from torch import nn
 from torchao.float8 import convert_to_float8_training
 from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import load_model_config
+from fp8stack.models import Llama
 from fp8stack.runtime import compress_saved_activations
 from fp8stack.runtime.compress import is_quantized_tensor
 
@@ -28,7 +29,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 def test_a_llama_step_with_compressed_activations(granularity):
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     compressed_model = copy.deepcopy(model)
     tokens = torch.randint(0, 256, (2, 65))
     with torch.autocast("cpu", dtype=torch.bfloat16):

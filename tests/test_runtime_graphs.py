@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import load_model_config
+from fp8stack.models import Llama
 from fp8stack.runtime import branchless_clamp, capture_check, is_graph_capturing, no_host_sync
 from fp8stack.runtime.graphs import _ModuleTracker
 
@@ -35,7 +36,7 @@ def test_no_host_sync_is_a_no_op_without_cuda():
 def test_capture_check_says_it_needs_cuda():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU answer")
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     tokens = torch.randint(0, 256, (1, 17))
     report = capture_check(model, tokens, lambda m, b: Llama.loss(m(b[:, :-1]), b[:, 1:]))
     assert not report.captured and report.phase == "setup" and "needs CUDA" in report.reason

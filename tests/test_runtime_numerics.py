@@ -12,8 +12,9 @@ from torchao.float8.config import e4m3_dtype
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import LinearMMConfig
 
+from fp8stack.models import load_model_config
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.plan.plan import FP32_STATE
 from fp8stack.runtime import (NonFiniteLossError, check_finite, fp8_stats, load_pin, track_fp8_stats, watch_layers,
                               zero_fp8_weight_grads)
@@ -43,7 +44,7 @@ def test_a_nan_loss_raises_and_pins_the_batch_and_rng(tmp_path):
 
 
 def test_watch_layers_names_the_first_non_finite_module():
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     with torch.no_grad():
         model.layers[2].feed_forward.w2.weight[0, 0] = float("inf")
     tokens = torch.randint(0, 256, (1, 16))
@@ -94,7 +95,7 @@ def test_zero_fp8_weight_grads_names_fp8_weights_that_train_nothing():
 
 def _trained_tiny():
     plan = make_plan(load_description("tiny"), PolicyConfig(recipe="tensorwise", small_gemm_filter="off"))
-    model = assemble(Llama(LlamaConfig.tiny()), plan)
+    model = assemble(Llama(load_model_config("tiny")), plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (2, 33))
     with torch.autocast("cpu", dtype=torch.bfloat16):

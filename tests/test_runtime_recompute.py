@@ -10,10 +10,11 @@ from torch import nn
 from torchao.float8 import convert_to_float8_training
 from torchao.float8.float8_linear import Float8Linear
 
+from fp8stack.models import load_model_config
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
 from fp8stack.plan.policy import Override
 from fp8stack.assembly import apply_fp8
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.runtime import RECOMPUTE_MODULES, PrecisionProbe, checkpoint_module
 from fp8stack.runtime.recompute import CheckpointWrapper
 
@@ -56,7 +57,7 @@ def grads(model: nn.Module, batch: torch.Tensor) -> dict[str, torch.Tensor]:
 def test_recompute_modules_wrap_the_named_regions_and_keep_the_gradients(names, expected, batch):
     """Each name checkpoints its submodules, the state dict keeps its names, and the gradients equal
     those of the same FP8 model without recompute (the recompute repeats the forward exactly)."""
-    model = Llama(LlamaConfig.tiny_moe())
+    model = Llama(load_model_config("tiny-moe"))
     plain = apply_fp8(copy.deepcopy(model), plan_for("tiny-moe"))
     recomputed = assemble(model, plan_for("tiny-moe"), recompute="all", recompute_modules=names)
     assert sorted(wrapped(recomputed)) == sorted(expected)
@@ -80,7 +81,7 @@ def test_every_name_is_in_the_table():
 ])
 def test_bad_selections_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        assemble(Llama(LlamaConfig.tiny()), plan_for("tiny"), **kwargs)
+        assemble(Llama(load_model_config("tiny")), plan_for("tiny"), **kwargs)
 
 
 # --- the recompute runs in the forward's precision --------------------------------------------------
@@ -130,7 +131,7 @@ def probed_step(model: nn.Module, batch: torch.Tensor) -> PrecisionProbe:
 
 def test_recompute_sees_the_forward_precision(batch):
     """Every Float8Linear recomputed runs with the config and the context (autocast) of its forward."""
-    model = assemble(Llama(LlamaConfig.tiny()), plan_for("tiny"), recompute="all")
+    model = assemble(Llama(load_model_config("tiny")), plan_for("tiny"), recompute="all")
     probe = probed_step(model, batch)
     recomputed = probe.records["recompute"]
     fp8_layers = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
@@ -142,7 +143,7 @@ def test_recompute_sees_the_forward_precision(batch):
 
 def test_the_probe_catches_a_recompute_outside_the_forward_context(batch):
     """Negative control: the same check fails for a wrapper that recomputes outside the autocast."""
-    model = apply_fp8(Llama(LlamaConfig.tiny()), plan_for("tiny"))
+    model = apply_fp8(Llama(load_model_config("tiny")), plan_for("tiny"))
     for i, block in enumerate(model.layers):
         model.layers[i] = RecomputeOutsideContext(block)
     probe = probed_step(model, batch)

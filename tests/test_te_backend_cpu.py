@@ -6,6 +6,7 @@ import importlib.util
 import pytest
 import torch
 
+from fp8stack.models import load_model_config
 from fp8stack.backends import BackendUnavailable, get_backend
 from fp8stack.backends.te import INSTALL_HINT, TEBackend, te_recipe
 from fp8stack.models import Llama, LlamaConfig
@@ -76,7 +77,7 @@ def test_convert_refuses_te_decisions_with_the_fix():
     plan = te_plan()
     decisions = plan.for_backend("te")
     assert decisions, "the tiny delayed plan should put its linears on te"
-    model = meta_llama(LlamaConfig.tiny())
+    model = meta_llama(load_model_config("tiny"))
     before = {name: type(m) for name, m in model.named_modules()}
     with pytest.raises(BackendUnavailable, match=f"runs {len(decisions)} component\\(s\\) on TransformerEngine"):
         get_backend("te").convert(model, decisions, plan)
@@ -84,7 +85,7 @@ def test_convert_refuses_te_decisions_with_the_fix():
 
 
 def test_convert_without_decisions_needs_nothing():
-    model = meta_llama(LlamaConfig.tiny())
+    model = meta_llama(load_model_config("tiny"))
     plan = make_plan(load_description("tiny"), PolicyConfig(recipe="bf16"))
     converted, record = TEBackend().convert(model, plan.for_backend("te"), plan)
     assert converted is model
@@ -104,22 +105,22 @@ def test_experts_split_across_backends_are_refused_before_looking_for_te():
     decisions = plan.for_backend("te")
     assert any(d.fqn.endswith("experts.w13") for d in decisions)
     with pytest.raises(PlanError, match="w13 runs on te/delayed but w2 on bf16/bf16.*experts\\.\\*"):
-        TEBackend().convert(meta_llama(LlamaConfig.tiny_moe()), decisions, plan)
+        TEBackend().convert(meta_llama(load_model_config("tiny-moe")), decisions, plan)
 
 
 def test_fp8_weights_refuse_te_experts_before_looking_for_te():
     plan = te_plan("tiny-moe")
     with pytest.raises(PlanError, match="fp8_weights holds dense TE linears' weights in FP8.*param_dtype bf16"):
-        TEBackend(fp8_weights=True).convert(meta_llama(LlamaConfig.tiny_moe()), plan.for_backend("te"), plan)
+        TEBackend(fp8_weights=True).convert(meta_llama(load_model_config("tiny-moe")), plan.for_backend("te"), plan)
 
 
 def test_decisions_for_another_backend_are_a_caller_error():
     plan = te_plan()
     with pytest.raises(ValueError, match="other backends"):
-        TEBackend().convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("bf16"), plan)
+        TEBackend().convert(meta_llama(load_model_config("tiny")), plan.for_backend("bf16"), plan)
 
 
 def test_a_delayed_margin_needs_a_delayed_plan_before_looking_for_te():
     plan = te_plan(recipe="tensorwise", backend="te")
     with pytest.raises(PlanError, match="delayed_margin=1 applies to delayed scaling.*recipes are bf16, tensorwise"):
-        TEBackend(delayed_margin=1).convert(meta_llama(LlamaConfig.tiny()), plan.for_backend("te"), plan)
+        TEBackend(delayed_margin=1).convert(meta_llama(load_model_config("tiny")), plan.for_backend("te"), plan)

@@ -9,10 +9,11 @@ from torch import nn
 from torchao.float8.config import e4m3_dtype, e5m2_dtype
 from torchao.float8.float8_linear import Float8Linear
 
+from fp8stack.models import load_model_config
 from fp8stack import PolicyConfig, load_description, make_plan
 from fp8stack.backends import get_backend
 from fp8stack.backends.torchao import TorchaoBackend, _check_swapped_exactly, float8_config
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.plan import Component, Decision, Plan
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
@@ -50,7 +51,7 @@ def test_registry_gives_the_torchao_backend():
 
 def test_swaps_exactly_the_planned_linears():
     plan = tiny_plan(first_last_layers_bf16=True)  # layers 0 and 3 stay BF16
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     before = dict(model.named_modules())
     model, record = TorchaoBackend().convert(model, plan.for_backend("torchao"), plan)
     planned = {d.fqn for d in plan.for_backend("torchao")}
@@ -65,7 +66,7 @@ def test_swaps_exactly_the_planned_linears():
 
 
 def test_weights_are_kept_bit_exactly():
-    model = Llama(LlamaConfig.tiny())
+    model = Llama(load_model_config("tiny"))
     params = dict(model.named_parameters())
     copies = {name: p.detach().clone() for name, p in params.items()}
     model = convert(model, tiny_plan())
@@ -111,7 +112,7 @@ def test_the_format_changes_the_gradients(batch):
     """E5M2 and E4M3 gradients round differently: the format reaches the GEMMs, it is not just a label."""
     grads = {}
     for fp8_format in ("e4m3", "hybrid"):
-        model = convert(Llama(LlamaConfig.tiny()), tiny_plan(fp8_format=fp8_format))
+        model = convert(Llama(load_model_config("tiny")), tiny_plan(fp8_format=fp8_format))
         Llama.loss(model(batch[:, :-1]), batch[:, 1:]).backward()
         grads[fp8_format] = model.layers[1].attention.wqkv.weight.grad
     assert not torch.equal(grads["e4m3"], grads["hybrid"])
@@ -160,7 +161,7 @@ def test_the_swap_check_catches_a_silent_no_op_and_a_stray_swap():
 
 @pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
 def test_converted_llama_matches_the_unconverted_one(recipe, batch):
-    reference = Llama(LlamaConfig.tiny())
+    reference = Llama(load_model_config("tiny"))
     model = convert(copy.deepcopy(reference), tiny_plan(recipe))
     losses = [Llama.loss(m(batch[:, :-1]), batch[:, 1:]) for m in (reference, model)]
     for loss in losses:

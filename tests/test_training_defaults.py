@@ -29,7 +29,7 @@ def test_a_description_gives_the_defaults_of_its_config():
 
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="steps must be at least 1"):
-        training_defaults(LlamaConfig.tiny(), 0)
+        training_defaults(load_model_config("tiny"), 0)
     no_embedding = load_description("tiny")
     no_embedding = type(no_embedding)(name="x", seq_len=8, components=no_embedding.components[1:])
     with pytest.raises(ValueError, match="x has no embedding component to read its width from"):
@@ -40,7 +40,7 @@ def test_bad_inputs_are_refused():
 def test_300_bf16_steps_of_tiny_on_the_defaults_descend_without_a_spike():
     """The CPU runs the bf16 arm in FP32 activations; a smaller micro-batch than the trainer's (noisier steps) keeps
     the run short."""
-    defaults = training_defaults(LlamaConfig.tiny(), 300)
+    defaults = training_defaults(load_model_config("tiny"), 300)
     result = train(from_overrides({"model.name": "tiny", "precision.recipe": "bf16", "training.device": "cpu",
                                    "training.steps": 300, "training.micro_batch": 4, "training.eval_batches": 0,
                                    "logging.progress": False}))

@@ -62,26 +62,6 @@ class LlamaConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.first_moe_layer
 
-    # The named shapes are read from their descriptions, which `fp8stack plan` reads too (imported when called:
-    # from_description builds on this module).
-    @classmethod
-    def tiny(cls) -> "LlamaConfig":
-        """configs/models/tiny.yaml: CPU-sized, byte vocabulary."""
-        from fp8stack.models.from_description import named_model_config
-        return named_model_config("tiny")
-
-    @classmethod
-    def tiny_moe(cls) -> "LlamaConfig":
-        """configs/models/tiny-moe.yaml: tiny with layers 1-3 as 8-expert top-2 MoE plus a shared expert."""
-        from fp8stack.models.from_description import named_model_config
-        return named_model_config("tiny-moe")
-
-    @classmethod
-    def llama_1b_like(cls) -> "LlamaConfig":
-        """configs/models/llama-1b-like.yaml: 4 Llama-3-8B-shaped layers, the single-GPU benchmark."""
-        from fp8stack.models.from_description import named_model_config
-        return named_model_config("llama-1b-like")
-
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
     """Complex FP32 rotations [seq_len, head_dim / 2]. Built per forward, not kept as a buffer: it costs microseconds,

@@ -9,13 +9,14 @@ operands the E4M3 rounding of both operands adds ~4% (FP8_TOLERANCE).
 import pytest
 import torch
 
+from fp8stack.models import load_model_config
 from fp8stack.backends import deepgemm
 from fp8stack.backends.blockwise import (quantize_1x128, quantize_128x128, reference_grouped_dgrad,
                                          reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends.grouped import (BlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
                                        RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels)
 from fp8stack.backends.fp8_quant import quantize_rowwise
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 
 from gpu_skips import require_cuda
@@ -126,7 +127,7 @@ def test_available_on_hopper():
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "rowwise_gw_hp"])
 def test_converted_moe_llama_trains(recipe):
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny_moe()).to(DEVICE)
+    model = Llama(load_model_config("tiny-moe")).to(DEVICE)
     plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format="e4m3"))
     tokens = torch.randint(0, 256, (4, 129), device=DEVICE)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 
+from fp8stack.models import load_model_config
 from fp8stack.bench.runtime import build, token_loss
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.plan import PolicyConfig
 from fp8stack.runtime import compress_saved_activations
 
@@ -72,7 +73,7 @@ def _assert_close_grads(plain: dict, compressed: dict) -> None:
 def test_bf16_llama_step_with_compressed_activations():
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Llama(LlamaConfig.tiny())  # FP32 master weights, BF16 autocast: what the trainer runs
+        model = Llama(load_model_config("tiny"))  # FP32 master weights, BF16 autocast: what the trainer runs
 
     def loss_fn(m, tokens):
         with torch.autocast("cuda", dtype=torch.bfloat16):

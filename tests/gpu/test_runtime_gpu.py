@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from fp8stack.models import load_model_config
 from fp8stack.backends.te import te_recipe
 from fp8stack.bench.runtime import CAPTURE_VARIANTS, build, capture, token_loss
 from fp8stack.plan import PolicyConfig
 from fp8stack.runtime import PrecisionProbe, checkpoint_module
-from fp8stack.models.llama import LlamaConfig
 from fp8stack.runtime.recompute import CheckpointWrapper, recomputes_itself
 
 from gpu_skips import require_cuda, te_runs
@@ -130,7 +130,7 @@ def test_a_fused_mlp_recomputes_itself_keeps_less_and_matches(recipe):
     plain = build("tiny", policy, backend_options=cast_each_pass)
     torch.manual_seed(0)
     recomputed = build("tiny", policy, backend_options=cast_each_pass, recompute="all", recompute_modules=("mlp",))
-    config = LlamaConfig.tiny()
+    config = load_model_config("tiny")
     assert sum(map(recomputes_itself, recomputed.modules())) == config.n_layers
     assert not any(isinstance(m, CheckpointWrapper) for m in recomputed.modules()), "a LayerNormMLP is not wrapped"
     tokens = torch.randint(0, 256, (8, 1025), device="cuda")

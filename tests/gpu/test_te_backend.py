@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from fp8stack.models import load_model_config
 from fp8stack.backends.fused import FoldedNorm
 from fp8stack.backends.te import DELAYED_AMAX_HISTORY_LEN, TE_RECIPES, TEBackend, te_recipe
-from fp8stack.models import GroupedExperts, Llama, LlamaConfig
+from fp8stack.models import GroupedExperts, Llama
 from fp8stack.plan import PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.plan.recipes import FP8_FORMATS, get_recipe
 
@@ -284,7 +285,7 @@ def _train(model: Llama, tokens: torch.Tensor, steps: int = 5) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("model_name, config", [("tiny", LlamaConfig.tiny()), ("tiny-moe", LlamaConfig.tiny_moe())],
+@pytest.mark.parametrize("model_name, config", [("tiny", load_model_config("tiny")), ("tiny-moe", load_model_config("tiny-moe"))],
                          ids=["dense", "moe"])
 @pytest.mark.parametrize("recipe", list(TE_RECIPES))
 def test_tiny_llama_trains(model_name, config, recipe):
@@ -324,7 +325,7 @@ def test_tiny_llama_trains(model_name, config, recipe):
 def test_fuse_norm_matches_unfused(recipe):
     torch.manual_seed(0)
     with torch.device("cuda"):
-        base = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
+        base = Llama(load_model_config("tiny")).to(torch.bfloat16)
     description = load_description("tiny")
     plan = make_plan(description, policy(recipe, "hybrid", head_on_te=None))
     fused_plan = make_plan(description, policy(recipe, "hybrid", fuse_norm=True, head_on_te=None))
@@ -358,7 +359,7 @@ def test_converting_lets_go_of_the_replaced_weights(fuse):
     module's weights must not keep them alive (it once did: +3.7 GiB on llama-1b-like,
     profiles/archive/2026-11-25-ab-fp8-params-init-leak-h100/)."""
     with torch.device("cuda"):
-        model = Llama(LlamaConfig.tiny())
+        model = Llama(load_model_config("tiny"))
     plan = make_plan(load_description("tiny"), policy("tensorwise", "hybrid", fuse_norm=fuse, fuse_mlp=fuse))
     before = [weakref.ref(p) for p in model.parameters()]
     model, record = TEBackend().convert(model, plan.for_backend("te"), plan)
@@ -379,7 +380,7 @@ missing norm weight would differ by O(1)."""
 def test_fuse_mlp_matches_unfused(recipe):
     torch.manual_seed(0)
     with torch.device("cuda"):
-        base = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
+        base = Llama(load_model_config("tiny")).to(torch.bfloat16)
     fmt = get_recipe(recipe).default_format
     plan = make_plan(load_description("tiny"), policy(recipe, fmt, fuse_norm=True))
     mlp_plan = make_plan(load_description("tiny"), policy(recipe, fmt, fuse_norm=True, fuse_mlp=True))
@@ -422,7 +423,7 @@ def test_a_bf16_plan_on_te_runs_te_modules_without_fp8(model_name, fuse):
     """Recipe bf16 with backend te (the BF16 baseline on TE's kernels): every linear and expert GEMM is a TE
     module, none runs inside an FP8 autocast, and the logits are the plain BF16 model's up to summation order."""
     torch.manual_seed(0)
-    config = LlamaConfig.tiny() if model_name == "tiny" else LlamaConfig.tiny_moe()
+    config = load_model_config("tiny") if model_name == "tiny" else load_model_config("tiny-moe")
     with torch.device("cuda"):
         base = Llama(config).to(torch.bfloat16)
     plan = make_plan(load_description(model_name), PolicyConfig(recipe="bf16", backend="te", small_gemm_filter="off",
@@ -456,7 +457,7 @@ def test_fused_wgrad_accumulation_matches_autograd(model_name, recipe, fuse_mlp)
     zeroes main_grad), zero_grad(set_to_none=False) zeroes it in place."""
     torch.manual_seed(0)
     with torch.device("cuda"):  # FP32 master weights under BF16 autocast, as the trainer runs them
-        base = Llama(LlamaConfig.tiny() if model_name == "tiny" else LlamaConfig.tiny_moe())
+        base = Llama(load_model_config("tiny") if model_name == "tiny" else load_model_config("tiny-moe"))
     plan = make_plan(load_description(model_name), policy(recipe, get_recipe(recipe).default_format,
                                                           fuse_norm=fuse_mlp, fuse_mlp=fuse_mlp))
     unfused, _ = TEBackend(**PLAIN).convert(copy.deepcopy(base), plan.for_backend("te"), plan)
@@ -496,7 +497,7 @@ def test_fused_wgrad_accumulation_matches_autograd(model_name, recipe, fuse_mlp)
 def test_model_built_on_meta_converts_then_materialises():
     plan = make_plan(load_description("tiny-moe"), policy("tensorwise", "hybrid"))
     with torch.device("meta"):
-        model = Llama(LlamaConfig.tiny_moe())
+        model = Llama(load_model_config("tiny-moe"))
     model, record = TEBackend().convert(model, plan.for_backend("te"), plan)
     assert "TEGroupedExperts" in record.converted.values()
     model = model.to_empty(device="cuda")

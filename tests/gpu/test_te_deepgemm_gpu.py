@@ -6,9 +6,10 @@ import copy
 import pytest
 import torch
 
+from fp8stack.models import load_model_config
 from fp8stack.backends import deepgemm, te_deepgemm
 from fp8stack.backends.te import TEBackend
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 
 from gpu_skips import require_te
@@ -32,7 +33,7 @@ sum at a different point: one FP32 rounding apart, far below an FP8 GEMM's ~3% e
 def test_blockwise_gemms_on_deepgemm_match_cublas_and_take_every_gemm():
     torch.manual_seed(0)
     with torch.device("cuda"):  # FP32 master weights under BF16 autocast, as the trainer runs them
-        base = Llama(LlamaConfig.tiny())  # every GEMM dim a multiple of 128, as DeepGEMM's kernels need
+        base = Llama(load_model_config("tiny"))  # every GEMM dim a multiple of 128, as DeepGEMM's kernels need
     plan = make_plan(load_description("tiny"), PolicyConfig(recipe="blockwise", backend="te",
                                                             small_gemm_filter="off", arch=90))
     options = {"fuse_wgrad_accumulation": True}  # the policy fuses norms and MLPs by default
@@ -92,7 +93,7 @@ def test_megatron_path_routes_its_te_linears_blockwise_gemms_and_trains_as_on_cu
         calls = dict(te_deepgemm.route_blockwise_gemms(LIBRARY).calls)  # the router the Megatron path installed
     finally:
         te_deepgemm.unroute()
-    layers, micro_batches = LlamaConfig.tiny().n_layers, settings["global_batch"] // settings["micro_batch"]
+    layers, micro_batches = load_model_config("tiny").n_layers, settings["global_batch"] // settings["micro_batch"]
     assert calls == {"deepgemm": 4 * 3 * layers * micro_batches * settings["steps"], "te": 0}
     assert on_deepgemm.losses[0] == on_cublas.losses[0]
     # main_grad from DeepGEMM's wgrad: the first step's gradient norm as cuBLAS's, up to FP32 rounding (and the

@@ -20,8 +20,9 @@ from transformer_engine.common import recipe as te_recipes  # noqa: E402
 from transformer_engine.pytorch.module.layernorm_mlp import _LayerNormMLP  # noqa: E402
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer  # noqa: E402
 
+from fp8stack.models import load_model_config
 from fp8stack.backends.te import TEBackend  # noqa: E402
-from fp8stack.models import Llama, LlamaConfig  # noqa: E402
+from fp8stack.models import Llama  # noqa: E402
 from fp8stack.plan import PolicyConfig, load_description, make_plan  # noqa: E402
 from fp8stack.patches import te_swiglu_fp8_dgrad as patch  # noqa: E402
 
@@ -147,7 +148,7 @@ def test_one_rounding_is_at_least_as_close_to_the_fp32_gradient():
 def test_te_backend_applies_it_for_fused_mlps_under_delayed_scaling(recipe, noted, restore_patch_state):
     patch.revert()
     with torch.device("cuda"):
-        model = Llama(LlamaConfig.tiny())
+        model = Llama(load_model_config("tiny"))
     plan = make_plan(load_description("tiny"), PolicyConfig(recipe=recipe, backend="te", small_gemm_filter="off"))
     _, record = TEBackend().convert(model, plan.for_backend("te"), plan)  # the policy fuses norms and MLPs by default
     notes = [note for note in record.notes if "te_swiglu_fp8_dgrad" in note]
