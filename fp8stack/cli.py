@@ -8,11 +8,11 @@ import argparse
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from fp8stack import __version__
 from fp8stack.ab import add_ab_parser
 from fp8stack.config import ConfigError, ModelConfig, add_section_arguments, parse_args
+from fp8stack.config.flags import USAGE_ERROR, OneLineParser
 from fp8stack.doctor import add_doctor_parser
 from fp8stack.plan import PlanError, PolicyConfig, load_description, load_recipe_file, make_plan, parse_arch
 from fp8stack.plan.recipes import BF16, RECIPES
@@ -21,23 +21,14 @@ from fp8stack.profile import add_profile_parser
 from fp8stack.train.command import add_train_parser
 
 PROG = "fp8stack"
-USAGE_ERROR = 2
-"""Exit code for bad input (argparse's convention)."""
 MIN_TABLE_WIDTH = 100
 """Below this the table's columns get too narrow to read; a narrower terminal wraps lines instead."""
 DEFAULT_ARCH = "sm90"
 """Target when no GPU is visible: Hopper, the first GPU with the FP8 recipes the plan uses most."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors in one line, like every other fp8stack error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_ERROR, f"{PROG}: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", required=True)
     add_train_parser(commands)

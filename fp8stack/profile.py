@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
-from fp8stack.config.flags import DERIVED_FIELDS, add_megatron_recompute_arguments
+from fp8stack.config.flags import DERIVED_FIELDS, add_megatron_recompute_arguments, run_command
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.recipes import BF16, is_fp8
 
@@ -455,9 +455,7 @@ def _cut(name: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m fp8stack.profile ...`: the same as `fp8stack profile ...`."""
-    from fp8stack.cli import main as cli_main
-
-    return cli_main(["profile", *(sys.argv[1:] if argv is None else argv)])
+    return run_command("fp8stack profile", _add_arguments, run_profile, argv)
 
 
 if __name__ == "__main__":

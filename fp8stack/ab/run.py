@@ -27,7 +27,7 @@ from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_T
                                   repeat_note, verdict_cells)
 from fp8stack.backends import get_backend
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
-from fp8stack.config.flags import add_megatron_recompute_arguments
+from fp8stack.config.flags import add_megatron_recompute_arguments, run_command
 from fp8stack.plan import PlanError
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend, get_recipe, is_fp8,
                                    recipe_name)
@@ -504,6 +504,4 @@ def _print_table(table: tuple[list[str], list[list]], markdown: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m fp8stack.ab ...`: the same as `fp8stack ab ...`."""
-    from fp8stack.cli import main as cli_main
-
-    return cli_main(["ab", *(sys.argv[1:] if argv is None else argv)])
+    return run_command("fp8stack ab", _add_arguments, run_ab, argv)

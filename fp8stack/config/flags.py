@@ -10,14 +10,15 @@ import argparse
 import ast
 import inspect
 import json
+import sys
 import textwrap
 import tomllib
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, asdict, fields, is_dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_SOURCES, DEVICES, MODEL_IMPLS, ConfigError, JobConfig)
 from fp8stack.plan import PlanError, PolicyConfig
@@ -108,10 +109,33 @@ RETIRED: dict[str, str] = {
 }
 """Flags that no longer exist -> where their meaning went (a use of them is refused with this pointer)."""
 
+USAGE_ERROR = 2
+"""Exit code for bad input (argparse's convention)."""
+
 MEGATRON_SELECTIVE_DEFAULT = ("core_attn",)
 """What Megatron recomputes under --recompute-granularity selective without --recompute-modules."""
 PRESETS = CONFIGS_DIR / "presets"
 """Where the named configurations `--config NAME` loads live (configs/presets/NAME.toml)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports usage errors in one line, 'fp8stack: error: <problem and fix>', like every other
+    fp8stack error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"fp8stack: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+
+def run_command(prog: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None) -> int:
+    """One subcommand on its own (`python -m fp8stack.ab ...`): its parser, then run(args); the exit code."""
+    parser = OneLineParser(prog=prog, usage="%(prog)s [options]")
+    add_arguments(parser)
+    try:
+        args = parse_args(parser, sys.argv[1:] if argv is None else argv)
+    except SystemExit as done:  # --help printed, or a usage error already reported in one line
+        return done.code if isinstance(done.code, int) else 0
+    return run(args)
 
 
 @cache

@@ -16,10 +16,9 @@ from pathlib import Path
 
 from fp8stack import __version__
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, job_from_args, parse_args
-from fp8stack.config.flags import add_megatron_recompute_arguments
+from fp8stack.config.flags import USAGE_ERROR, add_megatron_recompute_arguments, run_command
 from fp8stack.plan import PlanError
 
-USAGE_ERROR = 2
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +76,4 @@ def job_from_flags(argv: list[str]) -> JobConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """`fp8stack train` with these arguments; the exit code."""
-    from fp8stack.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    return run_command("fp8stack train", add_train_arguments, run_train, argv)
