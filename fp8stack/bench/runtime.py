@@ -22,7 +22,7 @@ import torch
 from fp8stack.assembly import assemble
 from fp8stack.backends import backend_class
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
-from fp8stack.models import Llama, LlamaConfig
+from fp8stack.models import Llama, load_model_config
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 from fp8stack.runtime import capture_check, compress_saved_activations
 from fp8stack.plan.recipes import is_fp8
@@ -62,13 +62,10 @@ CAPTURE_VARIANTS = {
 }
 """Capture check variant -> (model description, policy). The tiny models' GEMMs are all planned FP8."""
 
-MODEL_CONFIGS = {"tiny": LlamaConfig.tiny, "tiny-moe": LlamaConfig.tiny_moe, "llama-1b-like": LlamaConfig.llama_1b_like}
-
-
 def build(model_name: str, policy: PolicyConfig, **assemble_kwargs) -> torch.nn.Module:
     """The fp8stack Llama for `model_name` on the GPU in BF16, assembled with `policy`'s plan."""
     with torch.device("cuda"):
-        model = Llama(MODEL_CONFIGS[model_name]()).to(torch.bfloat16)
+        model = Llama(load_model_config(model_name)).to(torch.bfloat16)
     plan = make_plan(load_description(model_name), policy)
     return assemble(model, plan, **assemble_kwargs)
 
