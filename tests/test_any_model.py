@@ -79,7 +79,7 @@ def test_llama3_8b_is_an_8b_model():
 
 ROUND_TRIPS = {
     "tiny-unfused": replace(TINY, fused_projections=False),
-    "moe-unfused": replace(NAMED["tiny-moe"][0], fused_projections=False),
+    "moe-unfused": replace(NAMED["tiny-moe"], fused_projections=False),
     # Every layer MoE: no dense MLP is built, and ffn_dim (unused) reads as the experts' width.
     "all-moe-no-shared-expert": replace(TINY, n_layers=2, ffn_dim=128,
                                         moe=MoEConfig(num_experts=4, top_k=1, expert_ffn_dim=128)),
