@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from fp8stack.bench.results import sync_pages
+
 REPO = Path(__file__).resolve().parents[2]
 """The repository: docs/ and the fp8stack sources live under it."""
 
@@ -148,18 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 when the committed pages differ from what would be written")
     args = parser.parse_args(argv)
-    generated = pages()
-    if args.check:
-        stale = [str(path) for path, text in generated.items() if not path.is_file() or path.read_text() != text]
-        if stale:
-            print(f"{', '.join(stale)} differ from the code: run python -m fp8stack.bench.docs", file=sys.stderr)
-            return 1
-        return 0
-    REFERENCE.mkdir(parents=True, exist_ok=True)
-    for path, text in generated.items():
-        path.write_text(text)
-        print(f"wrote {path}")
-    return 0
+    return sync_pages(pages(), args.check, "the code", "python -m fp8stack.bench.docs")
 
 
 if __name__ == "__main__":

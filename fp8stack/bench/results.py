@@ -410,14 +410,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EvidenceError as err:
         print(f"python -m fp8stack.bench.results: error: {err}", file=sys.stderr)
         return 2
-    if args.check:
+    return sync_pages(generated, args.check, "the evidence", "python -m fp8stack.bench.results")
+
+
+def sync_pages(generated: dict[Path, str], check: bool, source: str, command: str) -> int:
+    """Write the generated pages, or with `check` write nothing and return 1 when a committed page differs from
+    what `command` would write from `source`."""
+    if check:
         stale = [str(path) for path, text in generated.items() if not path.is_file() or path.read_text() != text]
         if stale:
-            print(f"{', '.join(stale)} differ from the evidence: run python -m fp8stack.bench.results",
-                  file=sys.stderr)
+            print(f"{', '.join(stale)} differ from {source}: run {command}", file=sys.stderr)
             return 1
         return 0
     for path, text in generated.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
     return 0
