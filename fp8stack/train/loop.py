@@ -185,7 +185,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
         else:
             model = build_model(cfg, device)
             seq_len = cfg.training.seq_len
-            vocab_size = _vocab_size(cfg, model)
+            vocab_size = _vocab_size(cfg, model, env)
             plan = build_plan(cfg, model)
             cfg = _with_optimizer_defaults(cfg, model)
             _check_cpu_support(plan, device, dtype)
@@ -376,11 +376,11 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str
     return {"te": options} if plan.for_backend("te") else None
 
 
-def _vocab_size(cfg: JobConfig, model: torch.nn.Module) -> int | None:
+def _vocab_size(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed") -> int | None:
     """A factory model's vocabulary, from one forward on a batch of the data (None for the described Llama)."""
     if not cfg.model.factory:
         return None
-    probe = batches(cfg, "train", 1, _OneRank())
+    probe = batches(cfg, "train", 1, env)
     return user_code.vocab_size_of(model, probe.batch(0)[0])
 
 
@@ -395,12 +395,6 @@ def _with_optimizer_defaults(cfg: JobConfig, model: torch.nn.Module) -> JobConfi
     return replace(cfg, optimizer=replace(cfg.optimizer, lr=lr, min_lr=cfg.optimizer.min_lr or lr / 10,
                                           warmup=defaults.warmup if cfg.optimizer.warmup is None
                                           else cfg.optimizer.warmup))
-
-
-class _OneRank:
-    """The rank fields batches() reads, for a probe outside the run's ranks."""
-
-    dp_rank, dp_size = 0, 1
 
 
 def _with_wgrad_fusion(cfg: JobConfig, plan_has_te_layers: bool, world_size: int) -> JobConfig:
