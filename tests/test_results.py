@@ -87,6 +87,16 @@ def test_the_repository_evidence_is_laid_out_by_run():
         assert all(list(folder.glob("*.json")) for folder in (PROFILES / area).iterdir())
 
 
+def test_every_run_names_the_commit_it_measured():
+    nameless = [str(path.relative_to(PROFILES)) for path in sorted((PROFILES / "runs").glob("*/*.json"))
+                if not _commit_of(json.loads(path.read_text()))]
+    assert not nameless, f"evidence without a commit: {nameless}"
+
+
+def _commit_of(record) -> str | None:
+    return record.get("commit") if isinstance(record, dict) else None
+
+
 def _readme(tmp_path: Path, body: str = f"# x\n\n{README_START}\nold table\n{README_END}\n\nhand-written\n") -> Path:
     (tmp_path / "README.md").write_text(body)
     return tmp_path / "README.md"

@@ -1,13 +1,17 @@
 """Plan rendering: a grouped table (rich), Markdown, JSON."""
 
+from __future__ import annotations
+
 import io
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from fp8stack.plan.plan import Plan
+if TYPE_CHECKING:  # plan.Plan prints itself through this module
+    from fp8stack.plan.plan import Plan
 
 
 @dataclass(frozen=True)
