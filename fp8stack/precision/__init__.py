@@ -3,5 +3,6 @@ weights, and FP32 main_grad accumulation (TE's fused weight-gradient GEMMs where
 Above the assembly: it asks the backends that converted a model what their weights need."""
 
 from fp8stack.precision.master_weights import MasterWeights
+from fp8stack.precision.sharded_masters import ShardedMasterWeights
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "ShardedMasterWeights"]
