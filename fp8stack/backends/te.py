@@ -103,7 +103,8 @@ class TEBackend(Backend):
     fuse_wgrad_accumulation: bool | None = None
     """Each TE weight-gradient GEMM accumulates into the weight's FP32 main_grad, which is its .grad (TE's
     fuse_wgrad_accumulation, Megatron's --gradient-accumulation-fusion): no BF16 weight gradient, no BF16 -> FP32
-    copy and no add per micro-batch. Needs FP32 weights on the GPU and one process (nothing reduces main_grad).
+    copy and no add per micro-batch. Needs FP32 weights on the GPU, and one process or fp8stack.precision's DDP
+    (MasterWeights / DataParallelGradients with data_parallel average the main_grads); not under fully_shard.
     None: on where it can be (FP32 weights on the GPU, no process group of several ranks), with a note."""
     blockwise_gemms: str = "te"
     """Where the blockwise (Float8BlockScaling) modules' GEMMs run: te (cuBLAS) or deepgemm (DeepGEMM's dense
@@ -243,7 +244,9 @@ class TEBackend(Backend):
         params = [p for d in decisions for p in _parameters_at(model, d.fqn)]
         dtypes, devices = {p.dtype for p in params}, {p.device.type for p in params}
         if ranks > 1 or dtypes != {torch.float32} or devices != {"cuda"}:
-            why = (f"a process group of {ranks} ranks reduces .grad, not main_grad" if ranks > 1
+            why = (f"this process group has {ranks} ranks, and a data-parallel wrapper may reduce .grad without "
+                   "main_grad: pass fuse_wgrad_accumulation=True where fp8stack.precision's DDP (MasterWeights or "
+                   "DataParallelGradients with data_parallel) averages the main_grads" if ranks > 1
                    else f"the weights are {', '.join(sorted(map(str, dtypes)))} on {', '.join(sorted(devices))}, "
                         "and main_grad needs FP32 weights on the GPU")
             return False, f"fuse_wgrad_accumulation (auto): off, {why}"
