@@ -263,7 +263,7 @@ def _add_main_grads(module: _WeightCache, weights: list[nn.Parameter], name: str
     accumulates (no BF16 gradient, dtype conversion or add per micro-batch, as under megatron's DDP), and which
     _WeightCache makes the weight's .grad; zeroed at the first forward after optimizer.zero_grad(set_to_none=True),
     zeroed in place by zero_grad(set_to_none=False). Across replicas fp8stack.precision's DDP averages main_grad; the
-    assembly refuses fuse_wgrad_accumulation with FSDP or tensor parallelism, which reduce autograd's gradients.
+    assembly refuses fuse_wgrad_accumulation with FSDP or tensor parallelism, which reduce autograd's gradients."""
     for weight in weights:
         if weight.dtype != torch.float32 or weight.device.type != "cuda":
             raise PlanError(f"fuse_wgrad_accumulation: {name} holds {weight.dtype} weights on {weight.device}, and "
