@@ -17,15 +17,28 @@ gradients.
 Weights a backend holds in FP8 only (TE's fp8_weights) stay FP8: their masters start from the FP32 values the backend
 quantized them from, and copying a master into such a weight quantizes it (TE's QuantizedTensor.copy_), with the scale
 the recipe keeps for that weight.
+
+With data_parallel (a process group or 1-D device mesh of replicas), the main_grads are averaged over its ranks at the
+end of each backward not run inside masters.no_sync() (fp8stack.precision.data_parallel): DDP with Megatron's FP32
+gradient buffers, TE's fused weight-gradient accumulation included.
+
+    masters = MasterWeights(model, data_parallel=mesh)
+    for i, batch in enumerate(micro_batches):
+        with masters.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+            loss_fn(model(batch)).backward()
 """
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fp8stack.assembly import assembly_state, post_optimizer_step_hook
+from fp8stack.precision.data_parallel import (BUCKET_BYTES, AtBackwardEnd, average, broadcast_from_first, buckets,
+                                              process_group, refuse_sharded)
 
 
 class MasterWeights:
@@ -33,15 +46,17 @@ class MasterWeights:
     holds them under the model's names (what the optimizer steps and a checkpoint saves). After each optimizer step
     after_step() must run: track(optimizer) makes the optimizer run it (with the assembly's post-step hook)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, data_parallel: dist.ProcessGroup | DeviceMesh | None = None,
+                 bucket_bytes: int = BUCKET_BYTES):
         named = {name: p for name, p in model.named_parameters() if p.requires_grad}
         wrong = sorted({str(p.dtype) for p in named.values()} - {"torch.float32"})
         if wrong:
             raise RuntimeError(f"BF16 parameters start from FP32 ones, found {wrong}: build the model in FP32")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError("MasterWeights keeps the main_grads of one process, which no data-parallel wrapper "
-                               f"reduces, and this process group has {dist.get_world_size()} ranks: train one process "
-                               "with it, or keep FP32 parameters under FSDP's mixed precision")
+        refuse_sharded(model, "MasterWeights")
+        if data_parallel is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(f"this process group has {dist.get_world_size()} ranks, and MasterWeights without "
+                               "data_parallel keeps one process's main_grads: pass data_parallel=<the replicas' "
+                               "process group or 1-D mesh> to average them (DDP), or fully_shard the model (FSDP2)")
         backends = assembly_state(model).backends
         fp8_values = {pid: value for backend in backends for pid, value in backend.take_master_values(model).items()}
         self.model = model
@@ -59,12 +74,22 @@ class MasterWeights:
         for module in model.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in ours:
                 module.sparse = True
-        for param in self.params:
+        for param in self.params:  # TE's fused weight-gradient GEMMs already write into their weights' main_grads
             if getattr(param, "main_grad", None) is None:
-                param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 param.register_post_accumulate_grad_hook(_into_main_grad)
-            if id(param) not in fp8_values:
-                param.data = param.data.to(torch.bfloat16)
+        self.buffers = _main_grad_buffers(self.params, bucket_bytes)
+        """The FP32 buffers every main_grad is a view into: zeroed, and averaged over the replicas, whole."""
+        self.group = process_group(data_parallel) if data_parallel is not None else None
+        """The replicas' process group (data_parallel), or None."""
+        if self.group is not None:
+            broadcast_from_first(self.masters, self.group)
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters, strict=True):
+                if id(param) not in fp8_values:
+                    param.data = param.data.to(torch.bfloat16)
+                if self.group is not None:
+                    param.copy_(master)
+        self._at_backward_end = AtBackwardEnd(model, self.reduce_grads) if self.group is not None else None
         self._link_grads()
         model.register_forward_pre_hook(self._link_unlinked_grads)
 
@@ -89,8 +114,19 @@ class MasterWeights:
         with torch.no_grad():
             for param, master in zip(self.params, self.masters, strict=True):
                 param.copy_(master)
-                param.main_grad.zero_()
+            for buffer in self.buffers:
+                buffer.zero_()
         self._link_grads()
+
+    def no_sync(self):
+        """With data_parallel: forwards and backwards in here accumulate into the main_grads without averaging them
+        (all micro-batches but a step's last). Without, nothing to hold back."""
+        return self._at_backward_end.no_sync() if self._at_backward_end else nullcontext()
+
+    def reduce_grads(self) -> None:
+        """Average the main_grads over data_parallel's ranks now (what the end of a backward outside no_sync does)."""
+        if self.group is not None:
+            average(self.buffers, self.group)
 
     def _link_grads(self) -> None:
         for param, master in zip(self.params, self.masters, strict=True):
@@ -111,6 +147,23 @@ def _into_main_grad(param: torch.Tensor) -> None:
     else:
         param.main_grad.add_(grad)
     param.grad = None
+
+
+def _main_grad_buffers(params: list[nn.Parameter], bucket_bytes: int) -> list[torch.Tensor]:
+    """Flat FP32 buffers, in buckets of about bucket_bytes, with each parameter's main_grad a view into one (starting
+    from the values of any main_grad a backend made)."""
+    flats = []
+    for run in buckets(params, bucket_bytes, element_size=4):  # FP32 main_grads
+        flat = torch.zeros(sum(p.numel() for p in run), dtype=torch.float32, device=run[0].device)
+        offset = 0
+        for param in run:
+            view = flat[offset:offset + param.numel()].view(param.shape)
+            if getattr(param, "main_grad", None) is not None:
+                view.copy_(param.main_grad)
+            param.main_grad = view
+            offset += param.numel()
+        flats.append(flat)
+    return flats
 
 
 def _holding(named: dict[str, nn.Parameter]) -> nn.Module:
