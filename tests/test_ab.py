@@ -276,7 +276,8 @@ def test_arms_run_on_nproc_processes_under_the_data_parallel_wrapper_asked(tmp_p
     assert record["nproc"] == 2 and set(record["runs"]) == {"bf16", "tensorwise"}
     for run in record["runs"].values():
         assert run["world_size"] == 2 and run["tokens_per_step"] == 2 * 2 * 32  # micro-batch 2 on each rank
-        assert run["config"]["parallelism"]["data_parallel"] == "ddp" and run["config"]["training"]["param_dtype"] == "bf16"
+        assert run["config"]["parallelism"]["data_parallel"] == "ddp"
+        assert run["config"]["training"]["param_dtype"] == "bf16"
 
 
 def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):

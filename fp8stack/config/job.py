@@ -373,9 +373,9 @@ def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
                           "ddp (or --no-gradient-accumulation-fusion)")
     if parallel.tensor_parallel > 1 and (param_dtype == "fp8" or (param_dtype == "bf16" and fsdp is False)):
         raise ConfigError(f"training.param_dtype {param_dtype} keeps FP32 masters of whole parameters, which tensor "
-                          "parallelism shards; under it only FSDP2's mixed precision keeps BF16 parameters (param_dtype "
-                          "bf16 with more ranks than --tensor-model-parallel-size): use --training.param-dtype fp32, "
-                          "or add data-parallel ranks")
+                          "parallelism shards; under it only FSDP2's mixed precision keeps BF16 parameters "
+                          "(param_dtype bf16 with more ranks than --tensor-model-parallel-size): use "
+                          "--training.param-dtype fp32, or add data-parallel ranks")
 
 
 MEGATRON_MODELS = ("tiny", "llama-1b-like")
