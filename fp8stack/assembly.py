@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from fp8stack.backends import (Backend, BackendUnavailable, ConversionRecord, available_backends, check_plan_fits,
                                 get_backend)
+from fp8stack.backends.te import FUSED_WGRAD_UNDER_FULLY_SHARD
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.parallel import SHARD_KINDS, ShardAs, TensorParallelPlan
 from fp8stack.plan.recipes import BF16, get_recipe
@@ -76,6 +77,10 @@ class AssemblyState:
     weights, tensor-parallel styles)."""
     precompute_fp8_scales: bool = False
     """post_optimizer_step_hook precomputes torchao's FP8 weight scales (requested and applicable)."""
+    master_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Parameter name -> the FP32 values a weight held in low precision only (TE's fp8_weights) was quantized from,
+    taken from the backends by fully_shard, whose sharded parameters do not carry them over; ShardedMasterWeights
+    starts its masters from them (and removes them)."""
 
 
 _STATE_ATTR = "_fp8stack_assembly"
@@ -131,6 +136,12 @@ def assemble(
     options = _with_parallel_options(plan, backend_options, distributed=fsdp_mesh is not None or tp_mesh is not None,
                                      precompute_fp8_scales=precompute_fp8_scales)
     model = apply_fp8(model, plan, fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=options)
+    mp_policy = fsdp_mp_policy or _DEFAULT_MP_POLICY
+    if fsdp_mesh is not None and tp_mesh is None and (backend_options or {}).get("te", {}).get(
+            "fuse_wgrad_accumulation") is None:
+        _add_note(model, "te", "fuse_wgrad_accumulation (auto): off under fully_shard, whose reduce-scatter takes "
+                               "autograd's gradients, not TE's main_grad; micro-batch gradients accumulate in "
+                               f"{_dtype_name(mp_policy.reduce_dtype or mp_policy.param_dtype)} (FSDP2's reduce_dtype)")
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, tp_plan)
     if recompute is not None:
@@ -138,7 +149,7 @@ def assemble(
     if compile:
         apply_compile(model)
     if fsdp_mesh is not None:
-        apply_fsdp(model, fsdp_mesh, mp_policy=fsdp_mp_policy, precompute_fp8_scales=precompute_fp8_scales)
+        apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy, precompute_fp8_scales=precompute_fp8_scales)
     elif precompute_fp8_scales:
         _record_precompute(model, requested=True)
     if verbose:
@@ -164,11 +175,11 @@ def describe_assembly(model: nn.Module, sdpa_backend: str | None = None) -> str:
 def _with_parallel_options(plan: Plan, backend_options: dict[str, dict] | None, *, distributed: bool,
                            precompute_fp8_scales: bool) -> dict[str, dict] | None:
     """backend_options plus what the parallelisms decide: TE's fused wgrad accumulation off under FSDP or tensor
-    parallelism (nothing reduces its main_grad), torchao's scale precompute when asked for."""
+    parallelism when left to auto (nothing reduces its main_grad), torchao's scale precompute when asked for."""
     options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
     used = {d.backend for d in plan.decisions}
-    if distributed and "te" in used:
-        options.setdefault("te", {}).setdefault("fuse_wgrad_accumulation", False)
+    if distributed and "te" in used and options.get("te", {}).get("fuse_wgrad_accumulation") is None:
+        options.setdefault("te", {})["fuse_wgrad_accumulation"] = False
     if precompute_fp8_scales and "torchao" in used:
         options.setdefault("torchao", {})["precompute_fp8_scales"] = True
     return options or None
@@ -181,10 +192,13 @@ def _check_combination(plan: Plan, *, fsdp_mesh: DeviceMesh | None, tp_mesh: Dev
     if (tp_mesh is None) != (tp_plan is None):
         raise ValueError("tensor parallelism needs both tp_mesh and tp_plan (the model's own plan, e.g. "
                          "fp8stack.models.llama.tensor_parallel_plan): pass both or neither")
-    if (backend_options or {}).get("te", {}).get("fuse_wgrad_accumulation") and (fsdp_mesh or tp_mesh):
+    fused_wgrad = (backend_options or {}).get("te", {}).get("fuse_wgrad_accumulation")
+    if fused_wgrad and tp_mesh is not None:
         raise OrderingError("te fuse_wgrad_accumulation accumulates weight gradients into FP32 main_grad buffers, "
-                            "which neither fully_shard nor tensor parallelism reduce or shard: train one process, "
-                            "use model_impl megatron (its DDP reduces main_grad), or turn it off")
+                            "which tensor parallelism does not shard or reduce: train one process, use model_impl "
+                            "megatron (its DDP reduces main_grad), or turn it off")
+    if fused_wgrad and fsdp_mesh is not None:
+        raise OrderingError(FUSED_WGRAD_UNDER_FULLY_SHARD)
     if fsdp_float8_all_gather:
         _check_fp8_all_gather_recipes(plan)
         if fsdp_mesh is None:
@@ -348,14 +362,29 @@ def apply_compile(model: nn.Module) -> None:
 
 # --- stage 5: FSDP2 ----------------------------------------------------------------------------
 
+_DEFAULT_MP_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+"""FSDP2's mixed precision unless told otherwise: BF16 parameters for compute, gradients reduced (and micro-batch
+gradients accumulated) in FP32."""
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
                precompute_fp8_scales: bool = False) -> None:
     """fully_shard every block, then the root (embeddings, final norm and head go with the root).
 
-    mp_policy defaults to BF16 parameters for compute and FP32 gradient reduction.
-    precompute_fp8_scales: see post_optimizer_step_hook."""
+    Before sharding, each backend readies what it converted (Backend.before_fully_shard: TE refuses fused wgrad
+    accumulation and drops its FP8 weight cache, with a note), and the FP32 initial values of weights held in FP8
+    only are taken into the assembly state by parameter name (fully_shard's sharded parameters lose what TE keeps on
+    the originals), for fp8stack.precision.ShardedMasterWeights. mp_policy defaults to BF16 parameters for compute
+    and FP32 gradient reduction. precompute_fp8_scales: see post_optimizer_step_hook."""
     state = _begin(model, "fully_shard")
-    mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp_policy = mp_policy or _DEFAULT_MP_POLICY
+    for backend, record in zip(state.backends, state.conversions, strict=True):
+        try:
+            record.notes += backend.before_fully_shard(model)
+        except NotImplementedError as refused:
+            raise OrderingError(str(refused)) from None
+    by_id = {pid: value for backend in state.backends for pid, value in backend.take_master_values(model).items()}
+    state.master_values |= {name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id}
     for _, block in _blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -383,6 +412,17 @@ def post_optimizer_step_hook(model: nn.Module) -> Callable[..., None]:
 
 def _do_nothing(*_optimizer_hook_args) -> None:
     """The post-step hook of a model with nothing that changed weights invalidate."""
+
+
+def _add_note(model: nn.Module, backend: str, note: str) -> None:
+    """Add `note` to the conversion record of `backend`, if it converted anything."""
+    for record in assembly_state(model).conversions:
+        if record.backend == backend:
+            record.notes.append(note)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return {torch.float32: "FP32", torch.bfloat16: "BF16", None: "the parameters' dtype"}.get(dtype, str(dtype))
 
 
 def _record_precompute(model: nn.Module, requested: bool) -> None:

@@ -20,8 +20,8 @@ from torchao.float8.float8_linear import Float8Linear
 from fp8stack.models import load_model_config
 import fp8stack
 from fp8stack import OrderingError, PolicyConfig, assemble, load_description, make_plan
-from fp8stack.assembly import (AssemblyState, AssemblyWarning, apply_ac, apply_compile, apply_fp8, apply_fsdp,
-                               apply_tp, assembly_state, post_optimizer_step_hook)
+from fp8stack.assembly import (AssemblyState, AssemblyWarning, _with_parallel_options, apply_ac, apply_compile,
+                               apply_fp8, apply_fsdp, apply_tp, assembly_state, post_optimizer_step_hook)
 from fp8stack.backends import BackendUnavailable
 from fp8stack.backends.bf16 import BF16Backend
 from fp8stack.models import Llama
@@ -212,11 +212,28 @@ def test_fp8_all_gather_with_rowwise_raises(model, mesh):
     assert assembly_state(model).stages == []
 
 
-def test_fused_wgrad_accumulation_with_fsdp_raises(model, mesh):
+def test_fused_wgrad_accumulation_with_fsdp_raises_naming_te_and_the_fixes(model, mesh):
     options = {"te": {"fuse_wgrad_accumulation": True}}
-    with pytest.raises(OrderingError, match="main_grad buffers, which neither fully_shard nor tensor parallelism"):
-        assemble(model, tiny_plan("tensorwise"), fsdp_mesh=mesh, backend_options=options)
+    with pytest.raises(OrderingError, match=r"outside autograd, and fully_shard \(FSDP2\) reduce-scatters autograd's "
+                                            r"gradients.*Megatron-core's FSDP.*use DDP \(fp8stack.precision."
+                                            r"MasterWeights\(model, data_parallel=...\)\), model_impl megatron, or turn"):
+        assemble(model, tiny_plan("delayed"), fsdp_mesh=mesh, backend_options=options)
     assert assembly_state(model).stages == []
+
+
+def test_fused_wgrad_accumulation_with_tensor_parallelism_raises(model, mesh):
+    options = {"te": {"fuse_wgrad_accumulation": True}}
+    with pytest.raises(OrderingError, match="main_grad buffers, which tensor parallelism does not shard or reduce"):
+        assemble(model, tiny_plan("delayed"), tp_mesh=mesh, tp_plan=TensorParallelPlan(outside={}, block={}),
+                 backend_options=options)
+    assert assembly_state(model).stages == []
+
+
+@pytest.mark.parametrize("asked", [{}, {"fuse_wgrad_accumulation": None}], ids=["unset", "none"])
+def test_fused_wgrad_accumulation_left_to_auto_is_off_when_distributed(asked):
+    options = _with_parallel_options(tiny_plan("delayed"), {"te": asked}, distributed=True,
+                                     precompute_fp8_scales=False)
+    assert options["te"]["fuse_wgrad_accumulation"] is False
 
 
 def test_fp8_all_gather_without_fsdp_raises(model):

@@ -41,10 +41,14 @@ and their BF16 copies agree except where a value lies near a BF16 rounding bound
 where one process copies them from its masters, 9e-5 and 5e-4. Gradients of one rank's half-batch alone (no average)
 differ by percents from the second step on."""
 
+FP8_PARAMETERS = {"training.param_dtype": "fp8", "precision.recipe": "delayed", "precision.backend": "te"}
 LEVER_REFUSALS = {
-    "param_dtype fp8": ({"training.param_dtype": "fp8", "precision.recipe": "delayed", "precision.backend": "te"},
-                        "TransformerEngine is not installed"),
-    "te.gradient_accumulation_fusion": ({"te.gradient_accumulation_fusion": True}, "has no TE layers"),
+    "param_dtype fp8, ddp": ({**FP8_PARAMETERS, "parallelism.data_parallel": "ddp"},
+                             "TransformerEngine is not installed"),
+    "param_dtype fp8, fsdp": ({**FP8_PARAMETERS, "parallelism.data_parallel": "fsdp"},
+                              "TransformerEngine is not installed"),
+    "te.gradient_accumulation_fusion, ddp": ({"te.gradient_accumulation_fusion": True,
+                                              "parallelism.data_parallel": "ddp"}, "has no TE layers"),
 }
 """Levers that refused more than one process -> (settings, what a CPU refuses them for now: TE, a GPU library)."""
 
@@ -67,7 +71,7 @@ def _ranks(rank: int, world: int, init_file: str, folder: str) -> None:
             refused = {}
             for lever, (settings, _) in LEVER_REFUSALS.items():
                 try:
-                    train(from_overrides({**RUN, **settings, "parallelism.data_parallel": "ddp"}))
+                    train(from_overrides({**RUN, **settings}))
                     refused[lever] = ""
                 except (ConfigError, BackendUnavailable) as err:  # what `fp8stack train` reports, exit 2
                     refused[lever] = str(err)

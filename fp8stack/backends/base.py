@@ -95,6 +95,12 @@ class Backend:
         """Master weights take over the FP32 main_grad buffers its modules accumulate weight gradients into: the
         modules stop pointing their weights' .grad at them."""
 
+    def before_fully_shard(self, model: nn.Module) -> list[str]:
+        """Make the modules it converted in `model` ready for fully_shard, which replaces their parameters by sharded
+        ones; returns notes for its conversion record. Raises NotImplementedError (the reason and the fix) for what
+        cannot run sharded."""
+        return []
+
     def tensor_parallel_style(self, module: nn.Module, kind: str, mesh: DeviceMesh, **layouts) -> ParallelStyle | None:
         """The style that shards `module` (one it converted) over `mesh` as `kind` ('colwise', 'rowwise' or
         'prepare_input', the latter for a module whose linears all run on this backend); None: torch's own style.

@@ -57,6 +57,13 @@ receive N entries per step (N - 1 of them zero) and 'max' would see only len / N
 entry and 'most_recent', a module that did not run since its last update has amax 0, which TE
 treats as "keep the scale", so each scale moves once per step, as under one model-wide autocast."""
 
+FUSED_WGRAD_UNDER_FULLY_SHARD = (
+    "te fuse_wgrad_accumulation writes weight gradients into FP32 main_grad buffers outside autograd, and fully_shard "
+    "(FSDP2) reduce-scatters autograd's gradients, so TE supports the fusion only under Megatron-core's FSDP (which "
+    "provides get_main_grad()): use DDP (fp8stack.precision.MasterWeights(model, data_parallel=...)), model_impl "
+    "megatron, or turn fuse_wgrad_accumulation off (FSDP2 then accumulates micro-batch gradients in its reduce_dtype)")
+"""Why TE's fused weight-gradient accumulation cannot run under fully_shard, and the fixes."""
+
 
 def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0):
     """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed); delayed scaling
@@ -92,11 +99,12 @@ class TEBackend(Backend):
     """Cast each weight to FP8 at the first forward after an optimizer step (any torch.optim optimizer's) or a write to
     the weight, and reuse that copy for the step's other micro-batches (TE's is_first_microbatch, as megatron drives
     it): one cast per step instead of one per micro-batch. The copies stay allocated between steps; off for weights
-    held in FP8 (nothing to cast)."""
+    held in FP8 (nothing to cast) and under fully_shard (before_fully_shard says why)."""
     fuse_wgrad_accumulation: bool | None = None
     """Each TE weight-gradient GEMM accumulates into the weight's FP32 main_grad, which is its .grad (TE's
     fuse_wgrad_accumulation, Megatron's --gradient-accumulation-fusion): no BF16 weight gradient, no BF16 -> FP32
-    copy and no add per micro-batch. Needs FP32 weights on the GPU and one process (nothing reduces main_grad).
+    copy and no add per micro-batch. Needs FP32 weights on the GPU, and one process or fp8stack.precision's DDP
+    (MasterWeights / DataParallelGradients with data_parallel average the main_grads); not under fully_shard.
     None: on where it can be (FP32 weights on the GPU, no process group of several ranks), with a note."""
     blockwise_gemms: str = "te"
     """Where the blockwise (Float8BlockScaling) modules' GEMMs run: te (cuBLAS) or deepgemm (DeepGEMM's dense
@@ -236,7 +244,9 @@ class TEBackend(Backend):
         params = [p for d in decisions for p in _parameters_at(model, d.fqn)]
         dtypes, devices = {p.dtype for p in params}, {p.device.type for p in params}
         if ranks > 1 or dtypes != {torch.float32} or devices != {"cuda"}:
-            why = (f"a process group of {ranks} ranks reduces .grad, not main_grad" if ranks > 1
+            why = (f"this process group has {ranks} ranks, and a data-parallel wrapper may reduce .grad without "
+                   "main_grad: pass fuse_wgrad_accumulation=True where fp8stack.precision's DDP (MasterWeights or "
+                   "DataParallelGradients with data_parallel) averages the main_grads" if ranks > 1
                    else f"the weights are {', '.join(sorted(map(str, dtypes)))} on {', '.join(sorted(devices))}, "
                         "and main_grad needs FP32 weights on the GPU")
             return False, f"fuse_wgrad_accumulation (auto): off, {why}"
@@ -253,6 +263,23 @@ class TEBackend(Backend):
                 values[id(param)] = value
                 param.clear_high_precision_init_val()
         return values
+
+    def before_fully_shard(self, model: nn.Module) -> list[str]:
+        """Refuse modules accumulating weight gradients into main_grad (FUSED_WGRAD_UNDER_FULLY_SHARD), and switch
+        the FP8 weight cache off. Under FSDP2, TE skips its own FP8 weight workspace (a module in an FSDP2 tree casts
+        the all-gathered weight at every forward and again in backward, so that no full-size FP8 copy stays
+        resident): is_first_microbatch would save no cast, and the cache's key would keep each module's pre-shard,
+        full-size weights alive after fully_shard replaced them."""
+        if any(getattr(module, "main_grad_weights", ()) for module in model.modules()):
+            raise NotImplementedError(FUSED_WGRAD_UNDER_FULLY_SHARD)
+        cached = [module for module in model.modules() if getattr(module, "cached_weights", ())]
+        for module in cached:
+            module.cached_weights = ()
+        if not cached:
+            return []
+        return [f"cache_fp8_weights: off for {len(cached)} module(s) under fully_shard: TE casts each all-gathered "
+                "weight at every forward and in backward there (it keeps no full-size FP8 copy), so the cache would "
+                "save no cast and would keep the pre-shard weights alive"]
 
     def hand_over_main_grads(self, model: nn.Module) -> None:
         """TE modules with fuse_wgrad_accumulation point their weights' .grad at main_grad at a step's first forward,

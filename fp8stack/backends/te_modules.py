@@ -48,7 +48,7 @@ class _WeightCache:
     training loop drives it: with cached_weights, a forward casts the weights to FP8 and keeps the copy when an
     optimizer step (any torch.optim optimizer's) or an in-place write to a weight came since the last cast, and
     reuses the copy otherwise (the other micro-batches of a step); without, the weights are cast at every forward.
-    With fuse_wgrad_accumulation it also keeps each weight's FP32 main_grad as its .grad (see _add_main_grads)."""
+    Under fully_shard there is no cache (TEBackend.before_fully_shard says why). With fuse_wgrad_accumulation it also keeps each weight's FP32 main_grad as its .grad (see _add_main_grads)."""
 
     cached_weights: tuple[nn.Parameter, ...] = ()
     """The weights whose FP8 casts are cached across micro-batches (empty: no cache)."""
@@ -262,8 +262,8 @@ def _add_main_grads(module: _WeightCache, weights: list[nn.Parameter], name: str
     """fuse_wgrad_accumulation: give each weight an FP32 main_grad, into which TE's weight-gradient GEMM
     accumulates (no BF16 gradient, dtype conversion or add per micro-batch, as under megatron's DDP), and which
     _WeightCache makes the weight's .grad; zeroed at the first forward after optimizer.zero_grad(set_to_none=True),
-    zeroed in place by zero_grad(set_to_none=False). Nothing reduces main_grad across ranks: the assembly refuses
-    fuse_wgrad_accumulation with FSDP or tensor parallelism."""
+    zeroed in place by zero_grad(set_to_none=False). Across replicas fp8stack.precision's DDP averages main_grad; the
+    assembly refuses fuse_wgrad_accumulation with FSDP or tensor parallelism, which reduce autograd's gradients.
     for weight in weights:
         if weight.dtype != torch.float32 or weight.device.type != "cuda":
             raise PlanError(f"fuse_wgrad_accumulation: {name} holds {weight.dtype} weights on {weight.device}, and "

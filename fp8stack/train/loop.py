@@ -33,7 +33,7 @@ from fp8stack.config import ConfigError, JobConfig, recompute_blocks, to_dict
 from fp8stack.plan import Plan, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.plan.recipes import get_recipe, is_fp8
-from fp8stack.precision import DataParallelGradients, MasterWeights
+from fp8stack.precision import DataParallelGradients, MasterWeights, ShardedMasterWeights
 from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.numerics import (NonFiniteLossError, clear_fp8_stats, fp8_stats, pin_step, rng_states,
@@ -106,8 +106,9 @@ class Session:
     """After backward: the global FP32 gradient norm, gradients clipped to the given max norm if > 0."""
     compressor: ActivationCompressor | None = None
     """Stores each forward's saved activations in FP8 (activation_checkpoint.compress); counts the bytes."""
-    masters: MasterWeights | None = None
-    """The FP32 masters the optimizer steps when the model's parameters are BF16 or FP8 (training.param_dtype)."""
+    masters: MasterWeights | ShardedMasterWeights | None = None
+    """The FP32 masters the optimizer steps when the model's parameters are BF16 or FP8 (training.param_dtype):
+    sharded under FSDP2, whose own masters are its FP32 shards except of weights held in FP8."""
     no_sync: Callable[[], AbstractContextManager] = nullcontext
     """A context whose backward passes leave the gradients unreduced across data-parallel ranks: a step's
     micro-batches but the last run in it, so the gradients are reduced once per step."""
@@ -408,31 +409,21 @@ def _with_wgrad_fusion(cfg: JobConfig, plan_has_te_layers: bool, world_size: int
 
 
 def _optimizer_side(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed", dtype: torch.dtype
-                    ) -> tuple[MasterWeights | None, DataParallelGradients | None]:
+                    ) -> tuple[MasterWeights | ShardedMasterWeights | None, DataParallelGradients | None]:
     """What keeps the plain model's FP32 masters and averages its gradients, as training.param_dtype and the
     data-parallel wrapper ask: (masters, gradients averaged over DDP's ranks without masters). FSDP2 reduces its
-    own gradients and its sharded FP32 parameters are the masters, except of weights held in FP8."""
+    own gradients and its sharded FP32 parameters are the masters; weights held in FP8 get sharded FP32 ones."""
     param_dtype = cfg.training.param_dtype
     if param_dtype != "fp32" and dtype != torch.bfloat16:
         raise ConfigError(f"param_dtype {param_dtype} keeps BF16 parameters for BF16 activations, and this run's are "
                           f"{str(dtype).removeprefix('torch.')}: pass --dtype bf16 (a CPU's default is fp32)")
     if env.fsdp_mesh is not None:
-        return (_sharded_masters(model) if param_dtype == "fp8" else None), None
+        return (ShardedMasterWeights(model) if param_dtype == "fp8" else None), None
     if env.ddp_mesh is not None:
         if param_dtype == "fp32":
             return None, DataParallelGradients(model, env.ddp_mesh)
         return MasterWeights(model, data_parallel=env.ddp_mesh), None
     return (MasterWeights(model) if param_dtype != "fp32" else None), None
-
-
-def _sharded_masters(model: torch.nn.Module):
-    """FP32 sharded masters of a fully_shard'ed model's FP8 weights (fp8stack.precision.ShardedMasterWeights)."""
-    try:
-        from fp8stack.precision import ShardedMasterWeights
-    except ImportError:
-        raise ConfigError("param_dtype fp8 under FSDP2 needs fp8stack.precision.ShardedMasterWeights, which this "
-                          "fp8stack lacks: pass --parallelism.data-parallel ddp or --param-dtype bf16") from None
-    return ShardedMasterWeights(model)
 
 
 def _fsdp_mixed_precision(cfg: JobConfig) -> MixedPrecisionPolicy:
@@ -443,7 +434,8 @@ def _fsdp_mixed_precision(cfg: JobConfig) -> MixedPrecisionPolicy:
 
 
 def _no_sync(model: torch.nn.Module, env: "_Distributed",
-             averaging: MasterWeights | DataParallelGradients | None) -> Callable[[], AbstractContextManager]:
+             averaging: MasterWeights | ShardedMasterWeights | DataParallelGradients | None
+             ) -> Callable[[], AbstractContextManager]:
     """The context in which a backward leaves the gradients unreduced (Session.no_sync): FSDP2's
     set_requires_gradient_sync(False), DDP's averaging's no_sync(), or nothing to hold back."""
     if env.fsdp_mesh is not None:
