@@ -214,7 +214,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
             after_step = post_optimizer_step_hook(model)
         masters = grads = None
         if cfg.model.impl == "torch":
-            masters, grads = _optimizer_side(cfg, model, env, dtype)
+            masters, grads = _optimizer_side(cfg, model, env)
         if masters is not None:
             clip_fn = functools.partial(_clip, list(masters.parameters()))
             after_step = _then(masters.after_step, after_step)
@@ -408,15 +408,12 @@ def _with_wgrad_fusion(cfg: JobConfig, plan_has_te_layers: bool, world_size: int
                                                                                      world_size)))
 
 
-def _optimizer_side(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed", dtype: torch.dtype
+def _optimizer_side(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed"
                     ) -> tuple[MasterWeights | ShardedMasterWeights | None, DataParallelGradients | None]:
     """What keeps the plain model's FP32 masters and averages its gradients, as training.param_dtype and the
     data-parallel wrapper ask: (masters, gradients averaged over DDP's ranks without masters). FSDP2 reduces its
     own gradients and its sharded FP32 parameters are the masters; weights held in FP8 get sharded FP32 ones."""
-    param_dtype = cfg.training.param_dtype
-    if param_dtype != "fp32" and dtype != torch.bfloat16:
-        raise ConfigError(f"param_dtype {param_dtype} keeps BF16 parameters for BF16 activations, and this run's are "
-                          f"{str(dtype).removeprefix('torch.')}: pass --dtype bf16 (a CPU's default is fp32)")
+    param_dtype = cfg.training.param_dtype  # BF16 or FP8 ones with BF16 activations only (TrainingConfig.validate)
     if env.fsdp_mesh is not None:
         return (ShardedMasterWeights(model) if param_dtype == "fp8" else None), None
     if env.ddp_mesh is not None:
@@ -498,8 +495,8 @@ def _llama_loss(model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tens
 
 def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global gradient norm of `params` (the model's FP32 parameters or the masters) in FP32 (reduced over ranks
-    under FSDP/TP), clipping to max_norm if > 0. Returned as a device tensor: reading it on the host here would
-    stall the step."""
+    under FSDP/TP; DDP's gradients are averaged already), clipping to max_norm if > 0. Returned as a device tensor:
+    reading it on the host here would stall the step."""
     params = [p for p in params if p.grad is not None]
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
