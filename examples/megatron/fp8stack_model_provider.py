@@ -39,12 +39,14 @@ def plan_for(args, config) -> Plan:
 
 
 def build_gpt_model(args, config, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
-                    pg_collection=None, use_te: bool | None = None):
+                    pg_collection=None, use_te: bool | None = None, spec=None):
     """Megatron-LM's GPTModel for `args` (Megatron-LM's parsed arguments, or any object with the same attribute
     names) and `config` (its TransformerConfig), its decoder layers from block_spec(config, plan_for(args, config)).
 
     use_te: as block_spec's (None: TransformerEngine when it imports and CUDA is visible; without it the
-    plan must be BF16, which a launch without --fp8-format makes)."""
+    plan must be BF16, which a launch without --fp8-format makes).
+    spec: the decoder layers' ModuleSpec instead of block_spec's (train.py's --layer-spec megatron passes megatron's
+    own TE spec, to compare with the model Megatron-LM builds)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     if getattr(args, "mtp_num_layers", None):
@@ -52,7 +54,8 @@ def build_gpt_model(args, config, pre_process: bool = True, post_process: bool =
                         "or use Megatron-LM's gpt_builder")
     if getattr(args, "spec", None):
         raise PlanError(f"--spec {' '.join(args.spec)}: fp8stack's block_spec builds the layer specs; drop the flag")
-    spec = block_spec(config, plan_for(args, config), use_te=use_te, vp_stage=vp_stage)
+    if spec is None:
+        spec = block_spec(config, plan_for(args, config), use_te=use_te, vp_stage=vp_stage)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,

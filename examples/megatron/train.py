@@ -8,19 +8,24 @@ from fp8stack_model_provider.build_gpt_model (fp8stack's plan from the --fp8* fl
 megatron's DistributedDataParallel (FP32 gradient buffers), get_megatron_optimizer (Adam with FP32 master
 weights, gradient clipping), OptimizerParamScheduler (linear warm-up, cosine decay), and each step through
 get_forward_backward_func() with finalize_model_grads. The flags are pretrain_gpt's names for the same
-things. Tokens are bytes (vocabulary 256) of the standard library's sources (fp8stack.train.data.TextData);
+things. Tokens are bytes (ids 0..255) of the standard library's sources (fp8stack.train.data.TextData);
 data-parallel ranks take their slices of one global batch. Needs CUDA and TransformerEngine.
+
+--layer-spec megatron builds the decoder layers from megatron's own get_gpt_layer_with_transformer_engine_spec
+instead of fp8stack's block_spec: the model Megatron-LM's gpt_builder makes, which fp8stack.bench.peers measures
+beside fp8stack. pretrain_gpt turns on the bias-SwiGLU, RoPE and bias-dropout-add fusions unless told otherwise;
+here each is a flag (off by default, as before).
 
 --out-dir writes the losses, the layers' precision classes and the plan as evidence
 (fp8stack.evidence.write_evidence: the run's folder under <out-dir>/runs/, with the commit).
 """
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,12 +36,16 @@ from fp8stack_model_provider import build_gpt_model, plan_for  # noqa: E402  (th
 
 from fp8stack.evidence import (EvidenceError, add_force_option, claim_evidence, device_slug,  # noqa: E402
                                markdown_table, write_evidence)
+from fp8stack.config import ConfigError  # noqa: E402
 from fp8stack.plan.recipes import MEGATRON_RECIPES  # noqa: E402
 from fp8stack.train.data import TextData  # noqa: E402
+from fp8stack.train.preflight import check_output_file  # noqa: E402
 
 PROG = "examples/megatron/train.py"
 VOCAB = 256
-"""Byte tokens: TextData's ids are 0..255."""
+"""Byte tokens: TextData's ids are 0..255 (the default vocabulary and the least --vocab-size)."""
+LAYER_SPECS = ("fp8stack", "megatron")
+"""fp8stack: the model_provider's block_spec, from fp8stack's plan; megatron: megatron's own TE layer spec."""
 LOSS_EVERY = 10
 """Steps between printed losses."""
 TIMING_WARMUP = 5
@@ -52,14 +61,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape.add_argument("--num-attention-heads", type=int, default=4)
     shape.add_argument("--num-query-groups", type=int, default=2)
     shape.add_argument("--seq-length", type=int, default=256)
+    shape.add_argument("--vocab-size", type=int, default=VOCAB, help=f"embedding rows and logits (at least {VOCAB}, "
+                                                                    "the byte tokens' ids)")
+    shape.add_argument("--rotary-base", type=int, default=10000, help="RoPE base frequency (Llama 3: 500000)")
+    shape.add_argument("--layer-spec", choices=LAYER_SPECS, default="fp8stack",
+                       help="fp8stack: the model_provider's block_spec (fp8stack's plan from the --fp8* flags); "
+                            "megatron: megatron's own get_gpt_layer_with_transformer_engine_spec")
+    fusions = parser.add_argument_group("fusions (pretrain_gpt turns each on unless given its --no-... flag)")
+    fusions.add_argument("--bias-swiglu-fusion", action="store_true", help="megatron's fused SwiGLU")
+    fusions.add_argument("--rope-fusion", action="store_true", help="TE's fused RoPE")
+    fusions.add_argument("--bias-dropout-fusion", action="store_true", help="megatron's fused bias-dropout-add")
     fp8 = parser.add_argument_group("FP8 (megatron's flags, read into fp8stack's plan)")
     fp8.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="unset: BF16")
     fp8.add_argument("--fp8-recipe", choices=MEGATRON_RECIPES, default="delayed")
     fp8.add_argument("--first-last-layers-bf16", action="store_true")
     fp8.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     fp8.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+    fp8.add_argument("--fp8-param-gather", action="store_true",
+                     help="keep the FP8 layers' weights in FP8 (TE's fp8_model_init), cast from the distributed "
+                          "optimizer's FP32 shards; needs --use-distributed-optimizer and --layer-spec megatron")
     train = parser.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank and step")
+    train.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank and forward/backward pass")
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help="sequences per optimizer step over all data-parallel ranks, each rank accumulating "
+                            "global / (micro x ranks) micro-batches (default: one micro-batch per rank)")
+    train.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="megatron's distributed optimizer (FP32 masters and moments sharded over data-parallel "
+                            "ranks)")
     train.add_argument("--train-iters", type=int, default=50)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--min-lr", type=float, default=1e-4)
@@ -72,11 +100,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     out.add_argument("--out-dir", default=None, help="write the run's evidence under <out-dir>/runs/")
     out.add_argument("--label", default=None, help="added to the evidence's name")
     add_force_option(out)
+    out.add_argument("--result-json", type=Path, default=None,
+                     help="write the losses, step times (ms), tokens per step and peak memory here (rank 0)")
     args = parser.parse_args(argv)
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "seq_length", "micro_batch_size", "train_iters", "tensor_model_parallel_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
+    if args.vocab_size < VOCAB:
+        parser.error(f"--vocab-size {args.vocab_size}: the byte tokens need at least {VOCAB} rows")
+    if args.global_batch_size is not None and (args.global_batch_size < 1
+                                               or args.global_batch_size % args.micro_batch_size):
+        parser.error(f"--global-batch-size {args.global_batch_size}: give a positive multiple of --micro-batch-size "
+                     f"{args.micro_batch_size}")
+    if args.fp8_param_gather:
+        missing = [flag for flag, given in (("--fp8-format", args.fp8_format),
+                                            ("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                            ("--layer-spec megatron", args.layer_spec == "megatron")) if not given]
+        if missing:
+            parser.error(f"--fp8-param-gather casts FP8 weights from the distributed optimizer's shards of megatron's "
+                         f"own layers: add {' '.join(missing)}")
     if args.clip_grad <= 0:
         parser.error(f"--clip-grad {args.clip_grad}: give a positive norm (the run reports the gradient norm the "
                      "clipping computes)")
@@ -84,14 +127,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--lr-warmup-iters {args.lr_warmup_iters} leaves no step after the warm-up of "
                      f"--train-iters {args.train_iters}: lower it")
     # The attributes Megatron-LM's gpt_builder reads, as its argument parser would set them.
-    args.padded_vocab_size, args.max_position_embeddings = VOCAB, args.seq_length
+    args.padded_vocab_size, args.max_position_embeddings = args.vocab_size, args.seq_length
     args.position_embedding_type, args.untie_embeddings_and_output_weights = "rope", True
     return args
 
 
 def evidence_stem(args) -> str:
     precision = f"{args.fp8_recipe}-{args.fp8_format}" if args.fp8_format else "bf16"
-    return "-".join(filter(None, ["example-megatron", precision, args.label, device_slug()]))
+    spec = "megatron-spec" if args.layer_spec == "megatron" else None
+    return "-".join(filter(None, ["example-megatron", spec, precision, args.label, device_slug()]))
 
 
 def transformer_config(args):
@@ -107,7 +151,9 @@ def transformer_config(args):
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, first_last_layers_bf16=args.first_last_layers_bf16,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
-        num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)
+        num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16, fp8_param=args.fp8_param_gather,
+        bias_activation_fusion=args.bias_swiglu_fusion, apply_rope_fusion=args.rope_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion)
 
 
 def check_machine() -> None:
@@ -145,6 +191,25 @@ def init_distributed(args) -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
+def microbatches_per_step(args, dp_size: int) -> int:
+    """Micro-batches each rank accumulates per optimizer step: --global-batch-size over micro-batch x ranks."""
+    if args.global_batch_size is None:
+        return 1
+    if args.global_batch_size % (args.micro_batch_size * dp_size):
+        _refuse(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                f"{args.micro_batch_size} x {dp_size} data-parallel ranks")
+    return args.global_batch_size // (args.micro_batch_size * dp_size)
+
+
+def layer_spec(args):
+    """The decoder layers' ModuleSpec --layer-spec names; None leaves it to the model_provider (block_spec)."""
+    if args.layer_spec == "fp8stack":
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec()  # gpt_builder's call for a dense model, its defaults
+
+
 def build(args, config):
     """The model as pretrain() builds it: GPTModel (through build_gpt_model), Float16Module, DDP; its optimizer
     and LR schedule."""
@@ -154,14 +219,16 @@ def build(args, config):
     from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(args.seed)
-    gpt = build_gpt_model(args, config, use_te=True).cuda()
+    gpt = build_gpt_model(args, config, use_te=True, spec=layer_spec(args)).cuda()
     layers = [type(layer).__name__ for layer in gpt.decoder.layers]
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                    module=Float16Module(config, gpt))
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer,
+                                        fp8_param_gather=args.fp8_param_gather)
+    model = DistributedDataParallel(config, ddp, module=Float16Module(config, gpt))
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad, bf16=True,
-                        params_dtype=torch.bfloat16), [model])
+                        params_dtype=torch.bfloat16, use_distributed_optimizer=args.use_distributed_optimizer),
+        [model])
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
         lr_decay_steps=args.train_iters, lr_decay_style="cosine", start_wd=args.weight_decay,
@@ -183,39 +250,44 @@ def forward_step(data_iterator, model):
 def loss_func(output_tensor):
     """Mean next-token cross-entropy (megatron's per-token losses) and what the schedule reports of it."""
     loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach()}
+    # A copy: the schedule divides the returned loss in place by the micro-batches per step.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
-def train(args, model, optimizer, scheduler, data) -> dict:
-    """args.train_iters steps of megatron's schedule; losses (this rank's), gradient norms, tokens/s."""
+def train(args, model, optimizer, scheduler, data, microbatches: int = 1) -> dict:
+    """args.train_iters steps of megatron's schedule, `microbatches` micro-batches each; losses (this rank's, the mean
+    over a step's micro-batches), gradient norms, step times (each ends on the host reading the step's loss),
+    tokens/s."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward = get_forward_backward_func()
-    losses, grad_norms, began = [], [], None
+    losses, grad_norms, step_ms, began = [], [], [], None
     for step in range(args.train_iters):
         if step == TIMING_WARMUP:
             torch.cuda.synchronize()
             began = time.perf_counter()
+        step_began = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
         reported = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
-                                    num_microbatches=1, seq_length=args.seq_length,
+                                    num_microbatches=microbatches, seq_length=args.seq_length,
                                     micro_batch_size=args.micro_batch_size, forward_only=False)
         updated, grad_norm, _ = optimizer.step()
         if not updated:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (non-finite gradients)")
         scheduler.step(increment=1)
-        losses.append(reported[0]["lm loss"].item())
+        losses.append(torch.stack([r["lm loss"] for r in reported]).mean().item())
+        step_ms.append((time.perf_counter() - step_began) * 1000)
         grad_norms.append(float(grad_norm))
         if step % LOSS_EVERY == 0 or step == args.train_iters - 1:
             print(f"step {step:4d}  loss {losses[-1]:.4f}  grad norm {grad_norms[-1]:.3f}  "
                   f"lr {optimizer.param_groups[0]['lr']:.2e}", flush=True)
     torch.cuda.synchronize()
     timed = args.train_iters - TIMING_WARMUP
-    tokens = timed * args.micro_batch_size * args.seq_length * torch.distributed.get_world_size() \
+    tokens_per_step = microbatches * args.micro_batch_size * args.seq_length * torch.distributed.get_world_size() \
         // args.tensor_model_parallel_size
-    return {"losses": losses, "grad_norms": grad_norms,
-            "tokens_per_s": tokens / (time.perf_counter() - began) if timed > 0 else None,
+    return {"losses": losses, "grad_norms": grad_norms, "step_ms": step_ms, "tokens_per_step": tokens_per_step,
+            "tokens_per_s": timed * tokens_per_step / (time.perf_counter() - began) if timed > 0 else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
 
 
@@ -225,15 +297,18 @@ def report(args, plan, layers: list[str], result: dict, patch_report) -> tuple[d
     first, final = result["losses"][0], sum(result["losses"][-window:]) / window
     payload = {"model": {k: getattr(args, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size",
                                                         "num_attention_heads", "num_query_groups", "seq_length")},
-               "vocab_size": VOCAB, "fp8_format": args.fp8_format, "recipe": args.fp8_recipe if args.fp8_format
-               else "bf16", "steps": args.train_iters, "micro_batch": args.micro_batch_size,
+               "vocab_size": args.vocab_size, "layer_spec": args.layer_spec, "fp8_format": args.fp8_format,
+               "recipe": args.fp8_recipe if args.fp8_format else "bf16", "steps": args.train_iters,
+               "micro_batch": args.micro_batch_size, "global_batch": args.global_batch_size,
                "tensor_parallel": args.tensor_model_parallel_size, "world_size": torch.distributed.get_world_size(),
-               "lr": args.lr, "layers": layers, "plan": plan.summary(), "patches": patch_report,
+               "lr": args.lr, "layers": layers, "plan": plan.summary() if plan else None, "patches": patch_report,
                "loss_first": first, "loss_final_mean": final, "final_window": window, **result}
     rows = [[step, f"{loss:.4f}"] for step, loss in enumerate(result["losses"])
             if step % LOSS_EVERY == 0 or step == args.train_iters - 1]
     tokens_per_s = f"{result['tokens_per_s']:,.0f}" if result["tokens_per_s"] else "-"
-    markdown = (f"GPTModel from examples/megatron/fp8stack_model_provider.py ({args.num_layers} layers, hidden "
+    source = ("megatron's own TE layer spec" if args.layer_spec == "megatron"
+              else "examples/megatron/fp8stack_model_provider.py")
+    markdown = (f"GPTModel from {source} ({args.num_layers} layers, hidden "
                 f"{args.hidden_size}, seq {args.seq_length}), trained by megatron-core's schedule, DDP and optimizer "
                 f"for {args.train_iters} steps: {payload['recipe']} "
                 f"({args.fp8_format or 'no FP8'}).\n\n"
@@ -251,17 +326,25 @@ def main(argv=None) -> int:
             claim_evidence(evidence_stem(args), args.out_dir, args.force)
         except EvidenceError as err:
             _refuse(str(err))
+    if args.result_json is not None:
+        try:
+            check_output_file(args.result_json, "--result-json")
+        except ConfigError as err:
+            _refuse(str(err))
     check_machine()
     from fp8stack import patches
 
     patch_report = patches.apply_all()
     dp_rank, dp_size = init_distributed(args)
     try:
+        microbatches = microbatches_per_step(args, dp_size)
         config = transformer_config(args)
-        plan = plan_for(args, config)
+        plan = plan_for(args, config) if args.layer_spec == "fp8stack" else None
         model, optimizer, scheduler, layers = build(args, config)
         data = TextData(args.seq_length, args.micro_batch_size, args.seed, rank=dp_rank, ranks=dp_size)
-        result = train(args, model, optimizer, scheduler, data)
+        result = train(args, model, optimizer, scheduler, data, microbatches)
+        if args.result_json is not None and torch.distributed.get_rank() == 0:
+            args.result_json.write_text(json.dumps({"layers": layers, **result}) + "\n")
         if args.out_dir is not None and torch.distributed.get_rank() == 0:
             payload, markdown = report(args, plan, layers, result, patch_report)
             for path in write_evidence(evidence_stem(args), payload, markdown, args.out_dir, replace=True):

@@ -1,6 +1,7 @@
 """The user's own training loop, shared by the three scripts beside it and untouched by fp8stack: next-token
-cross-entropy on byte-level text (the interpreter's standard library sources), AdamW with gradient accumulation,
-BF16 autocast, gradients clipped over the parameters the optimizer holds, one host sync per step."""
+cross-entropy on byte-level text (the interpreter's standard library sources), AdamW with gradient accumulation and
+an optional linear LR warm-up, BF16 autocast, gradients clipped over the parameters the optimizer holds, one host sync
+per step."""
 
 import argparse
 import json
@@ -23,6 +24,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's")
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup", type=int, default=0, help="steps of linear LR warm-up from 0 to --lr")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--recipe", default="delayed", help="the FP8 recipe (fp8stack and torchao scripts)")
     parser.add_argument("--small-gemm-filter", default="auto", help="fp8stack: off plans even tiny GEMMs in FP8")
@@ -61,6 +63,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> dict:
     loss_fn = torch.compile(cross_entropy) if args.compile else cross_entropy
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / args.warmup) if args.warmup else 1.0)
     batches = text_batches(args)
     losses, step_ms = [], []
     for step in range(args.steps):
@@ -75,6 +79,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        schedule.step()
         losses.append(float(total) / args.accumulation)
         step_ms.append((time.perf_counter() - start) * 1000)
         print(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {step_ms[-1]:.0f} ms", flush=True)

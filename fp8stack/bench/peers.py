@@ -1,0 +1,367 @@
+"""fp8stack's default arms beside its peers at the same model, batch and sequence: Megatron-core + TransformerEngine as
+pretrain_gpt runs it, and torchtitan's single-GPU recipe with torchao. Every arm is a fresh child process of this one,
+run one after another; one table of tokens/s, peak memory and FP8/BF16 per stack, and fp8stack's fastest FP8 arm over
+the best peer's.
+
+    python -m fp8stack.bench.peers                      # every arm at llama-1b-like, 20 steps each
+    python -m fp8stack.bench.peers --arms megatron-delayed,torchtitan-tensorwise,fp8stack-delayed
+
+Each peer is built as its users build it, with every speed feature its users get by default or its recipe names:
+- megatron: examples/megatron/train.py --layer-spec megatron. A GPTModel from megatron's own
+  get_gpt_layer_with_transformer_engine_spec (fused norm + QKV and norm + FC1 TE linears, TE's attention), untied
+  head, Float16Module (BF16 parameters), megatron's DDP with an FP32 gradient buffer (grad_reduce_in_fp32),
+  get_megatron_optimizer (Adam with FP32 master weights and moments), get_forward_backward_func (on one GPU
+  forward_backward_no_pipelining over global / micro-batch micro-batches) and finalize_model_grads; the bias-SwiGLU,
+  RoPE and bias-dropout-add fusions pretrain_gpt turns on by default; --fp8-format hybrid (E4M3 forward, E5M2
+  gradients), megatron's default amax history (1, most recent). Without apex, as the comparison is defined: no
+  gradient-accumulation fusion (megatron's output layer needs apex's fused_weight_gradient_mlp_cuda for it and refuses
+  to build without it). pretrain_gpt's NaN check of the gradients is left off: it only adds work. fp8stack's patches
+  are applied by the example; none touches the layers megatron's spec builds (the SwiGLU one is LayerNormMLP's, the
+  others refuse --no-fp8-wgrad or change recompute, neither used here). Arms: bf16, delayed, blockwise, and delayed
+  with --fp8-param-gather and the distributed optimizer (FP8 weights cast from the FP32 shards).
+- torchtitan: examples/own_model (torchtitan's Llama layout: wq/wk/wv, w1/w2/w3, SDPA, complex RoPE). FP32
+  parameters under BF16 autocast (torchtitan without FSDP), each block compiled and the loss compiled (torchtitan's
+  compile components model and loss), fused AdamW (torchtitan's default implementation), linear LR warm-up; the FP8
+  arm converts with torchao's Float8LinearConfig.from_recipe_name("tensorwise") and convert_to_float8_training,
+  the output head filtered out, as torchtitan's float8 converter with filter_fqns ["output"] does (its other filter,
+  dims not multiples of 16, leaves every other linear of these models in FP8). Arms: bf16, tensorwise.
+- fp8stack: `python -m fp8stack.train` with the recipe and the batch only, every lever at the configuration's
+  defaults. Arms: bf16, delayed, blockwise.
+
+Every arm: the shape of fp8stack.models.load_model_config(--model) (vocabulary included: 32000 at llama-1b-like, of
+which the byte tokens use ids 0..255), --micro-batch sequences per pass and --global-batch per optimizer step, FP32
+master weights and FP32 Adam moments, fp8stack's default peak LR and warm-up for the model and run length
+(fp8stack.models.training_defaults; megatron also decays to its min LR, the torchtitan loop holds the peak), byte
+tokens of the standard library's sources (fp8stack's TextData for megatron and fp8stack, examples/own_model's random
+windows of the same files for torchtitan). tokens/s: tokens per step over the median of the steady-state step times
+(fp8stack.train.timing.steady_state), each loop timing a step up to its host read of the step's loss; peak memory:
+torch.cuda.max_memory_allocated of the arm's process; final loss: the mean of the last 10% of steps.
+
+Arms a machine cannot run are recorded as skipped with the reason, never run: megatron's need CUDA and
+TransformerEngine, and so do fp8stack's delayed and blockwise (its default plan runs them on TE). Without CUDA the
+torchtitan arms run uncompiled (compiling takes a CPU a minute per arm; fp8stack's default compiles on CUDA only):
+such a run checks the plumbing and measures nothing.
+
+Targets, judged as checks: fp8stack's fastest FP8 arm at >= 1.20x the best peer FP8 arm's tokens/s, and its peak
+memory at most the lowest peer FP8 peak. The evidence (profiles/runs/<date>-peers-<model>-<device>/) is rewritten
+after every arm, so a run cut short keeps what it measured. Exit status: 0 when every chosen arm ran or was skipped
+with its reason (a target not met is evidence, not a failure), 1 when an arm failed, 2 on bad input (before any arm).
+"""
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8stack.ab import final_loss
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.models import load_model_config
+from fp8stack.models.training_defaults import training_defaults
+from fp8stack.plan.recipes import BF16, is_fp8
+from fp8stack.train.timing import relative_spread, steady_state
+
+PROG = "python -m fp8stack.bench.peers"
+REPO = Path(__file__).resolve().parents[2]
+MEGATRON_EXAMPLE = REPO / "examples" / "megatron" / "train.py"
+OWN_MODEL_EXAMPLE = REPO / "examples" / "own_model"
+
+STACKS = {
+    "megatron": "Megatron-core + TE as pretrain_gpt runs it (no apex)",
+    "torchtitan": "torchtitan's single-GPU recipe with torchao",
+    "fp8stack": "fp8stack train, default configuration",
+}
+"""Stack -> how the table names it, in the table's order."""
+PEERS = ("megatron", "torchtitan")
+"""The stacks fp8stack is judged against."""
+MODELS = ("tiny", "llama-1b-like")
+"""Models every stack builds: fp8stack's configs and examples/own_model's SIZES both name them."""
+MEGATRON_FUSIONS = ("--bias-swiglu-fusion", "--rope-fusion", "--bias-dropout-fusion")
+"""The fusions pretrain_gpt turns on unless told otherwise, by the example's flags."""
+MEGATRON_FP8_FORMAT = "hybrid"
+"""Megatron's usual --fp8-format: E4M3 forward, E5M2 gradients."""
+SPEED_TARGET = 1.20
+"""fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s: the least ratio that meets the target."""
+MIN_STEPS = 5
+"""steady_state leaves out at least 2 warm-up steps and needs 3 more to time."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of one stack, run in a fresh process."""
+
+    name: str
+    """Its --arms name: <stack>-<recipe>[-<variant>]."""
+    stack: str
+    """A key of STACKS."""
+    recipe: str
+    """bf16, or the FP8 recipe in the stack's own name for it."""
+    flags: tuple[str, ...] = ()
+    """Flags beyond the recipe, in the stack's own words (fp8stack's arms have none: its defaults)."""
+    needs_te: bool = False
+    """Runs only where CUDA and TransformerEngine are (skipped with the reason elsewhere)."""
+
+    @property
+    def fp8(self) -> bool:
+        return is_fp8(self.recipe)
+
+
+ARMS = {arm.name: arm for arm in (
+    Arm("megatron-delayed", "megatron", "delayed", needs_te=True),
+    Arm("torchtitan-tensorwise", "torchtitan", "tensorwise"),
+    Arm("fp8stack-delayed", "fp8stack", "delayed", needs_te=True),
+    Arm("megatron-delayed-param-gather", "megatron", "delayed", ("--fp8-param-gather", "--use-distributed-optimizer"),
+        needs_te=True),
+    Arm("fp8stack-blockwise", "fp8stack", "blockwise", needs_te=True),
+    Arm("megatron-blockwise", "megatron", "blockwise", needs_te=True),
+    Arm("fp8stack-bf16", "fp8stack", BF16),
+    Arm("megatron-bf16", "megatron", BF16, needs_te=True),
+    Arm("torchtitan-bf16", "torchtitan", BF16),
+)}
+"""Every arm, in the order a run of all of them takes: the FP8 arms the targets compare first, so a run cut short has
+judged them (--arms runs its own order)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What every arm trains: the same model, batch, sequence and schedule."""
+
+    model: str
+    """A name of MODELS."""
+    micro_batch: int
+    """Sequences per forward/backward pass."""
+    global_batch: int
+    """Sequences per optimizer step (global_batch / micro_batch micro-batches accumulated)."""
+    steps: int
+    """Optimizer steps."""
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // self.micro_batch
+
+
+def command(arm: Arm, shape: Shape, result: Path, cuda: bool) -> list[str]:
+    """The arm's command line; its loop writes losses, step_ms, tokens_per_step and peak_mem_gib to `result`."""
+    build = {"megatron": megatron_command, "torchtitan": torchtitan_command, "fp8stack": fp8stack_command}[arm.stack]
+    return [str(part) for part in build(arm, shape, cuda)] + ["--result-json", str(result)]
+
+
+def megatron_command(arm: Arm, shape: Shape, cuda: bool) -> list:
+    config = load_model_config(shape.model)
+    schedule = training_defaults(config, shape.steps)
+    fp8 = ["--fp8-format", MEGATRON_FP8_FORMAT, "--fp8-recipe", arm.recipe] if arm.fp8 else []
+    return [sys.executable, MEGATRON_EXAMPLE, "--layer-spec", "megatron", "--num-layers", config.n_layers,
+            "--hidden-size", config.dim, "--ffn-hidden-size", config.ffn_dim,
+            "--num-attention-heads", config.n_heads, "--num-query-groups", config.n_kv_heads,
+            "--seq-length", config.seq_len, "--vocab-size", config.vocab_size,
+            "--rotary-base", int(config.rope_theta), "--micro-batch-size", shape.micro_batch,
+            "--global-batch-size", shape.global_batch, "--train-iters", shape.steps, "--lr", schedule.lr,
+            "--min-lr", schedule.min_lr, "--lr-warmup-iters", schedule.warmup, *MEGATRON_FUSIONS, *fp8, *arm.flags]
+
+
+def torchtitan_command(arm: Arm, shape: Shape, cuda: bool) -> list:
+    config = load_model_config(shape.model)
+    schedule = training_defaults(config, shape.steps)
+    script, recipe = ("train_torchao.py", ["--recipe", arm.recipe]) if arm.fp8 else ("train_bf16.py", [])
+    return [sys.executable, OWN_MODEL_EXAMPLE / script, "--model", shape.model, *recipe,
+            "--micro-batch", shape.micro_batch, "--accumulation", shape.accumulation, "--seq-len", config.seq_len,
+            "--steps", shape.steps, "--lr", schedule.lr, "--warmup", schedule.warmup,
+            "--compile" if cuda else "--no-compile", *arm.flags]
+
+
+def fp8stack_command(arm: Arm, shape: Shape, cuda: bool) -> list:
+    return [sys.executable, "-m", "fp8stack.train", "--model", shape.model, "--fp8-recipe", arm.recipe,
+            "--micro-batch-size", shape.micro_batch, "--global-batch-size", shape.global_batch,
+            "--train-iters", shape.steps, "--eval-iters", 0, "--no-progress", *arm.flags]
+
+
+def skip_reason(arm: Arm, cuda: bool, te_installed: bool) -> str | None:
+    """Why this machine cannot run the arm, or None."""
+    if arm.needs_te and not (cuda and te_installed):
+        what = "megatron-core's TE layers" if arm.stack == "megatron" else f"fp8stack's default plan runs {arm.recipe} on TE"
+        return f"needs a CUDA GPU with TransformerEngine ({what})"
+    return None
+
+
+def run_arm(arm: Arm, shape: Shape, timeout: float, cuda: bool, te_installed: bool) -> dict:
+    """The arm in a fresh child process: its tokens/s, step spread, peak memory and losses; or why it was skipped
+    or failed."""
+    record = {"arm": arm.name, "stack": arm.stack, "recipe": arm.recipe}
+    reason = skip_reason(arm, cuda, te_installed)
+    if reason:
+        return {**record, "status": "skipped", "reason": reason}
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        argv = command(arm, shape, result, cuda)
+        record["command"] = argv
+        began = time.perf_counter()
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            return {**record, "status": "failed", "error": f"timed out after {timeout:.0f} s: raise --timeout"}
+        record["wall_s"] = round(time.perf_counter() - began, 1)
+        if done.returncode or not result.is_file():
+            return {**record, "status": "failed", "error": (done.stderr or done.stdout)[-3000:]}
+        measured = json.loads(result.read_text())
+    return {**record, "status": "ok", **measurements(measured)}
+
+
+def measurements(measured: dict) -> dict:
+    """What the table reads from a loop's result: tokens/s from the median steady-state step, spread, peak, loss."""
+    steady = steady_state(measured["step_ms"])
+    return {"tokens_per_s": measured["tokens_per_step"] / statistics.median(steady) * 1000,
+            "spread": relative_spread(steady), "peak_mem_gib": measured.get("peak_mem_gib"),
+            "final_loss": final_loss(measured["losses"]), "losses": measured["losses"],
+            "step_ms": measured["step_ms"]}
+
+
+def fastest(arms: Sequence[dict], stacks: Sequence[str], fp8: bool) -> dict | None:
+    """The measured arm with the most tokens/s among `stacks`' BF16 (fp8 False) or FP8 arms, or None."""
+    candidates = [a for a in arms if a["status"] == "ok" and a["stack"] in stacks and is_fp8(a["recipe"]) == fp8]
+    return max(candidates, key=lambda a: a["tokens_per_s"], default=None)
+
+
+def stack_summary(arms: Sequence[dict]) -> list[dict]:
+    """Per stack: its BF16 arm, its fastest FP8 arm and their tokens/s ratio (None where either is missing)."""
+    rows = []
+    for stack in STACKS:
+        bf16, fp8 = fastest(arms, [stack], False), fastest(arms, [stack], True)
+        rows.append({"stack": stack, "bf16": bf16 and bf16["arm"], "fp8": fp8 and fp8["arm"],
+                     "fp8_over_bf16": fp8["tokens_per_s"] / bf16["tokens_per_s"] if bf16 and fp8 else None})
+    return rows
+
+
+def judge(arms: Sequence[dict]) -> list[dict]:
+    """The two targets: fp8stack's fastest FP8 arm against the best peer FP8 arm's tokens/s (>= SPEED_TARGET) and
+    against the lowest peer FP8 peak memory (at most it). met is None where an arm or a peak was not measured."""
+    ours, best_peer = fastest(arms, ["fp8stack"], True), fastest(arms, PEERS, True)
+    ratio = ours["tokens_per_s"] / best_peer["tokens_per_s"] if ours and best_peer else None
+    speed = {"check": "speed", "what": "fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s",
+             "arm": ours and ours["arm"], "against": best_peer and best_peer["arm"], "value": ratio,
+             "target": f">= {SPEED_TARGET:.2f}x", "met": None if ratio is None else ratio >= SPEED_TARGET}
+    peer_peaks = [a for a in arms if a["status"] == "ok" and a["stack"] in PEERS and is_fp8(a["recipe"])
+                  and a.get("peak_mem_gib") is not None]
+    leanest = min(peer_peaks, key=lambda a: a["peak_mem_gib"], default=None)
+    peak = ours.get("peak_mem_gib") if ours else None
+    judged = peak is not None and leanest is not None
+    memory = {"check": "memory", "what": "peak GiB of fp8stack's fastest FP8 arm against the lowest peer FP8 peak",
+              "arm": ours and ours["arm"], "against": leanest and leanest["arm"], "value": peak,
+              "target": f"<= {leanest['peak_mem_gib']:.2f} GiB" if leanest else "<= the lowest peer FP8 peak",
+              "met": peak <= leanest["peak_mem_gib"] if judged else None}
+    return [speed, memory]
+
+
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+MET = {True: "yes", False: "NO", None: "not measured"}
+
+
+def render(record: dict) -> str:
+    """The evidence's Markdown: the arms, the per-stack summary and the checks."""
+    arms = sorted(record["arms"], key=lambda a: (list(STACKS).index(a["stack"]), is_fp8(a["recipe"])))
+    bf16_speed = {s: a["tokens_per_s"] for s in STACKS if (a := fastest(arms, [s], False))}
+    rows = []
+    for a in arms:
+        within = (a["tokens_per_s"] / bf16_speed[a["stack"]] if a["status"] == "ok" and is_fp8(a["recipe"])
+                  and a["stack"] in bf16_speed else None)
+        rows.append([a["stack"], a["arm"], _number(a.get("tokens_per_s"), ",.0f"), _number(a.get("spread"), ".1%"),
+                     _number(a.get("peak_mem_gib"), ".2f"), _number(within, ".3f"), _number(a.get("final_loss"), ".4f"),
+                     _status(a)])
+    shape = record["shape"]
+    head = (f"{shape['model']}, micro-batch {shape['micro_batch']}, global batch {shape['global_batch']}, "
+            f"{shape['steps']} steps per arm, each arm a fresh process; tokens/s from the median of the steady-state "
+            "step times. Stacks: " + "; ".join(f"{key}: {what}" for key, what in STACKS.items()) + ".\n\n")
+    table = markdown_table(["stack", "arm", "tokens/s", "step spread (IQR)", "peak GiB", "FP8/BF16 in its stack",
+                            "final loss", "status"], rows)
+    summary = markdown_table(["stack", "BF16 arm", "fastest FP8 arm", "FP8/BF16"],
+                             [[s["stack"], s["bf16"] or "-", s["fp8"] or "-", _number(s["fp8_over_bf16"], ".3f")]
+                              for s in record["stacks"]])
+    checks = markdown_table(["check", "arm", "against", "value", "target", "met"],
+                            [[c["what"], c["arm"] or "-", c["against"] or "-",
+                              _number(c["value"], ".3f") + ("x" if c["check"] == "speed" and c["value"] else ""),
+                              c["target"], MET[c["met"]]] for c in record["checks"]])
+    pending = record.get("pending") or []
+    tail = f"\nNot run yet: {', '.join(pending)}.\n" if pending else ""
+    return head + table + "\n" + summary + "\n" + checks + tail
+
+
+def _status(arm: dict) -> str:
+    if arm["status"] == "ok":
+        return "ok"
+    detail = arm.get("reason") or arm.get("error", "")
+    return f"{arm['status']}: {' '.join(detail.split())[-200:]}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="llama-1b-like")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per arm")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward pass")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds one arm may take")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "profiles",
+                        help="evidence folder; the run goes in its runs/<date>-<name>/ (default: profiles)")
+    parser.add_argument("--label", default="", help="added to the evidence's name (a second run of the same day)")
+    add_force_option(parser)
+    args = parser.parse_args(argv)
+    args.arms = [name.strip() for name in args.arms.split(",") if name.strip()]
+    unknown = [name for name in args.arms if name not in ARMS]
+    if unknown or not args.arms:
+        parser.error(f"--arms {','.join(unknown) or '(none)'}: choose from {', '.join(ARMS)}")
+    if args.steps < MIN_STEPS:
+        parser.error(f"--steps {args.steps}: give at least {MIN_STEPS} (the first 2 warm up and 3 are timed)")
+    if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % args.micro_batch:
+        parser.error(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch}: give positive numbers, "
+                     "the global batch a multiple of the micro-batch")
+    if args.timeout <= 0:
+        parser.error(f"--timeout {args.timeout}: give a positive number of seconds")
+    return args
+
+
+def evidence_stem(args: argparse.Namespace) -> str:
+    return "-".join(filter(None, ("peers", args.model, args.label, device_slug())))
+
+
+def record_of(shape: Shape, arms: list[dict], pending: list[str]) -> dict:
+    return {"shape": {"model": shape.model, "micro_batch": shape.micro_batch, "global_batch": shape.global_batch,
+                      "steps": shape.steps}, "stacks_described": STACKS, "arms": arms,
+            "stacks": stack_summary(arms), "checks": judge(arms), "pending": pending}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    stem = evidence_stem(args)
+    claim_or_exit(PROG, stem, args.out_dir, args.force)
+    shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps)
+    cuda, te_installed = torch.cuda.is_available(), importlib.util.find_spec("transformer_engine") is not None
+    arms: list[dict] = []
+    for index, name in enumerate(args.arms):
+        print(f"[{index + 1}/{len(args.arms)}] {name} ...", flush=True)
+        arms.append(run_arm(ARMS[name], shape, args.timeout, cuda, te_installed))
+        print(f"    {progress_line(arms[-1])}", flush=True)
+        record = record_of(shape, arms, args.arms[index + 1:])
+        write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=True)
+    print(render(record))
+    return 1 if any(a["status"] == "failed" for a in arms) else 0
+
+
+def progress_line(arm: dict) -> str:
+    if arm["status"] != "ok":
+        return _status(arm)
+    return (f"{arm['tokens_per_s']:,.0f} tokens/s, peak {_number(arm['peak_mem_gib'], '.2f')} GiB, final loss "
+            f"{arm['final_loss']:.4f}, {arm['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""fp8stack.bench.peers on a CPU: every stack builds the same model, each peer's command is read by its own loop's
+parser as the bench means it (examples/megatron's new flags and their refusals, examples/own_model's warm-up),
+fp8stack's arms carry no lever, the judging and the table from synthetic records, the refusals before any arm, and
+one run of the arms a CPU can run (the others recorded as skipped with the reason). The arms on a GPU: the lead runs
+`python -m fp8stack.bench.peers` on an H200."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8stack.bench import peers
+from fp8stack.bench.peers import ARMS, Shape
+from fp8stack.config import JobConfig, to_dict
+from fp8stack.evidence import run_folder
+from fp8stack.models import load_model_config
+from fp8stack.models.training_defaults import training_defaults
+from fp8stack.train.command import job_from_flags
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "megatron"))
+sys.path.insert(0, str(REPO / "examples" / "own_model"))
+import loop  # noqa: E402  (examples/own_model: the torchtitan-recipe loop)
+import train as megatron_train  # noqa: E402  (examples/megatron/train.py)
+from model import SIZES  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+LLAMA = Shape("llama-1b-like", micro_batch=2, global_batch=16, steps=20)
+
+
+def flags_of(argv: list[str], script: str) -> list[str]:
+    """The arguments after the script (or module) an arm's command runs."""
+    return argv[argv.index(script) + 1:]
+
+
+# --- the same model, batch and schedule in every stack ----------------------------------------------------------
+
+@pytest.mark.parametrize("model", peers.MODELS)
+def test_the_torchtitan_layout_model_has_fp8stacks_shape(model):
+    ours, theirs = load_model_config(model), SIZES[model]
+    assert (theirs.dim, theirs.n_layers, theirs.n_heads, theirs.n_kv_heads, theirs.ffn_dim, theirs.vocab_size,
+            theirs.max_seq_len, theirs.rope_theta, theirs.norm_eps) == \
+        (ours.dim, ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.ffn_dim, ours.vocab_size, ours.seq_len,
+         ours.rope_theta, ours.norm_eps)
+
+
+@pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "megatron"])
+def test_megatron_arms_are_read_by_the_example_as_megatrons_own_layers_with_pretrain_gpts_fusions(name, tmp_path):
+    arm = ARMS[name]
+    argv = peers.command(arm, LLAMA, tmp_path / "r.json", cuda=True)
+    args = megatron_train.parse_args(flags_of(argv, str(peers.MEGATRON_EXAMPLE)))
+    shape, schedule = load_model_config(LLAMA.model), training_defaults(load_model_config(LLAMA.model), LLAMA.steps)
+    assert args.layer_spec == "megatron"
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_query_groups,
+            args.seq_length, args.padded_vocab_size, args.rotary_base) == \
+        (shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads, shape.seq_len, 32000, 500000)
+    assert (args.micro_batch_size, args.global_batch_size, args.train_iters) == (2, 16, 20)
+    assert (args.lr, args.min_lr, args.lr_warmup_iters) == (schedule.lr, schedule.min_lr, schedule.warmup)
+    assert args.bias_swiglu_fusion and args.rope_fusion and args.bias_dropout_fusion
+    assert (args.fp8_format, args.fp8_recipe if args.fp8_format else "bf16") == \
+        (None if arm.recipe == "bf16" else "hybrid", arm.recipe)
+    assert args.fp8_param_gather == args.use_distributed_optimizer == (name == "megatron-delayed-param-gather")
+    assert args.result_json == tmp_path / "r.json"
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+@pytest.mark.parametrize("name", ["torchtitan-bf16", "torchtitan-tensorwise"])
+def test_torchtitan_arms_are_read_by_the_loop_as_the_recipe(name, cuda, tmp_path, monkeypatch):
+    argv = peers.command(ARMS[name], LLAMA, tmp_path / "r.json", cuda=cuda)
+    script = argv[1]
+    monkeypatch.setattr(sys, "argv", argv[1:])
+    args = loop.parse_args()
+    assert Path(script).name == ("train_torchao.py" if name.endswith("tensorwise") else "train_bf16.py")
+    assert (args.model, args.micro_batch, args.accumulation, args.seq_len, args.steps) == \
+        ("llama-1b-like", 2, 8, 4096, 20)
+    assert (args.lr, args.warmup) == (training_defaults(load_model_config("llama-1b-like"), 20).lr, 10)
+    assert args.compile is cuda  # compiled as the recipe is wherever there is a GPU
+    if name.endswith("tensorwise"):
+        assert args.recipe == "tensorwise"
+
+
+@pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "fp8stack"])
+def test_fp8stack_arms_change_nothing_but_the_recipe_batch_and_length(name, tmp_path):
+    argv = peers.command(ARMS[name], LLAMA, tmp_path / "r.json", cuda=True)
+    flags = flags_of(argv, "fp8stack.train")
+    result = flags.index("--result-json")
+    job = job_from_flags(flags[:result] + flags[result + 2:])
+    ours, defaults = to_dict(job), to_dict(JobConfig())
+    changed = {(section, key) for section in defaults for key in defaults[section]
+               if ours[section][key] != defaults[section][key]}
+    recipe = {("precision", "recipe")} if ARMS[name].recipe != JobConfig().precision.recipe else set()
+    assert changed == {("model", "name"), ("training", "micro_batch"), ("training", "global_batch"),
+                       ("training", "steps"), ("training", "eval_batches"), ("logging", "progress")} | recipe
+    assert (job.precision.recipe, job.training.global_batch, job.training.eval_batches) == (ARMS[name].recipe, 16, 0)
+
+
+# --- the examples' new flags ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fp8-param-gather", "--fp8-format", "hybrid", "--layer-spec", "megatron"], "add --use-distributed-optimizer"),
+    (["--fp8-param-gather", "--use-distributed-optimizer", "--fp8-format", "hybrid"], "add --layer-spec megatron"),
+    (["--fp8-param-gather", "--use-distributed-optimizer", "--layer-spec", "megatron"], "add --fp8-format"),
+    (["--vocab-size", "100"], "--vocab-size 100: the byte tokens need at least 256 rows"),
+    (["--micro-batch-size", "2", "--global-batch-size", "3"], "--global-batch-size 3: give a positive multiple"),
+    (["--layer-spec", "local"], "invalid choice: 'local'"),
+    (["--result-json", "/proc/peers.json"], "--result-json /proc/peers.json"),
+])
+def test_megatron_example_refuses_its_new_flags_misused_before_any_compute(flags, message, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the refusal must come before the machine check
+    monkeypatch.setattr(megatron_train, "check_machine", lambda: pytest.fail("reached the machine check"))
+    with pytest.raises(SystemExit) as exit_:
+        megatron_train.main(flags)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_megatron_example_accumulates_the_global_batch_over_micro_batches_and_ranks(capsys):
+    args = megatron_train.parse_args(["--micro-batch-size", "2", "--global-batch-size", "16"])
+    assert megatron_train.microbatches_per_step(args, 1) == 8
+    assert megatron_train.microbatches_per_step(args, 2) == 4
+    with pytest.raises(SystemExit) as exit_:
+        megatron_train.microbatches_per_step(args, 3)
+    assert exit_.value.code == 2
+    assert "not a multiple of --micro-batch-size 2 x 3 data-parallel ranks" in capsys.readouterr().err
+    assert megatron_train.microbatches_per_step(megatron_train.parse_args([]), 4) == 1
+
+
+def test_megatron_example_reports_each_micro_batchs_loss_undivided():
+    per_token = torch.full((2, 8), 3.0, requires_grad=True)
+    loss, reported = megatron_train.loss_func(per_token)
+    loss /= 8  # what megatron's schedule does in place to the loss it back-propagates, with 8 micro-batches per step
+    assert reported["lm loss"].item() == 3.0
+
+
+def test_own_model_loop_warms_the_learning_rate_up_linearly(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train_bf16.py", "--steps", "2", "--warmup", "4", "--lr", "1e-3",
+                                      "--micro-batch", "1", "--accumulation", "1", "--seq-len", "16", "--no-compile"])
+    args = loop.parse_args()
+    model = loop.build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loop.train(model, optimizer, args)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 4)  # the third step's
+
+
+# --- judging and the table --------------------------------------------------------------------------------------
+
+def arm(name: str, tokens_per_s: float | None = None, peak: float | None = None, status: str = "ok") -> dict:
+    record = {"arm": name, "stack": ARMS[name].stack, "recipe": ARMS[name].recipe, "status": status}
+    if status == "ok":
+        record.update(tokens_per_s=tokens_per_s, spread=0.01, peak_mem_gib=peak, final_loss=5.0)
+    return record
+
+
+TODAY = [arm("megatron-bf16", 83974, 24.96), arm("megatron-delayed", 114388, 26.02),
+         arm("megatron-delayed-param-gather", 115820, 24.40), arm("megatron-blockwise", 102633, 25.0),
+         arm("torchtitan-bf16", 86433, 24.51), arm("torchtitan-tensorwise", 109477, 21.51),
+         arm("fp8stack-bf16", 93333, 24.72), arm("fp8stack-delayed", 132792, 25.91),
+         arm("fp8stack-blockwise", 114793, 25.5)]
+"""Figures shaped as the ones measured before the bench (synthetic: judged here, measured on the GPU)."""
+
+
+def test_short_of_both_targets_is_judged_not_met_against_the_right_arms():
+    speed, memory = peers.judge(TODAY)
+    assert (speed["arm"], speed["against"]) == ("fp8stack-delayed", "megatron-delayed-param-gather")
+    assert speed["value"] == pytest.approx(132792 / 115820) and speed["met"] is False
+    assert (memory["arm"], memory["against"], memory["value"], memory["met"]) == \
+        ("fp8stack-delayed", "torchtitan-tensorwise", 25.91, False)
+
+
+def test_both_targets_met():
+    arms = [a if a["arm"] != "fp8stack-delayed" else arm("fp8stack-delayed", 140000, 21.4) for a in TODAY]
+    speed, memory = peers.judge(arms)
+    assert speed["value"] == pytest.approx(140000 / 115820) and speed["met"] is True
+    assert memory["met"] is True
+
+
+def test_the_fastest_fp8stack_arm_is_judged_and_failed_or_skipped_arms_never_count():
+    arms = [a for a in TODAY if a["arm"] not in ("fp8stack-delayed", "megatron-delayed-param-gather")] + [
+        arm("fp8stack-delayed", status="failed"), arm("megatron-delayed-param-gather", status="skipped")]
+    speed, memory = peers.judge(arms)
+    assert (speed["arm"], speed["against"]) == ("fp8stack-blockwise", "megatron-delayed")
+    assert speed["value"] == pytest.approx(114793 / 114388) and speed["met"] is False
+    assert memory["value"] == 25.5
+
+
+def test_a_target_with_a_side_unmeasured_is_not_judged():
+    speed, memory = peers.judge([a for a in TODAY if a["stack"] != "fp8stack" or a["recipe"] == "bf16"])
+    assert speed["met"] is None and memory["met"] is None and speed["against"] == "megatron-delayed-param-gather"
+    cpu = [arm("fp8stack-delayed", 100.0), arm("torchtitan-tensorwise", 50.0)]  # no peaks without CUDA
+    speed, memory = peers.judge(cpu)
+    assert speed["met"] is True and memory["met"] is None
+
+
+def test_fp8_over_bf16_within_each_stack():
+    summary = {row["stack"]: row for row in peers.stack_summary(TODAY)}
+    assert summary["megatron"]["fp8"] == "megatron-delayed-param-gather"
+    assert summary["megatron"]["fp8_over_bf16"] == pytest.approx(115820 / 83974)
+    assert summary["torchtitan"]["fp8_over_bf16"] == pytest.approx(109477 / 86433)
+    assert summary["fp8stack"]["fp8_over_bf16"] == pytest.approx(132792 / 93333)
+
+
+def test_the_table_shows_every_arm_the_ratios_and_the_verdicts():
+    arms = TODAY + [arm("torchtitan-tensorwise", status="failed")]
+    arms[-1]["error"] = "Traceback ...\nRuntimeError: out of memory"
+    text = peers.render(peers.record_of(LLAMA, arms, ["fp8stack-bf16"]))
+    assert "| fp8stack | fp8stack-delayed | 132,792 | 1.0% | 25.91 | 1.423 | 5.0000 | ok |" in text
+    assert "| megatron | megatron-delayed-param-gather | 115,820 |" in text
+    assert "failed: Traceback ... RuntimeError: out of memory" in text
+    assert "| 1.147x | >= 1.20x | NO |" in text
+    assert "| 25.910 | <= 21.51 GiB | NO |" in text
+    assert "Not run yet: fp8stack-bf16." in text
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--arms", "megatron-delayed,nemo-delayed"], "--arms nemo-delayed: choose from megatron-delayed"),
+    (["--arms", ","], "--arms (none): choose from"),
+    (["--steps", "4"], "--steps 4: give at least 5"),
+    (["--global-batch", "3"], "--global-batch 3 --micro-batch 2: give positive numbers"),
+    (["--micro-batch", "0"], "--micro-batch 0: give positive numbers"),
+    (["--timeout", "0"], "--timeout 0.0: give a positive number"),
+    (["--model", "llama3-8b"], "invalid choice: 'llama3-8b'"),
+])
+def test_bad_input_exits_2_with_one_line_before_any_arm(flags, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(peers, "run_arm", lambda *a, **k: pytest.fail("an arm ran"))
+    with pytest.raises(SystemExit) as exit_:
+        peers.main([*flags, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err
+    assert err.strip().splitlines()[-1].startswith(f"{peers.PROG}: error: ")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_existing_evidence_is_kept_without_force(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(peers, "run_arm", lambda *a, **k: pytest.fail("an arm ran"))
+    stem = peers.evidence_stem(peers.parse_args([]))
+    existing = run_folder(stem, tmp_path) / f"{stem}.json"
+    existing.parent.mkdir(parents=True)
+    existing.write_text('{"kept": true}')
+    with pytest.raises(SystemExit) as exit_:
+        peers.main(["--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "pass --force" in capsys.readouterr().err
+    assert json.loads(existing.read_text()) == {"kept": True}
+
+
+def test_the_arms_a_cpu_can_run_run_and_the_others_are_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    chosen = ["fp8stack-bf16", "torchtitan-tensorwise", "megatron-delayed", "fp8stack-delayed"]
+    code = peers.main(["--model", "tiny", "--micro-batch", "2", "--global-batch", "2", "--steps", "5",
+                       "--arms", ",".join(chosen), "--out-dir", str(tmp_path)])
+    stem = peers.evidence_stem(peers.parse_args(["--model", "tiny"]))
+    record = json.loads((run_folder(stem, tmp_path) / f"{stem}.json").read_text())
+    arms = {a["arm"]: a for a in record["arms"]}
+    assert code == 0, [a.get("error") for a in arms.values()]
+    assert list(arms) == chosen and record["pending"] == []
+    for name in ("fp8stack-bf16", "torchtitan-tensorwise"):
+        assert arms[name]["status"] == "ok" and arms[name]["tokens_per_s"] > 0
+        assert len(arms[name]["losses"]) == 5 and all(map(math.isfinite, arms[name]["losses"]))
+    assert "--no-compile" in arms["torchtitan-tensorwise"]["command"]
+    for name in ("megatron-delayed", "fp8stack-delayed"):
+        assert arms[name]["status"] == "skipped" and "needs a CUDA GPU with TransformerEngine" in arms[name]["reason"]
+        assert "command" not in arms[name]  # never started
+    assert [c["met"] for c in record["checks"]] == [None, None]
+    assert "| fp8stack | fp8stack-bf16 |" in (run_folder(stem, tmp_path) / f"{stem}.md").read_text()
+    assert "[4/4] fp8stack-delayed ..." in capsys.readouterr().out
