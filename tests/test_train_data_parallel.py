@@ -63,7 +63,7 @@ def _ranks(rank: int, world: int, init_file: str, folder: str) -> None:
             counted = {**RUN, "logging.profile_collectives": PROFILED}
             results = {"fsdp": train(from_overrides({**counted, "training.param_dtype": "bf16"})),
                        "ddp": train(from_overrides({**counted, "parallelism.data_parallel": "ddp"})),
-                       "ddp_saving": train(from_overrides({**RUN, "parallelism.data_parallel": "ddp",
+                       "ddp_saving": train(from_overrides({**counted, "parallelism.data_parallel": "ddp",
                                                            "checkpoint.dir": checkpoints, "checkpoint.interval": 2})),
                        "ddp_resumed": train(from_overrides({**RUN, "parallelism.data_parallel": "ddp",
                                                             "checkpoint.dir": checkpoints,
@@ -137,6 +137,8 @@ def test_ddp_checkpoint_saved_on_two_ranks_resumes_on_two_ranks_bit_identically(
     saving, resumed = two_ranks["results"]["ddp_saving"], two_ranks["results"]["ddp_resumed"]
     assert saving[3]["training"]["param_dtype"] == "bf16" and saving[2] == 2
     assert saving[0] == two_ranks["results"]["ddp"][0]  # saving changes nothing the steps compute
+    # Profiled steps that save: DCP's planning gathers objects (all_gather's list form, counted apart, no bytes).
+    assert saving[5]["counts"]["all_gather_list"] > 0 and "all_gather" not in saving[5]["bytes"]
     assert resumed[4] == 2 and resumed[0] == saving[0][2:]  # exact equality
 
 
