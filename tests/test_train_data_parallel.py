@@ -1,8 +1,8 @@
 """The trainer on two gloo ranks under each data-parallel wrapper, against one process on the same global batch:
 DDP with BF16 parameters and FP32 masters (fp8stack.precision.MasterWeights averaging its main_grads) and with FP32
-parameters (DataParallelGradients averaging their .grad), FSDP2 with
-BF16 parameters (its mixed-precision policy over sharded FP32 masters), a DDP checkpoint saved on 2 ranks and resumed
-on 2 ranks, and the levers that once refused more than one process now taken (or refused only for what a CPU lacks).
+parameters (DataParallelGradients averaging their .grad), FSDP2 with BF16 parameters (its mixed-precision policy over
+sharded FP32 masters), a DDP checkpoint saved on 2 ranks and resumed on 2 ranks, and the levers that once refused more
+than one process now taken (or refused only for what a CPU lacks).
 
 Every run accumulates 2 micro-batches per rank per step (4 in one process), so the gradients are averaged across
 ranks once per step, after the last micro-batch (Session.no_sync), and clipping reads the averaged gradients.
