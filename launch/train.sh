@@ -2,7 +2,7 @@
 # Train with torchrun on 1..N GPUs (or CPU processes with gloo): `fp8stack train` under torchrun, every option
 # passed through (see `fp8stack train --help`). Examples:
 #   launch/train.sh --model tiny --fp8-recipe tensorwise --train-iters 100
-#   NPROC=8 launch/train.sh --config fastest --parallelism.fsdp-one-rank
+#   NPROC=8 launch/train.sh --config fastest --parallelism.data-parallel ddp   (fsdp, the default, shards)
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 NPROC=8 launch/train.sh --fp8-recipe blockwise ...
 # Environment: NPROC (processes per node, default 1), NNODES (default 1), NODE_RANK (default 0),
 # MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), PYTHON (default .venv/bin/python

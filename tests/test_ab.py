@@ -265,6 +265,21 @@ def test_arms_side_by_side_train_as_one_after_another(tmp_path):
     assert main([*common, "--gpus", "0,1", "--nproc", "2", "--out-dir", str(tmp_path)]) == 2
 
 
+@pytest.mark.slow
+def test_arms_run_on_nproc_processes_under_the_data_parallel_wrapper_asked(tmp_path):
+    """--nproc 2 runs each arm under torchrun on two gloo processes, with the configuration's DDP and the BF16
+    parameters it resolves to (FP32 masters averaged over the replicas)."""
+    assert main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "2", "--micro-batch", "2", "--seq-len", "32",
+                 "--device", "cpu", "--dtype", "bf16", "--baseline-runs", "1", "--nproc", "2",
+                 "--parallelism.data-parallel", "ddp", "--out-dir", str(tmp_path)]) == 0
+    record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
+    assert record["nproc"] == 2 and set(record["runs"]) == {"bf16", "tensorwise"}
+    for run in record["runs"].values():
+        assert run["world_size"] == 2 and run["tokens_per_step"] == 2 * 2 * 32  # micro-batch 2 on each rank
+        assert run["config"]["parallelism"]["data_parallel"] == "ddp"
+        assert run["config"]["training"]["param_dtype"] == "bf16"
+
+
 def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
     """With a GPU to spare, the second bf16 run starts with the arms instead of after them."""
     main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",

@@ -46,7 +46,10 @@ EARLIER_SWITCHES = {
     "--fused-projections": "model.fused_projections", "--first-last-layers-bf16": "precision.first_last_layers_bf16",
     "--compile": "training.compile", "--fuse-norm": "precision.fuse_norm", "--fuse-mlp": "precision.fuse_mlp",
     "--compress-activations": "activation_checkpoint.compress",
-    "--gradient-accumulation-fusion": "te.gradient_accumulation_fusion", "--fsdp-one-rank": "parallelism.fsdp_one_rank",
+    "--gradient-accumulation-fusion": "te.gradient_accumulation_fusion",
+    "--fsdp-one-rank": "parallelism.data_parallel_one_rank",
+    "--parallelism.fsdp-one-rank": "parallelism.data_parallel_one_rank",
+    "--data-parallel-one-rank": "parallelism.data_parallel_one_rank",
     "--fsdp-float8-all-gather": "torchao.fsdp_float8_all_gather", "--trust-checkpoint": "checkpoint.trust",
     "--resume-despite-changes": "checkpoint.resume_despite_changes", "--progress": "logging.progress",
 }

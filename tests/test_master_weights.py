@@ -79,8 +79,6 @@ def test_bf16_parameters_train_as_fp32_ones_to_rounding_in_fp8():
 def test_bf16_parameters_refuse_what_they_cannot_serve():
     with pytest.raises(ConfigError, match="unknown training.param_dtype 'fp16': use fp32, bf16, fp8"):
         from_overrides({"training.param_dtype": "fp16"})
-    with pytest.raises(ConfigError, match="drop --parallelism.fsdp-one-rank"):
-        from_overrides({"training.param_dtype": "bf16", "parallelism.fsdp_one_rank": True})
     with pytest.raises(ConfigError, match="pass --training.dtype bf16 or --training.param-dtype fp32"):
         from_overrides({"training.param_dtype": "bf16", "training.dtype": "fp32"})
     with pytest.raises(ConfigError, match="megatron does not take training.param_dtype.*use --model.impl torch"):
@@ -102,7 +100,5 @@ def test_fp8_parameters_need_every_fp8_layer_on_te(settings, why):
     with pytest.raises(ConfigError, match=f"param_dtype fp8 .*{why}.*--param-dtype bf16"), session(
             from_overrides({**FAST, **settings, "training.param_dtype": "fp8", "training.steps": 1})):
         pass
-    with pytest.raises(ConfigError, match="param_dtype fp8 keeps FP32 masters.*drop --parallelism.fsdp-one-rank"):
-        from_overrides({"training.param_dtype": "fp8", "parallelism.fsdp_one_rank": True})
     with pytest.raises(ConfigError, match="param_dtype fp8 keeps BF16 parameters.*pass --training.dtype bf16"):
         from_overrides({"training.param_dtype": "fp8", "training.dtype": "fp32"})

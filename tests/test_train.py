@@ -168,18 +168,19 @@ def test_gradient_accumulation_trains_on_the_whole_batch(recipe, rel):
         from_overrides({"training.micro_batch": 2, "training.global_batch": 3})
 
 
-def test_fsdp_one_rank_shards_a_single_process_over_a_one_rank_mesh():
+def test_data_parallel_one_rank_shards_a_single_process_over_a_one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     settings = {"precision.recipe": "tensorwise", "precision.backend": "torchao", "training.steps": 3, "optimizer.warmup": 1, "training.dtype": "bf16", **FAST}
     found = dist.is_initialized()  # a session fixture may have made a one-rank group already
-    with session(from_overrides({**settings, "parallelism.fsdp_one_rank": True})) as run:
+    with session(from_overrides({**settings, "parallelism.data_parallel_one_rank": True})) as run:
         assert isinstance(run.model, FSDPModule) and run.model.layers[0].attention.wqkv.weight.dtype == torch.float32
         assert dist.get_world_size() == 1
     assert dist.is_initialized() == found  # a group made for the run is gone with it
-    plain, sharded = (train(from_overrides({**settings, "parallelism.fsdp_one_rank": one})) for one in (False, True))
-    # BF16 parameters (FSDP's policy) where autocast runs over FP32 ones: close, not equal.
+    plain, sharded = (train(from_overrides({**settings, "parallelism.data_parallel_one_rank": one}))
+                      for one in (False, True))
+    # BF16 all-gathers of FSDP2's FP32 shards where one process copies BF16 parameters from its masters: close.
     assert sharded.losses != plain.losses and sharded.losses == pytest.approx(plain.losses, rel=1e-2)
     # the first steps' FP8 gradient check ran, on plain and on sharded (DTensor) gradients, and found none zero
     assert plain.zero_fp8_weight_grads == sharded.zero_fp8_weight_grads == [[], [], []]
@@ -283,8 +284,9 @@ def test_config_errors_name_the_fix(capsys):
         resolve_job(from_overrides({"model.name": "gpt5"}))
     with pytest.raises(ConfigError, match="needs checkpoint.dir"):
         from_overrides({"checkpoint.resume": "latest"})
-    with pytest.raises(ConfigError, match="drop --parallelism.fsdp-one-rank and --tensor-model-parallel-size"):
-        from_overrides({"te.gradient_accumulation_fusion": True, "parallelism.fsdp_one_rank": True})
+    with pytest.raises(ConfigError, match="FSDP2 reduce-scatters autograd's gradients: pass --parallelism.data-parallel "
+                       "ddp"):
+        from_overrides({"te.gradient_accumulation_fusion": True, "parallelism.data_parallel_one_rank": True})
     assert train_main(["--recompute-granularity", "full", "--recompute-modules", "mlp"]) == 2
     assert "drop one of them" in capsys.readouterr().err
     assert train_main(["--fp8-recipe", "rowwise_gw_hp", "--dtype", "bf16", "--device", "cpu", "--train-iters", "1",

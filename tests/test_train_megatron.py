@@ -63,7 +63,7 @@ def test_flags_map_onto_megatrons_transformer_config():
     (["--recompute-granularity", "full"], "does not take activation_checkpoint.layers (fp8stack's recompute)"),
     (["--param-dtype", "bf16"], "does not take training.param_dtype"),
     (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
-    (["--fsdp-one-rank"], "does not take parallelism.fsdp_one_rank (FSDP2)"),
+    (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
     (["--model", "tiny-moe"], "builds tiny, llama-1b-like, not 'tiny-moe'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),
     (["--backend", "torchao"], "--backend te"),

@@ -20,7 +20,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NoReturn
 
-from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_SOURCES, DEVICES, MODEL_IMPLS, ConfigError, JobConfig)
+from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_PARALLEL, DATA_SOURCES, DEVICES, MODEL_IMPLS, ConfigError,
+                                 JobConfig)
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.description import CONFIGS_DIR
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES, Override
@@ -38,6 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.device": DEVICES,
     "training.dtype": ACTIVATION_DTYPES,
     "training.param_dtype": PARAM_DTYPES,
+    "parallelism.data_parallel": DATA_PARALLEL,
     "data.source": DATA_SOURCES,
 }
 """Field -> the values its flag accepts (shown in --help); other names the field's validate() refuses."""
@@ -81,7 +83,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "optimizer.weight_decay": ("--weight-decay",),
     "optimizer.grad_clip": ("--clip-grad",),
     "parallelism.tensor_parallel": ("--tensor-model-parallel-size",),
-    "parallelism.fsdp_one_rank": ("--fsdp-one-rank",),
+    "parallelism.data_parallel": ("--data-parallel",),
+    "parallelism.data_parallel_one_rank": ("--data-parallel-one-rank", "--parallelism.fsdp-one-rank",
+                                           "--fsdp-one-rank"),
     "activation_checkpoint.layers": ("--recompute-layers",),
     "activation_checkpoint.compress": ("--compress-activations",),
     "data.source": ("--data-source",),

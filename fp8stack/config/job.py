@@ -17,6 +17,8 @@ MODEL_IMPLS = ("torch", "megatron")
 """How the model is built: the plain-torch Llama through assemble, or a megatron-core GPTModel."""
 ACTIVATION_DTYPES = ("auto", "bf16", "fp32")
 """auto: bf16 on CUDA, fp32 on a CPU."""
+DATA_PARALLEL = ("fsdp", "ddp")
+"""How the plain model's data-parallel ranks share it: FSDP2 shards it, DDP replicates it."""
 DEVICES = ("auto", "cuda", "cpu")
 """auto: cuda when available (under torchrun, cuda:LOCAL_RANK)."""
 DATA_SOURCES = ("stdlib", "python")
@@ -71,8 +73,9 @@ class TEConfig:
     gradient_accumulation_fusion: bool | None = None
     """TE's weight-gradient GEMMs accumulate into FP32 main_grad buffers (TE fuse_wgrad_accumulation): no BF16
     weight gradient, cast or add per micro-batch; on the plain path the output head joins them on a TE module
-    without FP8. None: on wherever the plan has TE layers and the run can keep the buffers (one process on the plain
-    path; megatron's DDP). Measured faster on one H200."""
+    without FP8. None: on wherever the plan has TE layers and the run can keep the buffers (one process or DDP on
+    the plain path, megatron's DDP); off under FSDP2, which reduces autograd's gradients where TE writes main_grad
+    outside autograd, and under tensor parallelism. Measured faster on one H200."""
     blockwise_gemms: str = "te"
     """Where TE's blockwise modules run their GEMMs: te (cuBLAS) or deepgemm (DeepGEMM's dense kernels on TE's
     operands, bit-identical; launch/build_deepgemm.sh builds it)."""
@@ -123,8 +126,9 @@ class TrainingConfig:
     """fp32: the parameters are the FP32 master weights AdamW steps, cast at every forward; bf16: BF16 parameters
     with FP32 masters in the optimizer, copied once per step (Megatron's --bf16): no cast per micro-batch; fp8: as
     bf16, but TE's FP8 layers hold their weights in FP8 only (TE quantized_model_init, Megatron's
-    --fp8-param-gather). None: bf16 where activations are BF16 in one process on the plain path (measured faster on
-    one H200), else fp32."""
+    --fp8-param-gather). Under FSDP2 the sharded FP32 parameters are the masters: bf16 gathers them in BF16 (its
+    mixed-precision policy), fp32 in FP32, fp8 as TE's FP8 weights; under DDP each rank keeps masters of its replica.
+    None: bf16 where activations are BF16 on the plain path (measured faster on one H200), else fp32."""
     compile: bool | None = None
     """torch.compile each block and the loss. None: on for CUDA (measured faster on one H200), off on a CPU."""
     sdpa_backend: str | None = None
@@ -193,16 +197,25 @@ class OptimizerConfig:
 
 @dataclass
 class ParallelismConfig:
-    """How the processes split the model: tensor parallelism, the rest data-parallel FSDP2."""
+    """How the processes split the model: tensor parallelism, the rest data-parallel (FSDP2 or DDP)."""
 
     tensor_parallel: int = 1
-    """Tensor-parallel degree; the remaining ranks shard data and parameters with FSDP2."""
-    fsdp_one_rank: bool = False
-    """Shard with FSDP2 even with one data-parallel rank, so one GPU runs with a sharded run's numerics (the
-    reference a sharded run's loss is compared with)."""
+    """Tensor-parallel degree; the remaining ranks are data-parallel, sharding parameters with FSDP2 (a 2-D mesh)."""
+    data_parallel: str = "fsdp"
+    """The plain model's data-parallel wrapper. fsdp: FSDP2 shards parameters, gradients and optimizer state over the
+    ranks, for models that do not fit one GPU; ddp: one replica per GPU whose FP32 gradient buffers are averaged once
+    per step, for models that fit one GPU, as most users start. Megatron's model runs megatron's own DDP."""
+    data_parallel_one_rank: bool = False
+    """Apply the data-parallel wrapper even with one rank, so one GPU runs with a data-parallel run's numerics and
+    costs (the reference a multi-rank run's loss is compared with)."""
 
     def validate(self) -> None:
         _at_least("parallelism.tensor_parallel", self.tensor_parallel, 1)
+        _choose("parallelism.data_parallel", self.data_parallel, DATA_PARALLEL)
+        if self.tensor_parallel > 1 and self.data_parallel == "ddp":
+            raise ConfigError("parallelism.data_parallel ddp replicates the whole model, and tensor parallelism shards "
+                              "it (its data-parallel ranks run FSDP2 on a 2-D mesh): use --parallelism.data-parallel "
+                              "fsdp or --tensor-model-parallel-size 1")
 
 
 @dataclass
@@ -332,22 +345,37 @@ class JobConfig:
         if self.te.blockwise_gemms != "te" and not (is_fp8(recipe) and get_recipe(recipe).gemms_on_deepgemm):
             raise ConfigError(f"te.blockwise_gemms={self.te.blockwise_gemms} moves TE's block-scaled GEMMs, and recipe "
                               f"{recipe} has none: use --fp8-recipe blockwise or drop --te.blockwise-gemms")
-        if self.model.impl == "torch" and self.te.gradient_accumulation_fusion and (
-                self.parallelism.fsdp_one_rank or self.parallelism.tensor_parallel > 1):
-            raise ConfigError("te.gradient_accumulation_fusion on the plain model keeps FP32 main_grad buffers that "
-                              "neither FSDP nor tensor parallelism reduce: drop --parallelism.fsdp-one-rank and "
-                              "--tensor-model-parallel-size, or use --model.impl megatron")
-        if self.training.param_dtype in ("bf16", "fp8") and (
-                self.parallelism.fsdp_one_rank or self.parallelism.tensor_parallel > 1):
-            raise ConfigError(f"training.param_dtype {self.training.param_dtype} keeps FP32 masters of one process's "
-                              "BF16 parameters; FSDP2's mixed-precision policy casts its own: drop "
-                              "--parallelism.fsdp-one-rank and --tensor-model-parallel-size, or use "
-                              "--training.param-dtype fp32")
+        if self.model.impl == "torch":
+            check_data_parallel_levers(self, sharded=True if self.parallelism.data_parallel_one_rank else None)
+        if self.torchao.fsdp_float8_all_gather and self.parallelism.data_parallel == "ddp":
+            raise ConfigError("torchao.fsdp_float8_all_gather all-gathers FSDP2's sharded weights, and DDP shards "
+                              "none: use --parallelism.data-parallel fsdp or drop it")
         if self.torchao.fsdp_float8_all_gather and not (is_fp8(recipe) and get_recipe(recipe).gathers_in_fp8):
             raise ConfigError(f"torchao.fsdp_float8_all_gather gathers tensorwise-scaled weights, and recipe {recipe} "
                               "is not: use --fp8-recipe tensorwise or drop it")
         if self.model.impl == "megatron":
             _check_megatron(self)
+
+
+def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
+    """The plain path's levers under its parallelism. sharded: whether the run applies its data-parallel wrapper
+    (more than one data-parallel rank, or data_parallel_one_rank); None while the process count is unknown, which
+    checks only what no process count changes (fp8stack.train.resolve checks again knowing it)."""
+    parallel, param_dtype = job.parallelism, job.training.param_dtype
+    fsdp = None if sharded is None else sharded and parallel.data_parallel == "fsdp"
+    if job.te.gradient_accumulation_fusion and parallel.tensor_parallel > 1:
+        raise ConfigError("te.gradient_accumulation_fusion writes weight gradients into FP32 main_grad buffers that "
+                          "tensor parallelism's sharded gradients do not include: drop --gradient-accumulation-fusion "
+                          "or --tensor-model-parallel-size, or use --model.impl megatron")
+    if job.te.gradient_accumulation_fusion and fsdp:
+        raise ConfigError("te.gradient_accumulation_fusion: TE writes weight gradients into main_grad outside "
+                          "autograd, and FSDP2 reduce-scatters autograd's gradients: pass --parallelism.data-parallel "
+                          "ddp (or --no-gradient-accumulation-fusion)")
+    if parallel.tensor_parallel > 1 and (param_dtype == "fp8" or (param_dtype == "bf16" and fsdp is False)):
+        raise ConfigError(f"training.param_dtype {param_dtype} keeps FP32 masters of whole parameters, which tensor "
+                          "parallelism shards; under it only FSDP2's mixed precision keeps BF16 parameters "
+                          "(param_dtype bf16 with more ranks than --tensor-model-parallel-size): use "
+                          "--training.param-dtype fp32, or add data-parallel ranks")
 
 
 MEGATRON_MODELS = ("tiny", "llama-1b-like")
@@ -361,7 +389,8 @@ def _check_megatron(job: JobConfig) -> None:
                           "pip install 'fp8stack[megatron]' (Python >= 3.12)")
     plain_only = {"training.compile": (job.training.compile, "torch.compile of the blocks"),
                   "activation_checkpoint.layers": (job.activation_checkpoint.layers, "fp8stack's recompute"),
-                  "parallelism.fsdp_one_rank": (job.parallelism.fsdp_one_rank, "FSDP2"),
+                  "parallelism.data_parallel_one_rank": (job.parallelism.data_parallel_one_rank,
+                                                         "fp8stack's data-parallel wrappers"),
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),
                   "training.param_dtype": (job.training.param_dtype not in (None, "fp32"),
                                            "fp8stack's FP32 masters of BF16 parameters (megatron's own are not "

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 KINDS = {
     "c10d::_allgather_base_": "all_gather",
-    "c10d::allgather_": "all_gather",
+    "c10d::allgather_": "all_gather_list",
     "c10d::allgather_into_tensor_coalesced_": "all_gather",
     "c10d::_reduce_scatter_base_": "reduce_scatter",
     "c10d::reduce_scatter_": "reduce_scatter",
@@ -38,7 +38,9 @@ KINDS = {
     "c10d::allreduce_": "all_reduce",
     "c10d::allreduce_coalesced_": "all_reduce",
 }
-"""c10d operator -> the collective it runs; other c10d operators are counted under their own name."""
+"""c10d operator -> the collective it runs; other c10d operators are counted under their own name. all_gather_list is
+all_gather's list form (torch.distributed.all_gather into a list, and all_gather_object, which checkpoint planning
+issues): the profiler leaves its tensor lists without a dtype, so it is counted apart, without bytes."""
 UNSHARDED_ARG = {"all_gather": 0, "reduce_scatter": 1}
 """Kind -> which argument (output 0, input 1) is the unsharded tensor whose bytes are reported."""
 ITEM_BYTES = {"double": 8, "long int": 8, "float": 4, "int": 4, "c10::BFloat16": 2, "c10::Half": 2, "short int": 2,

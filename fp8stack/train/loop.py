@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import NoReturn
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from fp8stack.config import ConfigError, JobConfig, recompute_blocks, to_dict
 from fp8stack.plan import Plan, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.plan.recipes import get_recipe, is_fp8
-from fp8stack.precision import MasterWeights
+from fp8stack.precision import DataParallelGradients, MasterWeights, ShardedMasterWeights
 from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.numerics import (NonFiniteLossError, clear_fp8_stats, fp8_stats, pin_step, rng_states,
@@ -106,8 +106,12 @@ class Session:
     """After backward: the global FP32 gradient norm, gradients clipped to the given max norm if > 0."""
     compressor: ActivationCompressor | None = None
     """Stores each forward's saved activations in FP8 (activation_checkpoint.compress); counts the bytes."""
-    masters: MasterWeights | None = None
-    """The FP32 masters the optimizer steps when the model's parameters are BF16 or FP8 (training.param_dtype)."""
+    masters: MasterWeights | ShardedMasterWeights | None = None
+    """The FP32 masters the optimizer steps when the model's parameters are BF16 or FP8 (training.param_dtype):
+    sharded under FSDP2, whose own masters are its FP32 shards except of weights held in FP8."""
+    no_sync: Callable[[], AbstractContextManager] = nullcontext
+    """A context whose backward passes leave the gradients unreduced across data-parallel ranks: a step's
+    micro-batches but the last run in it, so the gradients are reduced once per step."""
     config: JobConfig | None = None
     """The configuration the session was built from, with the levers the plan decides (TE weight-gradient fusion)
     as they ran."""
@@ -138,11 +142,14 @@ class Session:
         optimizer step: a NaN or infinite loss or gradient norm raises NonFiniteLossError, the step not taken.
         on_gradients: called once the step's gradients are complete, before clipping."""
         losses = []
-        for tokens, targets in zip(*(t.chunk(self.micro_batches) for t in next(self.data)), strict=True):
+        for index, (tokens, targets) in enumerate(zip(*(t.chunk(self.micro_batches) for t in next(self.data)),
+                                                      strict=True)):
             tokens, targets = (t.to(self.env.device, non_blocking=True) for t in (tokens, targets))
-            with self.autocast(), self.compressor or nullcontext():
-                loss = self.loss_fn(tokens, targets)
-            (loss / self.micro_batches).backward()  # equal-sized micro-batches: the step's mean loss
+            last = index == self.micro_batches - 1
+            with nullcontext() if last else self.no_sync():
+                with self.autocast(), self.compressor or nullcontext():
+                    loss = self.loss_fn(tokens, targets)
+                (loss / self.micro_batches).backward()  # equal-sized micro-batches: the step's mean loss
             losses.append(loss.detach())
         loss = torch.stack(losses).mean()
         if on_gradients is not None:
@@ -197,7 +204,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
                              fsdp_mesh=env.fsdp_mesh,
                              fsdp_float8_all_gather=cfg.torchao.fsdp_float8_all_gather,
                              precompute_fp8_scales=cfg.torchao.precompute_fp8_scales,
-                             fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                             fsdp_mp_policy=_fsdp_mixed_precision(cfg),
                              backend_options=_backend_options(cfg, plan, micro_batches))
             # As torchtitan compiles its loss: Inductor fuses the FP32 log-softmax into reductions over the BF16
             # logits, where eager cross_entropy keeps FP32 copies of them (3 x 4 bytes per logit at the peak).
@@ -205,14 +212,12 @@ def session(cfg: JobConfig) -> Iterator[Session]:
             loss_fn = functools.partial(_llama_loss, model, loss)
             clip_fn = functools.partial(_clip, [p for p in model.parameters() if p.requires_grad])
             after_step = post_optimizer_step_hook(model)
-        masters = None
-        if cfg.training.param_dtype != "fp32":
-            if dtype != torch.bfloat16 or env.world_size > 1:
-                raise ConfigError(f"param_dtype {cfg.training.param_dtype} needs bf16 activations in one process; this "
-                                  f"run has {dtype} in {env.world_size}: pass --dtype bf16 (a CPU's default is "
-                                  "fp32), one process")
-            masters = MasterWeights(model)
-            clip_fn, after_step = functools.partial(_clip, masters.masters), _then(masters.after_step, after_step)
+        masters = grads = None
+        if cfg.model.impl == "torch":
+            masters, grads = _optimizer_side(cfg, model, env)
+        if masters is not None:
+            clip_fn = functools.partial(_clip, list(masters.parameters()))
+            after_step = _then(masters.after_step, after_step)
         optimizer = _adamw(masters.module if masters else model, cfg, device)
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer,
@@ -221,7 +226,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
                       micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
                       compressor=compress_saved_activations(model) if cfg.activation_checkpoint.compress else None,
-                      masters=masters, config=cfg)
+                      masters=masters, no_sync=_no_sync(model, env, masters or grads), config=cfg)
 
 
 def resolve_job(cfg: JobConfig) -> JobConfig:
@@ -403,6 +408,50 @@ def _with_wgrad_fusion(cfg: JobConfig, plan_has_te_layers: bool, world_size: int
                                                                                      world_size)))
 
 
+def _optimizer_side(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed"
+                    ) -> tuple[MasterWeights | ShardedMasterWeights | None, DataParallelGradients | None]:
+    """What keeps the plain model's FP32 masters and averages its gradients, as training.param_dtype and the
+    data-parallel wrapper ask: (masters, gradients averaged over DDP's ranks without masters). FSDP2 reduces its
+    own gradients and its sharded FP32 parameters are the masters; weights held in FP8 get sharded FP32 ones."""
+    param_dtype = cfg.training.param_dtype  # BF16 or FP8 ones with BF16 activations only (TrainingConfig.validate)
+    if env.fsdp_mesh is not None:
+        return (ShardedMasterWeights(model) if param_dtype == "fp8" else None), None
+    if env.ddp_mesh is not None:
+        if param_dtype == "fp32":
+            return None, DataParallelGradients(model, env.ddp_mesh)
+        return MasterWeights(model, data_parallel=env.ddp_mesh), None
+    return (MasterWeights(model) if param_dtype != "fp32" else None), None
+
+
+def _fsdp_mixed_precision(cfg: JobConfig) -> MixedPrecisionPolicy:
+    """FSDP2's policy: its sharded FP32 parameters are gathered in BF16 (param_dtype bf16 or fp8, whose FP8 weights
+    travel as FP8) or FP32 (param_dtype fp32, autocast casting them at every forward); gradients reduced in FP32."""
+    gathered = torch.float32 if cfg.training.param_dtype == "fp32" else torch.bfloat16
+    return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
+
+
+def _no_sync(model: torch.nn.Module, env: "_Distributed",
+             averaging: MasterWeights | ShardedMasterWeights | DataParallelGradients | None
+             ) -> Callable[[], AbstractContextManager]:
+    """The context in which a backward leaves the gradients unreduced (Session.no_sync): FSDP2's
+    set_requires_gradient_sync(False), DDP's averaging's no_sync(), or nothing to hold back."""
+    if env.fsdp_mesh is not None:
+        return functools.partial(_fsdp_gradients_unsynced, model)
+    if env.ddp_mesh is not None:
+        return averaging.no_sync
+    return nullcontext
+
+
+@contextmanager
+def _fsdp_gradients_unsynced(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2 accumulates the unsharded gradients (in its FP32 reduce dtype) without reduce-scattering them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def _activation_dtype(cfg: JobConfig) -> torch.dtype:
     """training.dtype, as resolved (bf16 or fp32)."""
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.training.dtype]
@@ -446,8 +495,8 @@ def _llama_loss(model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tens
 
 def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global gradient norm of `params` (the model's FP32 parameters or the masters) in FP32 (reduced over ranks
-    under FSDP/TP), clipping to max_norm if > 0. Returned as a device tensor: reading it on the host here would
-    stall the step."""
+    under FSDP/TP; DDP's gradients are averaged already), clipping to max_norm if > 0. Returned as a device tensor:
+    reading it on the host here would stall the step."""
     params = [p for p in params if p.grad is not None]
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -496,8 +545,9 @@ def _device_name(device: torch.device) -> str:
 
 
 class _Distributed:
-    """Single process, or torchrun's WORLD_SIZE processes on a (dp, tp) mesh: NCCL on GPUs, gloo on CPUs.
-    Sets up the process group on entry (if torchrun started us and nobody did yet) and ends it on exit."""
+    """Single process, or torchrun's WORLD_SIZE processes on a (dp, tp) mesh: NCCL on GPUs, gloo on CPUs; its dp
+    dimension is fsdp_mesh or ddp_mesh (parallelism.data_parallel) where the data-parallel wrapper applies. Sets up
+    the process group on entry (if torchrun started us and nobody did yet) and ends it on exit."""
 
     def __init__(self, cfg: JobConfig):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -510,26 +560,31 @@ class _Distributed:
         self.tp_size = cfg.parallelism.tensor_parallel
         self.dp_size = self.world_size // self.tp_size
         self.dp_rank = self.rank // self.tp_size
-        self.fsdp_one_rank = cfg.parallelism.fsdp_one_rank
-        self.tp_mesh = self.fsdp_mesh = None
+        self.data_parallel = cfg.parallelism.data_parallel
+        self.one_rank = cfg.parallelism.data_parallel_one_rank
+        self.tp_mesh = self.fsdp_mesh = self.ddp_mesh = None
         self._owns_group = False
 
     def __enter__(self) -> "_Distributed":
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world_size > 1 or self.fsdp_one_rank:
+        if self.world_size > 1 or self.one_rank:
             from torch.distributed.device_mesh import init_device_mesh
 
             if not dist.is_initialized():
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
                 if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous
                     dist.init_process_group(backend)
-                else:  # one process without torchrun (fsdp_one_rank): an in-process store suffices
+                else:  # one process without torchrun (data_parallel_one_rank): an in-process store suffices
                     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 self._owns_group = True
             mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
             self.tp_mesh = mesh["tp"] if self.tp_size > 1 else None
-            self.fsdp_mesh = mesh["dp"] if self.dp_size > 1 or self.fsdp_one_rank else None
+            if self.dp_size > 1 or self.one_rank:  # the data-parallel wrapper's ranks
+                if self.data_parallel == "fsdp":
+                    self.fsdp_mesh = mesh["dp"]
+                else:
+                    self.ddp_mesh = mesh["dp"]
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from fp8stack.backends import get_backend
-from fp8stack.config import ConfigError, JobConfig
+from fp8stack.config import ConfigError, JobConfig, check_data_parallel_levers
 from fp8stack.models import LlamaConfig
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train.defaults import batch_defaults
@@ -29,8 +29,9 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
     arch = _arch() if on_gpu else CPU_ARCH
     training, precision = job.training, job.precision
     dtype = training.dtype if training.dtype != "auto" else ("bf16" if on_gpu else "fp32")
-    plain_one_process = (job.model.impl == "torch" and world_size == 1 and not job.parallelism.fsdp_one_rank
-                         and job.parallelism.tensor_parallel == 1)
+    plain = job.model.impl == "torch"
+    if plain:  # now that the process count is known
+        check_data_parallel_levers(job, sharded=data_parallel_wrapped(job, world_size))
     default_micro_batch, default_global_batch = batch_defaults(shape, world_size // job.parallelism.tensor_parallel)
     micro_batch = training.micro_batch or default_micro_batch
     global_batch = training.global_batch
@@ -42,7 +43,8 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
     training = replace(
         training, device=device, dtype=dtype, micro_batch=micro_batch, global_batch=global_batch,
         seq_len=training.seq_len or (shape.seq_len if shape else None),
-        param_dtype=training.param_dtype or ("bf16" if dtype == "bf16" and plain_one_process else "fp32"),
+        param_dtype=training.param_dtype or ("bf16" if dtype == "bf16" and plain
+                                             and _bf16_parameters_serve(job, world_size) else "fp32"),
         compile=training.compile if training.compile is not None else on_gpu and job.model.impl == "torch",
         sdpa_backend=training.sdpa_backend or _sdpa_backend(on_gpu, arch, job.model.impl))
     optimizer = job.optimizer
@@ -60,12 +62,28 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
 
 def wgrad_fusion(job: JobConfig, plan_has_te_layers: bool, world_size: int) -> bool:
     """te.gradient_accumulation_fusion for this run: as asked, or (None) wherever the plan has TE layers and the run
-    can keep FP32 main_grad buffers (megatron's DDP keeps its own; the plain path one process's)."""
+    can keep FP32 main_grad buffers: megatron's DDP keeps its own; on the plain path one process or DDP (which
+    averages them), not FSDP2 (TE writes main_grad outside the autograd gradients it reduce-scatters) nor tensor
+    parallelism."""
     if job.te.gradient_accumulation_fusion is not None:
         return job.te.gradient_accumulation_fusion
     if job.model.impl == "megatron":
         return not (job.checkpoint.dir or job.checkpoint.resume)
-    return plan_has_te_layers and world_size == 1 and not job.parallelism.fsdp_one_rank
+    fsdp = data_parallel_wrapped(job, world_size) and job.parallelism.data_parallel == "fsdp"
+    return plan_has_te_layers and job.parallelism.tensor_parallel == 1 and not fsdp
+
+
+def data_parallel_wrapped(job: JobConfig, world_size: int) -> bool:
+    """Whether the plain model runs under its data-parallel wrapper (parallelism.data_parallel): with more than one
+    data-parallel rank, or data_parallel_one_rank."""
+    return world_size // job.parallelism.tensor_parallel > 1 or job.parallelism.data_parallel_one_rank
+
+
+def _bf16_parameters_serve(job: JobConfig, world_size: int) -> bool:
+    """BF16 parameters with FP32 masters serve this layout: without tensor parallelism (one process, DDP's masters
+    or FSDP2's mixed precision), or under it where FSDP2's mixed precision keeps them."""
+    fsdp = data_parallel_wrapped(job, world_size) and job.parallelism.data_parallel == "fsdp"
+    return job.parallelism.tensor_parallel == 1 or fsdp
 
 
 def _device(asked: str) -> str:
