@@ -104,6 +104,7 @@ def assemble(
     fsdp_float8_all_gather: bool = False,
     precompute_fp8_scales: bool = False,
     fsdp_mp_policy: MixedPrecisionPolicy | None = None,
+    fsdp_reshard_after_forward: bool | None = None,
     backend_options: dict[str, dict] | None = None,
     sdpa_backend: str | None = None,
     allow_little_fp8: bool = False,
@@ -119,6 +120,8 @@ def assemble(
     fsdp_float8_all_gather: all-gather torchao tensorwise weights in FP8 (needs fsdp_mesh).
     precompute_fp8_scales: let post_optimizer_step_hook compute those weights' scales in one
     all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
+    fsdp_reshard_after_forward: free each block's gathered parameters after its forward (True), keep them until its
+    backward (False: one all-gather fewer per micro-batch, the gathered copy resident), or torch's default (None).
     backend_options: backend name -> constructor options. sdpa_backend: the kernel SDPA runs in this process from
     now on ('cudnn', 'flash', 'efficient'; runtime.attention; None leaves torch's choice): attention stays BF16 in
     every plan, and cuDNN's is the fastest measured on Hopper. allow_little_fp8: accept a plan whose FP8 recipe runs
@@ -149,7 +152,8 @@ def assemble(
     if compile:
         apply_compile(model)
     if fsdp_mesh is not None:
-        apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy, precompute_fp8_scales=precompute_fp8_scales)
+        apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy, precompute_fp8_scales=precompute_fp8_scales,
+                   reshard_after_forward=fsdp_reshard_after_forward)
     elif precompute_fp8_scales:
         _record_precompute(model, requested=True)
     if verbose:
@@ -368,14 +372,15 @@ gradients accumulated) in FP32."""
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
-               precompute_fp8_scales: bool = False) -> None:
+               precompute_fp8_scales: bool = False, reshard_after_forward: bool | None = None) -> None:
     """fully_shard every block, then the root (embeddings, final norm and head go with the root).
 
     Before sharding, each backend readies what it converted (Backend.before_fully_shard: TE refuses fused wgrad
     accumulation and drops its FP8 weight cache, with a note), and the FP32 initial values of weights held in FP8
     only are taken into the assembly state by parameter name (fully_shard's sharded parameters lose what TE keeps on
     the originals), for fp8stack.precision.ShardedMasterWeights. mp_policy defaults to BF16 parameters for compute
-    and FP32 gradient reduction. precompute_fp8_scales: see post_optimizer_step_hook."""
+    and FP32 gradient reduction. precompute_fp8_scales: see post_optimizer_step_hook. reshard_after_forward: the
+    blocks' (fully_shard's; None: torch's default, which reshards them)."""
     state = _begin(model, "fully_shard")
     mp_policy = mp_policy or _DEFAULT_MP_POLICY
     for backend, record in zip(state.backends, state.conversions, strict=True):
@@ -385,9 +390,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
             raise OrderingError(str(refused)) from None
     by_id = {pid: value for backend in state.backends for pid, value in backend.take_master_values(model).items()}
     state.master_values |= {name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id}
+    reshard = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     for _, block in _blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, **reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, **reshard)
     log.info("fully_shard: %d blocks and the root over %d ranks", len(model.layers), mesh.size())
     _stamp(model, state, "fully_shard")
     _record_precompute(model, precompute_fp8_scales)

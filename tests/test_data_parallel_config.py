@@ -132,3 +132,8 @@ def _tiny():
     from fp8stack.models import load_model_config
 
     return load_model_config("tiny")
+
+
+def test_fsdp_reshard_after_forward_is_refused_where_fsdp_does_not_run():
+    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward is FSDP2's, and data_parallel is ddp"):
+        from_overrides({"parallelism.data_parallel": "ddp", "parallelism.fsdp_reshard_after_forward": False})

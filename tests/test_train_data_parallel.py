@@ -167,3 +167,12 @@ def test_levers_that_refused_more_than_one_process_now_refuse_only_what_a_cpu_la
 
 def test_old_flag_spellings_reach_the_renamed_field():
     assert job_from_flags(["--fsdp-one-rank", "--data-parallel", "ddp"]).parallelism.data_parallel_one_rank
+
+
+def test_fsdp_keeping_gathered_parameters_trains_as_resharding_does():
+    """--no-parallelism.fsdp-reshard-after-forward gathers once per step instead of twice per micro-batch: the same
+    BF16 copies of the same shards, so the same losses (FSDP2 over one rank, 4 micro-batches per step)."""
+    one_rank = {**RUN, "parallelism.data_parallel_one_rank": True, "training.steps": 2}
+    resharded = train(from_overrides(one_rank))
+    gathered = train(from_overrides({**one_rank, "parallelism.fsdp_reshard_after_forward": False}))
+    assert gathered.losses == resharded.losses and gathered.grad_norms == resharded.grad_norms

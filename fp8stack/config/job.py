@@ -208,10 +208,18 @@ class ParallelismConfig:
     data_parallel_one_rank: bool = False
     """Apply the data-parallel wrapper even with one rank, so one GPU runs with a data-parallel run's numerics and
     costs (the reference a multi-rank run's loss is compared with)."""
+    fsdp_reshard_after_forward: bool | None = None
+    """FSDP2 frees each block's all-gathered parameters after its forward and gathers them again for its backward
+    (true, torch's default: least memory), or keeps them from the forward to the backward and across a step's
+    micro-batches, gathering once per step (false: the gathered BF16 copy stays resident, as with DDP's replicas).
+    None: torch's default."""
 
     def validate(self) -> None:
         _at_least("parallelism.tensor_parallel", self.tensor_parallel, 1)
         _choose("parallelism.data_parallel", self.data_parallel, DATA_PARALLEL)
+        if self.fsdp_reshard_after_forward is not None and self.data_parallel != "fsdp":
+            raise ConfigError(f"parallelism.fsdp_reshard_after_forward is FSDP2's, and data_parallel is "
+                              f"{self.data_parallel}: drop it or use --parallelism.data-parallel fsdp")
         if self.tensor_parallel > 1 and self.data_parallel == "ddp":
             raise ConfigError("parallelism.data_parallel ddp replicates the whole model, and tensor parallelism shards "
                               "it (its data-parallel ranks run FSDP2 on a 2-D mesh): use --parallelism.data-parallel "
@@ -389,6 +397,8 @@ def _check_megatron(job: JobConfig) -> None:
                           "pip install 'fp8stack[megatron]' (Python >= 3.12)")
     plain_only = {"training.compile": (job.training.compile, "torch.compile of the blocks"),
                   "activation_checkpoint.layers": (job.activation_checkpoint.layers, "fp8stack's recompute"),
+                  "parallelism.fsdp_reshard_after_forward": (job.parallelism.fsdp_reshard_after_forward is not None,
+                                                             "FSDP2"),
                   "parallelism.data_parallel_one_rank": (job.parallelism.data_parallel_one_rank,
                                                          "fp8stack's data-parallel wrappers"),
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),

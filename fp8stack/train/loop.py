@@ -205,6 +205,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
                              fsdp_float8_all_gather=cfg.torchao.fsdp_float8_all_gather,
                              precompute_fp8_scales=cfg.torchao.precompute_fp8_scales,
                              fsdp_mp_policy=_fsdp_mixed_precision(cfg),
+                             fsdp_reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
                              backend_options=_backend_options(cfg, plan, micro_batches))
             # As torchtitan compiles its loss: Inductor fuses the FP32 log-softmax into reductions over the BF16
             # logits, where eager cross_entropy keeps FP32 copies of them (3 x 4 bytes per logit at the peak).
@@ -226,7 +227,8 @@ def session(cfg: JobConfig) -> Iterator[Session]:
                       micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
                       compressor=compress_saved_activations(model) if cfg.activation_checkpoint.compress else None,
-                      masters=masters, no_sync=_no_sync(model, env, masters or grads), config=cfg)
+                      masters=masters, no_sync=_no_sync(model, env, masters or grads,
+                                                        cfg.parallelism.fsdp_reshard_after_forward is False), config=cfg)
 
 
 def resolve_job(cfg: JobConfig) -> JobConfig:
@@ -431,25 +433,29 @@ def _fsdp_mixed_precision(cfg: JobConfig) -> MixedPrecisionPolicy:
 
 
 def _no_sync(model: torch.nn.Module, env: "_Distributed",
-             averaging: MasterWeights | ShardedMasterWeights | DataParallelGradients | None
+             averaging: MasterWeights | ShardedMasterWeights | DataParallelGradients | None, keep_gathered: bool
              ) -> Callable[[], AbstractContextManager]:
     """The context in which a backward leaves the gradients unreduced (Session.no_sync): FSDP2's
-    set_requires_gradient_sync(False), DDP's averaging's no_sync(), or nothing to hold back."""
+    set_requires_gradient_sync(False) (keep_gathered: and its parameters gathered for the next micro-batch), DDP's
+    averaging's no_sync(), or nothing to hold back."""
     if env.fsdp_mesh is not None:
-        return functools.partial(_fsdp_gradients_unsynced, model)
+        return functools.partial(_fsdp_gradients_unsynced, model, keep_gathered)
     if env.ddp_mesh is not None:
         return averaging.no_sync
     return nullcontext
 
 
 @contextmanager
-def _fsdp_gradients_unsynced(model: torch.nn.Module) -> Iterator[None]:
-    """FSDP2 accumulates the unsharded gradients (in its FP32 reduce dtype) without reduce-scattering them."""
+def _fsdp_gradients_unsynced(model: torch.nn.Module, keep_gathered: bool) -> Iterator[None]:
+    """FSDP2 accumulates the unsharded gradients (in its FP32 reduce dtype) without reduce-scattering them; with
+    keep_gathered the gathered parameters also stay for the next micro-batch's forward (no all-gather there)."""
     model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(not keep_gathered)
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
 
 
 def _activation_dtype(cfg: JobConfig) -> torch.dtype:
