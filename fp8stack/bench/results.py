@@ -29,7 +29,7 @@ PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 """The repository's evidence folder."""
 
 KINDS = ("ab", "profile", "backends", "gpu-tests", "multigpu", "loss-band", "targets", "te-gemms",
-         "experts-breakdown", "megatron", "runtime", "own-model", "example-megatron")
+         "experts-breakdown", "megatron", "runtime", "own-model", "example-megatron", "data-parallel", "peers")
 """Evidence kinds, by the start of the tool's file name; anything else is a probe."""
 
 HEADLINE_RUN = "2026-11-25-ab-llama-1b-like-h200"
@@ -161,6 +161,12 @@ def describe(run: Run) -> str:
     if kind == "example-megatron":
         return (f"examples/megatron/train.py, {record['recipe']} for {record['steps']} steps: loss "
                 f"{record['loss_first']:.3f} -> {record['loss_final_mean']:.3f}")
+    if kind == "data-parallel":
+        outcome = "all checks passed" if record.get("passed") else "not all checks passed"
+        return f"fast path unwrapped vs data-parallel wrappers on 1 rank ({', '.join(record['arms'])}): {outcome}"
+    if kind == "peers":
+        return (f"peers at {record['shape']['model']}: " +
+                " · ".join(arm["arm"] for arm in record["arms"] if arm.get("status") == "ok"))
     if kind == "loss-band":
         return f"loss band: {record['bf16_band']['runs']} BF16 runs, {len(record['fp8_runs'])} FP8 runs placed"
     text = {"backends": "GEMM backends bench (dense and grouped experts)", "targets": "targets against their evidence",
