@@ -47,6 +47,15 @@ and their BF16 copies agree except where a value lies near a BF16 rounding bound
 where one process copies them from its masters, 9e-5 and 5e-4. Gradients of one rank's half-batch alone (no average)
 differ by percents from the second step on."""
 
+TWO_D = {"parallelism.tensor_parallel": 2, "parallelism.data_parallel_one_rank": True, "model.fused_projections": False,
+         "precision.recipe": "rowwise"}
+"""A 2-D mesh over the two ranks, data-parallel (FSDP2) 1 x tensor-parallel 2, with torchao rowwise layers (tensorwise
+ones would all-gather float8 tensors, which gloo cannot move); the one-process twin runs the same model and plan."""
+TWO_D_RTOL = 5e-3
+"""TP vs one process with rowwise FP8: each rank scales its slice of a row on its own, so FP8 rounds differently (a
+single step's loss: 1e-4 in tests/test_fsdp_gloo.py), and BF16 parameters under FSDP2 round their gathered copies once
+more; a missing reduction or a wrong shard moves the loss by percents."""
+
 FP8_PARAMETERS = {"training.param_dtype": "fp8", "precision.recipe": "delayed", "precision.backend": "te"}
 LEVER_REFUSALS = {
     "param_dtype fp8, ddp": ({**FP8_PARAMETERS, "parallelism.data_parallel": "ddp"},
@@ -70,6 +79,7 @@ def _ranks(rank: int, world: int, init_file: str, folder: str) -> None:
             results = {"fsdp": train(from_overrides({**counted, "training.param_dtype": "bf16"})),
                        "ddp": train(from_overrides({**counted, "parallelism.data_parallel": "ddp"})),
                        "ddp_fp32": train(from_overrides({**RUN, **FP32, "parallelism.data_parallel": "ddp"})),
+                       "tp_fsdp": train(from_overrides({**RUN, **TWO_D})),
                        "ddp_saving": train(from_overrides({**counted, "parallelism.data_parallel": "ddp",
                                                            "checkpoint.dir": checkpoints, "checkpoint.interval": 2})),
                        "ddp_resumed": train(from_overrides({**RUN, "parallelism.data_parallel": "ddp",
@@ -145,6 +155,16 @@ def test_fsdp_with_bf16_parameters_trains_as_one_process_reducing_once_per_step(
     assert collectives["counts"]["all_gather"] == MICRO_BATCHES * (2 * (groups - 1) + 1)
     assert collectives["counts"]["reduce_scatter"] == groups
     assert collectives["all_gather_dtypes"] == ["c10::BFloat16"]
+
+
+def test_tensor_parallel_with_fsdp_on_a_2d_mesh_trains_as_one_process(two_ranks):
+    losses, grad_norms, world_size, config, _, _ = two_ranks["results"]["tp_fsdp"]
+    assert world_size == 2 and config["parallelism"]["tensor_parallel"] == 2
+    assert config["training"]["param_dtype"] == "bf16"  # FSDP2's mixed precision over the data-parallel dimension
+    one = train(from_overrides({**RUN, **{k: v for k, v in TWO_D.items() if not k.startswith("parallelism.")}}))
+    assert one.losses[-1] < one.losses[0]
+    assert losses == pytest.approx(one.losses, rel=TWO_D_RTOL)
+    assert grad_norms == pytest.approx(one.grad_norms, rel=10 * TWO_D_RTOL)
 
 
 def test_ddp_checkpoint_saved_on_two_ranks_resumes_on_two_ranks_bit_identically(two_ranks, one_process):
