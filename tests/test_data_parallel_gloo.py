@@ -7,19 +7,18 @@ first under no_sync) and then averages. Each micro-batch's loss is divided by th
 differs. Observed: the losses agree to 1e-7; LOSS_RTOL leaves room for the CPU's FP8 emulation (tensorwise).
 """
 
-import os
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+
+from gloo_ranks import on_gloo_ranks
 
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
 from fp8stack.models import Llama, load_model_config
 from fp8stack.precision import DataParallelGradients, MasterWeights
-from fp8stack.train.loop import cpu_fp8_gemms
 
 pytestmark = pytest.mark.slow
 
@@ -85,25 +84,13 @@ def _agree(grads: list[torch.Tensor]) -> bool:
 CASES = [(recipe, param_dtype) for recipe in RECIPES for param_dtype in ("bf16", "fp32")]
 
 
-def _two_ranks(rank: int, world: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)  # two ranks share two cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        with cpu_fp8_gemms(torch.device("cpu")):  # a spawned process does not inherit conftest's setting
-            results = {case: losses(rank, world, *case) for case in CASES}
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-
+def _two_rank_results(rank: int, world: int) -> dict:
+    return {case: losses(rank, world, *case) for case in CASES}
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     """Every case in one 2-process run: each process start costs seconds of imports."""
-    tmp = tmp_path_factory.mktemp("replicas")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_two_ranks, args=(2, str(tmp / "init"), str(tmp / "out.pt")), nprocs=2, join=True)
-    return torch.load(tmp / "out.pt")
+    return on_gloo_ranks(_two_rank_results, 2, tmp_path_factory.mktemp("two_ranks"))
 
 
 @pytest.mark.parametrize("recipe,param_dtype", CASES)

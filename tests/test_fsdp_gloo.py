@@ -15,16 +15,16 @@ DTensor needs no collective. Their 2-rank numerics run on GPUs (tests/gpu/test_t
 """
 
 import copy
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
+
+from gloo_ranks import on_gloo_ranks
 
 from fp8stack.models import load_model_config
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
@@ -33,7 +33,6 @@ from fp8stack.models import Llama, LlamaConfig
 from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.plan import Plan
 from fp8stack.plan.from_module import describe_module
-from fp8stack.train.loop import cpu_fp8_gemms
 
 pytestmark = pytest.mark.slow
 
@@ -120,26 +119,13 @@ def tp_refusals(world: int) -> dict[str, str]:
     return said
 
 
-def _two_ranks(rank: int, world: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)  # two ranks share two cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        with cpu_fp8_gemms(torch.device("cpu")):  # a spawned process does not inherit conftest's setting
-            results = {"fsdp": fsdp_losses(rank, world), "tp": tp_errors(rank, world),
-                       "tp_refusals": tp_refusals(world)}
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-
+def _two_rank_results(rank: int, world: int) -> dict:
+    return {"fsdp": fsdp_losses(rank, world), "tp": tp_errors(rank, world), "tp_refusals": tp_refusals(world)}
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     """Both checks in one 2-process run: each process start costs seconds of imports."""
-    tmp = tmp_path_factory.mktemp("two_ranks")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_two_ranks, args=(2, str(tmp / "init"), str(tmp / "out.pt")), nprocs=2, join=True)
-    return torch.load(tmp / "out.pt")
+    return on_gloo_ranks(_two_rank_results, 2, tmp_path_factory.mktemp("two_ranks"))
 
 
 @pytest.fixture

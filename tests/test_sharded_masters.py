@@ -4,15 +4,15 @@ gradients accumulate in FP32 without a reduce-scatter per micro-batch; masters a
 parameters; and what ShardedMasterWeights cannot serve is refused with the fix. Weights held in FP8 need TE and a GPU
 (tests/gpu/test_fsdp_te_gpu.py)."""
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from gloo_ranks import on_gloo_ranks
 
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
 from fp8stack.models import Llama, load_model_config
@@ -113,25 +113,14 @@ def shard_mismatches(world: int) -> list[str]:
                                                                  p.to_local())]
 
 
-def _two_ranks(rank: int, world: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)  # two ranks share two cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        results = {"losses": fsdp_losses(rank, world), "accumulation": accumulation_errors(rank, world),
-                   "shard_mismatches": shard_mismatches(world)}
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-
+def _two_rank_results(rank: int, world: int) -> dict:
+    return {"losses": fsdp_losses(rank, world), "accumulation": accumulation_errors(rank, world),
+            "shard_mismatches": shard_mismatches(world)}
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     """Every 2-rank check in one run: each process start costs seconds of imports."""
-    tmp = tmp_path_factory.mktemp("two_ranks")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_two_ranks, args=(2, str(tmp / "init"), str(tmp / "out.pt")), nprocs=2, join=True)
-    return torch.load(tmp / "out.pt")
+    return on_gloo_ranks(_two_rank_results, 2, tmp_path_factory.mktemp("two_ranks"))
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,35 @@ from fp8stack.precision.data_parallel import (BUCKET_BYTES, AtBackwardEnd, avera
                                               process_group, refuse_sharded)
 
 
-class MasterWeights:
+class SteppedMasters:
+    """What a keeper of FP32 masters offers the optimizer: the masters to step, and the hook that copies them into the
+    model after each step. Subclasses set model, masters and after_step()."""
+
+    model: nn.Module
+    masters: list[nn.Parameter]
+    model_holds: str = "BF16 copies"
+    """What the model's own parameters are, for the error that names them."""
+
+    def after_step(self) -> None:
+        raise NotImplementedError
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The FP32 masters: what the optimizer steps (and gradient clipping reads)."""
+        return iter(self.masters)
+
+    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` (over parameters()), set to run after_step() and the assembly's post-step hook after each of
+        its steps."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not held <= set(map(id, self.masters)):
+            raise ValueError("the optimizer holds parameters that are not these master weights: build it over "
+                             f"masters.parameters(), not model.parameters() (the model's are {self.model_holds})")
+        after_assembly = post_optimizer_step_hook(self.model)
+        optimizer.register_step_post_hook(lambda *_hook_args: (self.after_step(), after_assembly()))
+        return optimizer
+
+
+class MasterWeights(SteppedMasters):
     """The FP32 masters of a model whose parameters this makes BF16 (weights held in FP8 only stay FP8); `module`
     holds them under the model's names (what the optimizer steps and a checkpoint saves). After each optimizer step
     after_step() must run: track(optimizer) makes the optimizer run it (with the assembly's post-step hook)."""
@@ -92,21 +120,6 @@ class MasterWeights:
         self._at_backward_end = AtBackwardEnd(model, self.reduce_grads) if self.group is not None else None
         self._link_grads()
         model.register_forward_pre_hook(self._link_unlinked_grads)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The FP32 masters: what the optimizer steps (and gradient clipping reads: their .grad are the main_grads)."""
-        return iter(self.masters)
-
-    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer` (over parameters()), set to run after_step() and the assembly's post-step hook after each of
-        its steps."""
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if not held <= set(map(id, self.masters)):
-            raise ValueError("the optimizer holds parameters that are not these master weights: build it over "
-                             "masters.parameters(), not model.parameters() (the model's are BF16 copies)")
-        after_assembly = post_optimizer_step_hook(self.model)
-        optimizer.register_step_post_hook(lambda *_hook_args: (self.after_step(), after_assembly()))
-        return optimizer
 
     def after_step(self) -> None:
         """The BF16 (and FP8) parameters from the stepped masters; main_grads zeroed for the next step (and the masters'

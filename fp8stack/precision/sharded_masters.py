@@ -19,22 +19,22 @@ each FP8 weight keeps an FP32 .grad from the start, which is its master's .grad 
 it, after_step zeroes it.
 """
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fp8stack.assembly import assembly_state, post_optimizer_step_hook
-from fp8stack.precision.master_weights import _holding
+from fp8stack.assembly import assembly_state
+from fp8stack.precision.master_weights import SteppedMasters, _holding
 
 
-class ShardedMasterWeights:
+class ShardedMasterWeights(SteppedMasters):
     """The FP32 masters of a fully_shard'ed model: its own FP32 sharded parameters, and a sharded FP32 master for each
     weight held in FP8 only; `module` holds them under the model's names (what the optimizer steps and a checkpoint
     saves). After each optimizer step after_step() must run: track(optimizer) makes the optimizer run it (with the
     assembly's post-step hook)."""
+
+    model_holds = "FP8 weights, quantized copies"
 
     def __init__(self, model: nn.Module):
         named = {name: p for name, p in model.named_parameters() if p.requires_grad}
@@ -63,21 +63,6 @@ class ShardedMasterWeights:
         """(weight held in FP8, its FP32 master) for each such weight."""
         self._link_grads()
         model.register_forward_pre_hook(self._link_grads)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The FP32 masters: what the optimizer steps (and gradient clipping reads)."""
-        return iter(self.masters)
-
-    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer` (over parameters()), set to run after_step() and the assembly's post-step hook after each of
-        its steps."""
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if not held <= set(map(id, self.masters)):
-            raise ValueError("the optimizer holds parameters that are not these master weights: build it over "
-                             "masters.parameters(), not model.parameters() (the FP8 weights are quantized copies)")
-        after_assembly = post_optimizer_step_hook(self.model)
-        optimizer.register_step_post_hook(lambda *_hook_args: (self.after_step(), after_assembly()))
-        return optimizer
 
     def after_step(self) -> None:
         """The FP8 weights' local shards quantized from their stepped masters; their gradients zeroed for the next
