@@ -65,7 +65,7 @@ wrong data position or LR step) moves the next losses by percents."""
 
 ONE_RANK_TWINS = {"fp8_all_gather": "one_rank_fp8_all_gather", "bf16_all_gather": "one_rank_bf16_all_gather"}
 """2-rank arm -> the 1-rank run its loss is compared with: the same flags on one process with FSDP2 over a 1-rank
-mesh (--fsdp-one-rank) and micro-batch 2x, so both run FSDP's numerics (BF16 parameters, the same weight casts)
+mesh (--data-parallel-one-rank) and micro-batch 2x, so both run FSDP's numerics (BF16 parameters, the same weight casts)
 and differ only by the sharding. A plain 1-GPU run is autocast over FP32 parameters, which casts each weight per use
 and accumulates FP32 gradients itself: a difference in precision policy, not in sharding."""
 
@@ -78,7 +78,7 @@ def fsdp_arms(steps: int, model: str, micro_batch: int, seq_len: int, seed: int,
               "--eval-iters", "0", "--log-interval", "50", *extra]
     fp8, bf16 = ["--fsdp-float8-all-gather", "--precompute-fp8-scales"], ["--no-fsdp-float8-all-gather"]
     two = ["--micro-batch-size", str(micro_batch), "--profile-collectives", str(PROFILED_STEPS)]
-    one = ["--micro-batch-size", str(2 * micro_batch), "--fsdp-one-rank"]
+    one = ["--micro-batch-size", str(2 * micro_batch), "--data-parallel-one-rank"]
     short = PROFILED_STEPS + 2  # the counts only: the first step, the profiled ones, one more
     arms = {
         "bf16_all_gather": (2, steps, [*two, *bf16]),
