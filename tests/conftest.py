@@ -6,6 +6,8 @@ import operator
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from fp8stack.train.loop import cpu_fp8_gemms
 
@@ -16,6 +18,20 @@ def cpu_fp8_gemms_as_training_runs_them():
     loop: see fp8stack.train.loop.cpu_fp8_gemms)."""
     with cpu_fp8_gemms(torch.device("cpu")):
         yield
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A 1-rank gloo group's mesh: enough for fully_shard and DTensor, no second process. Reuses a group an earlier
+    test module left behind."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/init", rank=0,
+                                world_size=1)
+    assert dist.get_world_size() == 1
+    yield init_device_mesh("cpu", (1,))
+    if owned:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

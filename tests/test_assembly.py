@@ -10,9 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torchao.float8.float8_linear import Float8Linear
@@ -36,20 +34,6 @@ FIX = re.escape("call assemble(model, plan, ...) on a freshly built model")
 
 def tiny_plan(recipe: str = "tensorwise", model: str = "tiny"):
     return make_plan(load_description(model), PolicyConfig(recipe=recipe, small_gemm_filter="off"))
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    """A 1-rank gloo group: enough for fully_shard and DTensor, no second process. Reuses one an
-    earlier test module left behind."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/init", rank=0,
-                                world_size=1)
-    assert dist.get_world_size() == 1
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

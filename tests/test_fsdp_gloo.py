@@ -128,19 +128,7 @@ def two_ranks(tmp_path_factory) -> dict:
     return on_gloo_ranks(_two_rank_results, 2, tmp_path_factory.mktemp("two_ranks"))
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """This process as a 1-rank gloo group (reusing one an earlier test module left behind)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
-
-
-def test_fsdp_two_ranks_match_one_rank(two_ranks, one_rank):
+def test_fsdp_two_ranks_match_one_rank(two_ranks, mesh):
     one, two = fsdp_losses(0, 1), two_ranks["fsdp"]
     assert len(one) == len(two) == STEPS
     assert two == sorted(two, reverse=True), f"the loss should fall on a repeated batch: {two}"
@@ -163,7 +151,7 @@ def test_tp_refusals_name_the_fix(two_ranks):
     assert "n_kv_heads=1 does not divide by 2: pick a tensor-parallel degree" in said["one_kv_head"]
 
 
-def test_tensorwise_layers_get_float8_tp_styles(one_rank):
+def test_tensorwise_layers_get_float8_tp_styles(mesh):
     """Tensorwise layers receive their input as float8 (gathered in FP8 on more ranks); rowwise ones do not."""
     model, plan = tp_model_and_plan("tensorwise")
     rowwise_w1 = "layers.0.feed_forward.w1"
@@ -171,7 +159,7 @@ def test_tensorwise_layers_get_float8_tp_styles(one_rank):
                                          for d in plan.decisions))
     model = apply_fp8(model, plan)
     reference = copy.deepcopy(model)
-    apply_tp(model, one_rank, tensor_parallel_plan(model, 1))
+    apply_tp(model, mesh, tensor_parallel_plan(model, 1))
     seen = {}
 
     def record_input_type(module, args):

@@ -123,19 +123,6 @@ def two_ranks(tmp_path_factory) -> dict:
     return on_gloo_ranks(_two_rank_results, 2, tmp_path_factory.mktemp("two_ranks"))
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    """A 1-rank gloo group (reusing one an earlier test module left behind)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/init", rank=0,
-                                world_size=1)
-    assert dist.get_world_size() == 1
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
-
-
 def test_two_fsdp_ranks_train_as_one_process_with_bf16_parameters(two_ranks, mesh):
     model = tiny_llama()
     one = train_losses(model, MasterWeights(model), batch(1, 0), world=1)
