@@ -44,7 +44,7 @@ from fp8stack.train.result import TrainResult
 from fp8stack.train.data import TextData
 from fp8stack.train.model import build_model, model_shape
 from fp8stack.train.preflight import plan_settings, preflight, run_settings
-from fp8stack.train.resolve import resolve, wgrad_fusion
+from fp8stack.train.resolve import data_parallel_wrapped, resolve, wgrad_fusion
 from fp8stack.train.stop import StopSignals, TrainingStopped
 from fp8stack.train.timing import steady_state
 
@@ -567,14 +567,15 @@ class _Distributed:
         self.dp_size = self.world_size // self.tp_size
         self.dp_rank = self.rank // self.tp_size
         self.data_parallel = cfg.parallelism.data_parallel
-        self.one_rank = cfg.parallelism.data_parallel_one_rank
+        self.wrapped = data_parallel_wrapped(cfg, self.world_size)
+        """The data-parallel wrapper applies: several data-parallel ranks, or data_parallel_one_rank."""
         self.tp_mesh = self.fsdp_mesh = self.ddp_mesh = None
         self._owns_group = False
 
     def __enter__(self) -> "_Distributed":
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world_size > 1 or self.one_rank:
+        if self.world_size > 1 or self.wrapped:
             from torch.distributed.device_mesh import init_device_mesh
 
             if not dist.is_initialized():
@@ -586,7 +587,7 @@ class _Distributed:
                 self._owns_group = True
             mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
             self.tp_mesh = mesh["tp"] if self.tp_size > 1 else None
-            if self.dp_size > 1 or self.one_rank:  # the data-parallel wrapper's ranks
+            if self.wrapped:
                 if self.data_parallel == "fsdp":
                     self.fsdp_mesh = mesh["dp"]
                 else:

@@ -69,8 +69,7 @@ def wgrad_fusion(job: JobConfig, plan_has_te_layers: bool, world_size: int) -> b
         return job.te.gradient_accumulation_fusion
     if job.model.impl == "megatron":
         return not (job.checkpoint.dir or job.checkpoint.resume)
-    fsdp = data_parallel_wrapped(job, world_size) and job.parallelism.data_parallel == "fsdp"
-    return plan_has_te_layers and job.parallelism.tensor_parallel == 1 and not fsdp
+    return plan_has_te_layers and job.parallelism.tensor_parallel == 1 and not fsdp_wrapped(job, world_size)
 
 
 def data_parallel_wrapped(job: JobConfig, world_size: int) -> bool:
@@ -79,11 +78,15 @@ def data_parallel_wrapped(job: JobConfig, world_size: int) -> bool:
     return world_size // job.parallelism.tensor_parallel > 1 or job.parallelism.data_parallel_one_rank
 
 
+def fsdp_wrapped(job: JobConfig, world_size: int) -> bool:
+    """Whether the plain model's data-parallel wrapper is FSDP2 and applies (data_parallel_wrapped)."""
+    return data_parallel_wrapped(job, world_size) and job.parallelism.data_parallel == "fsdp"
+
+
 def _bf16_parameters_serve(job: JobConfig, world_size: int) -> bool:
     """BF16 parameters with FP32 masters serve this layout: without tensor parallelism (one process, DDP's masters
     or FSDP2's mixed precision), or under it where FSDP2's mixed precision keeps them."""
-    fsdp = data_parallel_wrapped(job, world_size) and job.parallelism.data_parallel == "fsdp"
-    return job.parallelism.tensor_parallel == 1 or fsdp
+    return job.parallelism.tensor_parallel == 1 or fsdp_wrapped(job, world_size)
 
 
 def _device(asked: str) -> str:
