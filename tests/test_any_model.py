@@ -19,7 +19,7 @@ REFUSED = {
     "hybrid-mamba-moe": "block 'mamba' (ssm_scan: mixer.scan) cannot be built yet",
 }
 """Descriptions fp8stack plans but cannot build, and what the refusal names."""
-BUILT = ("tiny", "tiny-moe", "llama-1b-like", "llama3-8b")
+BUILT = ("tiny", "tiny-moe", "llama-1b-like", "llama-70b-layers", "llama3-8b")
 """Descriptions fp8stack builds."""
 
 # The named shapes as the LlamaConfig factories wrote them before they read their YAML files.
@@ -75,6 +75,16 @@ def test_llama3_8b_is_an_8b_model():
     with torch.device("meta"):
         params = sum(p.numel() for p in Llama(config).parameters())
     assert 8.0e9 < params < 8.1e9  # Meta's Llama 3 8B: 8.03B parameters
+
+
+def test_llama_70b_layers_has_llama3_70b_layer_widths_and_fits_one_h200_with_fp32_masters():
+    config = load_model_config("llama-70b-layers")
+    assert (config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
+            config.seq_len) == (8192, 4, 64, 8, 28672, 32000, 4096)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Llama(config).parameters())
+    # FP32 masters and two FP32 Adam moments (12 bytes each) leave an H200's 141 GB room for activations.
+    assert 3.9e9 < params < 4.0e9 and params * 12 < 50e9
 
 
 ROUND_TRIPS = {

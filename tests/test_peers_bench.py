@@ -151,7 +151,8 @@ def test_own_model_loop_warms_the_learning_rate_up_linearly(monkeypatch):
 def arm(name: str, tokens_per_s: float | None = None, peak: float | None = None, status: str = "ok") -> dict:
     record = {"arm": name, "stack": ARMS[name].stack, "recipe": ARMS[name].recipe, "status": status}
     if status == "ok":
-        record.update(tokens_per_s=tokens_per_s, spread=0.01, peak_mem_gib=peak, final_loss=5.0)
+        record.update(tokens_per_s=tokens_per_s, spread=0.01, peak_mem_gib=peak, final_loss=5.0,
+                      resident_mem_gib=peak - 4.0 if peak else None)
     return record
 
 
@@ -207,7 +208,7 @@ def test_the_table_shows_every_arm_the_ratios_and_the_verdicts():
     arms = TODAY + [arm("torchtitan-tensorwise", status="failed")]
     arms[-1]["error"] = "Traceback ...\nRuntimeError: out of memory"
     text = peers.render(peers.record_of(LLAMA, arms, ["fp8stack-bf16"]))
-    assert "| fp8stack | fp8stack-delayed | 132,792 | 1.0% | 25.91 | 1.423 | 5.0000 | ok |" in text
+    assert "| fp8stack | fp8stack-delayed | 132,792 | 1.0% | 25.91 | 21.91 | 1.423 | 5.0000 | ok |" in text
     assert "| megatron | megatron-delayed-param-gather | 115,820 |" in text
     assert "failed: Traceback ... RuntimeError: out of memory" in text
     assert "| 1.147x | >= 1.20x | NO |" in text

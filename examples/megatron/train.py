@@ -288,7 +288,9 @@ def train(args, model, optimizer, scheduler, data, microbatches: int = 1) -> dic
         // args.tensor_model_parallel_size
     return {"losses": losses, "grad_norms": grad_norms, "step_ms": step_ms, "tokens_per_step": tokens_per_step,
             "tokens_per_s": timed * tokens_per_step / (time.perf_counter() - began) if timed > 0 else None,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+            # what stays allocated between steps: parameters, optimizer state, gradient buffers, weight caches
+            "resident_mem_gib": torch.cuda.memory_allocated() / 2 ** 30}
 
 
 def report(args, plan, layers: list[str], result: dict, patch_report) -> tuple[dict, str]:

@@ -85,7 +85,9 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
         print(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {step_ms[-1]:.0f} ms", flush=True)
     result = {"losses": losses, "step_ms": step_ms,
               "tokens_per_step": args.micro_batch * args.accumulation * args.seq_len,
-              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.type == "cuda" else None}
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.type == "cuda" else None,
+              # what stays allocated between steps: parameters, optimizer state, gradient buffers, weight caches
+              "resident_mem_gib": torch.cuda.memory_allocated() / 2**30 if args.device.type == "cuda" else None}
     if args.result_json:
         args.result_json.write_text(json.dumps(result))
     return result

@@ -26,6 +26,9 @@ SIZES = {
     # Four Llama-3-8B layers: fp8stack's single-GPU benchmark shape.
     "llama-1b-like": ModelArgs(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                                max_seq_len=4096),
+    # Four Llama-3-70B layers: where FP8's GEMM gain weighs most in a step.
+    "llama-70b-layers": ModelArgs(dim=8192, n_layers=4, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=32000,
+                                  max_seq_len=4096),
 }
 
 

@@ -35,7 +35,9 @@ master weights and FP32 Adam moments, fp8stack's default peak LR and warm-up for
 tokens of the standard library's sources (fp8stack's TextData for megatron and fp8stack, examples/own_model's random
 windows of the same files for torchtitan). tokens/s: tokens per step over the median of the steady-state step times
 (fp8stack.train.timing.steady_state), each loop timing a step up to its host read of the step's loss; peak memory:
-torch.cuda.max_memory_allocated of the arm's process; final loss: the mean of the last 10% of steps.
+torch.cuda.max_memory_allocated of the arm's process; resident memory: torch.cuda.memory_allocated after its last
+step (what it holds between steps: parameters, masters, optimizer state, gradient buffers, weight caches; the peak less
+this is the step's activations and workspaces); final loss: the mean of the last 10% of steps.
 
 Arms a machine cannot run are recorded as skipped with the reason, never run: megatron's need CUDA and
 TransformerEngine, and so do fp8stack's delayed and blockwise (its default plan runs them on TE). Without CUDA the
@@ -82,7 +84,7 @@ STACKS = {
 """Stack -> how the table names it, in the table's order."""
 PEERS = ("megatron", "torchtitan")
 """The stacks fp8stack is judged against."""
-MODELS = ("tiny", "llama-1b-like")
+MODELS = ("tiny", "llama-1b-like", "llama-70b-layers")
 """Models every stack builds: fp8stack's configs and examples/own_model's SIZES both name them."""
 MEGATRON_FUSIONS = ("--bias-swiglu-fusion", "--rope-fusion", "--bias-dropout-fusion")
 """The fusions pretrain_gpt turns on unless told otherwise, by the example's flags."""
@@ -219,6 +221,7 @@ def measurements(measured: dict) -> dict:
     steady = steady_state(measured["step_ms"])
     return {"tokens_per_s": measured["tokens_per_step"] / statistics.median(steady) * 1000,
             "spread": relative_spread(steady), "peak_mem_gib": measured.get("peak_mem_gib"),
+            "resident_mem_gib": measured.get("resident_mem_gib"),
             "final_loss": final_loss(measured["losses"]), "losses": measured["losses"],
             "step_ms": measured["step_ms"]}
 
@@ -275,13 +278,13 @@ def render(record: dict) -> str:
         within = (a["tokens_per_s"] / bf16_speed[a["stack"]] if a["status"] == "ok" and is_fp8(a["recipe"])
                   and a["stack"] in bf16_speed else None)
         rows.append([a["stack"], a["arm"], _number(a.get("tokens_per_s"), ",.0f"), _number(a.get("spread"), ".1%"),
-                     _number(a.get("peak_mem_gib"), ".2f"), _number(within, ".3f"), _number(a.get("final_loss"), ".4f"),
+                     _number(a.get("peak_mem_gib"), ".2f"), _number(a.get("resident_mem_gib"), ".2f"), _number(within, ".3f"), _number(a.get("final_loss"), ".4f"),
                      _status(a)])
     shape = record["shape"]
     head = (f"{shape['model']}, micro-batch {shape['micro_batch']}, global batch {shape['global_batch']}, "
             f"{shape['steps']} steps per arm, each arm a fresh process; tokens/s from the median of the steady-state "
             "step times. Stacks: " + "; ".join(f"{key}: {what}" for key, what in STACKS.items()) + ".\n\n")
-    table = markdown_table(["stack", "arm", "tokens/s", "step spread (IQR)", "peak GiB", "FP8/BF16 in its stack",
+    table = markdown_table(["stack", "arm", "tokens/s", "step spread (IQR)", "peak GiB", "resident GiB", "FP8/BF16 in its stack",
                             "final loss", "status"], rows)
     summary = markdown_table(["stack", "BF16 arm", "fastest FP8 arm", "FP8/BF16"],
                              [[s["stack"], s["bf16"] or "-", s["fp8"] or "-", _number(s["fp8_over_bf16"], ".3f")]

@@ -386,7 +386,7 @@ def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
                           "--training.param-dtype fp32, or add data-parallel ranks")
 
 
-MEGATRON_MODELS = ("tiny", "llama-1b-like")
+MEGATRON_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers")
 """Models the Megatron path builds (dense; the MoE model is not mapped to megatron's MoE)."""
 
 

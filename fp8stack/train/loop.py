@@ -318,6 +318,8 @@ def train(cfg: JobConfig) -> TrainResult:
                     raise TrainingStopped(f"stopped by {signal.Signals(signal_number).name} after step {step + 1} of "
                                           f"{cfg.training.steps}: {kept}", signal_number, result)
         result.collectives = asdict(comms.result) if comms.result else None
+        if device.type == "cuda":
+            result.resident_mem_gib = torch.cuda.memory_allocated(device) / 2**30
         if run.compressor and result.losses:
             result.activation_bytes_saved_per_step = run.compressor.bytes_saved / len(result.losses)
 
