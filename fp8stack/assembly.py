@@ -32,7 +32,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from fp8stack.backends import (Backend, BackendUnavailable, ConversionRecord, available_backends, check_plan_fits,
                                 get_backend)
-from fp8stack.backends.te import FUSED_WGRAD_UNDER_FULLY_SHARD
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.parallel import SHARD_KINDS, ShardAs, TensorParallelPlan
 from fp8stack.plan.recipes import BF16, get_recipe
@@ -196,13 +195,11 @@ def _check_combination(plan: Plan, *, fsdp_mesh: DeviceMesh | None, tp_mesh: Dev
     if (tp_mesh is None) != (tp_plan is None):
         raise ValueError("tensor parallelism needs both tp_mesh and tp_plan (the model's own plan, e.g. "
                          "fp8stack.models.llama.tensor_parallel_plan): pass both or neither")
-    fused_wgrad = (backend_options or {}).get("te", {}).get("fuse_wgrad_accumulation")
-    if fused_wgrad and tp_mesh is not None:
-        raise OrderingError("te fuse_wgrad_accumulation accumulates weight gradients into FP32 main_grad buffers, "
-                            "which tensor parallelism does not shard or reduce: train one process, use model_impl "
-                            "megatron (its DDP reduces main_grad), or turn it off")
-    if fused_wgrad and fsdp_mesh is not None:
-        raise OrderingError(FUSED_WGRAD_UNDER_FULLY_SHARD)
+    for name, options in (backend_options or {}).items():
+        reason = get_backend(name, **options).refuse_wrappers(tensor_parallel=tp_mesh is not None,
+                                                              fully_shard=fsdp_mesh is not None)
+        if reason:
+            raise OrderingError(reason)
     if fsdp_float8_all_gather:
         _check_fp8_all_gather_recipes(plan)
         if fsdp_mesh is None:

@@ -95,6 +95,11 @@ class Backend:
         """Master weights take over the FP32 main_grad buffers its modules accumulate weight gradients into: the
         modules stop pointing their weights' .grad at them."""
 
+    def refuse_wrappers(self, *, tensor_parallel: bool, fully_shard: bool) -> str | None:
+        """Why this backend, as configured, cannot run its modules under the wrappers asked for (tensor parallelism,
+        fully_shard), naming the fix; None when it can. Asked before anything is converted."""
+        return None
+
     def before_fully_shard(self, model: nn.Module) -> list[str]:
         """Make the modules it converted in `model` ready for fully_shard, which replaces their parameters by sharded
         ones; returns notes for its conversion record. Raises NotImplementedError (the reason and the fix) for what

@@ -264,6 +264,17 @@ class TEBackend(Backend):
                 param.clear_high_precision_init_val()
         return values
 
+    def refuse_wrappers(self, *, tensor_parallel: bool, fully_shard: bool) -> str | None:
+        """fuse_wgrad_accumulation's FP32 main_grad buffers are neither sharded nor reduced by tensor parallelism or
+        fully_shard."""
+        if self.fuse_wgrad_accumulation and tensor_parallel:
+            return ("te fuse_wgrad_accumulation accumulates weight gradients into FP32 main_grad buffers, which tensor "
+                    "parallelism does not shard or reduce: train one process, use model_impl megatron (its DDP reduces "
+                    "main_grad), or turn it off")
+        if self.fuse_wgrad_accumulation and fully_shard:
+            return FUSED_WGRAD_UNDER_FULLY_SHARD
+        return None
+
     def before_fully_shard(self, model: nn.Module) -> list[str]:
         """Refuse modules accumulating weight gradients into main_grad (FUSED_WGRAD_UNDER_FULLY_SHARD), and switch
         the FP8 weight cache off. Under FSDP2, TE skips its own FP8 weight workspace (a module in an FSDP2 tree casts
