@@ -180,6 +180,11 @@ class OptimizerConfig:
     """Decoupled weight decay, on matrices only (not norms)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (FP32) to this; 0 disables clipping."""
+    distributed: bool = False
+    """Megatron path only (Megatron's --use-distributed-optimizer): megatron-core's distributed optimizer
+    (get_megatron_optimizer) instead of the trainer's AdamW, its FP32 master weights and Adam moments sharded over
+    the data-parallel ranks, with the trainer's schedule, weight decay, betas, epsilon and clipping. The plain path
+    shards optimizer state with FSDP2 (--data-parallel fsdp)."""
 
     def validate(self) -> None:
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
@@ -363,6 +368,10 @@ class JobConfig:
                               "is not: use --fp8-recipe tensorwise or drop it")
         if self.model.impl == "megatron":
             _check_megatron(self)
+        elif self.optimizer.distributed:
+            raise ConfigError("optimizer.distributed is megatron-core's distributed optimizer, for --model-impl "
+                              "megatron; the plain path shards optimizer state with FSDP2: drop "
+                              "--use-distributed-optimizer or add --model-impl megatron")
 
 
 def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
@@ -427,14 +436,6 @@ def _check_megatron(job: JobConfig) -> None:
     if job.precision.small_gemm_filter not in ("auto", "off"):
         raise ConfigError(f"precision.small_gemm_filter={job.precision.small_gemm_filter!r}: megatron converts every "
                           "TE linear whatever its size; leave it at auto (or off)")
-    saves = job.checkpoint.dir or job.checkpoint.resume
-    if job.te.gradient_accumulation_fusion and saves:
-        raise ConfigError("checkpoints of a model in megatron's DistributedDataParallel (te.gradient_accumulation_"
-                          "fusion) are not supported yet: drop --save/--load or --no-gradient-accumulation-fusion")
-    if job.parallelism.tensor_parallel > 1 and saves:
-        raise ConfigError("checkpoints of a tensor-parallel Megatron model are not supported: the trainer's "
-                          "checkpoints see megatron's shards as plain tensors and would keep one rank's; drop "
-                          "--save/--load or use --tensor-model-parallel-size 1")
 
 
 def recompute_blocks(spec: str | None) -> list[int] | str | None:
