@@ -67,7 +67,7 @@ def test_flags_map_onto_megatrons_transformer_config():
 @pytest.mark.parametrize("flags, names", [
     (["--compile"], "does not take training.compile (torch.compile of the blocks)"),
     (["--recompute-granularity", "full"], "does not take activation_checkpoint.layers (fp8stack's recompute)"),
-    (["--param-dtype", "bf16"], "does not take training.param_dtype"),
+    (["--param-dtype", "fp8"], "does not take training.param_dtype fp8 (TE weights held in FP8"),
     (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
     (["--model", "tiny-moe"], "builds tiny, llama-1b-like, not 'tiny-moe'"),
@@ -90,6 +90,15 @@ def test_megatrons_data_parallel_flags_and_checkpoints_are_accepted():
                        "--gradient-accumulation-fusion")
     assert cfg.optimizer.distributed and cfg.checkpoint.dir == "ckpt" and cfg.te.gradient_accumulation_fusion
     assert not megatron_cfg().optimizer.distributed
+
+
+def test_bf16_parameters_are_megatrons_own_mixed_precision():
+    """--param-dtype bf16 on the Megatron path: megatron builds BF16 parameters (Float16Module, FP32 masters in its
+    optimizer: megatron_model.build), where the default keeps the FP32 ones the trainer's AdamW steps."""
+    cfg = megatron_cfg("--param-dtype", "bf16", "--tensor-model-parallel-size", "2")
+    config = megatron_model.transformer_config(cfg, model_config(cfg), megatron_model.fp8_format(cfg))
+    assert config.params_dtype == torch.bfloat16 and config.bf16
+    assert megatron_cfg().training.param_dtype is None  # resolves to fp32 on the Megatron path
 
 
 def test_a_process_count_the_tp_size_does_not_divide_is_refused_before_compute(monkeypatch, capsys):

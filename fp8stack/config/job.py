@@ -128,7 +128,8 @@ class TrainingConfig:
     bf16, but TE's FP8 layers hold their weights in FP8 only (TE quantized_model_init, Megatron's
     --fp8-param-gather). Under FSDP2 the sharded FP32 parameters are the masters: bf16 gathers them in BF16 (its
     mixed-precision policy), fp32 in FP32, fp8 as TE's FP8 weights; under DDP each rank keeps masters of its replica.
-    None: bf16 where activations are BF16 on the plain path (measured faster on one H200), else fp32."""
+    On the Megatron path bf16 is megatron's own (Float16Module, FP32 masters in megatron's optimizer) and fp8 is
+    refused. None: bf16 where activations are BF16 on the plain path (measured faster on one H200), else fp32."""
     compile: bool | None = None
     """torch.compile each block and the loss. None: on for CUDA (measured faster on one H200), off on a CPU."""
     sdpa_backend: str | None = None
@@ -183,8 +184,9 @@ class OptimizerConfig:
     distributed: bool = False
     """Megatron path only (Megatron's --use-distributed-optimizer): megatron-core's distributed optimizer
     (get_megatron_optimizer) instead of the trainer's AdamW, its FP32 master weights and Adam moments sharded over
-    the data-parallel ranks, with the trainer's schedule, weight decay, betas, epsilon and clipping. The plain path
-    shards optimizer state with FSDP2 (--data-parallel fsdp)."""
+    the data-parallel ranks, with the trainer's schedule, weight decay, betas, epsilon and clipping (without it,
+    BF16 parameters take megatron's unsharded mixed-precision optimizer). The plain path shards optimizer state with
+    FSDP2 (--data-parallel fsdp)."""
 
     def validate(self) -> None:
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
@@ -411,9 +413,9 @@ def _check_megatron(job: JobConfig) -> None:
                   "parallelism.data_parallel_one_rank": (job.parallelism.data_parallel_one_rank,
                                                          "fp8stack's data-parallel wrappers"),
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),
-                  "training.param_dtype": (job.training.param_dtype not in (None, "fp32"),
-                                           "fp8stack's FP32 masters of BF16 parameters (megatron's own are not "
-                                           "wired here)"),
+                  "training.param_dtype fp8": (job.training.param_dtype == "fp8",
+                                               "TE weights held in FP8 (megatron's --fp8-param-gather is not wired "
+                                               "here; bf16 is megatron's own BF16 parameters)"),
                   "training.sdpa_backend": (job.training.sdpa_backend not in (None, "auto"),
                                             "torch SDPA kernels (megatron's attention is TE's DotProductAttention)")}
     given = [f"{name} ({what})" for name, (value, what) in plain_only.items() if value]

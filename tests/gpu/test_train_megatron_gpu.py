@@ -2,8 +2,9 @@
 to FP8 once per step and reuse the copy until told that a new step began (`set_is_first_microbatch`), so
 the trainer must tell them after every optimizer step, or every later step runs the step-0 weights.
 Megatron's DDP and distributed optimizer (--use-distributed-optimizer) on a one-rank NCCL group train as the
-trainer's AdamW does, and checkpoints in megatron's sharded layout resume bit-identically, with DDP, the
-distributed optimizer, the fused wgrad and TE's delayed-scaling state; on two GPUs at TP=2 and at DP=2 too.
+trainer's AdamW does, BF16 parameters train on megatron's mixed precision, and checkpoints in megatron's sharded
+layout resume bit-identically, with DDP, the distributed optimizer, the fused wgrad, BF16 parameters and TE's
+delayed-scaling state; on two GPUs at TP=2 and at DP=2 too.
 Run with `pytest -m gpu tests/gpu/test_train_megatron_gpu.py`."""
 
 import os
@@ -141,6 +142,29 @@ def test_distributed_optimizer_on_one_rank_trains_as_the_trainers_adamw():
     assert distributed.losses[-1] < distributed.losses[0]
 
 
+def test_bf16_parameters_train_on_megatrons_mixed_precision():
+    """--param-dtype bf16: the GPTModel's parameters are BF16 in Float16Module, megatron's
+    Float16OptimizerWithFloat16Params steps FP32 masters of them; it starts from the FP32 run's loss (autocast
+    rounds the FP32 run's GEMM weights to BF16 too; norm weights and embeddings differ by that rounding) and
+    learns."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from megatron.core.transformer.module import Float16Module
+
+    settings = {"training.steps": 30, "optimizer.lr": 1e-3, "optimizer.warmup": 3}
+    cfg = megatron_tensorwise({**settings, "training.param_dtype": "bf16"})
+    with session(cfg) as run:
+        assert isinstance(run.model.module, Float16Module)
+        assert all(p.dtype == torch.bfloat16 for p in run.model.parameters())
+        assert isinstance(run.optimizer.megatron, Float16OptimizerWithFloat16Params)
+        masters = [p for group in run.optimizer.param_groups for p in group["params"]]
+        assert masters and all(p.dtype == torch.float32 for p in masters)
+    FP8GlobalStateManager.reset()
+    bf16, fp32 = _train(cfg), _train(megatron_tensorwise(settings))
+    assert bf16.losses[0] == pytest.approx(fp32.losses[0], rel=1e-2)
+    head, tail = sum(bf16.losses[:3]) / 3, sum(bf16.losses[-3:]) / 3
+    assert all(x == x for x in bf16.losses) and tail < 0.8 * head, bf16.losses
+
+
 def full_and_resumed(settings: dict, folder) -> tuple:
     """A run checkpointing every MIDDLE steps, and the run resumed from its MIDDLE checkpoint (trusted: TE unpickles
     its own delayed-scaling state)."""
@@ -155,7 +179,10 @@ def full_and_resumed(settings: dict, folder) -> tuple:
     {"optimizer.distributed": True},
     {"optimizer.distributed": True, "te.gradient_accumulation_fusion": True},
     {"te.gradient_accumulation_fusion": True},
-], ids=["distributed-optimizer", "distributed-optimizer-fused-wgrad", "adamw-fused-wgrad"])
+    {"training.param_dtype": "bf16"},
+    {"training.param_dtype": "bf16", "optimizer.distributed": True},
+], ids=["distributed-optimizer", "distributed-optimizer-fused-wgrad", "adamw-fused-wgrad", "bf16-params",
+        "bf16-params-distributed-optimizer"])
 def test_megatron_checkpoints_resume_bit_identically(settings, tmp_path):
     """A run resumed from its middle checkpoint (megatron's sharded state dicts: model, the distributed optimizer's
     FP32 shards or AdamW's moments; the rank files: step, data position, scheduler, RNG, TE's FP8 scaling state)
