@@ -146,6 +146,8 @@ TRAIN_BAD = [
     (["--config", "{tmp}/nan-lr.json"], "optimizer.lr must be a finite number, got nan"),
     (["--load", "{tmp}/no-such-checkpoint"], "checkpoint {tmp}/no-such-checkpoint does not exist"),
     (["--save", "{tmp}/empty-ckpts", "--load", "latest"], "no step-* checkpoint under {tmp}/empty-ckpts"),
+    (["--use-distributed-optimizer"], "optimizer.distributed is megatron-core's distributed optimizer, for "
+                                      "--model-impl megatron"),
 ]
 
 

@@ -117,6 +117,13 @@ def test_the_wrapper_applies_with_more_than_one_data_parallel_rank_or_when_asked
     assert data_parallel_wrapped(from_overrides({"parallelism.data_parallel_one_rank": True}), 1)
 
 
+def test_megatrons_model_runs_megatrons_ddp_not_the_plain_wrappers_and_fuses_wgrad_with_checkpoints():
+    megatron = from_overrides({"model.impl": "megatron", "parallelism.tensor_parallel": 2,
+                               "checkpoint.dir": "ckpt"})
+    assert not data_parallel_wrapped(megatron, 4)
+    assert wgrad_fusion(megatron, True, 4)
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--data-parallel", "ddp", "--tensor-model-parallel-size", "2"], "use --parallelism.data-parallel fsdp"),
     (["--gradient-accumulation-fusion", "--fsdp-one-rank"], "pass --parallelism.data-parallel ddp"),

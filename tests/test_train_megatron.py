@@ -1,7 +1,11 @@
 """The trainer's Megatron path on a CPU: flags -> JobConfig -> megatron TransformerConfig, the options it
 refuses (and the CPU itself: the trainer needs CUDA for megatron), the GPTModel it builds (the plain
 Llama's weights in megatron's layouts, computing the plain Llama's function, the same weights at TP=2 as at
-TP=1) and its gradient finishing over two gloo ranks. Training it runs on GPUs (fp8stack.bench.multigpu_tp)."""
+TP=1), its gradient finishing over two gloo ranks, and its checkpoints in megatron's sharded layout with the
+trainer's AdamW (at TP=1, and at TP=2 over two gloo ranks). Training it, megatron's DDP and distributed optimizer
+run on GPUs (tests/gpu/test_train_megatron_gpu.py, fp8stack.bench.multigpu_tp)."""
+
+import json
 
 import pytest
 import torch
@@ -13,9 +17,11 @@ from fp8stack.models import Llama
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.command import main as train_main
 from fp8stack.config import ConfigError, JobConfig, from_overrides
+from fp8stack.train.checkpoint import CheckpointMismatchError, Resumed
 from fp8stack.train.loop import _adamw, train
+from fp8stack.train.megatron_checkpoint import MegatronTensors
 from fp8stack.train.model import build_model, model_config
-from fp8stack.train import megatron_model
+from fp8stack.train import checkpoint, megatron_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore:.*tp_group is None",
                                         "ignore:Apex is not installed")
@@ -61,7 +67,7 @@ def test_flags_map_onto_megatrons_transformer_config():
 @pytest.mark.parametrize("flags, names", [
     (["--compile"], "does not take training.compile (torch.compile of the blocks)"),
     (["--recompute-granularity", "full"], "does not take activation_checkpoint.layers (fp8stack's recompute)"),
-    (["--param-dtype", "bf16"], "does not take training.param_dtype"),
+    (["--param-dtype", "fp8"], "does not take training.param_dtype fp8 (TE weights held in FP8"),
     (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
     (["--model", "tiny-moe"], "builds tiny, llama-1b-like, not 'tiny-moe'"),
@@ -69,14 +75,38 @@ def test_flags_map_onto_megatrons_transformer_config():
     (["--backend", "torchao"], "--backend te"),
     (["--small-gemm-filter", "rowwise"], "precision.small_gemm_filter='rowwise'"),
     (["--no-fused-projections"], "model.fused_projections false shapes the plain Llama"),
-    (["--tensor-model-parallel-size", "2", "--save", "ckpt"], "--tensor-model-parallel-size 1"),
-    (["--gradient-accumulation-fusion", "--save", "ckpt"], "drop --save/--load or --no-gradient-accumulation-fusion"),
 ])
 def test_options_the_megatron_path_cannot_honour_are_refused(flags, names, capsys):
     assert train_main(["--model-impl", "megatron", *flags]) == 2
     error = capsys.readouterr().err
     assert error.startswith("fp8stack train: error: ") and names in error, error
     assert len(error.splitlines()) == 1 and "needs CUDA" not in error
+
+
+def test_megatrons_data_parallel_flags_and_checkpoints_are_accepted():
+    """--use-distributed-optimizer is optimizer.distributed; checkpoints go with every parallel layout, DDP and the
+    distributed optimizer (megatron's sharded state dicts)."""
+    cfg = megatron_cfg("--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--save", "ckpt",
+                       "--gradient-accumulation-fusion")
+    assert cfg.optimizer.distributed and cfg.checkpoint.dir == "ckpt" and cfg.te.gradient_accumulation_fusion
+    assert not megatron_cfg().optimizer.distributed
+
+
+def test_bf16_parameters_are_megatrons_own_mixed_precision():
+    """--param-dtype bf16 on the Megatron path: megatron builds BF16 parameters (Float16Module, FP32 masters in its
+    optimizer: megatron_model.build), where the default keeps the FP32 ones the trainer's AdamW steps."""
+    cfg = megatron_cfg("--param-dtype", "bf16", "--tensor-model-parallel-size", "2")
+    config = megatron_model.transformer_config(cfg, model_config(cfg), megatron_model.fp8_format(cfg))
+    assert config.params_dtype == torch.bfloat16 and config.bf16
+    assert megatron_cfg().training.param_dtype is None  # resolves to fp32 on the Megatron path
+
+
+def test_a_process_count_the_tp_size_does_not_divide_is_refused_before_compute(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert train_main(["--model-impl", "megatron", "--tensor-model-parallel-size", "2"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("fp8stack train: error: parallelism.tensor_parallel=2 must divide the 3 processes"), error
+    assert "launch a multiple of 2 processes" in error and len(error.splitlines()) == 1
 
 
 def test_the_plans_fusion_flags_are_accepted_on_the_megatron_path():
@@ -192,3 +222,101 @@ def test_two_ranks_start_from_the_tp1_weights_and_finish_gradients_like_megatron
         pieces0, pieces1 = shard0.chunk(stride, dim), shard1.chunk(stride, dim)
         joined = torch.cat([piece for pair in zip(pieces0, pieces1) for piece in pair], dim)
         assert torch.equal(joined, whole[name].detach()), name
+
+
+def stepped_adamw(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.AdamW:
+    """The trainer's AdamW over `model` after one step on gradients drawn from a fixed seed (the same on every rank,
+    so TP-replicated weights stay equal, as training keeps them)."""
+    optimizer = _adamw(model, cfg, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer.step()
+    return optimizer
+
+
+def constant_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def same_training_state(model, optimizer, other, other_optimizer) -> bool:
+    """Equal parameters, and equal AdamW moments and steps."""
+    if not all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)):
+        return False
+    saved, loaded = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
+    return saved.keys() == loaded.keys() and all(
+        saved[i].keys() == loaded[i].keys() and all(torch.equal(saved[i][k], loaded[i][k]) for k in saved[i])
+        for i in saved)
+
+
+def test_megatron_checkpoints_hold_whole_tensors_and_resume_the_model_and_adamw(tmp_path, model_parallel):
+    """The Megatron path's layout: megatron's sharded state dicts through fp8stack's checkpoint writer (JSON
+    metadata, a rank file with the common part), each weight whole under its global key (the layers stacked),
+    AdamW's moments as tensors of the same sharding; a resume restores both exactly."""
+    cfg = from_overrides({"optimizer.lr": 1e-3}, megatron_cfg())
+    model = build(cfg)
+    optimizer = stepped_adamw(model, cfg)
+    path = checkpoint.save(tmp_path / "ckpt", 1, model, optimizer, constant_lr(optimizer), 5,
+                           layout=MegatronTensors(model, optimizer))
+    shape = model_config(cfg)
+    tensors = json.loads((path / "metadata.json").read_text())["tensors"]
+    assert tensors["decoder.layers.mlp.linear_fc1.weight"]["size"] == [shape.n_layers, 2 * shape.ffn_dim, shape.dim]
+    assert tensors["optimizer.state.exp_avg.embedding.word_embeddings.weight"]["size"] == [shape.vocab_size, shape.dim]
+    assert "layout" in torch.load(path / "rank0.pt", weights_only=True)
+
+    other = build(cfg, seed=1)
+    fresh = _adamw(other, cfg, torch.device("cpu"))
+    assert not same_training_state(model, optimizer, other, fresh)
+    resumed = checkpoint.load(path, other, fresh, constant_lr(fresh), layout=MegatronTensors(other, fresh))
+    assert resumed == Resumed(step=1, data_position=5)
+    assert same_training_state(model, optimizer, other, fresh)
+
+    plain = checkpoint.save(tmp_path / "plain", 1, model, optimizer, constant_lr(optimizer), 5)
+    with pytest.raises(CheckpointMismatchError, match="was not saved in this model's layout"):
+        checkpoint.load(plain, other, fresh, constant_lr(fresh), layout=MegatronTensors(other, fresh))
+
+
+def _two_rank_checkpoint(rank: int, init_file: str, folder: str, out: str) -> None:
+    """Rank `rank` of 2 under megatron's TP=2: save a checkpoint of its stepped model and AdamW, resume it into a
+    model drawn from another seed, and record whether all came back, with its post-step shards."""
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    cfg = from_overrides({"optimizer.lr": 1e-3}, megatron_cfg("--tensor-model-parallel-size", "2"))
+    model = build(cfg)
+    optimizer = stepped_adamw(model, cfg)
+    path = checkpoint.save(folder, 1, model, optimizer, constant_lr(optimizer), 0,
+                           layout=MegatronTensors(model, optimizer))
+    other = build(cfg, seed=1)
+    fresh = _adamw(other, cfg, torch.device("cpu"))
+    checkpoint.load(path, other, fresh, constant_lr(fresh), layout=MegatronTensors(other, fresh))
+    shards = {name: (p.detach().clone(), getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
+              for name, p in model.named_parameters()}
+    torch.save({"resumed": same_training_state(model, optimizer, other, fresh), "shards": shards}, f"{out}{rank}")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_resumes_on_each_rank_and_holds_the_whole_weights(tmp_path, model_parallel):
+    """Each TP rank resumes its shards exactly; read by one TP=1 process, the checkpoint gives the whole weights
+    (the two ranks' shards joined in megatron's layout): each shard sits at its global offset."""
+    folder = tmp_path / "ckpt"
+    mp.spawn(_two_rank_checkpoint, args=(str(tmp_path / "init"), str(folder), str(tmp_path / "rank")), nprocs=2,
+             join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}", weights_only=False) for rank in (0, 1)]
+    assert all(found["resumed"] for found in ranks)
+
+    cfg = from_overrides({"optimizer.lr": 1e-3}, megatron_cfg())
+    whole = build(cfg, seed=1)
+    fresh = _adamw(whole, cfg, torch.device("cpu"))
+    checkpoint.load(folder / "step-00000001", whole, fresh, constant_lr(fresh), layout=MegatronTensors(whole, fresh))
+    weights = dict(whole.named_parameters())
+    for name, (shard0, dim, stride) in ranks[0]["shards"].items():
+        if dim is None:
+            assert torch.equal(weights[name], shard0), name
+            continue
+        pieces0, pieces1 = shard0.chunk(stride, dim), ranks[1]["shards"][name][0].chunk(stride, dim)
+        joined = torch.cat([piece for pair in zip(pieces0, pieces1) for piece in pair], dim)
+        assert torch.equal(weights[name], joined), name

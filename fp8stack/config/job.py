@@ -128,7 +128,8 @@ class TrainingConfig:
     bf16, but TE's FP8 layers hold their weights in FP8 only (TE quantized_model_init, Megatron's
     --fp8-param-gather). Under FSDP2 the sharded FP32 parameters are the masters: bf16 gathers them in BF16 (its
     mixed-precision policy), fp32 in FP32, fp8 as TE's FP8 weights; under DDP each rank keeps masters of its replica.
-    None: bf16 where activations are BF16 on the plain path (measured faster on one H200), else fp32."""
+    On the Megatron path bf16 is megatron's own (Float16Module, FP32 masters in megatron's optimizer) and fp8 is
+    refused. None: bf16 where activations are BF16 on the plain path (measured faster on one H200), else fp32."""
     compile: bool | None = None
     """torch.compile each block and the loss. None: on for CUDA (measured faster on one H200), off on a CPU."""
     sdpa_backend: str | None = None
@@ -180,6 +181,12 @@ class OptimizerConfig:
     """Decoupled weight decay, on matrices only (not norms)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (FP32) to this; 0 disables clipping."""
+    distributed: bool = False
+    """Megatron path only (Megatron's --use-distributed-optimizer): megatron-core's distributed optimizer
+    (get_megatron_optimizer) instead of the trainer's AdamW, its FP32 master weights and Adam moments sharded over
+    the data-parallel ranks, with the trainer's schedule, weight decay, betas, epsilon and clipping (without it,
+    BF16 parameters take megatron's unsharded mixed-precision optimizer). The plain path shards optimizer state with
+    FSDP2 (--data-parallel fsdp)."""
 
     def validate(self) -> None:
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
@@ -363,6 +370,10 @@ class JobConfig:
                               "is not: use --fp8-recipe tensorwise or drop it")
         if self.model.impl == "megatron":
             _check_megatron(self)
+        elif self.optimizer.distributed:
+            raise ConfigError("optimizer.distributed is megatron-core's distributed optimizer, for --model-impl "
+                              "megatron; the plain path shards optimizer state with FSDP2: drop "
+                              "--use-distributed-optimizer or add --model-impl megatron")
 
 
 def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
@@ -402,9 +413,9 @@ def _check_megatron(job: JobConfig) -> None:
                   "parallelism.data_parallel_one_rank": (job.parallelism.data_parallel_one_rank,
                                                          "fp8stack's data-parallel wrappers"),
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),
-                  "training.param_dtype": (job.training.param_dtype not in (None, "fp32"),
-                                           "fp8stack's FP32 masters of BF16 parameters (megatron's own are not "
-                                           "wired here)"),
+                  "training.param_dtype fp8": (job.training.param_dtype == "fp8",
+                                               "TE weights held in FP8 (megatron's --fp8-param-gather is not wired "
+                                               "here; bf16 is megatron's own BF16 parameters)"),
                   "training.sdpa_backend": (job.training.sdpa_backend not in (None, "auto"),
                                             "torch SDPA kernels (megatron's attention is TE's DotProductAttention)")}
     given = [f"{name} ({what})" for name, (value, what) in plain_only.items() if value]
@@ -427,14 +438,6 @@ def _check_megatron(job: JobConfig) -> None:
     if job.precision.small_gemm_filter not in ("auto", "off"):
         raise ConfigError(f"precision.small_gemm_filter={job.precision.small_gemm_filter!r}: megatron converts every "
                           "TE linear whatever its size; leave it at auto (or off)")
-    saves = job.checkpoint.dir or job.checkpoint.resume
-    if job.te.gradient_accumulation_fusion and saves:
-        raise ConfigError("checkpoints of a model in megatron's DistributedDataParallel (te.gradient_accumulation_"
-                          "fusion) are not supported yet: drop --save/--load or --no-gradient-accumulation-fusion")
-    if job.parallelism.tensor_parallel > 1 and saves:
-        raise ConfigError("checkpoints of a tensor-parallel Megatron model are not supported: the trainer's "
-                          "checkpoints see megatron's shards as plain tensors and would keep one rank's; drop "
-                          "--save/--load or use --tensor-model-parallel-size 1")
 
 
 def recompute_blocks(spec: str | None) -> list[int] | str | None:

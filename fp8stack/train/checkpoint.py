@@ -10,6 +10,9 @@ One folder per checkpoint, `<checkpoint_dir>/step-<N>`:
   torchao's dynamic tensorwise/rowwise scaling keeps no state;
 - `run.json` (rank 0, when the caller passes `run`): the settings and plan the run was saved
   under, so a resume under other ones is refused by name.
+A caller whose tensors are laid out otherwise passes a TensorLayout (megatron's sharded state dicts:
+fp8stack.train.megatron_checkpoint): its DCP items and planners replace torch's get_state_dict, the
+plain values it keeps beside them go to the rank files, and everything else is as above.
 Loading unpickles nothing a user can swap: the metadata and run.json are JSON, tensors and rank
 files are read weights-only. TE unpickles its own DelayedScaling state, and TE reads it only with
 NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; load() sets that variable to 1 only when the caller says
@@ -23,15 +26,18 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fp8stack.train.dcp_json import (METADATA_FILE, JsonMetadataReader, JsonMetadataWriter, UndecodableFileError,
@@ -64,6 +70,21 @@ class UntrustedCheckpointError(CheckpointError):
     """A checkpoint whose FP8 scaling state TE reads by unpickling, loaded without trusted=True."""
 
 
+class TensorLayout(Protocol):
+    """How a model's and optimizer's tensors go into a checkpoint and back, when not through torch's
+    get_state_dict / set_state_dict."""
+
+    module: nn.Module
+    """The module whose extra states (TE's FP8 scaling state) the rank files keep."""
+
+    def save_items(self) -> tuple[dict, dict, SavePlanner]:
+        """(what DCP saves, plain values the rank file keeps beside it, the save planner)."""
+
+    def load_items(self) -> tuple[dict, LoadPlanner, Callable[[dict], None]]:
+        """(what DCP loads into, the load planner -- reading non-tensor values weights-only --, and the function
+        that puts the loaded items and the rank file's plain values in place)."""
+
+
 @dataclass
 class Resumed:
     """Where a loaded checkpoint left off."""
@@ -87,19 +108,26 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
 
 def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, data_position: int, masters: nn.Module | None = None,
-         run: dict | None = None) -> Path:
+         run: dict | None = None, layout: TensorLayout | None = None) -> Path:
     """Write checkpoint `step` (every rank calls this); returns its folder. masters: the FP32 master weights under
     the model's names when the model's parameters are BF16 copies of them (fp8stack.precision.MasterWeights): saved as
     the model's tensors, which they are up to rounding, and what the optimizer steps. run: JSON-serialisable settings
-    a resume must share (load's `run` compares them), kept in run.json."""
+    a resume must share (load's `run` compares them), kept in run.json. layout: the model's and optimizer's tensors
+    as it lays them out, instead of get_state_dict's."""
     final = checkpoint_path(checkpoint_dir, step)
     partial = final.with_name(final.name + ".partial")
-    model_state, optim_state = get_state_dict(masters or model, optimizer)
-    tensors, extra = _split_extra_state({**model_state, **_extra_state(model, masters)})
+    plain = {}
+    if layout is None:
+        model_state, optim_state = get_state_dict(masters or model, optimizer)
+        tensors, extra = _split_extra_state({**model_state, **_extra_state(model, masters)})
+        items, planner = {"model": tensors, "optimizer": optim_state}, None
+    else:
+        items, plain["layout"], planner = layout.save_items()
+        extra = _split_extra_state(layout.module.state_dict())[1]
     with _single_process_quiet():
-        dcp.save({"model": tensors, "optimizer": optim_state}, storage_writer=JsonMetadataWriter(partial))
+        dcp.save(items, storage_writer=JsonMetadataWriter(partial), planner=planner)
     torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict(),
-                "rng": _rng_state(), "extra_state": extra}, _rank_file(partial))
+                "rng": _rng_state(), "extra_state": extra, **plain}, _rank_file(partial))
     if run is not None and _rank() == 0:
         (partial / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
     _barrier()
@@ -113,18 +141,24 @@ def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: tor
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, masters: nn.Module | None = None, *, trusted: bool = False,
-         run: dict | None = None, allow_run_changes: bool = False) -> Resumed:
+         run: dict | None = None, allow_run_changes: bool = False, layout: TensorLayout | None = None) -> Resumed:
     """Restore model, optimizer, scheduler, RNG and FP8 extra state from `path` in place; with `masters` (as for
     save) the masters take the tensors, and the caller copies them into the model's BF16 parameters (and gives the
     masters back their gradients, which this lets go).
     trusted: let TE unpickle the FP8 scaling state of its DelayedScaling modules (only for a checkpoint you wrote).
     run: the settings of the run resuming (as save's `run`): a checkpoint saved under others is refused naming
-    them, unless allow_run_changes. Everything is read and checked before the model is touched, except that a
-    tensor file found corrupt while loading, or FP8 state TE refuses, leaves the model partly loaded."""
+    them, unless allow_run_changes. layout: as save's (the checkpoint must have been saved with one). Everything is
+    read and checked before the model is touched, except that a tensor file found corrupt while loading, or FP8
+    state TE refuses, leaves the model partly loaded."""
     path = Path(path)
     if run is not None:
         check_run(path, run, allow_run_changes)
     saved, reader = _read_files(path)
+    if layout is not None:
+        _load_laid_out(path, layout, saved, reader, trusted)
+        scheduler.load_state_dict(saved["scheduler"])
+        _set_rng_state(saved["rng"])
+        return Resumed(step=saved["step"], data_position=saved["data_position"])
     # get_state_dict builds a fresh optimizer's state (to load into) only while no parameter has a gradient, and
     # masters hold theirs from the start: without this the moments would silently stay unloaded.
     optimizer.zero_grad(set_to_none=True)
@@ -151,6 +185,24 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     scheduler.load_state_dict(saved["scheduler"])
     _set_rng_state(saved["rng"])
     return Resumed(step=saved["step"], data_position=saved["data_position"])
+
+
+def _load_laid_out(path: Path, layout: TensorLayout, saved: dict, reader: JsonMetadataReader, trusted: bool) -> None:
+    """load()'s tensors through `layout`: the extra states first (what TE refuses stops the load there), then its
+    items, put in place with the plain values saved beside them."""
+    if not isinstance(saved.get("layout"), dict):
+        raise CheckpointMismatchError(f"{path} was not saved in this model's layout (its rank file has no layout "
+                                      "values): resume it with the model implementation it was saved with")
+    extra_keys = _split_extra_state(layout.module.state_dict())[1]
+    if set(saved["extra_state"]) != set(extra_keys):
+        raise CheckpointMismatchError(
+            f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
+            f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
+    items, planner, put_in_place = layout.load_items()
+    with _te_extra_state_trust(trusted):
+        _load_extra_state(path, layout.module, saved["extra_state"])
+        _load_tensors(path, items, reader, planner)
+        put_in_place(saved["layout"])
 
 
 def saved_run(path: str | Path) -> dict | None:
@@ -262,11 +314,12 @@ def _load_extra_state(path: Path, model: nn.Module, extra: dict) -> None:
                                        f"unpickling, which can run code: {TRUST_FIX}") from None
 
 
-def _load_tensors(path: Path, state: dict, reader: JsonMetadataReader) -> None:
-    """DCP's load into `state`; a file that does not decode is damage, a key or shape DCP cannot place a mismatch."""
+def _load_tensors(path: Path, state: dict, reader: JsonMetadataReader, planner: LoadPlanner | None = None) -> None:
+    """DCP's load into `state` (planner: one that reads non-tensor values weights-only; WeightsOnlyLoadPlanner by
+    default); a file that does not decode is damage, a key or shape DCP cannot place a mismatch."""
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+            dcp.load(state, storage_reader=reader, planner=planner or WeightsOnlyLoadPlanner())
     except CheckpointException as err:
         failures = [exc for exc, _ in err.failures.values()]
         damaged = [exc for exc in failures if isinstance(exc, UndecodableFileError)]

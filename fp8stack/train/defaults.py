@@ -1,5 +1,5 @@
 """Batch defaults per model size, for the fields a JobConfig leaves None (the learning rate's are the model's:
-fp8stack.models.training_defaults)."""
+fp8stack.models.training_defaults), and the Adam hyperparameters the trainer's optimizers share."""
 
 from fp8stack.models import LlamaConfig
 
@@ -8,6 +8,10 @@ LARGE_MODEL_PARAMS = 100e6
 GPU: measured fastest for llama-1b-like on one H200); below it in one micro-batch of 8 sequences."""
 ACCUMULATED_MICRO_BATCHES = 8
 """Micro-batches per optimizer step and data-parallel rank of a large model."""
+ADAM_BETAS = (0.9, 0.95)
+"""Adam's moment decays, for the trainer's AdamW and megatron's distributed optimizer alike (Llama's)."""
+ADAM_EPS = 1e-8
+"""Adam's epsilon, for both optimizers."""
 
 
 def batch_defaults(shape: LlamaConfig | None, dp_size: int) -> tuple[int, int | None]:

@@ -42,6 +42,7 @@ from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train import checkpoint, comm_stats, fault, user_code
 from fp8stack.train.result import TrainResult
 from fp8stack.train.data import TextData
+from fp8stack.train.defaults import ADAM_BETAS, ADAM_EPS
 from fp8stack.train.model import build_model, model_shape
 from fp8stack.train.preflight import plan_settings, preflight, run_settings
 from fp8stack.train.resolve import data_parallel_wrapped, resolve, wgrad_fusion
@@ -87,7 +88,8 @@ class Session:
     plan: Plan
     """The plan it was assembled under."""
     optimizer: torch.optim.AdamW
-    """AdamW over the FP32 master weights."""
+    """AdamW over the FP32 master weights, or on the Megatron path megatron's distributed optimizer
+    (megatron_model.ReadyGradsOptimizer: clip_fn prepares and clips its gradients, step() applies them)."""
     scheduler: torch.optim.lr_scheduler.LambdaLR
     """Warm-up then cosine decay (lr_at)."""
     data: TextData
@@ -115,6 +117,9 @@ class Session:
     config: JobConfig | None = None
     """The configuration the session was built from, with the levers the plan decides (TE weight-gradient fusion)
     as they ran."""
+    checkpoint_layout: checkpoint.TensorLayout | None = None
+    """How checkpoints lay out the model's and optimizer's tensors when not as torch's get_state_dict does (the
+    Megatron path's sharded state dicts)."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -188,7 +193,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
             built = stack.enter_context(megatron_model.build(cfg, env))
             vocab_size = None
             model, plan, seq_len = built.model, built.plan, built.seq_len
-            loss_fn, clip_fn, after_step = built.loss, built.clip, built.after_optimizer_step
+            loss_fn, clip_fn, after_step, no_sync = built.loss, built.clip, built.after_optimizer_step, built.no_sync
         else:
             model = build_model(cfg, device)
             seq_len = cfg.training.seq_len
@@ -216,19 +221,23 @@ def session(cfg: JobConfig) -> Iterator[Session]:
         masters = grads = None
         if cfg.model.impl == "torch":
             masters, grads = _optimizer_side(cfg, model, env)
+            no_sync = _no_sync(model, env, masters or grads, cfg.parallelism.fsdp_reshard_after_forward is False)
         if masters is not None:
             clip_fn = functools.partial(_clip, list(masters.parameters()))
             after_step = _then(masters.after_step, after_step)
-        optimizer = _adamw(masters.module if masters else model, cfg, device)
+        if cfg.model.impl == "megatron" and built.optimizer is not None:
+            optimizer, scheduled = built.optimizer, built.optimizer.torch_optimizer
+        else:
+            optimizer = scheduled = _adamw(masters.module if masters else model, cfg, device)
+        layout = built.checkpoint_layout(optimizer) if cfg.model.impl == "megatron" else None
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
-                      scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer,
+                      scheduler=torch.optim.lr_scheduler.LambdaLR(scheduled,
                                                                   lambda step: lr_at(step, cfg) / cfg.optimizer.lr),
                       data=batches(cfg, "train", cfg.training.micro_batch * micro_batches, env, vocab_size),
                       micro_batches=micro_batches,
                       seq_len=seq_len, dtype=dtype, after_optimizer_step=after_step, loss_fn=loss_fn, clip_fn=clip_fn,
                       compressor=compress_saved_activations(model) if cfg.activation_checkpoint.compress else None,
-                      masters=masters, no_sync=_no_sync(model, env, masters or grads,
-                                                        cfg.parallelism.fsdp_reshard_after_forward is False), config=cfg)
+                      masters=masters, no_sync=no_sync, config=cfg, checkpoint_layout=layout)
 
 
 def resolve_job(cfg: JobConfig) -> JobConfig:
@@ -252,13 +261,15 @@ def train(cfg: JobConfig) -> TrainResult:
 
         def save(done: int) -> Path:  # run.json: the settings a resume must share, and the whole config for the record
             return checkpoint.save(cfg.checkpoint.dir, done, model, optimizer, scheduler, data.position,
-                                   masters=master_module, run={**settings, "config": to_dict(cfg)})
+                                   masters=master_module, run={**settings, "config": to_dict(cfg)},
+                                   layout=run.checkpoint_layout)
 
         start = 0
         if resume_from:
             resumed = checkpoint.load(resume_from, model, optimizer, scheduler, masters=master_module,
                                       trusted=cfg.checkpoint.trust, run=settings,
-                                      allow_run_changes=cfg.checkpoint.resume_despite_changes)
+                                      allow_run_changes=cfg.checkpoint.resume_despite_changes,
+                                      layout=run.checkpoint_layout)
             start, data.position = resumed.step, resumed.data_position
             if run.masters:
                 run.masters.after_step()  # the BF16 (and FP8) parameters from the loaded masters
@@ -485,7 +496,7 @@ def _adamw(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torc
                            "masters of BF16 or FP8 parameters (param_dtype bf16 or fp8)")
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optimizer.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=ADAM_BETAS, eps=ADAM_EPS, fused=device.type == "cuda")
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
@@ -564,7 +575,8 @@ class _Distributed:
         self.device = torch.device("cuda", local_rank) if cfg.training.device == "cuda" else torch.device("cpu")
         if self.world_size % cfg.parallelism.tensor_parallel:
             raise ConfigError(f"parallelism.tensor_parallel={cfg.parallelism.tensor_parallel} must divide the "
-                              f"{self.world_size} processes")
+                              f"{self.world_size} processes (the rest are data-parallel ranks): launch a multiple of "
+                              f"{cfg.parallelism.tensor_parallel} processes or change --tensor-model-parallel-size")
         self.tp_size = cfg.parallelism.tensor_parallel
         self.dp_size = self.world_size // self.tp_size
         self.dp_rank = self.rank // self.tp_size

@@ -1,20 +1,24 @@
-"""The trainer's Megatron path (model.impl = "megatron"): the same model shape as a megatron-core
-GPTModel built through fp8stack's block factory, tensor parallel with sequence parallelism over megatron's
-parallel_state.
+"""The trainer's Megatron path (model.impl = "megatron"): the same model shape as a megatron-core GPTModel built
+through fp8stack's block factory, tensor parallel with sequence parallelism over megatron's parallel_state, the
+remaining ranks data-parallel.
 
 It starts from the plain path's weights: the plain Llama is drawn as --model-impl torch draws it (same seed,
 same device) and copied into megatron's layouts (load_llama_weights), each rank keeping its shard, so the two
 implementations and every tensor-parallel degree start from the same function and TP=2 can be compared with
-TP=1. Precision is the plain path's: FP32 parameters (the master weights AdamW updates), activations under
-torch.autocast, FP8 inside the TE modules the plan puts in FP8.
-Megatron's DDP wrapper is used only for gradient_accumulation_fusion (its FP32 main_grad buffers); either way
-two of megatron's finalize_model_grads duties are done here: the gradients of sequence-parallel norm weights
-are summed over the TP group, and the gradient norm counts each TP-replicated parameter once.
+TP=1. Precision is the plain path's: FP32 parameters (the master weights the optimizer updates), activations
+under torch.autocast, FP8 inside the TE modules the plan puts in FP8; or, with training.param_dtype bf16,
+megatron's own mixed precision: BF16 parameters in Float16Module, FP32 masters in megatron's optimizer.
+Megatron's DistributedDataParallel (FP32 main_grad buffers, reduced once per step) wraps the model when there are
+data-parallel ranks, for gradient_accumulation_fusion, and for megatron's optimizer, which replaces the trainer's
+AdamW with the distributed optimizer (optimizer.distributed) or BF16 parameters. Without it two of megatron's
+finalize_model_grads duties are done here: the gradients of sequence-parallel norm weights are summed over the TP
+group, and the gradient norm counts each TP-replicated parameter once; with it, finalize_model_grads and the
+optimizer's own norm and clipping run.
 """
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +30,7 @@ from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
 from fp8stack.plan.recipes import get_recipe, is_fp8
 from fp8stack.config import ConfigError, JobConfig
+from fp8stack.train.defaults import ADAM_BETAS, ADAM_EPS
 from fp8stack.train.model import build_model, model_config
 
 log = logging.getLogger(__name__)
@@ -34,16 +39,18 @@ def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | Non
     """megatron's TransformerConfig for the plain Llama `shape` under cfg's FP8 and tensor-parallel options."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    tp = cfg.parallelism.tensor_parallel
+    tp, bf16 = cfg.parallelism.tensor_parallel, cfg.training.param_dtype == "bf16"
     try:
         return TransformerConfig(
             num_layers=shape.n_layers, hidden_size=shape.dim, num_attention_heads=shape.n_heads,
             num_query_groups=shape.n_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_dim,
             gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=shape.norm_eps,
             add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-            # FP32 master weights, as in the plain path; torch.autocast gives the activations their dtype.
-            # Built on the CPU without megatron's own draws: gpt_model copies every weight from the plain Llama.
-            params_dtype=torch.float32, bf16=False, use_cpu_initialization=True, perform_initialization=False,
+            # FP32 master weights, as in the plain path, or BF16 ones whose FP32 masters megatron's optimizer keeps;
+            # torch.autocast gives the activations their dtype. Built on the CPU without megatron's own draws:
+            # gpt_model copies every weight from the plain Llama.
+            params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, use_cpu_initialization=True,
+            perform_initialization=False,
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
             **({"fp8": fp8_format, "fp8_recipe": cfg.precision.recipe} if is_fp8(cfg.precision.recipe) else {}),
             fp8_margin=cfg.te.delayed_margin,
@@ -173,12 +180,46 @@ def finish_grads(params: list[torch.nn.Parameter], max_norm: float, tp_group) ->
     return norm
 
 
+class ReadyGradsOptimizer:
+    """megatron's optimizer as the trainer's step drives it: clip() reduces nothing itself (the caller ran
+    finalize_model_grads) but hands the optimizer the gradients (its shards of them, distributed) and clips them,
+    returning the norm the step checks; step() then applies the update (step_with_ready_grads: Adam on the FP32
+    masters, copied into the parameters, all-gathered when distributed), so megatron's step() is split at the seam
+    the trainer's non-finite check needs."""
+
+    def __init__(self, megatron_optimizer):
+        self.megatron = megatron_optimizer
+        """megatron-core's DistributedOptimizer, or Float16OptimizerWithFloat16Params for BF16 parameters."""
+        self.torch_optimizer: torch.optim.Optimizer = megatron_optimizer.optimizer
+        """The Adam inside it, whose param_groups carry the learning rate (the trainer's LambdaLR schedules it)."""
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.megatron.param_groups
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """The FP32 gradient norm over all ranks (each TP-replicated parameter once), the shards clipped to
+        max_norm if > 0; a device tensor."""
+        self.megatron.prepare_grads()
+        norm = self.megatron.clip_grad_norm(max_norm) if max_norm > 0 else self.megatron.get_grad_norm()
+        return torch.tensor(norm, dtype=torch.float32, device=torch.cuda.current_device())
+
+    def step(self) -> None:
+        self.megatron.step_with_ready_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.megatron.zero_grad(set_to_none)
+
+
 @dataclass
 class MegatronModel:
     """A built GPTModel and what the trainer's step needs from it."""
 
     model: torch.nn.Module
-    """The GPTModel (this rank's shards, FP32 parameters)."""
+    """What the trainer runs: the GPTModel (this rank's shards), in Float16Module with BF16 parameters, in megatron's
+    DistributedDataParallel with main_grads."""
+    gpt: torch.nn.Module
+    """The GPTModel itself."""
     plan: Plan
     """The plan its layers run."""
     seq_len: int
@@ -187,14 +228,28 @@ class MegatronModel:
     """megatron's tensor-parallel process group."""
     main_grads: bool = False
     """The model is megatron's DistributedDataParallel (with_main_grads): gradients land in param.main_grad."""
+    optimizer: ReadyGradsOptimizer | None = None
+    """megatron's optimizer (optimizer.distributed, or BF16 parameters); None: the trainer's AdamW steps the FP32
+    parameters."""
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (megatron's vocab-parallel one, FP32) of one batch."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return self.model(tokens, positions, None, labels=targets).float().mean()
 
+    def no_sync(self) -> AbstractContextManager:
+        """DDP's no_sync: backward passes inside leave the gradients unreduced (a step's micro-batches but the last)."""
+        return self.model.no_sync() if self.main_grads else nullcontext()
+
     def clip(self, max_norm: float) -> torch.Tensor:
-        """finish_grads over the model's parameters (with main_grads: DDP's buffers, handed to AdamW as .grad)."""
+        """The step's gradients finished (DDP's reduction over the data-parallel ranks, sequence-parallel norm
+        weights summed over TP) and their global FP32 norm, clipped to max_norm if > 0: by megatron's optimizer,
+        or finish_grads over the parameters (DDP's buffers handed to AdamW as .grad)."""
+        if self.optimizer is not None:
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.model])
+            return self.optimizer.clip(max_norm)
         params = list(self.model.parameters())
         if self.main_grads:
             self.model.finish_grad_sync()
@@ -210,38 +265,67 @@ class MegatronModel:
         if self.main_grads:
             self.model.zero_grad_buffer()
 
+    def checkpoint_layout(self, optimizer: "torch.optim.Optimizer | ReadyGradsOptimizer"):
+        """How checkpoint.save/load lay out this model's tensors and those of `optimizer` (the one the trainer steps:
+        its AdamW, or this model's megatron optimizer): megatron's sharded state dicts
+        (fp8stack.train.megatron_checkpoint)."""
+        from fp8stack.train.megatron_checkpoint import MegatronTensors
 
-def with_main_grads(model: torch.nn.Module, config) -> torch.nn.Module:
-    """`model` in megatron's DistributedDataParallel (FP32 main_grad buffers) with its TE linears writing weight
-    gradients into them from the wgrad GEMM. TE takes the option at construction from
-    config.gradient_accumulation_fusion, which the output head's ColumnParallelLinear would refuse without
-    apex's fused_weight_gradient_mlp_cuda; so the model is built without it, the TE modules are switched on
-    here, and the head's gradient is added into its buffer by DDP's hook."""
+        return MegatronTensors(self.gpt, optimizer.megatron if isinstance(optimizer, ReadyGradsOptimizer) else optimizer)
+
+
+def with_main_grads(model: torch.nn.Module, config, fuse_wgrad: bool, distributed_optimizer: bool
+                    ) -> torch.nn.Module:
+    """`model` in megatron's DistributedDataParallel: FP32 main_grad buffers (grad_reduce_in_fp32) averaged over the
+    data-parallel ranks once per step, reduce-scattered for the distributed optimizer. fuse_wgrad: its TE linears
+    write weight gradients into the buffers from the wgrad GEMM. TE takes that option at construction from
+    config.gradient_accumulation_fusion, which the output head's ColumnParallelLinear would refuse without apex's
+    fused_weight_gradient_mlp_cuda; so the model is built without it, the TE modules are switched on here, and the
+    head's gradient is added into its buffer by DDP's hook."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-    linears = [m for m in model.modules()
-               if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "fuse_wgrad_accumulation")]
-    if not linears:
-        raise ConfigError("gradient_accumulation_fusion needs TransformerEngine linears in the GPTModel, and "
-                          "this one has none: install TransformerEngine or drop the option")
-    for linear in linears:
-        linear.fuse_wgrad_accumulation = True
-    return DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    if fuse_wgrad:
+        linears = [m for m in model.modules()
+                   if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "fuse_wgrad_accumulation")]
+        if not linears:
+            raise ConfigError("gradient_accumulation_fusion needs TransformerEngine linears in the GPTModel, and "
+                              "this one has none: install TransformerEngine or drop the option")
+        for linear in linears:
+            linear.fuse_wgrad_accumulation = True
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer)
+    return DistributedDataParallel(config, ddp, module=model)
+
+
+def megatron_optimizer(model: torch.nn.Module, cfg: JobConfig) -> ReadyGradsOptimizer:
+    """megatron's optimizer over `model` (in DistributedDataParallel): the distributed one (optimizer.distributed,
+    FP32 masters and moments sharded over the data-parallel ranks), else for BF16 parameters
+    Float16OptimizerWithFloat16Params (FP32 masters of each); with the trainer's hyperparameters: Adam with decoupled
+    weight decay on matrices only, clipping at grad_clip. Its learning rate is the trainer's schedule (LambdaLR over
+    torch_optimizer), not megatron's OptimizerParamScheduler, so the weight decay megatron's scheduler would set per
+    group (wd_mult: 0 for norms) is set here once."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt, bf16 = cfg.optimizer, cfg.training.param_dtype == "bf16"
+    config = OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+                             adam_beta1=ADAM_BETAS[0], adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS,
+                             clip_grad=opt.grad_clip, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                             use_distributed_optimizer=opt.distributed)
+    (optimizer,) = get_megatron_optimizer(config, [model]).chained_optimizers  # a dense model: one, no experts'
+    for group in optimizer.param_groups:
+        group["weight_decay"] = opt.weight_decay * group["wd_mult"]
+    return ReadyGradsOptimizer(optimizer)
 
 
 @contextmanager
 def build(cfg: JobConfig, env) -> Iterator[MegatronModel]:
-    """Megatron's parallel state over the trainer's processes, then the model on env.device; the state
-    (and a one-rank process group made for it) is torn down on exit."""
+    """Megatron's parallel state over the trainer's processes (TP groups of consecutive ranks, the rest
+    data-parallel), then the model on env.device; the state (and a one-rank process group made for it) is torn down
+    on exit."""
     if env.device.type != "cuda":
         raise ConfigError("the Megatron model needs CUDA: megatron-core's GPTModel allocates its buffers, RoPE "
                           "and RNG on torch.cuda, and runs FP8 through TransformerEngine. Run it on a GPU, or "
                           "use --model-impl torch on a CPU")
-    if env.dp_size > 1:
-        raise ConfigError(f"--model-impl megatron runs tensor parallelism only, but {env.world_size} processes "
-                          f"at --tensor-model-parallel-size {cfg.parallelism.tensor_parallel} leave {env.dp_size} data-"
-                          "parallel ranks: launch NPROC equal to the TP size")
     from megatron.core import parallel_state, tensor_parallel
 
     from fp8stack.megatron import te_usable
@@ -257,14 +341,22 @@ def build(cfg: JobConfig, env) -> Iterator[MegatronModel]:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallelism.tensor_parallel)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed, te_rng_tracker=te_usable())
         # The plain Llama as --model-impl torch draws it (cfg.training.seed, on env.device: CUDA's generator).
-        model = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
+        model = gpt = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
         if cfg.te.blockwise_gemms == "deepgemm":  # megatron's TE linears call the general_gemm TE's own modules call
             log.info(get_backend("te", blockwise_gemms="deepgemm").route_blockwise_gemms())
-        if cfg.te.gradient_accumulation_fusion:
-            model = with_main_grads(model, config)
-        yield MegatronModel(model=model, plan=plan, seq_len=shape.seq_len,
-                            tp_group=parallel_state.get_tensor_model_parallel_group(),
-                            main_grads=cfg.te.gradient_accumulation_fusion)
+        bf16 = cfg.training.param_dtype == "bf16"
+        if bf16:  # megatron's mixed precision, as pretrain() wraps its model: BF16 in, FP32 logits and loss out
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        fuse_wgrad, distributed = cfg.te.gradient_accumulation_fusion, cfg.optimizer.distributed
+        megatrons = distributed or bf16  # megatron's optimizer keeps the FP32 masters of BF16 parameters
+        main_grads = env.dp_size > 1 or fuse_wgrad or megatrons
+        if main_grads:
+            model = with_main_grads(model, config, fuse_wgrad, distributed)
+        yield MegatronModel(model=model, gpt=gpt, plan=plan, seq_len=shape.seq_len,
+                            tp_group=parallel_state.get_tensor_model_parallel_group(), main_grads=main_grads,
+                            optimizer=megatron_optimizer(model, cfg) if megatrons else None)
     finally:
         parallel_state.destroy_model_parallel()
         if made_group:

@@ -68,14 +68,15 @@ def wgrad_fusion(job: JobConfig, plan_has_te_layers: bool, world_size: int) -> b
     if job.te.gradient_accumulation_fusion is not None:
         return job.te.gradient_accumulation_fusion
     if job.model.impl == "megatron":
-        return not (job.checkpoint.dir or job.checkpoint.resume)
+        return True
     return plan_has_te_layers and job.parallelism.tensor_parallel == 1 and not fsdp_wrapped(job, world_size)
 
 
 def data_parallel_wrapped(job: JobConfig, world_size: int) -> bool:
     """Whether the plain model runs under its data-parallel wrapper (parallelism.data_parallel): with more than one
-    data-parallel rank, or data_parallel_one_rank."""
-    return world_size // job.parallelism.tensor_parallel > 1 or job.parallelism.data_parallel_one_rank
+    data-parallel rank, or data_parallel_one_rank. Megatron's model runs megatron's own DDP instead."""
+    plain = job.model.impl == "torch"
+    return plain and (world_size // job.parallelism.tensor_parallel > 1 or job.parallelism.data_parallel_one_rank)
 
 
 def fsdp_wrapped(job: JobConfig, world_size: int) -> bool:
