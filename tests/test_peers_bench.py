@@ -4,6 +4,7 @@ fp8stack's arms carry no lever, the judging and the table from synthetic records
 one run of the arms a CPU can run (the others recorded as skipped with the reason). The arms on a GPU: the lead runs
 `python -m fp8stack.bench.peers` on an H200."""
 
+import importlib.util
 import json
 import math
 import sys
@@ -268,4 +269,115 @@ def test_the_arms_a_cpu_can_run_run_and_the_others_are_skipped_with_the_reason(t
         assert "command" not in arms[name]  # never started
     assert [c["met"] for c in record["checks"]] == [None, None]
     assert "| fp8stack | fp8stack-bf16 |" in (run_folder(stem, tmp_path) / f"{stem}.md").read_text()
+    png = run_folder(stem, tmp_path) / f"{stem}.png"
+    assert png.is_file() == (importlib.util.find_spec("matplotlib") is not None), "the figure beside the JSON"
     assert "[4/4] fp8stack-delayed ..." in capsys.readouterr().out
+
+
+# --- the figure -------------------------------------------------------------------------------------------------
+
+def write_record(folder: Path, arms: list[dict], pending: list[str] = ()) -> Path:
+    """A peers evidence JSON of synthetic arms, as write_evidence lays it out."""
+    for index, record in enumerate(arms):
+        if record["status"] == "ok":
+            record["losses"] = [6.0 - 0.1 * step - 0.01 * index for step in range(20)]
+    path = folder / "peers-llama-1b-like-h200.json"
+    path.write_text(json.dumps({"environment": {"device": "NVIDIA H200"},
+                                **peers.record_of(LLAMA, arms, list(pending))}))
+    return path
+
+
+def mixed_arms() -> list[dict]:
+    """Measured arms with and without resident memory, a failed one and a skipped one."""
+    arms = [dict(a) for a in TODAY if a["arm"] not in ("megatron-blockwise", "fp8stack-blockwise")]
+    for record in arms:
+        if record["stack"] == "megatron":
+            record["resident_mem_gib"] = None  # a peer whose loop did not report it
+    return arms + [{**arm("megatron-blockwise", status="failed"), "error": "RuntimeError: out of memory"},
+                   {**arm("fp8stack-blockwise", status="skipped"), "reason": "needs a CUDA GPU"}]
+
+
+def test_the_figure_marks_the_best_peer_the_target_and_the_lowest_peer_peak_and_names_unmeasured_arms(tmp_path):
+    pytest.importorskip("matplotlib")
+    record = json.loads(write_record(tmp_path, mixed_arms(), ["torchtitan-bf16"]).read_text())
+    fig = peers.figure(record)
+    speed, memory, losses = fig.axes
+    names = [label.get_text() for label in speed.get_yticklabels()]
+    assert names == [a["arm"] for a in peers.table_order(record["arms"])]
+    assert names.index("megatron-blockwise") < names.index("torchtitan-bf16") < names.index("fp8stack-blockwise")
+    assert sorted(line.get_xdata()[0] for line in speed.get_lines()) == pytest.approx([115820, 1.2 * 115820])
+    (peak,) = memory.get_lines()
+    assert peak.get_xdata()[0] == 21.51  # torchtitan-tensorwise's
+    peaks, resident = memory.containers
+    widths = {name: bar.get_width() for name, bar in zip(names, resident)}
+    assert widths["fp8stack-delayed"] == pytest.approx(21.91) and widths["megatron-delayed"] == 0  # none recorded
+    assert [bar.get_width() for bar in peaks][names.index("megatron-blockwise")] == 0
+    notes = {text.get_text() for text in speed.texts}
+    assert {"failed", "skipped"} <= notes
+    assert {line.get_label() for line in losses.get_lines()} == {
+        a["arm"] for a in record["arms"] if a["status"] == "ok"}
+    assert [h.get_hatch() for h in speed.containers[0]][names.index("fp8stack-bf16")] == peers.BF16_HATCH
+    assert "not run yet: torchtitan-bf16" in fig._suptitle.get_text()
+    assert "speed: fp8stack-delayed 1.147x vs megatron-delayed-param-gather (target >= 1.20x: NO)" in \
+        fig._suptitle.get_text()
+
+
+def test_a_run_with_no_arm_measured_still_draws(tmp_path):
+    pytest.importorskip("matplotlib")
+    record = json.loads(write_record(tmp_path, [arm("megatron-delayed", status="skipped")]).read_text())
+    fig = peers.figure(record)
+    assert [text.get_text() for text in fig.axes[2].texts] == ["no arm ran"]
+
+
+def test_plot_only_draws_the_figure_beside_the_json_and_measures_nothing(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(peers, "run_arm", lambda *a, **k: pytest.fail("an arm ran"))
+    source = write_record(tmp_path, mixed_arms())
+    before = source.read_text()
+    assert peers.main(["--plot-only", str(source)]) == 0
+    png = source.with_suffix(".png")
+    assert png.read_bytes().startswith(b"\x89PNG") and source.read_text() == before
+    assert capsys.readouterr().out.strip() == f"wrote {png}"
+
+
+def plot_only_sources(tmp_path: Path) -> dict[str, Path]:
+    """Paths --plot-only refuses: absent, a folder, the Markdown, broken JSON, another bench's JSON."""
+    (tmp_path / "run.md").write_text("# peers\n")
+    (tmp_path / "broken.json").write_text("{\"arms\": [")
+    (tmp_path / "other.json").write_text(json.dumps({"arms": {"unwrapped": {"command": "x"}}, "targets": {}}))
+    return {"absent": tmp_path / "absent.json", "folder": tmp_path, "markdown": tmp_path / "run.md",
+            "broken": tmp_path / "broken.json", "other": tmp_path / "other.json"}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("absent", "absent.json: not a file: pass the <stem>.json that python -m fp8stack.bench.peers wrote"),
+    ("folder", ": not a file: pass the <stem>.json"),
+    ("markdown", "run.md: not a .json file: pass the <stem>.json"),
+    ("broken", "broken.json: not JSON (Expecting value: line 1 column 11 (char 10)): pass the <stem>.json"),
+    ("other", "other.json: not the evidence of python -m fp8stack.bench.peers: pass the <stem>.json"),
+])
+def test_plot_only_refuses_what_is_not_a_peers_json_with_one_line(case, message, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    source = plot_only_sources(tmp_path)[case]
+    assert peers.main(["--plot-only", str(source)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err
+    assert err.startswith(f"{peers.PROG}: error: --plot-only ")
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_plot_only_refuses_measuring_flags_and_a_missing_matplotlib(tmp_path, capsys, monkeypatch):
+    source = write_record(tmp_path, mixed_arms())
+    with pytest.raises(SystemExit) as exit_:
+        peers.main(["--plot-only", str(source), "--arms", "fp8stack-delayed", "--force"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.strip().splitlines()[-1] == (f"{peers.PROG}: error: --plot-only draws from a JSON and measures "
+                                            "nothing: drop --arms, --force")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
+                        else find_spec(name, *a))
+    assert peers.main(["--plot-only", str(source)]) == 2
+    assert capsys.readouterr().err.strip() == (f"{peers.PROG}: error: matplotlib is not installed: pip install "
+                                               "'fp8stack[plot]' to draw the figure")
+    assert not source.with_suffix(".png").exists()

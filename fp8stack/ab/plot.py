@@ -1,8 +1,13 @@
 """The A/B evidence's figure: loss curves, loss relative to bf16 per step, throughput by verdict with its noise."""
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fp8stack.ab.verdicts import Arm
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 SMOOTHING_WINDOWS = 50
 """The relative-loss panel averages each curve over len(curve) / this many steps: per-step batch noise
@@ -24,14 +29,26 @@ def relative_gap(curve: list[float], base: list[float], window: int) -> list[flo
     return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(window, i + 1) for i in range(len(gaps))]
 
 
-def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path | None:
-    """Write `figure` to `path` (and to $OUT when set); None (with a note) when matplotlib is missing."""
+def pyplot():
+    """matplotlib's pyplot drawing to files only (the Agg backend: no display needed); ImportError without
+    matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(draw: Callable[[], "Figure"], path: Path) -> Path | None:
+    """Write the figure `draw` returns to `path` (and to $OUT when set); None (with a note) when matplotlib is
+    missing: the figure is optional, the JSON and Markdown beside it are the evidence."""
     try:
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         print(f"matplotlib is not installed: skipping {path} (pip install 'fp8stack[plot]' for the plot)")
         return None
-    fig = figure(arms, repeats, title)
+    fig = draw()
     from fp8stack.evidence import device_copy  # here: importing fp8stack ab stays free of torch
 
     for target in filter(None, (path, device_copy(path))):
@@ -41,16 +58,17 @@ def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path |
     return path
 
 
+def plot(arms: list[Arm], repeats: list[dict], path: Path, title: str) -> Path | None:
+    """Write `figure` to `path` (save_figure)."""
+    return save_figure(lambda: figure(arms, repeats, title), path)
+
+
 def figure(arms: list[Arm], repeats: list[dict], title: str):
     """A matplotlib Figure of three panels: loss curves; loss relative to the reference per step (same batches in
     every arm, so the ratio is meaningful step by step; smoothed, see SMOOTHING_WINDOWS; the bf16 repeats' curves,
     dashed, show how far runs part by chance); tokens/s as horizontal bars, one per arm under its label, with
     the noise its speed was judged against as error bars (throughput_panel)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ran = [a for a in arms if a.loss_curve]
     reference = next((a for a in arms if a.verdict == "baseline"), arms[0])
     base = reference.loss_curve

@@ -15,7 +15,9 @@ accumulation where the wrapper allows it, compile, cuDNN attention), plus:
 Over one rank FSDP2 copies its shards in without a collective, so the profiler counts no all-gather bytes there; the
 all-gather check runs where it does (2+ ranks), and tests/gpu/test_fsdp_te_gpu.py checks FP8 inputs at one.
 Collectives are counted over PROFILED_STEPS steps (fp8stack.train.comm_stats). The evidence, profiles/runs/<date>-
-data-parallel-<gpu>/, holds tokens/s, peak memory, bytes, losses, the checks and every launch command.
+data-parallel-<gpu>/, holds tokens/s, peak memory, bytes, losses, the checks and every launch command, and with
+matplotlib a figure of the step time against the unwrapped arm's, peak memory and the loss curves;
+`--plot-only <run folder>/<stem>.json` draws the figure of a run measured before it existed.
 """
 
 import argparse
@@ -25,9 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp8stack.ab import comma_separated
+from fp8stack.ab.plot import pyplot, relative_gap
+from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, loss_panel, note_unmeasured,
+                                  plot_only, refuse_flags_beside_plot_only, write_plot)
 from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, compare_losses, launch, run_record)
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 
+PROG = "python -m fp8stack.bench.data_parallel"
 ARMS = {"unwrapped": [],
         "ddp": ["--parallelism.data-parallel", "ddp", "--parallelism.data-parallel-one-rank"],
         "fsdp": ["--parallelism.data-parallel", "fsdp", "--parallelism.data-parallel-one-rank"],
@@ -113,8 +119,111 @@ def render(payload: dict) -> str:
             f"## Checks\n\n{checks}\n\n## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
 
 
+REFERENCE = "unwrapped"
+"""The arm the others' step time is judged against."""
+TARGET_COLOURS = {"reference": "tab:gray", "within": "tab:green", "beyond": "tab:red"}
+"""Step-time bars: the reference, and the arms within or beyond STEP_TIME_RATIO of it."""
+
+
+def figure(payload: dict):
+    """The evidence's figure: each arm's median step time over the unwrapped arm's with the target (step_time_panel),
+    peak memory (memory_panel), every arm's loss curve and, as the curves lie on one another, each wrapped arm's loss
+    relative to the unwrapped arm's (loss_gap_panel)."""
+    plt = pyplot()
+    names = list(payload["arms"])
+    size = (FIGURE_WIDTH * 4 / 3, figure_height(len(names) + 1))  # + 1: the legend under the step times
+    fig, (speed, memory, losses, gaps) = plt.subplots(1, 4, figsize=size, width_ratios=(1.3, 1, 1, 1),
+                                                      layout="constrained")
+    step_time_panel(speed, payload)
+    memory_panel(memory, payload["arms"])
+    loss_panel(losses, [(name, record["losses"], {}) for name, record in payload["arms"].items()
+                        if record.get("losses")])
+    loss_gap_panel(gaps, payload["arms"])
+    device = (payload.get("environment") or {}).get("device", "an unrecorded device")
+    fig.suptitle(f"The fast path unwrapped, under DDP and under FSDP2 (1 rank each) on {device}: {payload['model']}, "
+                 f"recipe {payload['recipe']}, {payload['steps']} steps per arm")
+    return fig
+
+
+def _unmeasured(record: dict) -> str | None:
+    """Why an arm has no figures (its run failed), or None."""
+    return None if "step_ms_median" in record else f"failed (exit {record.get('returncode')})"
+
+
+def step_time_panel(axes, payload: dict) -> None:
+    """Each arm's median step time over the unwrapped arm's, as a bar from 1 (the unwrapped arm's line) to its
+    ratio, labelled with its tokens/s; the target STEP_TIME_RATIO dotted. Without a measured unwrapped arm: the
+    median step times in ms."""
+    from matplotlib.patches import Patch
+
+    arms, target = payload["arms"], payload["targets"]["step_time_ratio"]
+    reference = arms.get(REFERENCE, {}).get("step_ms_median")
+    rows, names = list(range(len(arms))), list(arms)
+    measured = [record.get("step_ms_median") for record in arms.values()]
+    if reference:
+        ratios = [ms / reference if ms else None for ms in measured]
+        colours = [TARGET_COLOURS["reference" if name == REFERENCE else "within" if ratio and ratio <= target
+                                  else "beyond"] for name, ratio in zip(names, ratios)]
+        bars = axes.barh(rows, [ratio - 1 if ratio else 0 for ratio in ratios], left=1, color=colours)
+        axes.axvline(1, color="black", linewidth=1, linestyle="--")
+        axes.axvline(target, color="tab:red", linewidth=1.2, linestyle=":")
+        axes.set(xlabel=f"median step time / {REFERENCE}'s", title=f"step time against {REFERENCE} "
+                 f"(dotted: the target, {target:.2f}x)")
+        axes.legend(handles=[Patch(color=TARGET_COLOURS["within"], label=f"within {target:.2f}x"),
+                             Patch(color=TARGET_COLOURS["beyond"], label=f"beyond {target:.2f}x")],
+                    fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=2, frameon=False)
+        axes.use_sticky_edges = False  # room left of the line at 1
+    else:
+        bars = axes.barh(rows, [ms or 0 for ms in measured], color=TARGET_COLOURS["reference"])
+        axes.set(xlabel="median step time, ms", title=f"step time ({REFERENCE} not measured: no target)")
+    axes.bar_label(bars, [f"{record['tokens_per_s']:,.0f} tokens/s" if "step_ms_median" in record else ""
+                          for record in arms.values()], padding=3, fontsize="small")
+    note_unmeasured(axes, rows, [_unmeasured(record) for record in arms.values()])
+    axes.set_yticks(rows, names)
+    axes.invert_yaxis()
+    axes.margins(x=0.3)
+
+
+def memory_panel(axes, arms: dict[str, dict]) -> None:
+    """Peak GiB per arm, the unwrapped arm's dashed; rows as step_time_panel's, the names left to it."""
+    rows = list(range(len(arms)))
+    peaks = [record.get("peak_mem_gib") if "step_ms_median" in record else None for record in arms.values()]
+    bars = axes.barh(rows, [peak or 0 for peak in peaks], color=TARGET_COLOURS["reference"])
+    axes.bar_label(bars, [f"{peak:.2f}" if peak is not None else "" for peak in peaks], padding=3, fontsize="small")
+    note_unmeasured(axes, rows, [_unmeasured(record) for record in arms.values()])
+    reference = arms.get(REFERENCE, {}).get("peak_mem_gib")
+    if reference:
+        axes.axvline(reference, color="black", linewidth=1, linestyle="--")
+    axes.set_yticks(rows, [""] * len(rows))
+    axes.invert_yaxis()
+    axes.margins(x=0.15)
+    axes.set(xlabel="GiB", title="peak memory" + (f" (dashed: {REFERENCE})" if reference else ""))
+
+
+def loss_gap_panel(axes, arms: dict[str, dict]) -> None:
+    """Each wrapped arm's loss over the unwrapped arm's per step, in % (same weights and batches: only rounding
+    parts them), in the loss panel's colours."""
+    reference = arms.get(REFERENCE, {}).get("losses")
+    for index, (name, record) in enumerate(arms.items()):
+        if reference and name != REFERENCE and record.get("losses"):
+            gaps = relative_gap(record["losses"], reference, window=1)
+            axes.plot(range(1, len(gaps) + 1), gaps, label=name, color=f"C{index}", linewidth=1.2)
+    axes.axhline(0, color="black", linewidth=0.8, linestyle="--")
+    axes.set(xlabel="step", ylabel=f"% vs {REFERENCE}", title=f"loss relative to {REFERENCE}" if reference else
+             f"loss relative to {REFERENCE} ({REFERENCE} not measured)")
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize="small")
+
+
+def is_data_parallel_record(record: dict) -> bool:
+    """The JSON is this bench's evidence: its arms by name, each with its launch command, and its targets."""
+    return isinstance(record.get("arms"), dict) and isinstance(record.get("targets"), dict) and \
+        "step_time_ratio" in record["targets"] and all(isinstance(r, dict) and "command" in r
+                                                       for r in record["arms"].values())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fp8stack.bench.data_parallel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     parser.add_argument("--steps", type=int, default=40, help="steps per arm")
     parser.add_argument("--model", default="llama-1b-like")
@@ -122,13 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="passed to every run (default: auto)")
     parser.add_argument("--out-dir", default="profiles", help="evidence folder")
     add_force_option(parser)
+    add_plot_only_option(parser)
     args = parser.parse_args(argv)
+    if args.plot_only:
+        refuse_flags_beside_plot_only(parser, args)
+        return plot_only(PROG, args.plot_only, is_data_parallel_record, figure)
     arms = comma_separated(args.arms)
     unknown = sorted(set(arms) - set(ARMS))
     if not arms or unknown:
         parser.error(f"--arms {args.arms!r}: name some of {','.join(ARMS)}")
     name = f"data-parallel-{device_slug()}"
-    claim_or_exit("fp8stack.bench.data_parallel", name, args.out_dir, args.force)
+    claim_or_exit(PROG, name, args.out_dir, args.force)
     common = ["--model", args.model, "--fp8-recipe", args.recipe, "--eval-iters", "0", "--log-interval", "10",
               "--profile-collectives", str(PROFILED_STEPS), *(("--device", args.device) if args.device else ())]
     with tempfile.TemporaryDirectory(prefix="fp8stack-data-parallel-") as scratch:
@@ -141,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = render(payload)
     print(text, flush=True)
     paths = write_evidence(name, payload, text, args.out_dir, replace=args.force)
+    paths += tuple(filter(None, [write_plot(paths[0], figure)]))
     print(f"[data-parallel] evidence: {', '.join(map(str, paths))}", flush=True)
     return 0 if payload["passed"] else 1
 

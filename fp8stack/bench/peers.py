@@ -45,9 +45,11 @@ torchtitan arms run uncompiled (compiling takes a CPU a minute per arm; fp8stack
 such a run checks the plumbing and measures nothing.
 
 Targets, judged as checks: fp8stack's fastest FP8 arm at >= 1.20x the best peer FP8 arm's tokens/s, and its peak
-memory at most the lowest peer FP8 peak. The evidence (profiles/runs/<date>-peers-<model>-<device>/) is rewritten
-after every arm, so a run cut short keeps what it measured. Exit status: 0 when every chosen arm ran or was skipped
-with its reason (a target not met is evidence, not a failure), 1 when an arm failed, 2 on bad input (before any arm).
+memory at most the lowest peer FP8 peak. The evidence (profiles/runs/<date>-peers-<model>-<device>/: JSON, Markdown
+and, with matplotlib, a figure of tokens/s, memory and loss per arm) is rewritten after every arm, so a run cut short
+keeps what it measured; `--plot-only <run folder>/<stem>.json` draws the figure of a run measured before it existed.
+Exit status: 0 when every chosen arm ran or was skipped with its reason (a target not met is evidence, not a failure),
+1 when an arm failed, 2 on bad input (before any arm).
 """
 
 import argparse
@@ -65,6 +67,9 @@ from pathlib import Path
 import torch
 
 from fp8stack.ab import final_loss
+from fp8stack.ab.plot import pyplot
+from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, loss_panel, note_unmeasured,
+                                  plot_only, refuse_flags_beside_plot_only, write_plot)
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models import load_model_config
 from fp8stack.models.training_defaults import training_defaults
@@ -84,6 +89,12 @@ STACKS = {
 """Stack -> how the table names it, in the table's order."""
 PEERS = ("megatron", "torchtitan")
 """The stacks fp8stack is judged against."""
+STACK_COLOURS = {"megatron": "tab:green", "torchtitan": "tab:orange", "fp8stack": "tab:blue"}
+"""The figure's bars by stack."""
+BF16_HATCH = "//"
+"""The figure's BF16 bars are hatched, FP8 bars solid."""
+PALE = 0.35
+"""Opacity of the part of a peak-memory bar above the resident memory."""
 MODELS = ("tiny", "llama-1b-like", "llama-70b-layers")
 """Models every stack builds: fp8stack's configs and examples/own_model's SIZES both name them."""
 MEGATRON_FUSIONS = ("--bias-swiglu-fusion", "--rope-fusion", "--bias-dropout-fusion")
@@ -250,9 +261,7 @@ def judge(arms: Sequence[dict]) -> list[dict]:
     speed = {"check": "speed", "what": "fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s",
              "arm": ours and ours["arm"], "against": best_peer and best_peer["arm"], "value": ratio,
              "target": f">= {SPEED_TARGET:.2f}x", "met": None if ratio is None else ratio >= SPEED_TARGET}
-    peer_peaks = [a for a in arms if a["status"] == "ok" and a["stack"] in PEERS and is_fp8(a["recipe"])
-                  and a.get("peak_mem_gib") is not None]
-    leanest = min(peer_peaks, key=lambda a: a["peak_mem_gib"], default=None)
+    leanest = leanest_peer(arms)
     peak = ours.get("peak_mem_gib") if ours else None
     judged = peak is not None and leanest is not None
     memory = {"check": "memory", "what": "peak GiB of fp8stack's fastest FP8 arm against the lowest peer FP8 peak",
@@ -260,6 +269,13 @@ def judge(arms: Sequence[dict]) -> list[dict]:
               "target": f"<= {leanest['peak_mem_gib']:.2f} GiB" if leanest else "<= the lowest peer FP8 peak",
               "met": peak <= leanest["peak_mem_gib"] if judged else None}
     return [speed, memory]
+
+
+def leanest_peer(arms: Sequence[dict]) -> dict | None:
+    """The measured peer FP8 arm with the lowest peak memory, or None (none measured, or no peak without CUDA)."""
+    peaks = [a for a in arms if a["status"] == "ok" and a["stack"] in PEERS and is_fp8(a["recipe"])
+             and a.get("peak_mem_gib") is not None]
+    return min(peaks, key=lambda a: a["peak_mem_gib"], default=None)
 
 
 def _number(value, spec: str) -> str:
@@ -271,7 +287,7 @@ MET = {True: "yes", False: "NO", None: "not measured"}
 
 def render(record: dict) -> str:
     """The evidence's Markdown: the arms, the per-stack summary and the checks."""
-    arms = sorted(record["arms"], key=lambda a: (list(STACKS).index(a["stack"]), is_fp8(a["recipe"])))
+    arms = table_order(record["arms"])
     bf16_speed = {s: a["tokens_per_s"] for s in STACKS if (a := fastest(arms, [s], False))}
     rows = []
     for a in arms:
@@ -298,11 +314,140 @@ def render(record: dict) -> str:
     return head + table + "\n" + summary + "\n" + checks + tail
 
 
+def table_order(arms: Sequence[dict]) -> list[dict]:
+    """The arms by stack (STACKS' order), BF16 before FP8 within a stack, in run order otherwise."""
+    return sorted(arms, key=lambda a: (list(STACKS).index(a["stack"]), is_fp8(a["recipe"])))
+
+
 def _status(arm: dict) -> str:
     if arm["status"] == "ok":
         return "ok"
     detail = arm.get("reason") or arm.get("error", "")
     return f"{arm['status']}: {' '.join(detail.split())[-200:]}"
+
+
+def figure(record: dict):
+    """The evidence's figure: per arm, grouped by stack, tokens/s (speed_panel) and memory (memory_panel), and every
+    arm's loss curve (BF16 dashed); the title names the shape, the device and the two checks."""
+    plt = pyplot()
+    arms = table_order(record["arms"])
+    rows = bar_rows(arms)
+    fig, (speed, memory, losses) = plt.subplots(1, 3, figsize=(FIGURE_WIDTH, figure_height(len(rows) + 2)),
+                                                width_ratios=(1.3, 1, 1), layout="constrained")
+    speed_panel(speed, arms, rows)
+    memory_panel(memory, arms, rows)
+    loss_panel(losses, [(a["arm"], a["losses"], {"linestyle": "-" if is_fp8(a["recipe"]) else "--"})
+                        for a in arms if a["status"] == "ok" and a.get("losses")])
+    fig.suptitle(figure_title(record))
+    return fig
+
+
+def figure_title(record: dict) -> str:
+    """The shape and device measured, each check's value against its target, and the arms not run yet."""
+    shape, device = record["shape"], (record.get("environment") or {}).get("device", "an unrecorded device")
+    lines = [f"peers at {shape['model']} on {device}: micro-batch {shape['micro_batch']}, global batch "
+             f"{shape['global_batch']}, {shape['steps']} steps per arm"]
+    for check in record.get("checks", []):
+        value = "-" if check["value"] is None else (f"{check['value']:.3f}x" if check["check"] == "speed"
+                                                    else f"{check['value']:.2f} GiB")
+        lines.append(f"{check['check']}: {check['arm'] or '-'} {value} vs "
+                     f"{check['against'] or '-'} (target {check['target']}: {MET[check['met']]})")
+    if record.get("pending"):
+        lines.append(f"not run yet: {', '.join(record['pending'])}")
+    return "\n".join(lines)
+
+
+def bar_rows(arms: Sequence[dict]) -> list[float]:
+    """A bar position per arm, top to bottom in table_order, with half a bar's gap between stacks."""
+    rows, position = [], 0.0
+    for index, arm in enumerate(arms):
+        if index and arm["stack"] != arms[index - 1]["stack"]:
+            position += 0.5
+        rows.append(position)
+        position += 1
+    return rows
+
+
+def _bar_style(arms: Sequence[dict]) -> dict:
+    """Bars coloured by stack, BF16 hatched."""
+    return {"color": [STACK_COLOURS[a["stack"]] for a in arms], "edgecolor": "white",
+            "hatch": [None if is_fp8(a["recipe"]) else BF16_HATCH for a in arms]}
+
+
+def _legend_below(axes, handles: list) -> None:
+    """The panel's legend under its x axis, off the bars."""
+    axes.legend(handles=handles, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=2,
+                frameon=False)
+
+
+def speed_panel(axes, arms: Sequence[dict], rows: list[float]) -> None:
+    """Tokens/s per arm as horizontal bars, the arms' names at the left; the best peer FP8 arm's tokens/s (dashed)
+    and SPEED_TARGET times it (the target fp8stack's fastest FP8 arm is judged against, dotted)."""
+    from matplotlib.patches import Patch
+
+    measured = [a.get("tokens_per_s") if a["status"] == "ok" else None for a in arms]
+    bars = axes.barh(rows, [value or 0 for value in measured], **_bar_style(arms))
+    axes.bar_label(bars, [_number(value, ",.0f") if value else "" for value in measured], padding=3,
+                   fontsize="small")
+    note_unmeasured(axes, rows, [None if value else a["status"] for a, value in zip(arms, measured)])
+    axes.set_yticks(rows, [a["arm"] for a in arms])
+    axes.invert_yaxis()
+    handles = [Patch(color=colour, label=stack) for stack, colour in STACK_COLOURS.items()
+               if any(a["stack"] == stack for a in arms)]
+    handles += [Patch(facecolor="tab:gray", label="FP8"), Patch(facecolor="tab:gray", hatch=BF16_HATCH, label="BF16")]
+    best = fastest(arms, PEERS, True)
+    if best:
+        handles.append(axes.axvline(best["tokens_per_s"], color="black", linewidth=1, linestyle="--",
+                                    label=f"best peer FP8 ({best['arm']})"))
+        handles.append(axes.axvline(SPEED_TARGET * best["tokens_per_s"], color="tab:red", linewidth=1.2,
+                                    linestyle=":", label=f"target: {SPEED_TARGET:.2f}x the best peer FP8"))
+    axes.margins(x=0.12)
+    axes.set(xlabel="tokens/s", title="throughput (median steady-state step)")
+    _legend_below(axes, handles)
+
+
+def memory_panel(axes, arms: Sequence[dict], rows: list[float]) -> None:
+    """Peak GiB per arm; where the record has the resident GiB held between steps, it is drawn solid over a pale
+    peak, so that the pale rest is a step's activations and workspaces. The lowest peer FP8 peak dashed. Rows as
+    speed_panel's, the names left to it."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Patch
+
+    peaks = [a.get("peak_mem_gib") if a["status"] == "ok" else None for a in arms]
+    resident = [a.get("resident_mem_gib") if a["status"] == "ok" else None for a in arms]
+    style = _bar_style(arms)
+    pale = [to_rgba(colour, PALE if gib is not None else 1.0) for colour, gib in zip(style["color"], resident)]
+    bars = axes.barh(rows, [peak or 0 for peak in peaks], **{**style, "color": pale})
+    axes.barh(rows, [gib or 0 for gib in resident], **style)
+    axes.bar_label(bars, [_memory_label(peak, gib) for peak, gib in zip(peaks, resident)], padding=3,
+                   fontsize="small")
+    note_unmeasured(axes, rows, [None if peak else a["status"] if a["status"] != "ok" else "no peak measured"
+                                 for a, peak in zip(arms, peaks)])
+    axes.set_yticks(rows, [""] * len(rows))
+    axes.invert_yaxis()
+    handles = [Patch(facecolor="tab:gray", label="peak")]
+    if any(gib is not None for gib in resident):
+        handles = [Patch(facecolor="tab:gray", label="resident: held between steps"),
+                   Patch(facecolor="tab:gray", alpha=PALE, label="peak (its pale part: a step's activations)")]
+    leanest = leanest_peer(arms)
+    if leanest:
+        handles.append(axes.axvline(leanest["peak_mem_gib"], color="black", linewidth=1, linestyle="--",
+                                    label=f"lowest peer FP8 peak ({leanest['arm']})"))
+    axes.margins(x=0.25)
+    axes.set(xlabel="GiB", title="memory: peak, and resident where measured")
+    _legend_below(axes, handles)
+
+
+def _memory_label(peak: float | None, resident: float | None) -> str:
+    if peak is None:
+        return ""
+    return f"{peak:.1f}" + (f" (resident {resident:.1f})" if resident is not None else "")
+
+
+def is_peers_record(record: dict) -> bool:
+    """The JSON is this bench's evidence: its shape and a list of arms, each naming its stack and status."""
+    return isinstance(record.get("shape"), dict) and isinstance(record.get("arms"), list) and all(
+        isinstance(a, dict) and a.get("stack") in STACKS and "status" in a for a in record["arms"])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -317,7 +462,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="evidence folder; the run goes in its runs/<date>-<name>/ (default: profiles)")
     parser.add_argument("--label", default="", help="added to the evidence's name (a second run of the same day)")
     add_force_option(parser)
+    add_plot_only_option(parser)
     args = parser.parse_args(argv)
+    if args.plot_only:
+        refuse_flags_beside_plot_only(parser, args)
+        return args
     args.arms = [name.strip() for name in args.arms.split(",") if name.strip()]
     unknown = [name for name in args.arms if name not in ARMS]
     if unknown or not args.arms:
@@ -344,6 +493,8 @@ def record_of(shape: Shape, arms: list[dict], pending: list[str]) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(PROG, args.plot_only, is_peers_record, figure)
     stem = evidence_stem(args)
     claim_or_exit(PROG, stem, args.out_dir, args.force)
     shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps)
@@ -354,7 +505,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         arms.append(run_arm(ARMS[name], shape, args.timeout, cuda, te_installed))
         print(f"    {progress_line(arms[-1])}", flush=True)
         record = record_of(shape, arms, args.arms[index + 1:])
-        write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=True)
+        json_path, _ = write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=True)
+        write_plot(json_path, figure)
     print(render(record))
     return 1 if any(a["status"] == "failed" for a in arms) else 0
 
