@@ -70,7 +70,7 @@ def test_flags_map_onto_megatrons_transformer_config():
     (["--param-dtype", "fp8"], "does not take training.param_dtype fp8 (TE weights held in FP8"),
     (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
-    (["--model", "tiny-moe"], "builds tiny, llama-1b-like, not 'tiny-moe'"),
+    (["--model", "tiny-moe"], "builds tiny, llama-1b-like, llama-70b-layers, not 'tiny-moe'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),
     (["--backend", "torchao"], "--backend te"),
     (["--small-gemm-filter", "rowwise"], "precision.small_gemm_filter='rowwise'"),
