@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.ab import add_ab_parser, arm_configs, final_loss, main, run_ab
-from fp8stack.ab.run import ab_config, base_job
+from fp8stack.ab.run import _earlier_runs, ab_config, base_job
 from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
                                   loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
@@ -331,6 +331,22 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     assert whole["baseline_repeats"][0]["rel_loss_gap"] == 0.0  # the new repeat matches it: same seed, CPU kernels
     assert [c["runs"] for c in whole["continued_from"]] == [["bf16"]]
     assert "Runs bf16 from an earlier call" in _evidence(tmp_path, "ab-tiny-killed-cpu.md").read_text()
+
+
+def test_a_continued_ab_may_run_its_arms_on_other_gpus_but_not_with_other_settings(tmp_path):
+    """Where and how many arms run at once (--gpus) is not the A/B: a killed run of four arms side by side may be
+    continued one at a time; its steps may not change."""
+    config = {"job": {"training": {"steps": 2000}}, "ab": {"baseline_runs": 3}}
+    record = {"train_config": {"job": config["job"], "ab": {**config["ab"], "gpus": ["0", "0", "0", "0"]}},
+              "recipes": ["bf16", "delayed"], "nproc": 1, "runs": {"bf16": {"losses": [1.0]}}, "continued_from": [],
+              "date": "today", "command": "fp8stack ab ..."}
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps(record))
+    runs, earlier = _earlier_runs(partial, config, ["bf16", "delayed"], 1)
+    assert runs == record["runs"] and earlier[0]["runs"] == ["bf16"]
+    other = {"job": {"training": {"steps": 1000}}, "ab": config["ab"]}
+    with pytest.raises(ValueError, match="train_config differs in job.training.steps"):
+        _earlier_runs(partial, other, ["bf16", "delayed"], 1)
 
 
 def test_blockwise_runs_once_per_gemm_library(capsys):

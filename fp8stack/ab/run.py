@@ -219,7 +219,7 @@ def run_ab(args: argparse.Namespace) -> int:
         stem = "-".join(filter(None, ("ab", model_label(base), impl, ab.label, device_slug(env["device"]))))
         train_config = {"job": to_dict(replace(first, precision=replace(first.precision, recipe=BF16))),
                         "ab": {k: v for k, v in to_plain(ab).items()
-                               if k not in ("continue_from", "force", "out_dir", "label")}}
+                               if k not in NOT_THE_AB}}
         runs, continued_from = (_earlier_runs(Path(ab.continue_from), train_config, recipes, ab.nproc)
                                 if ab.continue_from else ({}, []))
         # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
@@ -369,6 +369,11 @@ def run_ab(args: argparse.Namespace) -> int:
     return 0 if any(arm.verdict == "baseline" for arm in arms) else 1
 
 
+NOT_THE_AB = ("continue_from", "force", "out_dir", "label", "gpus")
+"""A/B options that change where its evidence goes or where and how many of its arms run at once, not what they run:
+a continued A/B may change them."""
+
+
 def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
                   ) -> tuple[dict[str, dict | str], list[dict]]:
     """(the runs a partial evidence file holds, by arm name, and where they came from) for --continue-from, or
@@ -380,7 +385,8 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
         raise ValueError(f"cannot read --continue-from {path}: {err}") from None
     if "runs" not in record:
         raise ValueError(f"{path} holds no runs to continue from (written before A/B files kept them): rerun the A/B")
-    ours, theirs = _leaves(train_config), _leaves(record["train_config"])
+    ours = _leaves(train_config)
+    theirs = {k: v for k, v in _leaves(record["train_config"]).items() if k.removeprefix("ab.") not in NOT_THE_AB}
     differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
     if differ or record.get("recipes") != recipes or record.get("nproc") != nproc:
         what = (f"train_config differs in {', '.join(differ)}" if differ else
