@@ -36,8 +36,8 @@ from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.parallel import SHARD_KINDS, ShardAs, TensorParallelPlan
 from fp8stack.plan.recipes import BF16, get_recipe
 from fp8stack.runtime.attention import set_sdpa_backend
-from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, recompute_regions,
-                                        recomputes_itself)
+from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, is_te_module,
+                                        recompute_regions, recomputes_itself)
 
 __all__ = ["STAGES", "AssemblyState", "AssemblyWarning", "OrderingError", "ShardAs", "TensorParallelPlan", "apply_ac",
            "apply_compile", "apply_fp8", "apply_fsdp", "apply_tp", "assemble", "assembly_state", "describe_assembly",
@@ -122,9 +122,10 @@ def assemble(
     fsdp_reshard_after_forward: free each block's gathered parameters after its forward (True), keep them until its
     backward (False: one all-gather fewer per micro-batch, the gathered copy resident), or torch's default (None).
     backend_options: backend name -> constructor options. sdpa_backend: the kernel SDPA runs in this process from
-    now on ('cudnn', 'flash', 'efficient'; runtime.attention; None leaves torch's choice): attention stays BF16 in
-    every plan, and cuDNN's is the fastest measured on Hopper. allow_little_fp8: accept a plan whose FP8 recipe runs
-    little FP8 (Plan.little_fp8), which is refused otherwise. verbose: print what each stage did.
+    now on ('cudnn', 'flash', 'efficient'; runtime.attention; None leaves torch's choice) for the attention the plan
+    keeps in BF16 (all of it unless fp8_attention), and cuDNN's is the fastest measured on Hopper.
+    allow_little_fp8: accept a plan whose FP8 recipe runs little FP8 (Plan.little_fp8), which is refused otherwise.
+    verbose: print what each stage did.
     """
     if plan.little_fp8 and not allow_little_fp8:
         raise PlanError(f"{plan.little_fp8}: pass allow_little_fp8=True if that is intended, or change the policy")
@@ -328,6 +329,7 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
                          f"{' or '.join(p for n in absent for p in RECOMPUTE_MODULES[n])} (e.g. 'moe' in a dense "
                          "block, 'moe_act' on TE experts, which fuse it): drop the name or pick other blocks")
     fp8_fqns = [fqn for r in state.conversions if r.backend != BF16 for fqn in r.converted]
+    runners = {fqn: cls for r in state.conversions if r.backend != BF16 for fqn, cls in r.converted.items()}
     wrapped = []
     for index in chosen:
         paths = sorted(p for found in regions[index].values() for p in found)
@@ -341,11 +343,21 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
             fp8_active = any(f.startswith(f"{fqn}.") for f in fp8_fqns)
             parent_fqn, _, name = fqn.rpartition(".")
             parent = model.get_submodule(parent_fqn)
+            _check_runs_inside(fqn, parent.get_submodule(name), runners)
             region = checkpoint_module(parent.get_submodule(name), fp8_active=fp8_active)
             parent.register_module(name, region)
             wrapped.append(f"{fqn} (TE LayerNormMLP's own recompute: not FC2)" if recomputes_itself(region) else fqn)
     log.info("recompute: checkpointing %s", ", ".join(wrapped))
     _stamp(model, state, "recompute")
+
+
+def _check_runs_inside(fqn: str, module: nn.Module, runners: dict[str, str]) -> None:
+    """A region the plan runs in FP8 by a module around it (an attention core, whose SDPA call its attention module
+    sends to TE's FP8 attention) would be recomputed outside that module, so without FP8: refuse it."""
+    if fqn in runners and not is_te_module(module) and runners[fqn] != type(module).__name__:
+        raise ValueError(f"recompute_modules would checkpoint {fqn}, which runs in FP8 on {runners[fqn]} through the "
+                         "module around it, so its recompute in backward would run without FP8: recompute 'attn' "
+                         "(the whole attention) instead, or drop --fp8-dot-product-attention")
 
 
 # --- stage 4: compile --------------------------------------------------------------------------

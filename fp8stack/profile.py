@@ -174,8 +174,8 @@ def quantize_overhead(quantize_ms: float, fp8_families: dict[str, dict[str, floa
 
 
 def fp8_matmul_share(plan: Plan) -> float:
-    """Share of the plan's weight-GEMM FLOPs run in FP8. The attention core is left out, as its kernels
-    classify as attention, not GEMM (Plan.summary()'s share counts it)."""
+    """Share of the plan's weight-GEMM FLOPs run in FP8. The attention core is left out, in BF16 or FP8
+    (fp8_attention), as its kernels classify as attention, not GEMM (Plan.summary()'s share counts it)."""
     from fp8stack.plan.description import GEMM_KINDS
 
     gemms = [d for d in plan.decisions if d.component.kind in GEMM_KINDS and d.component.kind != "attn_core"]
@@ -390,7 +390,7 @@ def _without_fp8(job: JobConfig) -> JobConfig:
     """The BF16 run a profile compares with: the same configuration under recipe bf16, BF16 parameters where the
     profiled run's are FP8."""
     param_dtype = "bf16" if job.training.param_dtype == "fp8" else job.training.param_dtype
-    return replace(job, precision=replace(job.precision, recipe=BF16),
+    return replace(job, precision=replace(job.precision, recipe=BF16, fp8_attention=False),
                    te=replace(job.te, delayed_margin=0, blockwise_gemms="te"),
                    training=replace(job.training, param_dtype=param_dtype))
 

@@ -380,7 +380,8 @@ def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_refe
     assert [a.verdict for a in arms] == ["alternative", "baseline", "ship"]
     assert "faster than bf16, bf16 params beyond the noise" in arms[2].reason
     assert main(["--param-dtypes", "fp16", "--out-dir", "unused"]) == 2
-    assert "unknown fp16 in --param-dtypes/--blockwise-gemms: use fp32, bf16, fp8" in capsys.readouterr().err
+    assert "unknown fp16 in --param-dtypes/--blockwise-gemms/--attention: use fp32, bf16, fp8" in (
+        capsys.readouterr().err)
     common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "2", "--micro-batch", "2", "--seq-len", "64",
               "--device", "cpu", "--dtype", "bf16", "--baseline-runs", "1", "--out-dir", str(tmp_path)]
     assert main([*common, "--param-dtypes", "bf16"]) == 0
@@ -399,6 +400,25 @@ def test_fp8_parameters_are_an_arm_of_each_fp8_recipe_only():
     assert {name: (cfg.precision.recipe, cfg.training.param_dtype) for name, cfg in configs.items()} == {
         "bf16, bf16 params": ("bf16", "bf16"), "bf16 on te, bf16 params": ("bf16", "bf16"),
         "delayed, bf16 params": ("delayed", "bf16"), "delayed, fp8 params": ("delayed", "fp8")}
+
+
+def test_fp8_attention_is_an_arm_of_each_recipe_that_has_it():
+    """--attention bf16,fp8: each FP8 arm whose recipe has TE's FP8 attention once more with it ('<arm>, fp8
+    attention'), so delayed is measured with and without; the others and the BF16 arms keep BF16 attention.
+    --fp8-dot-product-attention alone gives it to the arms that take it, as a margin goes to delayed arms."""
+    configs = _arms("--model", "llama-1b-like", "--attention", "bf16,fp8", "--fastest-bf16",
+                    recipes=("bf16", "delayed", "blockwise"))
+    assert {name: (c.precision.recipe, c.precision.fp8_attention) for name, c in configs.items()} == {
+        "bf16": ("bf16", False), "bf16 on te": ("bf16", False), "delayed": ("delayed", False),
+        "delayed, fp8 attention": ("delayed", True), "blockwise": ("blockwise", False)}
+    configs = _arms("--model", "llama-1b-like", "--fp8-dot-product-attention", "--param-dtypes", "bf16",
+                    recipes=("bf16", "delayed", "blockwise"))
+    assert {name: c.precision.fp8_attention for name, c in configs.items()} == {
+        "bf16, bf16 params": False, "delayed, fp8 attention, bf16 params": True, "blockwise, bf16 params": False}
+    with pytest.raises(ConfigError, match="--attention fp8 runs TE's FP8 dot-product attention, which none of "
+                                          "--recipes blockwise has here"):
+        _arms("--attention", "fp8", recipes=("bf16", "blockwise"))
+    assert ab_config(_ab_args("--attention", "bf16", "fp8")).attention == ("bf16", "fp8")
 
 
 def test_ab_subcommand_plugs_into_a_parser():

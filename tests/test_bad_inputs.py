@@ -52,6 +52,7 @@ FILES = {
     "block-typo.yaml": "recipe: tensorwise\noverrides: [{block: dnese, backend: bf16}]\n",
     "fqn-typo.yaml": "recipe: tensorwise\noverrides: [{fqn: 'layers.*.attention.wqvk', backend: bf16}]\n",
     "moe-on-dense.yaml": "recipe: tensorwise\noverrides: [{block: moe, recipe: rowwise}]\n",
+    "core-on-torchao.yaml": "overrides: [{fqn: 'layers.*.attention.core', backend: torchao, recipe: tensorwise}]\n",
 }
 
 
@@ -148,6 +149,17 @@ TRAIN_BAD = [
     (["--save", "{tmp}/empty-ckpts", "--load", "latest"], "no step-* checkpoint under {tmp}/empty-ckpts"),
     (["--use-distributed-optimizer"], "optimizer.distributed is megatron-core's distributed optimizer, for "
                                       "--model-impl megatron"),
+    (["--fp8-dot-product-attention"], "fp8_attention runs attention in FP8 under an FP8 recipe, and the recipe is "
+     "bf16: pass --fp8-recipe with one of delayed (sm90+), tensorwise (sm100+), mxfp8 (sm100+)"),
+    (["--fp8-recipe", "rowwise", "--fp8-dot-product-attention"], "recipe rowwise has no FP8 attention"),
+    (["--fp8-recipe", "tensorwise", "--fp8-dot-product-attention"],
+     "TE's FP8 attention under recipe tensorwise needs sm100+"),
+    (["--fp8-recipe", "delayed", "--fp8-dot-product-attention"],
+     "on sm90 TE's fused FP8 attention trains head dim 128 only, and this model's is 32: "
+     "drop --fp8-dot-product-attention for tiny"),
+    (["--fp8-recipe", "delayed", "--fp8-dot-product-attention", "--recompute-modules", "core_attn"],
+     "--recompute-modules core_attn recomputes the attention core alone, outside the attention module that sends it "
+     "to TE's FP8 attention, so without FP8: recompute attn instead"),
 ]
 
 
@@ -175,6 +187,14 @@ AB_BAD = [
     (["--out-dir", "{tmp}/a-file"], "{tmp}/a-file is a file, not a folder"),
     (["--out-dir", "{tmp}/a-file/out"], "cannot be created: {tmp}/a-file is a file"),
     (["--out-dir", "{tmp}/ab-out"], "-ab-tiny-cpu/ab-tiny-cpu.json exists: pass --force to replace that evidence"),
+    (["--attention", "fp16"], "unknown fp16 in --param-dtypes/--blockwise-gemms/--attention"),
+    (["--attention", "bf16,fp8"], "--attention fp8 runs TE's FP8 dot-product attention, which none of --recipes "
+     "tensorwise has here"),
+    (["--recipes", "rowwise", "--fp8-dot-product-attention"],
+     "fp8_attention runs attention in FP8 under an FP8 recipe, and the recipe is bf16"),
+    (["--recipes", "delayed", "--fp8-dot-product-attention"],
+     "on sm90 TE's fused FP8 attention trains head dim 128 only, and this model's is 32: drop "
+     "--fp8-dot-product-attention for tiny"),
 ]
 
 
@@ -210,6 +230,17 @@ PLAN_BAD = [
      "--num-layers-at-end-in-bf16 5 is more than the model's 4 layers"),
     ([*PLAN, "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "3", "--num-layers-at-end-in-bf16", "1"],
      "keep all 4 layers BF16, so recipe tensorwise would train none in FP8"),
+    ([*PLAN, "--fp8-dot-product-attention"], "TE's FP8 attention under recipe tensorwise needs sm100+"),
+    ([*PLAN, "--arch", "sm100", "--fp8-dot-product-attention"],
+     "fp8_attention is TransformerEngine's FP8 dot-product attention (torchao has none), and recipe tensorwise with "
+     "backend auto runs the linears on torchao: pass --backend te"),
+    (["plan", "--fp8-recipe", "blockwise", "--fp8-dot-product-attention"], "recipe blockwise has no FP8 attention"),
+    (["plan", "--fp8-recipe", "delayed", "--fp8-dot-product-attention"],
+     "on sm90 TE's fused FP8 attention trains head dim 128 only, and this model's is 32"),
+    (["plan", "--fp8-recipe", "delayed", "--arch", "sm100", "--fp8-dot-product-attention", "--model",
+      "llama-1b-like", "--recipe-file", "{tmp}/core-on-torchao.yaml"],
+     "override on layers.0.attention.core: FP8 attention runs on TE under delayed (sm90+), tensorwise (sm100+), "
+     "mxfp8 (sm100+), not tensorwise on torchao at sm100"),
 ]
 
 

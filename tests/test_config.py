@@ -79,6 +79,15 @@ def test_every_earlier_switch_sets_its_field_both_ways(flag):
     assert _field(job_from_flags([flag.replace("--", "--no-", 1)]), EARLIER_SWITCHES[flag]) is False
 
 
+def test_megatrons_fp8_dot_product_attention_flag_sets_fp8_attention_off_by_default():
+    assert JobConfig().precision.fp8_attention is False
+    for flag in ("--fp8-dot-product-attention", "--precision.fp8-attention", "--precision.fp8_attention"):
+        assert job_from_flags(["--fp8-recipe", "delayed", flag]).precision.fp8_attention is True
+    assert job_from_flags(["--no-fp8-dot-product-attention"]).precision.fp8_attention is False
+    toml = from_dict({"precision": {"recipe": "delayed", "fp8_attention": True}})
+    assert toml.precision.fp8_attention is True and to_dict(toml)["precision"]["fp8_attention"] is True
+
+
 @pytest.mark.parametrize("flag", sorted(RETIRED))
 def test_retired_flags_are_refused_with_a_pointer(flag, capsys):
     for command in ("train", "ab", "profile"):
@@ -211,6 +220,7 @@ def test_ab_takes_a_yaml_model_and_a_factory_model(tmp_path, capsys):
 EARLIER_AB_FLAGS = {
     "--recipes": ("bf16,delayed", "ab.recipes"), "--param-dtypes": ("fp32,bf16", "ab.param_dtypes"),
     "--blockwise-gemms": ("te,deepgemm", "ab.blockwise_gemms"), "--baseline-runs": ("3", "ab.baseline_runs"),
+    "--attention": ("bf16,fp8", "ab.attention"),
     "--loss-tolerance": ("0.01", "ab.loss_tolerance"), "--nproc": ("2", "ab.nproc"), "--gpus": ("0,1", "ab.gpus"),
     "--continue-from": ("a.json", "ab.continue_from"), "--out-dir": ("out", "ab.out_dir"), "--label": ("x", "ab.label"),
 }

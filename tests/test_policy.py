@@ -1,6 +1,7 @@
 """One test (or a few) per policy rule in fp8stack/plan/policy.py, on small inline descriptions."""
 
 import math
+import re
 
 import pytest
 
@@ -85,7 +86,7 @@ def test_high_precision_kinds_stay_bf16_even_when_an_override_asks_for_fp8(kind)
     force_fp8 = Override(block="*", fqn="*", backend="te", recipe="tensorwise", reason="everything in FP8")
     d = decide(one_component(kind), recipe="tensorwise", small_gemm_filter="off", overrides=(force_fp8,))
     assert (d.backend, d.recipe, d.precision) == ("bf16", "bf16", "bf16")
-    assert d.reason == HIGH_PRECISION_REASONS[kind]
+    assert d.reason.startswith(HIGH_PRECISION_REASONS[kind])  # attention's adds that FP8 attention is opt-in
 
 
 def test_high_precision_kinds_cover_the_documented_list():
@@ -577,3 +578,83 @@ def test_unset_fp8_format_takes_the_recipes_library_default(recipe, expected):
                                   "blocks": {"d": [{"name": "w", "kind": "linear", "n": 4096, "k": 4096}]}})
     assert make_plan(desc, PolicyConfig(recipe=recipe)).fp8_format == expected
     assert make_plan(desc, PolicyConfig(recipe=recipe, fp8_format="hybrid")).fp8_format == "hybrid"
+
+
+def attention_model(head_dim: int = 128, num_layers: int = 3) -> ModelDescription:
+    """`num_layers` dense layers of wqkv, an attention core of `head_dim`, wo."""
+    return description_from_dict({
+        "name": "attn", "seq_len": 4096,
+        "blocks": {"dense": [{"name": "attention.wqkv", "kind": "linear", **BIG},
+                             {"name": "attention.core", "kind": "attn_core", "n": 4096, "k": head_dim, "active": 64},
+                             {"name": "attention.wo", "kind": "linear", **BIG}]},
+        "layers": [{"block": "dense", "repeat": num_layers}],
+    })
+
+
+def test_attention_stays_bf16_by_default_saying_fp8_attention_is_opt_in():
+    core = make_plan(attention_model(), PolicyConfig(recipe="delayed")).decision("layers.0.attention.core")
+    assert (core.backend, core.recipe) == ("bf16", "bf16")
+    assert core.reason.startswith(HIGH_PRECISION_REASONS["attn_core"])
+    assert "opt-in, not default, until its 2000-step loss gate passes: --fp8-dot-product-attention" in core.reason
+    bf16 = make_plan(attention_model(), PolicyConfig(recipe="bf16")).decision("layers.0.attention.core")
+    assert bf16.reason == HIGH_PRECISION_REASONS["attn_core"]  # nothing to opt into without FP8
+
+
+@pytest.mark.parametrize("recipe, arch", [("delayed", 90), ("delayed", 100), ("tensorwise", 100), ("mxfp8", 100)])
+def test_fp8_attention_puts_attention_cores_on_te_in_the_plans_recipe(recipe, arch):
+    plan = make_plan(attention_model(), PolicyConfig(recipe=recipe, backend="te", arch=arch, fp8_attention=True))
+    cores = [d for d in plan.decisions if d.component.kind == "attn_core"]
+    assert {(d.backend, d.recipe, d.precision) for d in cores} == {("te", recipe, "fp8")}
+    assert "TE's FP8 dot-product attention" in cores[0].reason and "fp8_dpa" in cores[0].reason
+    assert "opt-in" in cores[0].reason and recipe in cores[0].reason
+    summary = plan.summary()  # every GEMM, the cores included, runs in FP8 now
+    assert summary["flops_share_by_precision"] == {"fp8": 1.0} and summary["fp8_gemms"] == 9
+
+
+def test_fp8_attention_keeps_the_first_and_last_layers_attention_bf16():
+    plan = make_plan(attention_model(), PolicyConfig(recipe="delayed", fp8_attention=True, first_last_layers_bf16=True))
+    assert [plan.decision(f"layers.{i}.attention.core").recipe for i in range(3)] == ["bf16", "delayed", "bf16"]
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"recipe": "bf16"}, "fp8_attention runs attention in FP8 under an FP8 recipe, and the recipe is bf16: pass "
+                         "--fp8-recipe with one of delayed (sm90+), tensorwise (sm100+), mxfp8 (sm100+), or drop"),
+    ({"recipe": "blockwise"}, "recipe blockwise has no FP8 attention (TE's FP8 dot-product attention runs under "
+                              "delayed (sm90+), tensorwise (sm100+), mxfp8 (sm100+)): pick one of those or drop"),
+    ({"recipe": "rowwise"}, "recipe rowwise has no FP8 attention"),
+    ({"recipe": "rowwise_gw_hp"}, "recipe rowwise_gw_hp has no FP8 attention"),
+    ({"recipe": "tensorwise", "backend": "te"}, "TE's FP8 attention under recipe tensorwise needs sm100+ (its fused "
+                                                "cuDNN kernel) and the target is sm90"),
+    ({"recipe": "delayed", "arch": 89}, "TE's FP8 attention under recipe delayed needs sm90+"),
+    ({"recipe": "tensorwise", "arch": 100}, "fp8_attention is TransformerEngine's FP8 dot-product attention (torchao "
+                                            "has none), and recipe tensorwise with backend auto runs the linears on "
+                                            "torchao: pass --backend te"),
+    ({"recipe": "delayed", "fp8_attention": 1}, "fp8_attention must be true or false, got 1"),
+])
+def test_fp8_attention_is_refused_where_te_has_none_naming_the_recipes_that_do(cfg, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        PolicyConfig(**{"fp8_attention": True, **cfg})
+
+
+@pytest.mark.parametrize("head_dim, arch, message", [
+    (64, 90, "layers.0.attention.core: on sm90 TE's fused FP8 attention trains head dim 128 only, and this model's is "
+             "64: drop --fp8-dot-product-attention for attn"),
+    (256, 100, "on sm100 TE's fused FP8 attention trains head dims that are multiples of 16 up to 128, not 256"),
+    (72, 100, "multiples of 16 up to 128, not 72"),
+])
+def test_fp8_attention_refuses_head_dims_tes_fused_kernel_does_not_train(head_dim, arch, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        make_plan(attention_model(head_dim), PolicyConfig(recipe="delayed", arch=arch, fp8_attention=True))
+    assert make_plan(attention_model(64), PolicyConfig(recipe="delayed", arch=100, fp8_attention=True)).decision(
+        "layers.0.attention.core").recipe == "delayed"
+
+
+def test_overrides_on_fp8_attention_cores_keep_them_bf16_or_are_refused():
+    keep = Override(fqn="layers.1.attention.core", backend="bf16", reason="watch layer 1")
+    plan = make_plan(attention_model(), PolicyConfig(recipe="delayed", fp8_attention=True, overrides=(keep,)))
+    assert [plan.decision(f"layers.{i}.attention.core").recipe for i in range(3)] == ["delayed", "bf16", "delayed"]
+    assert "watch layer 1" in plan.decision("layers.1.attention.core").reason
+    blockwise = Override(fqn="layers.*.attention.core", recipe="blockwise", reason="blockwise cores")
+    with pytest.raises(PlanError, match=re.escape("override: blockwise cores on layers.0.attention.core: FP8 attention "
+                                                  "runs on TE under delayed (sm90+)")):
+        make_plan(attention_model(), PolicyConfig(recipe="delayed", fp8_attention=True, overrides=(blockwise,)))

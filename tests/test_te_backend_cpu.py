@@ -124,3 +124,35 @@ def test_a_delayed_margin_needs_a_delayed_plan_before_looking_for_te():
     plan = te_plan(recipe="tensorwise", backend="te")
     with pytest.raises(PlanError, match="delayed_margin=1 applies to delayed scaling.*recipes are bf16, tensorwise"):
         TEBackend(delayed_margin=1).convert(meta_llama(load_model_config("tiny")), plan.for_backend("te"), plan)
+
+
+def test_te_recipe_refuses_fp8_attention_under_a_recipe_te_has_none_for():
+    with pytest.raises(PlanError, match=r"'blockwise' has no FP8 attention in TransformerEngine.*delayed \(sm90"):
+        te_recipe("blockwise", "e4m3", fp8_dpa=True)
+
+
+def test_fp8_attention_cores_are_te_decisions_the_backend_takes():
+    from fp8stack.backends.te import _validated
+
+    plan = te_plan("llama-1b-like", fp8_attention=True)
+    linears, experts, cores, recipes = _validated(plan.for_backend("te"), plan)
+    assert [d.fqn for d in cores] == [f"layers.{i}.attention.core" for i in range(4)]
+    assert recipes == ["bf16", "delayed"] and not experts and all(d.component.kind != "attn_core" for d in linears)
+    kept = te_plan("llama-1b-like")
+    assert all(d.component.kind != "attn_core" for d in kept.for_backend("te"))  # BF16 attention: the bf16 backend's
+    alone = te_plan("llama-1b-like", fp8_attention=True, overrides=(
+        Override(fqn="layers.*.attention.w*", backend="bf16"), Override(fqn="layers.*.feed_forward.*", backend="bf16")))
+    with pytest.raises(PlanError, match="attention in delayed FP8 with no delayed linear on TE.*scales would stay 1"):
+        _validated(alone.for_backend("te"), alone)
+
+
+@needs_no_te
+def test_fp8_attention_on_a_machine_without_te_is_refused_before_touching_the_model():
+    config = LlamaConfig(dim=512, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=1024, vocab_size=256, seq_len=128)
+    model = meta_llama(config)
+    plan = make_plan(model, PolicyConfig(recipe="delayed", fp8_attention=True, small_gemm_filter="off"), seq_len=128)
+    assert plan.decision("layers.0.attention.core").backend == "te"
+    before = {name: type(m) for name, m in model.named_modules()}
+    with pytest.raises(BackendUnavailable, match="on TransformerEngine"):
+        TEBackend().convert(model, plan.for_backend("te"), plan)
+    assert {name: type(m) for name, m in model.named_modules()} == before

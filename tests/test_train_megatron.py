@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fp8stack.megatron import layer_precisions
+from fp8stack.megatron.block_spec import check_config
+from fp8stack.plan import PlanError
 from fp8stack.models import Llama
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.command import main as train_main
@@ -62,6 +64,25 @@ def test_flags_map_onto_megatrons_transformer_config():
     assert one.fp8 is None and not one.sequence_parallel  # bf16, TP=1: megatron forbids SP without TP
     delayed = megatron_cfg("--fp8-recipe", "delayed", "--fp8-margin", "1")
     assert megatron_model.transformer_config(delayed, model_config(delayed), "hybrid").fp8_margin == 1
+
+
+def test_fp8_dot_product_attention_reaches_megatrons_config_and_the_plan():
+    cfg = megatron_cfg("--model", "llama-1b-like", "--fp8-recipe", "delayed", "--fp8-dot-product-attention",
+                       "--seq-length", "1024")
+    shape = model_config(cfg)
+    config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
+    assert config.fp8_dot_product_attention and not config.fp8_multi_head_attention
+    plan = megatron_model.build_plan(config, cfg, shape, arch=90)
+    cores = [d for d in plan.decisions if d.component.kind == "attn_core"]
+    assert len(cores) == 4 and {(d.backend, d.recipe) for d in cores} == {("te", "delayed")}
+    assert "TE's FP8 dot-product attention" in cores[0].reason
+    check_config(config, plan, layer_precisions(config, plan), True, "")  # they agree
+    without = megatron_cfg("--model", "llama-1b-like", "--fp8-recipe", "delayed", "--seq-length", "1024")
+    plain = megatron_model.transformer_config(without, shape, "hybrid")
+    assert not plain.fp8_dot_product_attention
+    with pytest.raises(PlanError, match="the plan runs attention in FP8 \\(delayed\\) but "
+                                        "config.fp8_dot_product_attention is False: make them agree"):
+        check_config(plain, plan, layer_precisions(plain, plan), True, "")
 
 
 @pytest.mark.parametrize("flags, names", [

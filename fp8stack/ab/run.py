@@ -21,16 +21,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fp8stack.ab.plot import plot
-from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_PARAMS_SUFFIX,
+from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_ATTENTION_SUFFIX,
+                                  FP8_PARAMS_SUFFIX,
                                   GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
                                   Arm, arm_label, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms,
                                   repeat_note, verdict_cells)
 from fp8stack.backends import get_backend
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
 from fp8stack.config.flags import add_megatron_recompute_arguments, run_command
-from fp8stack.plan import PlanError
-from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend, get_recipe, is_fp8,
-                                   recipe_name)
+from fp8stack.plan import PlanError, PolicyConfig
+from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
+                                   fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in every arm (as launch/env.sh does): on a shared multi-GPU host a
@@ -54,6 +55,10 @@ class AbConfig:
     run each with training.param_dtype."""
     blockwise_gemms: tuple[str, ...] = ("te",)
     """One blockwise arm per library running TE's blockwise GEMMs: te (cuBLAS) and/or deepgemm."""
+    attention: tuple[str, ...] | None = None
+    """One run of each FP8 arm per attention precision: bf16 and/or fp8 (TE's FP8 dot-product attention, named with
+    FP8_ATTENTION_SUFFIX), fp8 only for the arms whose recipe has it (precision.fp8_attention says which). None: fp8
+    for those arms with --fp8-dot-product-attention, else bf16."""
     baseline_runs: int = 2
     """bf16 runs: the first, and the repeats after the FP8 arms, which measure the noise."""
     loss_tolerance: float | None = None
@@ -74,10 +79,15 @@ class AbConfig:
 
 AB_ALIASES = {"ab.recipes": ("--recipes",), "ab.fastest_bf16": ("--fastest-bf16",), "ab.bf16_on_te": ("--bf16-on-te",),
               "ab.param_dtypes": ("--param-dtypes",), "ab.blockwise_gemms": ("--blockwise-gemms",),
+              "ab.attention": ("--attention",),
               "ab.baseline_runs": ("--baseline-runs",), "ab.loss_tolerance": ("--loss-tolerance",),
               "ab.nproc": ("--nproc",), "ab.gpus": ("--gpus",), "ab.continue_from": ("--continue-from",),
               "ab.out_dir": ("--out-dir",), "ab.label": ("--label",), "ab.force": ("--force",)}
 """The A/B's own flags by their earlier names (the training flags have theirs in fp8stack.config.flags)."""
+
+
+ATTENTION_PRECISIONS = (BF16, "fp8")
+"""What --attention takes: the attention core in BF16, or as TE's FP8 dot-product attention."""
 
 
 def comma_separated(text: str) -> tuple[str, ...]:
@@ -105,7 +115,7 @@ def to_plain(ab: AbConfig) -> dict:
 def ab_config(args: argparse.Namespace) -> AbConfig:
     """The ab section of the options given (lists may be comma lists)."""
     given = {k.removeprefix("ab."): v for k, v in vars(args).items() if k.startswith("ab.")}
-    for name in ("recipes", "param_dtypes", "blockwise_gemms", "gpus"):
+    for name in ("recipes", "param_dtypes", "blockwise_gemms", "attention", "gpus"):
         if name in given:
             given[name] = tuple(dict.fromkeys(part for item in given[name] for part in comma_separated(item)))
     return AbConfig(**given)
@@ -132,9 +142,10 @@ def base_job(args: argparse.Namespace, ab: AbConfig) -> JobConfig:
 
 def arm_configs(ab: AbConfig, base: JobConfig, recipes: list[str], te_runs: bool) -> dict[str, JobConfig]:
     """Arm name -> its JobConfig: bf16 (and bf16 on te with fastest_bf16), then each FP8 recipe; blockwise once per
-    blockwise_gemms library; each once per param_dtypes entry (BF16_PARAMS_SUFFIX after bf16's, FP8_PARAMS_SUFFIX
-    after fp8's, which BF16 arms, having no FP8 weights, skip). Options that only some arms' plans use go to those
-    arms: a delayed-scaling margin to recipes scaled from history, explicit TE weight-gradient fusion to arms with TE
+    blockwise_gemms library; each FP8 arm once per attention precision its recipe has (FP8_ATTENTION_SUFFIX after
+    fp8 attention's); each once per param_dtypes entry (BF16_PARAMS_SUFFIX after bf16's, FP8_PARAMS_SUFFIX after
+    fp8's, which BF16 arms, having no FP8 weights, skip). Options that only some arms' plans use go to those arms: a
+    delayed-scaling margin to recipes scaled from history, explicit TE weight-gradient fusion to arms with TE
     layers."""
     if ab.blockwise_gemms != ("te",) and not any(is_fp8(r) and get_recipe(r).gemms_on_deepgemm for r in recipes):
         raise ConfigError(f"--blockwise-gemms {','.join(ab.blockwise_gemms)} sets the blockwise runs' GEMMs, and "
@@ -146,25 +157,42 @@ def arm_configs(ab: AbConfig, base: JobConfig, recipes: list[str], te_runs: bool
     if ab.fastest_bf16 and ab.bf16_on_te:
         raise ConfigError("--fastest-bf16 runs both BF16 configurations, the --bf16-on-te one included: drop "
                           "--bf16-on-te")
-    arms = [(BF16, BF16, "te" if ab.bf16_on_te else "auto", "te"),
-            *([(BF16_ON_TE_ARM, BF16, "te", "te")] if fastest_bf16 else [])]
+    arms = [(BF16, BF16, "te" if ab.bf16_on_te else "auto", "te", False),
+            *([(BF16_ON_TE_ARM, BF16, "te", "te", False)] if fastest_bf16 else [])]
+    attention = ab.attention or (("fp8",) if base.precision.fp8_attention else (BF16,))
     for recipe in recipes[1:]:
         libraries = ab.blockwise_gemms if get_recipe(recipe).gemms_on_deepgemm else ("te",)
-        arms += [(blockwise_arm(library) if library != "te" else recipe, recipe, base.precision.backend, library)
-                 for library in libraries]
+        in_fp8 = [a == "fp8" for a in attention if a == BF16 or _has_fp8_attention(base, recipe)]
+        arms += [((blockwise_arm(library) if library != "te" else recipe) + (FP8_ATTENTION_SUFFIX if fp8 else ""),
+                  recipe, base.precision.backend, library, fp8)
+                 for library in libraries for fp8 in (in_fp8 or [False])]
+    if ab.attention and "fp8" in ab.attention and not any(fp8 for *_, fp8 in arms):
+        raise ConfigError(f"--attention fp8 runs TE's FP8 dot-product attention, which none of --recipes "
+                          f"{', '.join(recipes[1:])} has here (it runs under {fp8_attention_recipes()}, with the "
+                          "linears on TE): add such a recipe to --recipes or drop fp8 from --attention")
     suffixes = {"fp32": "", "bf16": BF16_PARAMS_SUFFIX, "fp8": FP8_PARAMS_SUFFIX}
     param_dtypes = ab.param_dtypes or (base.training.param_dtype,)
-    return {name + (suffixes[dtype] if ab.param_dtypes else ""): _arm(base, recipe, backend, library, dtype)
-            for name, recipe, backend, library in arms for dtype in param_dtypes
+    return {name + (suffixes[dtype] if ab.param_dtypes else ""): _arm(base, recipe, backend, library, dtype, fp8)
+            for name, recipe, backend, library, fp8 in arms for dtype in param_dtypes
             if not (dtype == "fp8" and not is_fp8(recipe))}
 
 
-def _arm(base: JobConfig, recipe: str, backend: str, library: str, param_dtype: str | None) -> JobConfig:
+def _has_fp8_attention(base: JobConfig, recipe: str) -> bool:
+    """Whether an arm of `recipe` under `base`'s precision options (backend, target arch) can run FP8 attention."""
+    try:
+        PolicyConfig(**{**vars(base.precision), "recipe": recipe, "fp8_attention": True})
+    except PlanError:
+        return False
+    return True
+
+
+def _arm(base: JobConfig, recipe: str, backend: str, library: str, param_dtype: str | None,
+         fp8_attention: bool = False) -> JobConfig:
     on_te = _planned_backend(recipe, backend) == "te"
     fp8 = is_fp8(recipe)
     wgrad = base.te.gradient_accumulation_fusion
     return replace(
-        base, precision=replace(base.precision, recipe=recipe, backend=backend),
+        base, precision=replace(base.precision, recipe=recipe, backend=backend, fp8_attention=fp8_attention),
         te=replace(base.te, delayed_margin=base.te.delayed_margin if fp8 and get_recipe(recipe).scales_from_history
                    else 0, blockwise_gemms=library,
                    gradient_accumulation_fusion=wgrad if on_te or base.model.impl == "megatron" or not wgrad else None),
@@ -295,6 +323,9 @@ def run_ab(args: argparse.Namespace) -> int:
         if any(library != "te" for library in ab.blockwise_gemms):
             arm_notes += (f" {blockwise_arm('deepgemm')}: TE's blockwise modules with their GEMMs on DeepGEMM's "
                           "dense kernels (--blockwise-gemms).")
+        if any(cfg.precision.fp8_attention for cfg in configs.values()):
+            arm_notes += (f" Arms named '...{FP8_ATTENTION_SUFFIX}' run their attention cores as TE's FP8 dot-product "
+                          "attention (--fp8-dot-product-attention); the others in BF16.")
         if ab.param_dtypes and "bf16" in ab.param_dtypes:
             arm_notes += (f" Arms named '...{BF16_PARAMS_SUFFIX}' keep BF16 parameters with FP32 masters in the "
                           "optimizer, copied to them once per step (Megatron's --bf16); the others FP32 parameters, "
@@ -429,9 +460,11 @@ def _check(ab: AbConfig, tolerance: float) -> None:
                           "them")
     unknown = [d for d in ab.param_dtypes or () if d not in PARAM_DTYPES]
     unknown += [g for g in ab.blockwise_gemms if g not in BLOCKWISE_GEMMS]
+    unknown += [a for a in ab.attention or () if a not in ATTENTION_PRECISIONS]
     if unknown:
-        raise ConfigError(f"unknown {', '.join(unknown)} in --param-dtypes/--blockwise-gemms: use "
-                          f"{', '.join(PARAM_DTYPES)} / {', '.join(BLOCKWISE_GEMMS)}")
+        raise ConfigError(f"unknown {', '.join(unknown)} in --param-dtypes/--blockwise-gemms/--attention: use "
+                          f"{', '.join(PARAM_DTYPES)} / {', '.join(BLOCKWISE_GEMMS)} / "
+                          f"{', '.join(ATTENTION_PRECISIONS)}")
 
 
 def _planned_backend(recipe: str, preference: str) -> str:

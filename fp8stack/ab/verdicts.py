@@ -58,6 +58,8 @@ BF16_PARAMS_SUFFIX = ", bf16 params"
 """After an arm's name when its run keeps BF16 parameters with FP32 masters (--param-dtypes bf16)."""
 FP8_PARAMS_SUFFIX = ", fp8 params"
 """After an FP8 arm's name when its TE layers hold their weights in FP8 only, FP32 masters (--param-dtypes fp8)."""
+FP8_ATTENTION_SUFFIX = ", fp8 attention"
+"""After an FP8 arm's name when its attention cores run as TE's FP8 dot-product attention (precision.fp8_attention)."""
 SINGLE_RUN_CAVEAT = ("bf16 ran once, so the loss spread between runs is unmeasured (it can exceed the tolerance: "
                      "two bf16 runs of one seed part by 1-3.5% at 2 sequences per step; --baseline-runs 2 or more "
                      "measures it)")
@@ -159,7 +161,8 @@ def peak_tflops(device: str) -> dict[str, float] | None:
 
 def blended_peak(peaks: dict[str, float], fp8_share: float) -> float:
     """The peak a run reaches if each GEMM FLOP ran at the peak of its precision: FP8 GEMMs at the FP8
-    peak, the rest (attention core, head, BF16 layers) at the BF16 peak. Harmonic, as times add."""
+    peak, the rest (the attention core unless fp8_attention, head, BF16 layers) at the BF16 peak. Harmonic, as times
+    add."""
     return 1.0 / (fp8_share / peaks["fp8"] + (1.0 - fp8_share) / peaks["bf16"])
 
 

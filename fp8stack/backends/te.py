@@ -5,7 +5,9 @@ is split back, fused.ProjectionSlice), a norm with the SwiGLU MLP reading it one
 the norm's place is taken by fused.FoldedNorm, and the model's load_state_dict still takes its unfused keys
 (fused.StateKeys). Every converted module runs its forward under its own te.pytorch.autocast (see
 te_modules.py), so the BF16 parts of the model never enter one; a bf16 plan on te (recipe bf16, backend
-te) gets the same modules with that autocast off.
+te) gets the same modules with that autocast off. An attention core the plan puts in FP8 (fp8_attention) runs as
+TE's FP8 dot-product attention: its attention module's SDPA calls go to a te.pytorch.DotProductAttention under the
+recipe with fp8_dpa set (te_attention.py).
 
 TransformerEngine and CUDA are looked up only when asked for: importing this module needs neither.
 """
@@ -27,7 +29,7 @@ from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord
 from fp8stack.backends.fused import FoldedNorm, Part, StateKeys, merged_projections
 from fp8stack.plan import Decision, Fusion, Plan, PlanError
 from fp8stack.plan.description import NormFeed, SwiGLUFeed
-from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS
+from fp8stack.plan.recipes import BF16, BLOCKWISE_GEMMS, FP8_FORMATS, fp8_attention_recipes, get_recipe
 
 INSTALL_HINT = "pip install 'fp8stack[te]' on a CUDA machine"
 """The fix for a machine without TransformerEngine."""
@@ -65,16 +67,20 @@ FUSED_WGRAD_UNDER_FULLY_SHARD = (
 """Why TE's fused weight-gradient accumulation cannot run under fully_shard, and the fixes."""
 
 
-def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0):
+def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0, fp8_dpa: bool = False):
     """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed); delayed scaling
-    leaves 2^delayed_margin headroom (TE's margin; the other recipes have none). None for bf16: the module runs
-    without FP8."""
+    leaves 2^delayed_margin headroom (TE's margin; the other recipes have none). fp8_dpa: TE's DotProductAttention
+    under this recipe runs in FP8 (the plan's FP8 attention cores; TE's linears ignore it). None for bf16: the module
+    runs without FP8."""
     _check_recipe_name(recipe_name)
     if recipe_name == BF16:
         return None
     if fp8_format not in FP8_FORMATS:
         raise PlanError(f"FP8 format {fp8_format!r} is not one TransformerEngine trains with: use "
                         f"{' or '.join(FP8_FORMATS)} (pure E5M2 training is not supported)")
+    if fp8_dpa and get_recipe(recipe_name).fp8_attention_arch is None:
+        raise PlanError(f"recipe {recipe_name!r} has no FP8 attention in TransformerEngine (Float8BlockScaling "
+                        f"refuses fp8_dpa): use one of {fp8_attention_recipes()}")
     reason = _import_problem()
     if reason:
         raise BackendUnavailable(f"recipe {recipe_name!r} needs TransformerEngine: {reason}")
@@ -82,11 +88,12 @@ def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0):
 
     # TE 2.20 accepts E4M3 and HYBRID for all four recipes (each __post_init__ rejects only E5M2).
     fmt = {"e4m3": te_recipes.Format.E4M3, "hybrid": te_recipes.Format.HYBRID}[fp8_format]
+    dpa = {"fp8_dpa": True} if fp8_dpa else {}
     if recipe_name == "delayed":
         return te_recipes.DelayedScaling(fp8_format=fmt, margin=delayed_margin,
                                          amax_history_len=DELAYED_AMAX_HISTORY_LEN,
-                                         amax_compute_algo=DELAYED_AMAX_COMPUTE_ALGO)
-    return getattr(te_recipes, TE_RECIPES[recipe_name])(fp8_format=fmt)
+                                         amax_compute_algo=DELAYED_AMAX_COMPUTE_ALGO, **dpa)
+    return getattr(te_recipes, TE_RECIPES[recipe_name])(fp8_format=fmt, **dpa)
 
 
 @dataclass
@@ -144,7 +151,7 @@ class TEBackend(Backend):
         record = ConversionRecord(backend=self.name)
         if not decisions:
             return model, record
-        linears, expert_pairs, recipes = _validated(decisions, plan)
+        linears, expert_pairs, cores, recipes = _validated(decisions, plan)
         check_plan_fits(model, decisions, plan.model)
         fusions = [f for f in plan.fusions if f.backend == self.name]
         if self.fp8_weights and expert_pairs:
@@ -159,9 +166,14 @@ class TEBackend(Backend):
             raise BackendUnavailable(f"the plan for {plan.model} runs {len(decisions)} component(s) on "
                                      f"TransformerEngine, but {reason}")
         gemm_library = self._blockwise_gemm_library(recipes)
-        from fp8stack.backends import te_modules
+        from fp8stack.backends import te_attention, te_modules
 
-        te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin) for name in recipes}
+        # One recipe object per name, fp8_dpa set where attention runs under it: TE updates delayed-scaling amaxes by
+        # recipe, and the FP8 attention's own autocast holds no linear, so its backward scales move at the backward
+        # of the linears sharing its recipe (wqkv's, right after it).
+        attention_recipes = {d.recipe for d in cores}
+        te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin, fp8_dpa=name in attention_recipes)
+                      for name in recipes}
         wgrad_fusion, wgrad_note = self._wgrad_fusion(model, decisions)
         options = {"cache_weights": self.cache_fp8_weights and not self.fp8_weights,
                    "fuse_wgrad_accumulation": wgrad_fusion, **({"fp8_weights": True} if self.fp8_weights else {})}
@@ -185,15 +197,23 @@ class TEBackend(Backend):
                           (w13.fqn, w2.fqn)))
         # Build every module before swapping any: a module refused while built leaves the model as it was.
         built = [(fqn, factory(), runs) for fqn, factory, runs in swaps]
+        attentions = _fp8_attentions(model, cores, te_recipes)
         for fqn, new, runs in built:
             model = swap_module(model, fqn, new)
             if not isinstance(new, FoldedNorm):
                 record.converted.update(dict.fromkeys(runs, _runner_name(new)))
+        for core, (owner, attention) in attentions.items():
+            te_attention.install_fp8_attention(owner, attention)
+            record.converted[core] = type(attention).__name__
         state_keys = StateKeys.of(model) if keys else None
         for fused_key, parts in keys:
             state_keys.add(fused_key, parts)
         record.recipe = ", ".join(recipes)
         record.notes += self._notes(model, fusions, built, gemm_library, wgrad_note, recipes)
+        if attentions:
+            record.notes.append(f"fp8_attention: {len(attentions)} attention module(s) send their "
+                                "F.scaled_dot_product_attention calls to TE's FP8 dot-product attention "
+                                f"(DotProductAttention, bshd, fp8_dpa under {', '.join(sorted(attention_recipes))})")
         return model, record
 
     def _notes(self, model: nn.Module, fusions: list[Fusion], built: list, gemm_library, wgrad_note: str,
@@ -389,21 +409,49 @@ def _parameters_at(model: nn.Module, fqn: str) -> list[nn.Parameter]:
     return list(module.parameters())
 
 
-def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], dict, list[str]]:
-    """(linear decisions, GroupedExperts fqn -> (w13, w2) decisions, recipe names), or PlanError."""
+def _validated(decisions: list[Decision], plan: Plan) -> tuple[list[Decision], dict, list[Decision], list[str]]:
+    """(linear decisions, GroupedExperts fqn -> (w13, w2) decisions, FP8 attention cores, recipe names), or
+    PlanError."""
     strays = [d.fqn for d in decisions if d.backend != "te"]
     if strays:
         raise ValueError(f"TEBackend.convert got decisions planned for other backends: {strays[:3]}")
-    others = [d for d in decisions if d.component.kind not in ("linear", "expert")
+    cores = [d for d in decisions if d.component.kind == "attn_core" and d.recipe != BF16]
+    others = [d for d in decisions if d.component.kind not in ("linear", "expert") and d not in cores
               and not (d.component.kind == "head" and d.recipe == BF16)]
     if others:
-        raise PlanError(f"{others[0].fqn}: the te backend converts linear and expert components (and the output head "
-                        f"without FP8), not kind {others[0].component.kind!r} in {others[0].recipe}: run it in bf16")
+        raise PlanError(f"{others[0].fqn}: the te backend converts linear and expert components, the output head "
+                        f"without FP8 and attention cores in FP8, not kind {others[0].component.kind!r} in "
+                        f"{others[0].recipe}: run it in bf16")
     recipes = sorted({d.recipe for d in decisions})
     for recipe in recipes:
         _check_recipe_name(recipe)
+    gemm_recipes = {d.recipe for d in decisions if d.component.kind in ("linear", "expert")}
+    for recipe in sorted({d.recipe for d in cores} - gemm_recipes):
+        if get_recipe(recipe).scales_from_history:
+            raise PlanError(f"the plan runs attention in {recipe} FP8 with no {recipe} linear on TE, and TE updates "
+                            "delayed-scaling backward scales at a linear's backward only, so the attention's gradient "
+                            f"scales would stay 1: plan some linears {recipe} too, or keep attention BF16")
     linears = [d for d in decisions if d.component.kind in ("linear", "head")]
-    return linears, _expert_pairs([d for d in decisions if d.component.kind == "expert"], plan), recipes
+    return linears, _expert_pairs([d for d in decisions if d.component.kind == "expert"], plan), cores, recipes
+
+
+def _fp8_attentions(model: nn.Module, cores: list[Decision], te_recipes: dict) -> dict:
+    """Core fqn -> (its attention module, the TE FP8 attention built for it): the module that holds the core, the
+    plan's `<attention module>.core`, found by the plan's fqn as describe_module named it."""
+    from fp8stack.backends import te_attention
+
+    attentions = {}
+    for d in cores:
+        owner_fqn = d.fqn.rpartition(".")[0]
+        owner = _module_at(model, owner_fqn)
+        if not (hasattr(owner, "n_heads") and hasattr(owner, "head_dim")):
+            raise PlanError(f"the plan runs {d.fqn} as FP8 attention, but {owner_fqn} ({type(owner).__name__}) has no "
+                            "n_heads and head_dim, which mark an attention module: derive the plan from this model")
+        if owner.head_dim != d.component.k:
+            raise PlanError(f"the plan sizes {d.fqn} with head dim {d.component.k}, but {owner_fqn}'s is "
+                            f"{owner.head_dim}: make the plan from this model (describe_module)")
+        attentions[d.fqn] = (owner, te_attention.fp8_attention_for(owner, te_recipes[d.recipe], owner_fqn))
+    return attentions
 
 
 def _support_checks(recipes: Sequence[str]) -> dict[str, str]:

@@ -61,6 +61,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "precision.fuse_norm": ("--fuse-norm",),
     "precision.fuse_mlp": ("--fuse-mlp",),
     "precision.arch": ("--arch",),
+    "precision.fp8_attention": ("--fp8-dot-product-attention",),
     "te.delayed_margin": ("--fp8-margin",),
     "te.gradient_accumulation_fusion": ("--gradient-accumulation-fusion",),
     "te.blockwise_gemms": ("--blockwise-gemms",),

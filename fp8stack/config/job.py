@@ -362,6 +362,10 @@ class JobConfig:
                               f"{recipe} has none: use --fp8-recipe blockwise or drop --te.blockwise-gemms")
         if self.model.impl == "torch":
             check_data_parallel_levers(self, sharded=True if self.parallelism.data_parallel_one_rank else None)
+        if self.precision.fp8_attention and "core_attn" in self.activation_checkpoint.modules:
+            raise ConfigError("--recompute-modules core_attn recomputes the attention core alone, outside the "
+                              "attention module that sends it to TE's FP8 attention, so without FP8: recompute attn "
+                              "instead, or drop --fp8-dot-product-attention")
         if self.torchao.fsdp_float8_all_gather and self.parallelism.data_parallel == "ddp":
             raise ConfigError("torchao.fsdp_float8_all_gather all-gathers FSDP2's sharded weights, and DDP shards "
                               "none: use --parallelism.data-parallel fsdp or drop it")

@@ -93,6 +93,18 @@ def check_config(config, plan: Plan, precisions: list[LayerPrecision], te: bool,
         raise PlanError(f"the plan puts {heads_on_te[0]} on a TE module (head_on_te), which fp8stack's plain path "
                         "builds; megatron's output layer stays its own ColumnParallelLinear (its --gradient-"
                         "accumulation-fusion covers it): drop head_on_te for a megatron model")
+    fp8_cores = sorted({d.recipe for d in plan.decisions if d.component.kind == "attn_core" and is_fp8(d.recipe)})
+    if bool(fp8_cores) != bool(getattr(config, "fp8_dot_product_attention", False)):
+        raise PlanError(f"the plan runs attention in {'FP8 (' + ', '.join(fp8_cores) + ')' if fp8_cores else 'BF16'} "
+                        f"but config.fp8_dot_product_attention is {getattr(config, 'fp8_dot_product_attention', False)}"
+                        ": make them agree (plan_from_megatron_args reads it from the config)")
+    cores = {d.component.layer: d for d in plan.decisions if d.component.kind == "attn_core"}
+    mismatched = [p.layer for p in precisions if fp8_cores and p.layer in cores
+                  and (p.recipe is not None) != is_fp8(cores[p.layer].recipe)]
+    if mismatched:
+        raise PlanError(f"megatron runs each layer's attention under the layer's autocast (FP8 attention where it is "
+                        f"FP8), and the plan gives layers {mismatched} an attention core in another precision than "
+                        "their GEMMs: plan their attention core like their GEMMs, or drop fp8_dot_product_attention")
     if getattr(config, "cuda_graph_impl", "none") != "none":
         raise PlanError(f"cuda_graph_impl={config.cuda_graph_impl!r}: CUDA-graphed layers bypass the layer forward "
                         "that enters the plan's FP8 context; set cuda_graph_impl='none'")

@@ -1,7 +1,9 @@
 """plan_from_megatron_args: megatron's own FP8 flags as an fp8stack Plan, so a launch command keeps working.
 
 --fp8-format e4m3|hybrid -> PolicyConfig.fp8_format (unset: no FP8, a bf16 plan), --fp8-recipe -> recipe,
---first-last-layers-bf16 / --num-layers-at-{start,end}-in-bf16 -> the same PolicyConfig fields. Backend
+--first-last-layers-bf16 / --num-layers-at-{start,end}-in-bf16 -> the same PolicyConfig fields,
+--fp8-dot-product-attention -> fp8_attention (megatron's TE attention runs under its layer's recipe with fp8_dpa).
+Backend
 te (megatron runs FP8 through TransformerEngine) and no small-GEMM filter: megatron converts every TE
 linear whatever its size. Experts, which the policy may send to fp8stack's grouped_fp8 backend, run on
 megatron's TE experts here, so their decisions say te.
@@ -18,8 +20,9 @@ _UNSET = object()
 
 def plan_from_megatron_args(config, *, vocab_size: int, seq_len: int, fp8=_UNSET, fp8_recipe=_UNSET,
                             fp8_format=_UNSET, first_last_layers_bf16=_UNSET, num_layers_at_start_in_bf16=_UNSET,
-                            num_layers_at_end_in_bf16=_UNSET, moe_grouped_gemm=_UNSET, moe_only: bool = False,
-                            arch: int = 90, name: str = "megatron") -> Plan:
+                            num_layers_at_end_in_bf16=_UNSET, moe_grouped_gemm=_UNSET,
+                            fp8_dot_product_attention=_UNSET, moe_only: bool = False, arch: int = 90,
+                            name: str = "megatron") -> Plan:
     """The plan megatron's flags ask for; each flag not given is read off `config` (a TransformerConfig).
 
     fp8: --fp8-format ('e4m3' | 'hybrid' | None); fp8_format is the same flag under fp8stack's name (give one).
@@ -34,6 +37,7 @@ def plan_from_megatron_args(config, *, vocab_size: int, seq_len: int, fp8=_UNSET
         "num_layers_at_start_in_bf16": _read(num_layers_at_start_in_bf16, config, "num_layers_at_start_in_bf16", 1),
         "num_layers_at_end_in_bf16": _read(num_layers_at_end_in_bf16, config, "num_layers_at_end_in_bf16", 1),
         "moe_grouped_gemm": _read(moe_grouped_gemm, config, "moe_grouped_gemm", False),
+        "fp8_dot_product_attention": _read(fp8_dot_product_attention, config, "fp8_dot_product_attention", False),
     }
     recipe = str(getattr(flags["fp8_recipe"], "value", flags["fp8_recipe"]))  # Fp8Recipe enum or str
     if flags["fp8"] and recipe not in MEGATRON_RECIPES:
@@ -49,7 +53,8 @@ def plan_from_megatron_args(config, *, vocab_size: int, seq_len: int, fp8=_UNSET
         first_last_layers_bf16=bool(flags["first_last_layers_bf16"]),
         num_layers_at_start_in_bf16=flags["num_layers_at_start_in_bf16"],
         num_layers_at_end_in_bf16=flags["num_layers_at_end_in_bf16"], small_gemm_filter="off", overrides=overrides,
-        head_on_te=False)  # megatron's output layer is its own ColumnParallelLinear
+        head_on_te=False,  # megatron's output layer is its own ColumnParallelLinear
+        fp8_attention=bool(flags["fp8_dot_product_attention"]))
     plan = make_plan(describe_transformer_config(config, vocab_size=vocab_size, seq_len=seq_len, name=name), policy)
     experts = "TE GroupedLinear (TEGroupedMLP, --moe-grouped-gemm)" if flags["moe_grouped_gemm"] else \
         "one TE linear per expert (SequentialMLP, no --moe-grouped-gemm)"

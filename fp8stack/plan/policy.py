@@ -16,7 +16,8 @@ from fp8stack.plan.description import Component, ModelDescription, NormFeed, Swi
 from fp8stack.plan.errors import PlanError, PlanWarning
 from fp8stack.plan.plan import Decision, Fusion, Plan
 from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS,
-                                   GROUPED_ALIGNMENT, dense_backend, expert_backend, get_recipe)
+                                   GROUPED_ALIGNMENT, dense_backend, expert_backend, fp8_attention_head_dim_problem,
+                                   fp8_attention_recipes, get_recipe)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,6 +46,15 @@ HIGH_PRECISION_REASONS = {
 BF16_ON_TE_REASON = ("recipe bf16 with backend te: a TransformerEngine module without FP8 (BF16 GEMMs), so a BF16 "
                      "baseline gets TE's fused norm, MLP and weight-gradient accumulation too")
 """Why a linear or expert GEMM of a bf16 plan runs on TE (the policy's recipe bf16 and backend te)."""
+
+FP8_ATTENTION_OPT_IN = ("FP8 attention (TE's FP8 dot-product attention) is opt-in, not default, until its "
+                        "2000-step loss gate passes: --fp8-dot-product-attention")
+"""Why an FP8 plan keeps its attention cores in BF16 without fp8_attention."""
+
+FP8_ATTENTION_REASON = ("{recipe} FP8 attention: TE's FP8 dot-product attention (DotProductAttention with fp8_dpa, "
+                        "the fused cuDNN kernel: Q, K, V and the probabilities in FP8, softmax in FP32); opt-in "
+                        "(fp8_attention) pending its 2000-step loss gate")
+"""Why an attention core runs in FP8 under fp8_attention."""
 
 HEAD_ON_TE_REASON = ("on a TransformerEngine module without FP8 (head_on_te), so its weight gradient accumulates in "
                      "FP32 like the TE linears' and the final norm can fold into it")
@@ -118,6 +128,10 @@ class PolicyConfig:
     fuse_mlp: bool = True
     """A norm whose output only a SwiGLU MLP reads runs with it as one TE LayerNormMLP when its projections share one
     TE recipe: TE's SwiGLU writes FC2's input (FP8 under delayed scaling) and the backward keeps FC1's output only."""
+    fp8_attention: bool = False
+    """Run the attention cores (QK^T, softmax, PV) in FP8 as TE's FP8 dot-product attention (TE DotProductAttention
+    under the recipe with fp8_dpa; Megatron's --fp8-dot-product-attention): delayed from sm90, tensorwise (backend te)
+    and mxfp8 from sm100. Off by default: attention stays BF16 until FP8 attention passes its loss gate."""
     overrides: tuple[Override, ...] = field(default=())
     """Per-block / per-fqn rules; the last matching one wins."""
 
@@ -129,7 +143,7 @@ class PolicyConfig:
                             f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
         if self.fp8_format is not None:
             _require_name(self.fp8_format, "fp8_format")
-        for name in ("first_last_layers_bf16", "fuse_norm", "fuse_mlp"):
+        for name in ("first_last_layers_bf16", "fuse_norm", "fuse_mlp", "fp8_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for o in self.overrides:
@@ -149,6 +163,8 @@ class PolicyConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
         self._check_recipe(self.recipe, self.backend)
+        if self.fp8_attention:
+            self._check_fp8_attention()
         if self.head_on_te and not self.dense_linears_on_te:
             raise PlanError(f"head_on_te puts the output head beside the plan's TransformerEngine linears, and recipe "
                             f"{self.recipe} with backend {self.backend} has none: use backend te or drop head_on_te")
@@ -184,6 +200,25 @@ class PolicyConfig:
             return self.backend == "te"
         return dense_backend(get_recipe(self.recipe), self.backend) == "te"
 
+    def _check_fp8_attention(self) -> None:
+        """fp8_attention needs a recipe TE runs FP8 attention under on the target GPU, with the linears on TE."""
+        allowed = fp8_attention_recipes()
+        if self.recipe == BF16:
+            raise PlanError(f"fp8_attention runs attention in FP8 under an FP8 recipe, and the recipe is bf16: pass "
+                            f"--fp8-recipe with one of {allowed}, or drop --fp8-dot-product-attention")
+        arch = get_recipe(self.recipe).fp8_attention_arch
+        if arch is None:
+            raise PlanError(f"recipe {self.recipe} has no FP8 attention (TE's FP8 dot-product attention runs under "
+                            f"{allowed}): pick one of those or drop --fp8-dot-product-attention")
+        if self.arch < arch:
+            raise PlanError(f"TE's FP8 attention under recipe {self.recipe} needs sm{arch}+ (its fused cuDNN kernel) "
+                            f"and the target is sm{self.arch}: it runs under {allowed}; pick one of those or drop "
+                            "--fp8-dot-product-attention")
+        if not self.dense_linears_on_te:
+            raise PlanError(f"fp8_attention is TransformerEngine's FP8 dot-product attention (torchao has none), and "
+                            f"recipe {self.recipe} with backend {self.backend} runs the linears on torchao: pass "
+                            "--backend te or drop --fp8-dot-product-attention")
+
     def _check_recipe(self, name: str, backend: str | None) -> None:
         if name == BF16:
             return
@@ -212,6 +247,10 @@ def high_precision_kinds(c: Component, cfg: PolicyConfig, model: ModelDescriptio
     head_on_te = cfg.head_on_te if cfg.head_on_te is not None else cfg.dense_linears_on_te and model.head_replaceable
     if c.kind == "head" and head_on_te:
         return Decision(c, "te", BF16, f"{HIGH_PRECISION_REASONS['head']}; {HEAD_ON_TE_REASON}")
+    if c.kind == "attn_core" and cfg.fp8_attention:
+        return None  # fp8_attention_core decides, after the layers kept BF16
+    if c.kind == "attn_core" and cfg.recipe != BF16:
+        return Decision(c, BF16, BF16, f"{HIGH_PRECISION_REASONS['attn_core']}; {FP8_ATTENTION_OPT_IN}")
     if c.kind in HIGH_PRECISION_REASONS:
         return Decision(c, BF16, BF16, HIGH_PRECISION_REASONS[c.kind])
     return None
@@ -239,6 +278,25 @@ def first_last_layers(c: Component, cfg: PolicyConfig, model: ModelDescription) 
     if c.layer >= model.num_layers - end:
         return Decision(c, BF16, BF16, f"last {end} layer(s) kept BF16 (--first-last-layers-bf16)")
     return None
+
+
+def fp8_attention_core(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
+    """Under fp8_attention, an attention core no earlier rule kept BF16 runs as TE's FP8 dot-product attention
+    with its recipe; a head dim TE's fused FP8 kernel does not train, or an override moving the core off TE or
+    onto a recipe without FP8 attention, is refused (the user asked for FP8 attention: it never quietly stays BF16)."""
+    if c.kind != "attn_core":
+        return None
+    backend, recipe, note = _target(c, cfg)  # not bf16: no_fp8_requested decided those
+    arch = get_recipe(recipe).fp8_attention_arch
+    if backend != "te" or arch is None or cfg.arch < arch:
+        raise PlanError(f"{note or 'policy'} on {c.fqn}: FP8 attention runs on TE under {fp8_attention_recipes()}, "
+                        f"not {recipe} on {backend} at sm{cfg.arch}: fix the override or drop "
+                        "--fp8-dot-product-attention")
+    problem = fp8_attention_head_dim_problem(c.k, cfg.arch)
+    if problem:
+        raise PlanError(f"{c.fqn}: {problem}: drop --fp8-dot-product-attention for {model.name}")
+    why = FP8_ATTENTION_REASON.format(recipe=recipe)
+    return Decision(c, "te", recipe, f"{note}: {why}" if note else why)
 
 
 def alignment(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
@@ -291,7 +349,8 @@ def fp8(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision:
     return Decision(c, backend, recipe, f"{override_reason}: {why}" if override_reason else why)
 
 
-RULES: tuple[Rule, ...] = (high_precision_kinds, no_fp8_requested, first_last_layers, alignment, small_gemm, fp8)
+RULES: tuple[Rule, ...] = (high_precision_kinds, no_fp8_requested, first_last_layers, fp8_attention_core, alignment,
+                          small_gemm, fp8)
 """In order; the first rule that returns a Decision decides."""
 
 

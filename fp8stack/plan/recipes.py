@@ -51,6 +51,10 @@ class Recipe:
     """One scale per block of each tensor (blockwise's 1x128 / 128x128, MXFP8's 1x32), not per tensor or row."""
     gemms_on_deepgemm: bool = False
     """TE's modules for this recipe can run their GEMMs on DeepGEMM's dense kernels (TEConfig.blockwise_gemms)."""
+    fp8_attention_arch: int | None = None
+    """Lowest SM version on which TE trains its FP8 dot-product attention (the recipe's fp8_dpa) under this recipe:
+    TE 2.20 runs it only in its fused cuDNN kernels, which take DelayedScaling from sm90 and Float8CurrentScaling and
+    MXFP8BlockScaling from sm100; None: no FP8 attention (Float8BlockScaling refuses fp8_dpa; torchao has none)."""
 
 
 RECIPES: dict[str, Recipe] = {
@@ -58,9 +62,9 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe("delayed", ("te",), "te", "delayed", 16, 89,
                "per-tensor scales from an amax history (TE DelayedScaling)", "hybrid", "tensorwise",
-               scales_from_history=True),
+               scales_from_history=True, fp8_attention_arch=90),
         Recipe("tensorwise", ("torchao", "te"), "grouped_fp8", "rowwise", 16, 89,
-               "per-tensor dynamic scales", "hybrid", "tensorwise", gathers_in_fp8=True),
+               "per-tensor dynamic scales", "hybrid", "tensorwise", gathers_in_fp8=True, fp8_attention_arch=100),
         Recipe("rowwise", ("torchao",), "grouped_fp8", "rowwise", 16, 89,
                "per-row dynamic scales (torchao rowwise)", "e4m3", "rowwise"),
         Recipe("rowwise_gw_hp", ("torchao",), "grouped_fp8", "rowwise_gw_hp", 16, 89,
@@ -70,7 +74,8 @@ RECIPES: dict[str, Recipe] = {
                "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3", "rowwise",
                block_scaled=True, gemms_on_deepgemm=True),
         Recipe("mxfp8", ("te",), "te", "mxfp8", 32, 100,
-               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3", "rowwise", block_scaled=True),
+               "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3", "rowwise", block_scaled=True,
+               fp8_attention_arch=100),
     )
 }
 
@@ -105,6 +110,24 @@ which also run on a CPU)."""
 
 MEGATRON_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 """fp8stack recipes megatron-core runs through TransformerEngine (its --fp8-recipe names)."""
+
+
+def fp8_attention_recipes() -> str:
+    """The recipes TE's FP8 dot-product attention trains under, with the SM version each needs ('delayed (sm90+),
+    ...'), for refusals."""
+    return ", ".join(f"{r.name} (sm{r.fp8_attention_arch}+)" for r in RECIPES.values() if r.fp8_attention_arch)
+
+
+def fp8_attention_head_dim_problem(head_dim: int, arch: int) -> str:
+    """'' when TE's fused FP8 attention trains heads of `head_dim` on sm`arch`, else why (cuDNN's FP8 attention in
+    TE 2.20's nvte_get_fused_attn_backend: training on sm90 takes head dim 128 only, sm100+ multiples of 16 up to
+    128)."""
+    if arch < 100 and head_dim != 128:
+        return f"on sm{arch} TE's fused FP8 attention trains head dim 128 only, and this model's is {head_dim}"
+    if arch >= 100 and (head_dim % 16 or head_dim > 128):
+        return (f"on sm{arch} TE's fused FP8 attention trains head dims that are multiples of 16 up to 128, not "
+                f"{head_dim}")
+    return ""
 
 
 def get_recipe(name: str) -> Recipe:

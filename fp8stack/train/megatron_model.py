@@ -56,7 +56,8 @@ def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | Non
             fp8_margin=cfg.te.delayed_margin,
             first_last_layers_bf16=cfg.precision.first_last_layers_bf16,
             num_layers_at_start_in_bf16=cfg.precision.num_layers_at_start_in_bf16,
-            num_layers_at_end_in_bf16=cfg.precision.num_layers_at_end_in_bf16)
+            num_layers_at_end_in_bf16=cfg.precision.num_layers_at_end_in_bf16,
+            fp8_dot_product_attention=cfg.precision.fp8_attention)
     except (ValueError, AssertionError) as err:
         raise ConfigError(f"megatron-core refuses this configuration: {err}") from None
 

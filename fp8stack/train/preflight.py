@@ -13,6 +13,7 @@ import torch
 from fp8stack.models import Llama, LlamaConfig
 from fp8stack.plan import Plan
 from fp8stack.plan.policy import check_layers_kept_bf16
+from fp8stack.plan.recipes import fp8_attention_head_dim_problem
 from fp8stack.runtime.recompute import recompute_regions
 from fp8stack.train import checkpoint
 from fp8stack.config import ConfigError, JobConfig, recompute_blocks
@@ -102,6 +103,9 @@ def _check_fits_model(cfg: JobConfig, model: LlamaConfig) -> None:
     if model.seq_len % cfg.parallelism.tensor_parallel:
         raise ConfigError(f"seq_len={model.seq_len} is not divisible by tensor_parallel={cfg.parallelism.tensor_parallel} "
                           "(sequence parallelism splits it): pass a --seq-length that is a multiple of it")
+    head_dim_problem = fp8_attention_head_dim_problem(model.head_dim, cfg.precision.arch)
+    if cfg.precision.fp8_attention and head_dim_problem:
+        raise ConfigError(f"{head_dim_problem}: drop --fp8-dot-product-attention for {cfg.model.name}")
     if cfg.precision.first_last_layers_bf16:
         try:
             check_layers_kept_bf16(model.n_layers, cfg.precision.num_layers_at_start_in_bf16, cfg.precision.num_layers_at_end_in_bf16,
