@@ -261,7 +261,7 @@ class TEBackend(Backend):
             return True, ("fuse_wgrad_accumulation: the weight-gradient GEMMs of {count} TE weight(s) accumulate into "
                           "FP32 main_grad buffers, which are the weights' .grad")
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        params = [p for d in decisions for p in _parameters_at(model, d.fqn)]
+        params = [p for d in decisions if d.component.kind != "attn_core" for p in _parameters_at(model, d.fqn)]
         dtypes, devices = {p.dtype for p in params}, {p.device.type for p in params}
         if ranks > 1 or dtypes != {torch.float32} or devices != {"cuda"}:
             why = (f"this process group has {ranks} ranks, and a data-parallel wrapper may reduce .grad without "
