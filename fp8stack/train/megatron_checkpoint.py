@@ -111,8 +111,9 @@ class MegatronTensors:
                                           f"{incompatible.unexpected_keys}; resume with the same model and plan")
         if isinstance(self.optimizer, torch.optim.Optimizer):
             load_torch_optimizer(self.optimizer, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # FP32 parameters' shards in the distributed optimizer are views of the parameters: copy without autograd
+            with torch.no_grad():
+                self.optimizer.load_state_dict(state["optimizer"])
 
 
 def torch_optimizer_sharded_state_dict(optimizer: torch.optim.Optimizer, model_sharded: dict,
