@@ -81,8 +81,8 @@ def test_bf16_parameters_refuse_what_they_cannot_serve():
         from_overrides({"training.param_dtype": "fp16"})
     with pytest.raises(ConfigError, match="pass --training.dtype bf16 or --training.param-dtype fp32"):
         from_overrides({"training.param_dtype": "bf16", "training.dtype": "fp32"})
-    with pytest.raises(ConfigError, match="megatron does not take training.param_dtype.*use --model.impl torch"):
-        from_overrides({"training.param_dtype": "bf16", "model.impl": "megatron", "model.name": "llama-1b-like",
+    with pytest.raises(ConfigError, match="megatron does not take training.param_dtype fp8.*use --model.impl torch"):
+        from_overrides({"training.param_dtype": "fp8", "model.impl": "megatron", "model.name": "llama-1b-like",
                         "training.dtype": "bf16"})
     with pytest.raises(ConfigError, match="FP32 \\(auto is on a CPU\\): pass --training.dtype bf16"), session(
             from_overrides({**FAST, "training.dtype": "auto", "training.device": "cpu", "training.param_dtype": "bf16",
