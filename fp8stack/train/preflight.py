@@ -103,8 +103,8 @@ def _check_fits_model(cfg: JobConfig, model: LlamaConfig) -> None:
     if model.seq_len % cfg.parallelism.tensor_parallel:
         raise ConfigError(f"seq_len={model.seq_len} is not divisible by tensor_parallel={cfg.parallelism.tensor_parallel} "
                           "(sequence parallelism splits it): pass a --seq-length that is a multiple of it")
-    head_dim_problem = fp8_attention_head_dim_problem(model.head_dim, cfg.precision.arch)
-    if cfg.precision.fp8_attention and head_dim_problem:
+    if cfg.precision.fp8_attention and (head_dim_problem := fp8_attention_head_dim_problem(model.head_dim,
+                                                                                         cfg.precision.arch)):
         raise ConfigError(f"{head_dim_problem}: drop --fp8-dot-product-attention for {cfg.model.name}")
     if cfg.precision.first_last_layers_bf16:
         try:
