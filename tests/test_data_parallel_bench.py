@@ -126,3 +126,23 @@ def test_plot_only_refuses_measuring_flags(tmp_path, capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"{data_parallel.PROG}: error: --plot-only draws from a JSON and measures nothing: drop --steps")
+
+
+def test_the_bound_arm_splits_fsdps_cost_into_what_te_gives_up_and_fsdps_own():
+    """fsdp_bound is the unwrapped arm less the levers TE keeps off under fully_shard: not judged against the 3 %
+    target itself, it measures each FSDP2 arm's own cost (step time over the bound's)."""
+    arms = {"unwrapped": measured(500.0, 25.94), "fsdp_bound": measured(540.0, 25.0),
+            "fsdp": measured(573.0, 23.08), "ddp": measured(503.0, 25.94)}
+    judged = data_parallel.judge(arms, STEPS)
+    assert judged["figures"]["fsdp"]["step_time_over_bound"] == pytest.approx(573 / 540)
+    assert "step_time_over_bound" not in judged["figures"]["ddp"]
+    assert not any(name.startswith("fsdp_bound: step time") for name in judged["checks"])
+    assert judged["checks"]["fsdp: step time within 3% of unwrapped"] is False
+    assert "| fsdp | 228,747 | 573.0 | 1.146x | 1.061x |" in data_parallel.render(payload(arms))
+
+
+def test_the_bound_arm_turns_off_exactly_what_fully_shard_turns_off():
+    from fp8stack.train.command import job_from_flags
+
+    bound = job_from_flags(data_parallel.ARMS[data_parallel.BOUND])
+    assert (bound.te.gradient_accumulation_fusion, bound.te.cache_fp8_weights) == (False, False)

@@ -306,6 +306,22 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
     assert _backend_options(cfg, plan, micro_batches=1)["te"]["delayed_margin"] == 2
 
 
+def test_fp8_weight_cache_follows_micro_batches_and_the_configuration():
+    """Cached only where a step has more micro-batches to reuse the cast, and off when the configuration says so
+    (the FSDP2 bound arm of fp8stack.bench.data_parallel)."""
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    def cached(micro_batches: int, *flags: str) -> bool:
+        cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--small-gemm-filter", "off",
+                                          "--device", "cpu", *flags]))
+        plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+        return _backend_options(cfg, plan, micro_batches)["te"]["cache_fp8_weights"]
+
+    assert cached(2) and not cached(1)
+    assert not cached(2, "--no-te.cache-fp8-weights")
+
+
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
     from fp8stack.train.loop import _backend_options, build_plan
     from fp8stack.train.model import build_model

@@ -90,6 +90,7 @@ def test_fp8_dot_product_attention_reaches_megatrons_config_and_the_plan():
     (["--recompute-granularity", "full"], "does not take activation_checkpoint.layers (fp8stack's recompute)"),
     (["--param-dtype", "fp8"], "does not take training.param_dtype fp8 (TE weights held in FP8"),
     (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
+    (["--no-te.cache-fp8-weights"], "does not take te.cache_fp8_weights false"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
     (["--model", "tiny-moe"], "builds tiny, llama-1b-like, llama-70b-layers, not 'tiny-moe'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),

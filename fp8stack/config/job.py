@@ -76,6 +76,10 @@ class TEConfig:
     without FP8. None: on wherever the plan has TE layers and the run can keep the buffers (one process or DDP on
     the plain path, megatron's DDP); off under FSDP2, which reduces autograd's gradients where TE writes main_grad
     outside autograd, and under tensor parallelism. Measured faster on one H200."""
+    cache_fp8_weights: bool = True
+    """With more than one micro-batch per step, TE casts each weight to FP8 at a step's first micro-batch and reuses
+    that copy (TE's is_first_microbatch). Off under FSDP2, which all-gathers the weights at every forward; turning it
+    off elsewhere measures what the cache saves (the bound of FSDP2's step time, fp8stack.bench.data_parallel)."""
     blockwise_gemms: str = "te"
     """Where TE's blockwise modules run their GEMMs: te (cuBLAS) or deepgemm (DeepGEMM's dense kernels on TE's
     operands, bit-identical; launch/build_deepgemm.sh builds it)."""
@@ -417,6 +421,9 @@ def _check_megatron(job: JobConfig) -> None:
                   "parallelism.data_parallel_one_rank": (job.parallelism.data_parallel_one_rank,
                                                          "fp8stack's data-parallel wrappers"),
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),
+                  "te.cache_fp8_weights false": (not job.te.cache_fp8_weights,
+                                                 "the plain path's FP8 weight cache (megatron passes its own "
+                                                 "is_first_microbatch)"),
                   "training.param_dtype fp8": (job.training.param_dtype == "fp8",
                                                "TE weights held in FP8 (megatron's --fp8-param-gather is not wired "
                                                "here; bf16 is megatron's own BF16 parameters)"),

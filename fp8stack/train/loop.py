@@ -374,8 +374,8 @@ def _micro_batches(cfg: JobConfig, dp_size: int) -> int:
 
 def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
     """Constructor options for the plan's TE backend: fuse_wgrad_accumulation (te.gradient_accumulation_fusion, as
-    resolved), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE) and, with more than one micro-batch per
-    step, FP8 weights cast once per step and cached (TE's is_first_microbatch; with one micro-batch the cache would
+    resolved), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE) and, with te.cache_fp8_weights and more
+    than one micro-batch per step, FP8 weights cast once per step and cached (TE's is_first_microbatch; with one micro-batch the cache would
     only hold memory; weights held in FP8 need no cast)."""
     if cfg.te.gradient_accumulation_fusion and not plan.for_backend("te"):
         raise ConfigError(f"te.gradient_accumulation_fusion accumulates the TE linears' weight gradients in FP32, but "
@@ -390,7 +390,8 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str
                               f"recipe {cfg.precision.recipe!r} has "
                               + (f"{elsewhere[0].fqn} in FP8 on {elsewhere[0].backend}" if elsewhere else
                                  "no FP8 layer") + ": use --backend te with an FP8 recipe, or --param-dtype bf16")
-    options = {"fp8_weights": fp8_weights, "cache_fp8_weights": micro_batches > 1 and not fp8_weights,
+    cache = cfg.te.cache_fp8_weights and micro_batches > 1 and not fp8_weights
+    options = {"fp8_weights": fp8_weights, "cache_fp8_weights": cache,
                "delayed_margin": cfg.te.delayed_margin, "fuse_wgrad_accumulation": cfg.te.gradient_accumulation_fusion,
                **({"blockwise_gemms": cfg.te.blockwise_gemms} if cfg.te.blockwise_gemms != "te" else {})}
     return {"te": options} if plan.for_backend("te") else None
