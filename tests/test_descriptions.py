@@ -12,7 +12,8 @@ from fp8stack.plan.description import CONFIGS_DIR
 MODEL_FILES = sorted((CONFIGS_DIR / "models").glob("*.yaml"))
 RECIPE_FILES = sorted((CONFIGS_DIR / "recipes").glob("*.yaml"))
 HIGH_PRECISION_KINDS = ("embedding", "head", "router", "norm", "attn_core", "ssm_scan")
-RECIPE_TARGETS = {"moe-only-fp8": {"deepseek-v3-like-moe", "hybrid-mamba-moe", "tiny-moe"},
+RECIPE_TARGETS = {"moe-only-fp8": {"deepseek-v3-like-moe", "hybrid-mamba-moe", "tiny-moe",
+                                   "deepseek-moe-small"},
                   "torchao-rowwise-gw-hp-dense": {"hybrid-mamba-moe"}}
 """The models a recipe file's overrides are written for (every model where not listed): on the others an
 override matches no component, which make_plan refuses."""
@@ -153,6 +154,11 @@ GOOD = {
     ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
     ({"rope_theta": "1e4"}, "rope_theta must be a positive number, got '1e4'"),
     ({"rope_theta": float("inf")}, "rope_theta must be a positive number, got inf"),
+    ({"router": "sigmoid"}, "router must be a mapping of score_func (softmax or sigmoid) and route_norm"),
+    ({"router": {"score": "sigmoid"}}, "router must be a mapping of score_func"),
+    ({"router": {"score_func": "relu"}}, "router: score_func must be one of softmax, sigmoid"),
+    ({"router": {"route_norm": "yes"}}, "router: score_func must be one of softmax, sigmoid and route_norm true or "
+                                        "false, got {'route_norm': 'yes'}"),
     ({"blocks": {}}, "'blocks' must map block type names"),
     ({"layers": [{"block": "moe"}]}, "layers use block 'moe', not defined under 'blocks'"),
     ({"layers": [{"repeat": 2}]}, "each 'layers' entry needs 'block'"),
@@ -174,6 +180,18 @@ def test_rope_theta_is_read_and_optional():
     assert load_description("llama3-8b").rope_theta == 500000.0
     assert load_description("hybrid-mamba-moe").rope_theta is None
     assert description_from_dict({**GOOD, "rope_theta": 10000}).rope_theta == 10000.0
+
+
+def test_router_scoring_is_read_and_reaches_the_built_moe():
+    from fp8stack.models.from_description import load_model_config
+    from fp8stack.plan.description import Routing
+
+    assert load_description("deepseek-moe-small").router == Routing(score_func="sigmoid", route_norm=True)
+    assert load_description("tiny-moe").router is None
+    moe = load_model_config("deepseek-moe-small").moe
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_dim, moe.shared_ffn_dim) == (32, 8, 1536, 1536)
+    assert (moe.score_func, moe.route_norm) == ("sigmoid", True)
+    assert load_model_config("tiny-moe").moe.score_func == "softmax"
 
 
 def test_missing_required_key():

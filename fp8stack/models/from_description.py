@@ -17,7 +17,7 @@ import torch
 
 from fp8stack.models.llama import Llama, LlamaConfig
 from fp8stack.models.moe import MoEConfig
-from fp8stack.plan.description import (CONFIGS_DIR, Component, ModelDescription, load_description,
+from fp8stack.plan.description import (CONFIGS_DIR, Component, ModelDescription, Routing, load_description,
                                        resolve_model_path)
 from fp8stack.plan.errors import PlanError
 from fp8stack.plan.from_module import describe_module
@@ -164,7 +164,7 @@ def _config(description: ModelDescription, blocks: list[_Block], where: str) -> 
         n_kv_heads = _whole(first["attention.wk"].n, head_dim, "attention.wk's outputs", where)
     dense = next((b.parts for b in blocks if not b.is_moe), None)
     moe = next((b for b in blocks if b.is_moe), None)
-    moe_config = _moe_config(moe.parts) if moe else None
+    moe_config = _moe_config(moe.parts, description.router) if moe else None
     try:
         return LlamaConfig(
             dim=dim, n_layers=description.num_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
@@ -178,12 +178,14 @@ def _config(description: ModelDescription, blocks: list[_Block], where: str) -> 
         raise ModelBuildError(f"{where}: the shapes give no Llama ({err}): fix the description's shapes") from None
 
 
-def _moe_config(parts: dict[str, Component]) -> MoEConfig:
-    """Routed experts from moe.experts.w13 (count, top-k) and w2 (width); the shared expert's width from its w2."""
+def _moe_config(parts: dict[str, Component], router: Routing | None) -> MoEConfig:
+    """Routed experts from moe.experts.w13 (count, top-k) and w2 (width); the shared expert's width from its w2; the
+    scoring from the description's router (MoEConfig's defaults where it gives none)."""
     experts = parts["moe.experts.w13"]
     shared = parts.get("moe.shared_experts.w2")
+    routing = {"score_func": router.score_func, "route_norm": router.route_norm} if router else {}
     return MoEConfig(num_experts=experts.experts, top_k=experts.active, expert_ffn_dim=parts["moe.experts.w2"].k,
-                     shared_ffn_dim=shared.k if shared else 0)
+                     shared_ffn_dim=shared.k if shared else 0, **routing)
 
 
 def _norm_eps(description: ModelDescription, where: str) -> float:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+from fp8stack.plan.description import ROUTER_SCORES
+
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ class MoEConfig:
     """Rescale each token's top-k weights to sum to 1."""
 
     def __post_init__(self) -> None:
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"MoEConfig.score_func={self.score_func!r}: use one of {', '.join(SCORE_FUNCS)}")
+        if self.score_func not in ROUTER_SCORES:
+            raise ValueError(f"MoEConfig.score_func={self.score_func!r}: use one of {', '.join(ROUTER_SCORES)}")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
         if self.expert_ffn_dim <= 0 or self.shared_ffn_dim < 0:

@@ -145,6 +145,9 @@ class ModelDescription:
     rope_theta: float | None = None
     """RoPE base frequency, read when the trainer builds the model (fp8stack.models.from_description); None where
     the description does not say (the plan needs no rotary frequencies)."""
+    router: "Routing | None" = None
+    """How an MoE model's routers score and weight experts, read when the model is built; None: the builder's
+    defaults (softmax scores, top-k weights as scored)."""
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -161,12 +164,26 @@ class ModelDescription:
         return max(layers) + 1 if layers else 0
 
 
+ROUTER_SCORES = ("softmax", "sigmoid")
+"""Router score functions: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """An MoE router's scoring, the description's top-level `router: {score_func, route_norm}`."""
+
+    score_func: str = "softmax"
+    """One of ROUTER_SCORES."""
+    route_norm: bool = False
+    """Rescale each token's top-k weights to sum to 1 (DeepSeek-V3 does, with sigmoid scores)."""
+
+
 _COMPONENT_KEYS = {"name", "kind", "n", "k", "experts", "active"}
 _FEED_KEYS = {"feeds", "swiglu", "eps", "normalization"}
 """A norm's keys saying what reads its output (what describe_module finds by tracing a built model): `feeds` the
 linears, in call order; `swiglu: {module, down}` when they are the gate and up of a SwiGLU MLP (two linears, or
 the two halves of one)."""
-_TOP_KEYS = {"name", "seq_len", "rope_theta", "layer_prefix", "before_layers", "blocks", "layers", "after_layers"}
+_TOP_KEYS = {"name", "seq_len", "rope_theta", "router", "layer_prefix", "before_layers", "blocks", "layers", "after_layers"}
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
@@ -265,7 +282,20 @@ def description_from_dict(data: dict, source: str = "<dict>") -> ModelDescriptio
     feeds += [f for c in after for f in _feeds(c, "", source)]
     rope_theta = _positive_number(data["rope_theta"], f"{source}: rope_theta") if "rope_theta" in data else None
     return ModelDescription(name=str(data["name"]), seq_len=seq_len, components=tuple(components), feeds=tuple(feeds),
-                            rope_theta=rope_theta)
+                            rope_theta=rope_theta, router=_routing(data["router"], source) if "router" in data else None)
+
+
+def _routing(spec: object, source: str) -> Routing:
+    """The top-level `router: {score_func, route_norm}`, each key optional."""
+    where = f"{source}: router"
+    if not isinstance(spec, dict) or set(spec) - {"score_func", "route_norm"}:
+        raise PlanError(f"{where} must be a mapping of score_func ({' or '.join(ROUTER_SCORES)}) and route_norm "
+                        f"(true or false), got {spec!r}: fix the description")
+    routing = Routing(**spec)
+    if routing.score_func not in ROUTER_SCORES or not isinstance(routing.route_norm, bool):
+        raise PlanError(f"{where}: score_func must be one of {', '.join(ROUTER_SCORES)} and route_norm true or false, "
+                        f"got {spec!r}: fix the description")
+    return routing
 
 
 def _feeds(spec: dict, prefix: str, source: str) -> list[NormFeed | SwiGLUFeed]:
