@@ -91,3 +91,24 @@ def test_arms_named_by_their_parameter_dtype_are_placed_by_their_recipe(tmp_path
     record = json.loads(written(tmp_path, "loss-band-llama-1b-like-bf16-params-h100.json").read_text())
     runs = [r["run"] for r in record["fp8_runs"]]
     assert "delayed, bf16 params (recipe default format, margin 0, fused wgrad accumulation)" in runs, runs
+
+
+def test_the_one_sided_gate_passes_up_to_the_mean_plus_the_larger_of_the_floor_and_two_stdevs():
+    wide = band([1.0, 1.1, 1.2])  # 2 standard deviations (0.2) beyond the 0.25 % floor
+    assert place(1.3, wide)["gate_limit"] == pytest.approx(1.3)
+    assert place(1.29, wide)["gate"] == "pass" and place(1.31, wide)["gate"] == "fail"
+    assert place(0.5, wide)["gate"] == "pass"  # ending below BF16 passes
+    narrow = band([1.0, 1.0001, 1.0002])  # the floor, 0.25 % of the mean, beyond 2 standard deviations
+    assert place(1.0, narrow)["gate_limit"] == pytest.approx(1.0001 * 1.0025)
+    assert place(1.0, band([1.0, 1.1]))["gate"] is None  # fewer than 3 BF16 runs: no gate
+
+
+def test_runs_past_one_pass_over_the_text_are_no_gate(tmp_path):
+    """The 2 000-step runs at 4 x 1024 on the default text read it 1.03 times: the band says it is not a gate."""
+    files = [committed(f"ab-llama-1b-like-loss-2000steps-seq1024-gb4-{name}-h200.json")
+             for name in ("bf16-delayed", "recipes")]
+    assert main(["--label", "seq1024-gb4", "--out-dir", str(tmp_path), *map(str, files)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-llama-1b-like-seq1024-gb4-h200.json").read_text())
+    assert record["memorised"] == [f.name for f in files] and record["bf16_band"]["runs"] == 4
+    markdown = written(tmp_path, "loss-band-llama-1b-like-seq1024-gb4-h200.md").read_text()
+    assert "NOT A GATE" in markdown and "(not a gate)" in markdown

@@ -27,6 +27,11 @@ SHARED_SETTINGS = ("model", "model_impl", "steps", "warmup", "lr", "min_lr", "we
                    "global_batch", "seq_len", "seed", "dtype", "compile", "sdpa_backend", "max_data_bytes",
                    "data_source", "tensor_parallel", "recompute")
 """train_config fields every run of one band must share (FP8 arms' own options, format and margin, may differ)."""
+GATE_FLOOR = 0.0025
+"""The one-sided loss gate: an FP8 run passes when its final loss is at most the BF16 runs' mean plus
+max(GATE_FLOOR of the mean, GATE_STDEVS standard deviations of at least GATE_MIN_RUNS BF16 runs); ending below passes."""
+GATE_STDEVS = 2.0
+GATE_MIN_RUNS = 3
 OLDER_FILE_DEFAULTS = {"data_source": "stdlib"}
 """Values of fields that A/B files written before the field existed leave out."""
 
@@ -57,7 +62,8 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
     settings, device, bf16_runs, fp8_runs, sources = None, None, [], [], []
     for path in paths:
         record = json.loads(Path(path).read_text())
-        sources.append({"file": str(path), "date": record["date"], "command": record["command"]})
+        sources.append({"file": str(path), "date": record["date"], "command": record["command"],
+                        "train_split_passes": record.get("train_split_passes")})
         config = flat_config(record["train_config"])
         these = {k: OLDER_FILE_DEFAULTS.get(k) if config.get(k) is None else config[k] for k in SHARED_SETTINGS}
         if settings is None:
@@ -101,11 +107,24 @@ def band(bf16_losses: list[float]) -> dict:
 
 
 def place(loss: float, bf16: dict) -> dict:
-    """An FP8 run's final loss against the band: relative gap to the mean, standard deviations, position."""
+    """An FP8 run's final loss against the band: relative gap to the mean, standard deviations, position, and the
+    one-sided gate (gate_limit, gate: pass / fail, or None with fewer than GATE_MIN_RUNS BF16 runs)."""
     position = ("above every BF16 run" if loss > bf16["max"] else
                 "below every BF16 run" if loss < bf16["min"] else "within the BF16 runs")
+    limit = gate_limit(bf16)
     return {"gap_to_mean": loss / bf16["mean"] - 1.0, "stdevs": (loss - bf16["mean"]) / bf16["stdev"],
-            "position": position}
+            "position": position, "gate_limit": limit,
+            "gate": None if bf16["runs"] < GATE_MIN_RUNS else "pass" if loss <= limit else "fail"}
+
+
+def gate_limit(bf16: dict) -> float:
+    """The largest final loss the one-sided gate passes (GATE_FLOOR)."""
+    return bf16["mean"] + max(GATE_FLOOR * bf16["mean"], GATE_STDEVS * bf16["stdev"])
+
+
+def past_one_pass(sources: list[dict]) -> list[str]:
+    """The files whose runs read their training text more than once (they memorise it: not a loss gate)."""
+    return [Path(s["file"]).name for s in sources if (s.get("train_split_passes") or 0) > 1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,20 +143,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     fp8_runs = [{**r, **place(r["final_loss"], bf16)} for r in fp8_runs]
     stem = f"loss-band-{settings['model']}-{args.label}-{device_slug(settings['device'])}"
     claim_or_exit("loss_band", stem, args.out_dir, args.force)
+    memorised = past_one_pass(sources)
+    gate = (f"The one-sided gate passes a final loss up to {gate_limit(bf16):.4f} (the mean + max({GATE_FLOOR:.2%}, "
+            f"{GATE_STDEVS:g} standard deviations))" if bf16["runs"] >= GATE_MIN_RUNS else
+            f"No gate: it needs at least {GATE_MIN_RUNS} BF16 runs")
+    gate += (f"; NOT A GATE: {', '.join(memorised)} read the training text more than once (the runs memorise it): "
+             "rerun with more text (--max-data-bytes) or fewer tokens" if memorised else "")
     summary = (f"{bf16['runs']} BF16 runs: final loss mean {bf16['mean']:.4f}, {bf16['min']:.4f} to {bf16['max']:.4f} "
                f"(span {bf16['span']:.2%} of the mean), standard deviation {bf16['stdev']:.4f} "
-               f"({bf16['stdev'] / bf16['mean']:.2%}).\n\n")
+               f"({bf16['stdev'] / bf16['mean']:.2%}). {gate}.\n\n")
     markdown = (f"Computed on this machine from {len(sources)} A/B files whose runs were measured on "
                 f"{settings['device']} (their dates and commands are in the JSON). Settings: "
                 f"{', '.join(f'{k} {v}' for k, v in settings.items() if k != 'device')}. Final loss = mean training "
                 "loss over the last 10% of steps (as `fp8stack ab` computes it).\n\n" + summary
                 + markdown_table(["file", "run", "final loss"],
                                  [[r["file"], r["run"], f"{r['final_loss']:.4f}"] for r in bf16_runs]) + "\n"
-                + markdown_table(["file", "FP8 run", "final loss", "vs BF16 mean", "BF16 std devs", "position"],
+                + markdown_table(["file", "FP8 run", "final loss", "vs BF16 mean", "BF16 std devs", "position", "gate"],
                                  [[r["file"], r["run"], f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}",
-                                   f"{r['stdevs']:+.1f}", r["position"]] for r in fp8_runs]))
-    payload = {"settings": settings, "sources": sources, "bf16_band": bf16,
-               "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
+                                   f"{r['stdevs']:+.1f}", r["position"],
+                                   f"{r['gate'] or '-'}{' (not a gate)' if memorised and r['gate'] else ''}"]
+                                  for r in fp8_runs]))
+    payload = {"settings": settings, "sources": sources, "bf16_band": bf16, "gate_limit": gate_limit(bf16),
+               "memorised": memorised, "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
     json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
     print(summary + f"wrote {json_path}, {md_path}")
     return 0
