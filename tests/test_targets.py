@@ -207,12 +207,21 @@ def test_experts_profile_and_loss_rows(tmp_path):
     assert "transformer_engine::dgated_act_kernel 9.900 ms (bf16 9.500)" in quantize["note"]
 
     band = tmp_path / "band.json"
-    runs = [{"file": "a.json", "run": "delayed", "gap_to_mean": -0.0045, "position": "within the BF16 runs"},
-            {"file": "b.json", "run": "delayed", "gap_to_mean": 0.002, "position": "within the BF16 runs"},
-            {"file": "c.json", "run": "tensorwise", "gap_to_mean": 0.02, "position": "above every BF16 run"}]
-    band.write_text(json.dumps({"bf16_band": {"runs": 4, "mean": 0.668, "stdev": 0.0039}, "fp8_runs": runs}))
+    # The one-sided gate of fp8stack.bench.loss_band: below BF16 passes; a band without one is not judged.
+    runs = [{"file": "a.json", "run": "delayed", "gap_to_mean": -0.0045, "position": "below every BF16 run",
+             "gate": "pass", "gate_limit": 0.6758},
+            {"file": "b.json", "run": "delayed", "gap_to_mean": 0.002, "position": "within the BF16 runs",
+             "gate": "pass", "gate_limit": 0.6758},
+            {"file": "c.json", "run": "tensorwise", "gap_to_mean": 0.02, "position": "above every BF16 run",
+             "gate": "fail", "gate_limit": 0.6758},
+            {"file": "d.json", "run": "tensorwise", "gap_to_mean": 0.0, "position": "within the BF16 runs"}]
+    record = {"bf16_band": {"runs": 4, "mean": 0.668, "stdev": 0.0039}, "fp8_runs": runs}
+    band.write_text(json.dumps(record))
     statuses = [(r["file"], r["status"]) for r in targets.loss_rows(band)]
-    assert statuses == [("a.json", "inconclusive"), ("b.json", "met"), ("c.json", "not met")]
+    assert statuses == [("a.json", "met"), ("b.json", "met"), ("c.json", "not met"), ("d.json", "not judged")]
+    band.write_text(json.dumps({**record, "memorised": ["a.json"]}))
+    assert {r["status"] for r in targets.loss_rows(band)} == {"not judged"}
+    assert "not a gate: a.json read the training text more than once" in targets.loss_rows(band)[0]["note"]
 
 
 def test_main_writes_evidence_and_refuses_mixed_devices(tmp_path, capsys):

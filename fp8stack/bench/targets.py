@@ -54,7 +54,9 @@ TARGETS = {t.key: t for t in (
     Target("moe", "grouped blockwise FP8 expert GEMM (w13, fwd+bwd) over the BF16 grouped GEMM", 1.75, True),
     Target("quantize", "quantize + scale overhead over GEMM time in the FP8 profile (fused norm and activation "
                        "kernels by their excess over BF16's)", 0.10, False),
-    Target("loss", "FP8 final loss after 2 000 steps over the BF16 runs' mean, relative (either way)", 0.0025, False),
+    Target("loss", "FP8 final loss after 2 000 steps over the BF16 runs' mean, relative; one-sided: passes up to "
+                   "max(0.25 %, 2 standard deviations of >= 3 BF16 runs) above it (fp8stack.bench.loss_band)", 0.0025,
+           False),
 )}
 
 
@@ -199,19 +201,20 @@ def profile_row(path: Path) -> dict:
 
 
 def loss_rows(path: Path) -> list[dict]:
-    """Each FP8 run of a loss-band file: its gap to the BF16 mean; inconclusive when beyond the tolerance but
-    among the BF16 runs while their spread exceeds the tolerance."""
+    """Each FP8 run of a loss-band file under its one-sided gate (met: at most the gate's limit, ending below BF16
+    included); not judged where the band has no gate (fewer than 3 BF16 runs) or its runs memorised the text."""
     record = json.loads(path.read_text())
-    band, limit = record["bf16_band"], TARGETS["loss"].limit
+    band = record["bf16_band"]
     rows = []
     for run in record["fp8_runs"]:
-        gap = abs(run["gap_to_mean"])
-        spread = band["stdev"] / band["mean"]
-        status = ("met" if gap <= limit else "inconclusive" if run["position"] == "within the BF16 runs"
-                  and spread > limit else "not met")
-        rows.append(row("loss", gap, {"file": run["file"], "arm": run["run"], "reference": "BF16 mean"},
-                        f"signed {run['gap_to_mean']:+.2%}; {band['runs']} BF16 runs, standard deviation "
-                        f"{spread:.2%} of their mean; {run['position']} (band file {path.name})", status))
+        gate = run.get("gate")
+        status = ("not judged" if gate is None or record.get("memorised") else "met" if gate == "pass" else "not met")
+        why = (f"; not a gate: {', '.join(record['memorised'])} read the training text more than once"
+               if record.get("memorised") else "")
+        rows.append(row("loss", run["gap_to_mean"], {"file": run["file"], "arm": run["run"], "reference": "BF16 mean"},
+                        f"{band['runs']} BF16 runs, standard deviation {band['stdev'] / band['mean']:.2%} of their "
+                        f"mean; gate limit {run.get('gate_limit', float('nan')):.4f}; {run['position']} (band file "
+                        f"{path.name}){why}", status))
     return rows
 
 
