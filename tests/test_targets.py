@@ -236,3 +236,19 @@ def test_main_writes_evidence_and_refuses_mixed_devices(tmp_path, capsys):
                    device="NVIDIA H100 80GB HBM3")
     assert targets.main(["--ab", str(h200), str(h100), "--label", "t", "--out-dir", str(out)]) == 2
     assert "several devices or models" in capsys.readouterr().err
+
+
+def test_the_bound_row_reads_the_ab_arm_of_the_profiled_recipe_against_the_profiles_measured_bound(tmp_path):
+    """The committed H200 A/B and profile at llama-1b-like's defaults: delayed's gain over the profile's Amdahl bound
+    at the GEMM speed-up the profile measured."""
+    runs = Path(__file__).resolve().parents[1] / "profiles" / "runs"
+    ab = runs / "2026-11-26-ab-llama-1b-like-default-h200" / "ab-llama-1b-like-default-h200.json"
+    profile = runs / "2026-11-26-profile-llama-1b-like-default-h200" / "profile-llama-1b-like-default-h200.json"
+    arms = targets.ab_arms(ab)
+    bound = targets.bound_row(profile, arms)
+    delayed = next(a for a in arms if a["arm"] == "delayed")
+    measured = json.loads(profile.read_text())["amdahl_bound_at_measured_speedup"]
+    assert bound["value"] == pytest.approx(delayed["speedup"] / measured)
+    assert bound["status"] == ("met" if bound["value"] >= 0.97 else "not met")
+    with pytest.raises(ValueError, match="an A/B arm named 'delayed'"):
+        targets.bound_row(profile, [a for a in arms if a["arm"] != "delayed"])

@@ -54,6 +54,8 @@ TARGETS = {t.key: t for t in (
     Target("moe", "grouped blockwise FP8 expert GEMM (w13, fwd+bwd) over the BF16 grouped GEMM", 1.75, True),
     Target("quantize", "quantize + scale overhead over GEMM time in the FP8 profile (fused norm and activation "
                        "kernels by their excess over BF16's)", 0.10, False),
+    Target("bound", "the profiled recipe's arm, tokens/s over the reference, as a share of the profile's Amdahl bound "
+                    "at the FP8 GEMM speed-up it measured", 0.97, True),
     Target("loss", "FP8 final loss after 2 000 steps over the BF16 runs' mean, relative; one-sided: passes up to "
                    "max(0.25 %, 2 standard deviations of >= 3 BF16 runs) above it (fp8stack.bench.loss_band)", 0.0025,
            False),
@@ -200,6 +202,20 @@ def profile_row(path: Path) -> dict:
                f"whole quantize kernels {record['quantize_over_gemm']:.2%} of GEMM time.{derived} {bound}")
 
 
+def bound_row(path: Path, arms: list[dict]) -> dict:
+    """The A/B's arm of the profiled recipe (its fastest, where files repeat it) over the profile's Amdahl bound at
+    the measured FP8 GEMM speed-up."""
+    record = json.loads(path.read_text())
+    bound = record.get("amdahl_bound_at_measured_speedup")
+    same = [a for a in arms if a["arm"] == record["recipe"]]
+    if not bound or not same:
+        raise ValueError(f"{path} and the A/B files give no bound check: it needs the profile's bound at its measured "
+                         f"GEMM speed-up and an A/B arm named {record['recipe']!r}")
+    best = max(same, key=lambda a: a["speedup"])
+    return row("bound", best["speedup"] / bound, {"file": best["file"], "arm": best["arm"]},
+               f"{best['speedup']:.3f}x over {best['reference']} against the bound {bound:.3f}x of {path.name}")
+
+
 def loss_rows(path: Path) -> list[dict]:
     """Each FP8 run of a loss-band file under its one-sided gate (met: at most the gate's limit, ending below BF16
     included); not judged where the band has no gate (fewer than 3 BF16 runs) or its runs memorised the text."""
@@ -219,7 +235,7 @@ def loss_rows(path: Path) -> list[dict]:
 
 
 def render(value: float, key: str) -> str:
-    return f"{value:.2%}" if key in ("quantize", "loss") else f"{value:.3f}x"
+    return f"{value:.2%}" if key in ("quantize", "loss") else f"{value:.3f}" if key == "bound" else f"{value:.3f}x"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -236,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         arms = [arm for path in args.ab for arm in ab_arms(path)]
         rows = ab_rows(arms)
         rows += [experts_row(args.experts)] if args.experts else []
-        rows += [profile_row(args.profile)] if args.profile else []
+        rows += [profile_row(args.profile), bound_row(args.profile, arms)] if args.profile else []
         rows += loss_rows(args.loss_band) if args.loss_band else []
     except (OSError, KeyError, ValueError) as err:
         print(f"targets: error: {err}", file=sys.stderr)
