@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fp8stack.models import load_model_config
 from fp8stack.backends import get_backend
-from fp8stack.backends.blockwise import (BLOCK, FP8_MAX, Fp8Tensor, GroupLayout, dequantize_1x128,
+from fp8stack.backends.blockwise import (BLOCK, FP8_MAX, Fp8Tensor, dequantize_1x128,
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices
@@ -235,19 +235,6 @@ def test_reference_backward_within_fp8_tolerance():
 
 # ---- padding and layouts ---------------------------------------------------------------------------------
 
-def test_group_layout_pads_each_expert_to_the_alignment_and_back():
-    x = torch.arange(10.0).unsqueeze(1)
-    layout = GroupLayout.build(offsets_of([3, 0, 5]), alignment=4)
-    assert layout.counts == (3, 0, 5) and layout.padded == (4, 0, 8)
-    padded = layout.pad(torch.cat([x[:8], torch.full((2, 1), 99.0)]))  # 2 rows past the groups
-    assert padded.squeeze(1).tolist() == [0, 1, 2, 0, 3, 4, 5, 6, 7, 0, 0, 0]
-    assert layout.unpad(padded, 10).squeeze(1).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 0]
-    aligned = GroupLayout.build(offsets_of([4, 8]), alignment=4)
-    assert aligned.dest is None and aligned.pad(torch.zeros(14, 1)).shape == (12, 1)
-    with pytest.raises(ValueError, match="non-decreasing"):
-        GroupLayout.build(torch.tensor([4, 2], dtype=torch.int32), alignment=4)
-
-
 def test_token_group_padding_without_host_sync():
     x = torch.arange(1.0, 12.0).unsqueeze(1)  # 11 rows: groups 3, 0, 5, then 3 rows past the groups
     padding = TokenGroupPadding.build(offsets_of([3, 0, 5]), num_tokens=11, alignment=4)
@@ -257,6 +244,7 @@ def test_token_group_padding_without_host_sync():
     assert padded[:12].squeeze(1).tolist() == [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]
     assert (padded[12:] == 0).all()
     assert padding.unpad(padded)[:8].squeeze(1).tolist() == list(range(1, 9))
+    assert padding.counts == (4, 0, 8)  # read on the host once, on first use
 
 
 def test_rhs_block_scale_pads_k_blocks_to_a_multiple_of_four():
@@ -267,9 +255,33 @@ def test_rhs_block_scale_pads_k_blocks_to_a_multiple_of_four():
     assert rhs_block_scale(torch.rand(3, 4)).shape == (4, 3)
 
 
-def test_deepgemm_m_indices_and_k_grouped_flattening():
-    assert m_indices([2, 0, 3], torch.device("cpu")).tolist() == [0, 0, 2, 2, 2]
-    assert m_indices([2, 0, 3], torch.device("cpu")).dtype == torch.int32
+def _host_m_indices(counts: list[int], rows: int) -> list[int]:
+    """The experts of a row buffer read the obvious way, on the host: expert e repeated counts[e] times, then -1."""
+    labels = [e for e, count in enumerate(counts) for _ in range(count)]
+    return labels + [-1] * (rows - len(labels))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_deepgemm_m_indices_from_device_offsets_equal_the_host_labels(seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_experts = int(torch.randint(1, 9, (), generator=generator))
+    counts = (torch.randint(0, 4, (num_experts,), generator=generator) * 128).tolist()  # empty experts included
+    counts[int(torch.randint(0, num_experts, (), generator=generator))] = 0
+    rows = sum(counts) + num_experts * 127  # a static buffer larger than the groups
+    labels = m_indices(torch.tensor(counts).cumsum(0).to(torch.int32), rows)
+    assert labels.dtype == torch.int32 and labels.shape == (rows,)
+    assert labels.tolist() == _host_m_indices(counts, rows)
+    assert (labels[sum(counts):] == -1).all()
+
+
+def test_deepgemm_m_indices_have_the_static_size_whatever_the_groups():
+    """The row count is the caller's, never the groups' total: a CUDA graph replays it for any routing."""
+    for counts in ([0, 0, 0], [256, 0, 128], [128, 128, 128]):
+        labels = m_indices(offsets_of(counts), 512)
+        assert labels.shape == (512,) and labels.tolist() == _host_m_indices(counts, 512)
+
+
+def test_deepgemm_k_grouped_flattening():
     data = torch.arange(2 * 5).view(2, 5)  # [dim 2, tokens 5], experts own 2, 0, 3 tokens
     assert flatten_k_grouped(data, [2, 0, 3]).tolist() == [0, 1, 5, 6, 2, 3, 4, 7, 8, 9]
     # FP8 in groups of 8-token multiples moves as 8-byte words, other counts byte by byte: the same layout.
@@ -312,6 +324,44 @@ def test_blockwise_keeps_dtypes_and_follows_autocast():
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert BlockwiseGroupedMM.apply(x.float(), w, offsets, BLOCKWISE_KERNELS["torch"]()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kernels, forward_reads", [("deepgemm", 0), ("torch", 1)])
+def test_blockwise_reads_group_sizes_on_the_host_only_where_its_kernels_say(kernels, forward_reads, monkeypatch):
+    """DeepGEMM's forward labels rows on the device (capturable); its backward reads the sizes once, for the
+    K-grouped wgrad. The torch kernels read them once in the forward and the backward reuses them."""
+    import fp8stack.backends.grouped as grouped
+
+    reads = []
+    real_group_counts = grouped.group_counts
+    monkeypatch.setattr(grouped, "group_counts", lambda offsets: reads.append(1) or real_group_counts(offsets))
+    x, w, offsets = _problem([128, 0, 256], n=128, k=256, extra_rows=3)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    y = BlockwiseGroupedMM.apply(x, w, offsets, BLOCKWISE_KERNELS[kernels]())
+    assert len(reads) == forward_reads
+    kernels_object = BLOCKWISE_KERNELS[kernels]()
+    assert kernels_object.capturable == (forward_reads == 0) and not kernels_object.capturable_backward
+    y.backward(torch.randn_like(y))
+    assert len(reads) == 1
+
+
+def test_expert_modules_say_which_passes_a_cuda_graph_can_capture():
+    def experts(recipe, blockwise=None, rowwise=None):
+        return Float8GroupedExperts.from_experts(GroupedExperts(256, 128, 4), {"w13": recipe, "w2": recipe},
+                                                 blockwise, rowwise)
+
+    on_deepgemm = experts("blockwise", blockwise=BLOCKWISE_KERNELS["deepgemm"]())
+    assert on_deepgemm.cuda_graph_blocker(backward=False) == ""
+    assert on_deepgemm.cuda_graph_blocker(backward=True).startswith(
+        "grouped_fp8 blockwise experts on DeepGEMM: forward capturable in a CUDA graph; the backward reads")
+    on_torch = experts("blockwise", blockwise=BLOCKWISE_KERNELS["torch"]())
+    for backward in (False, True):
+        blocker = on_torch.cuda_graph_blocker(backward)
+        assert blocker.startswith("grouped_fp8 blockwise experts on torch scaled_mm per expert: not capturable")
+        assert "build DeepGEMM" in blocker and "\n" not in blocker
+    rowwise = experts("rowwise", rowwise=TorchRowwiseKernels(ContractScaledGroupedMM()))
+    assert rowwise.cuda_graph_blocker(backward=True) == ""
 
 
 @pytest.mark.parametrize("trained", ["x", "w"])
@@ -492,12 +542,14 @@ def _bits(t):
 def test_whole_buffer_quantization_equals_the_per_expert_reference():
     """1x128 tiles along the tokens of a 128-aligned buffer never cross an expert group: one call over the
     buffer is the per-expert quantization of the reference wgrad."""
-    layout = GroupLayout.build(offsets_of([130, 0, 7, 300]), BLOCK)
-    x = layout.pad(torch.randn(437, 256))
+    padding = TokenGroupPadding.build(offsets_of([130, 0, 7, 300]), num_tokens=437, alignment=BLOCK)
+    source = torch.randn(437, 256)
+    x = padding.pad(source)
     rows, cols = fp8_quant.quantize_both_1x128.eager(x)
     assert _bits(rows) == _bits(quantize_1x128(x))
+    assert _bits(fp8_quant.gather_quantize_both_1x128.eager(source, padding.source)) == _bits((rows, cols))
     start = 0
-    for count in layout.padded:
+    for count in padding.counts:
         tokens, tiles = slice(start, start + count), slice(start // BLOCK, (start + count) // BLOCK)
         if count:
             whole = Fp8Tensor(cols.data[:, tokens].contiguous(), cols.scale[:, tiles].contiguous())

@@ -5,9 +5,12 @@ import pytest
 import torch
 from torch import nn
 
+from fp8stack.backends.grouped import Float8GroupedExperts, TorchBlockwiseKernels
 from fp8stack.models import load_model_config
 from fp8stack.models import Llama
-from fp8stack.runtime import branchless_clamp, capture_check, is_graph_capturing, no_host_sync
+from fp8stack.models.moe import MoE, MoEConfig
+from fp8stack.runtime import (CaptureRefused, branchless_clamp, capture_blockers, capture_check, check_capturable,
+                              is_graph_capturing, no_host_sync)
 from fp8stack.runtime.graphs import _ModuleTracker
 
 
@@ -59,3 +62,38 @@ def test_the_tracker_names_the_innermost_module_that_raised():
         model(torch.ones(1, 4) * 100)
     assert tracker.innermost() == "1.1"
     tracker.remove()
+
+
+def _moe_with_torch_blockwise_experts() -> MoE:
+    """A MoE layer whose experts run the blockwise recipe on torch's per-expert scaled_mm (not capturable)."""
+    moe = MoE(256, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=128))
+    moe.experts = Float8GroupedExperts.from_experts(moe.experts, {"w13": "blockwise", "w2": "blockwise"},
+                                                    TorchBlockwiseKernels(), None)
+    return moe
+
+
+def test_the_guard_refuses_experts_that_say_they_read_the_host():
+    moe = _moe_with_torch_blockwise_experts()
+    [(fqn, reason)] = capture_blockers(moe)
+    assert fqn == "experts"
+    assert reason.startswith("grouped_fp8 blockwise experts on torch scaled_mm per expert: not capturable")
+    with pytest.raises(CaptureRefused) as refused:
+        check_capturable(moe)
+    message = str(refused.value)
+    assert message == f"cannot capture experts in a CUDA graph: {reason}" and "\n" not in message
+    assert "build DeepGEMM" in message and "recipe rowwise" in message  # the fix
+    assert capture_blockers(nn.Sequential(moe, _moe_with_torch_blockwise_experts()))[1][0] == "1.experts"
+
+
+def test_capture_check_refuses_before_any_compute():
+    moe = _moe_with_torch_blockwise_experts()  # its expert weights are not even initialised: nothing may run
+    report = capture_check(moe, torch.randn(8, 256), lambda m, x: m(x).sum())
+    assert not report.captured and report.phase == "setup" and report.module == "experts"
+    assert report.reason.startswith("refused: grouped_fp8 blockwise experts on torch scaled_mm per expert")
+    assert report.summary().startswith("not captured: setup in experts: refused: grouped_fp8 blockwise")
+
+
+def test_the_guard_lets_bf16_experts_through():
+    moe = MoE(256, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=128))
+    assert capture_blockers(moe) == []
+    check_capturable(moe)  # no error

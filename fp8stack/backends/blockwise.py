@@ -1,11 +1,10 @@
-"""DeepSeek-V3-style block scaling in plain torch: quantize/dequantize, expert-group padding, and
+"""DeepSeek-V3-style block scaling in plain torch: quantize/dequantize, expert group sizes, and
 the FP32 reference the grouped FP8 kernels are tested against.
 
 Activations (and gradients) are scaled per 1x128 tile along the reduction dim, weights per 128x128
 block; scales are FP32 decode factors (x ~= q * s), data is E4M3. Everything here runs on CPU.
 """
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -70,52 +69,8 @@ def dequantize_128x128(t: Fp8Tensor) -> torch.Tensor:
 
 
 def group_counts(offsets: torch.Tensor) -> list[int]:
-    """Rows per expert from cumulative end offsets (a host sync)."""
+    """Rows per expert from cumulative end offsets (a host sync: never inside a CUDA-graph capture)."""
     return torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).tolist()
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """Expert row groups rounded up to `alignment` rows, and how rows move between the two layouts."""
-
-    counts: tuple[int, ...]
-    """Rows per expert as given."""
-    padded: tuple[int, ...]
-    """Rows per expert after padding (multiples of the alignment)."""
-    dest: torch.Tensor | None
-    """[sum(counts)] row of each given row in the padded layout; None when the groups are already aligned."""
-
-    @classmethod
-    def build(cls, offsets: torch.Tensor, alignment: int) -> "GroupLayout":
-        counts = group_counts(offsets)
-        if any(c < 0 for c in counts):
-            raise ValueError(f"expert offsets must be non-decreasing, got counts {counts}")
-        padded = [-(-c // alignment) * alignment for c in counts]
-        if padded == counts:
-            return cls(tuple(counts), tuple(padded), None)
-        padded_start, dest = 0, []
-        for count, rows in zip(counts, padded):
-            dest.append(torch.arange(padded_start, padded_start + count))
-            padded_start += rows
-        return cls(tuple(counts), tuple(padded), torch.cat(dest).to(offsets.device))
-
-    @property
-    def rows(self) -> int:
-        return sum(self.counts)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[>= rows, ...] -> [sum(padded), ...], padding rows zero; rows past the groups are dropped."""
-        if self.dest is None:
-            return x[: self.rows]
-        out = x.new_zeros(sum(self.padded), *x.shape[1:])
-        return out.index_copy_(0, self.dest, x[: self.rows])
-
-    def unpad(self, y: torch.Tensor, total_rows: int) -> torch.Tensor:
-        """[sum(padded), ...] -> [total_rows, ...]; rows past the groups are zero."""
-        rows = y if self.dest is None else y.index_select(0, self.dest)
-        if total_rows == self.rows:
-            return rows
-        return torch.cat([rows, rows.new_zeros(total_rows - self.rows, *rows.shape[1:])])
 
 
 def _segments(offsets: torch.Tensor) -> list[tuple[int, int]]:

@@ -39,10 +39,13 @@ def load() -> tuple[ModuleType | None, str]:
     return library, ""
 
 
-def m_indices(counts: list[int] | tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int32 [sum(counts)]: the expert of each row of an expert-sorted, padded row buffer."""
-    experts = torch.arange(len(counts), dtype=torch.int32, device=device)
-    return experts.repeat_interleave(torch.tensor(counts, device=device), output_size=sum(counts))
+def m_indices(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 [rows]: the expert of each row of an expert-sorted row buffer whose groups end at `offsets`
+    (int [E], cumulative), -1 for the rows past the last group (DeepGEMM skips their blocks). Computed on
+    offsets' device with a static size: no host sync, so a CUDA graph can capture it."""
+    row = torch.arange(rows, dtype=offsets.dtype, device=offsets.device)
+    expert = torch.searchsorted(offsets, row, right=True, out_int32=True)
+    return torch.where(expert < offsets.numel(), expert, -1)
 
 
 def flatten_k_grouped(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -68,6 +71,13 @@ class DeepGemmKernels:
     """The two grouped GEMMs of grouped_fp8's blockwise recipe, on DeepGEMM (sm90)."""
 
     name = "DeepGEMM"
+    capturable = True
+    """The forward reads nothing on the host: the rows' experts (m_indices) are computed on the GPU."""
+    capturable_backward = False
+    """The wgrad kernel takes the experts' token counts as a Python list, read on the host in the backward."""
+    capture_note = ("forward capturable in a CUDA graph; the backward reads the expert token counts on the host "
+                    "once (DeepGEMM's K-grouped wgrad takes them as a Python list): capture the forward only, or "
+                    "use recipe rowwise for a capturable training step")
 
     def __init__(self, library: ModuleType | None = None):
         if library is None:
@@ -82,21 +92,27 @@ class DeepGemmKernels:
         self.row_alignment = math.lcm(BLOCK, int(alignment()))
         """Rows per expert group are padded to this: DeepGEMM's block_m, and whole 128-token tiles for wgrad."""
 
-    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-        """Row group e of a [R, K] (1x128 scales) times b[e]^T, b [E, N, K] (128x128 scales) -> [R, N] BF16."""
-        out = torch.empty(a.data.shape[0], b.data.shape[1], dtype=torch.bfloat16, device=a.data.device)
+    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups) -> torch.Tensor:
+        """Row group e of a [R, K] (1x128 scales) times b[e]^T, b [E, N, K] (128x128 scales) -> [R, N] BF16.
+        groups.offsets: int32 [E] end row of each group, on the GPU; rows past the last group are left unwritten."""
+        rows = a.data.shape[0]
+        out = torch.empty(rows, b.data.shape[1], dtype=torch.bfloat16, device=a.data.device)
         # No recipe: DeepGEMM infers 1x128 / 128x128 from the FP32 scale shapes (its legacy recipe).
         self.m_grouped_gemm(
-            (a.data, a.scale), (b.data, b.scale), out, m_indices(counts, a.data.device), disable_ue8m0_cast=True)
+            (a.data, a.scale), (b.data, b.scale), out, m_indices(groups.offsets, rows), disable_ue8m0_cast=True)
         return out
 
-    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32."""
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups) -> torch.Tensor:
+        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32.
+        groups.counts: tokens per expert (multiples of 128), read on the host."""
         # The Hopper kernel computes d = c + a @ b^T in place in d; DeepGEMM first copies c into d unless c is d,
         # so c is d, zeroed (an expert without tokens keeps a zero gradient).
-        out = torch.zeros(len(counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
-        ks = list(counts)
+        ks = list(groups.counts)  # host values: DeepGEMM plans the K-grouped kernel on the CPU
+        out = torch.zeros(len(ks), a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
+        # The operands may run past the groups (a static buffer): DeepGEMM takes exactly sum(ks) tokens.
+        tiles = sum(ks) // BLOCK
+        a_scale, b_scale = a.scale[:, :tiles].contiguous(), b.scale[:, :tiles].contiguous()
         self.k_grouped_gemm(
-            (flatten_k_grouped(a.data, ks), a.scale), (flatten_k_grouped(b.data, ks), b.scale), out, ks,
+            (flatten_k_grouped(a.data, ks), a_scale), (flatten_k_grouped(b.data, ks), b_scale), out, ks,
             torch.tensor(ks, dtype=torch.int32, device=a.data.device), out, recipe=(1, 1, BLOCK))
         return out

@@ -58,22 +58,30 @@ def fused(dynamic_dims: tuple[int, ...] = (0,)) -> Callable:
 # ---- blockwise (DeepSeek-V3): 1x128 tiles along the reduction dim, 128x128 weight blocks -----------------
 
 @fused()
-def quantize_rows_1x128(x: torch.Tensor) -> Fp8Tensor:
-    """quantize_1x128(x): tiles along the last dim, for a GEMM reducing over it."""
-    return quantize_1x128(x)
-
-
-@fused()
-def quantize_cols_1x128(x: torch.Tensor) -> Fp8Tensor:
-    """quantize_1x128(x.t()) of x [R, C]: data x^T [C, R] row-major, tiles along R (the tokens)."""
-    return quantize_1x128(x.t())
-
-
-@fused()
 def quantize_both_1x128(x: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
     """(quantize_1x128(x), quantize_1x128(x.t())) from one read of x [R, C]: the operand of a GEMM reducing
     over C and of one reducing over R (a weight gradient)."""
     return quantize_1x128(x), quantize_1x128(x.t())
+
+
+@fused()
+def gather_quantize_rows_1x128(x: torch.Tensor, source: torch.Tensor) -> Fp8Tensor:
+    """quantize_1x128(gather_rows(x, source)): the padded operand of a GEMM reducing over the last dim,
+    without materializing the padded copy."""
+    return quantize_1x128(gather_rows(x, source))
+
+
+@fused()
+def gather_quantize_cols_1x128(x: torch.Tensor, source: torch.Tensor) -> Fp8Tensor:
+    """quantize_1x128(gather_rows(x, source).t()): the padded operand of a GEMM reducing over the rows (tokens)."""
+    return quantize_1x128(gather_rows(x, source).t())
+
+
+@fused()
+def gather_quantize_both_1x128(x: torch.Tensor, source: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """Both 1x128 forms of the padded x from one read: gather_quantize_rows_1x128 and gather_quantize_cols_1x128."""
+    padded = gather_rows(x, source)
+    return quantize_1x128(padded), quantize_1x128(padded.t())
 
 
 @fused(dynamic_dims=())

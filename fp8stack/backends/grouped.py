@@ -20,11 +20,18 @@ eager quantizer costs ~7 FP32 passes of its input instead):
   the saved FP8 weight (2ENK); rowwise re-quantizes w per K column (2ENK + ENK).
 - GEMMs: FP8 operands (1 byte/element) and BF16 outputs; blockwise per-expert slices copy the output
   once (2 x 2TN) and wgrad operands once (T(N + K)).
-- host syncs: blockwise reads the group sizes once per forward (.tolist()), reused by backward; rowwise none.
+- host syncs: none in the rowwise recipes. Blockwise pads groups on the GPU (TokenGroupPadding) and DeepGEMM's
+  forward labels rows with their experts on the GPU (a capturable forward); its K-grouped wgrad takes the group
+  sizes as a Python list, read once in the backward. The torch blockwise kernels slice per expert on the host, so
+  they read the group sizes once per forward (reused by the backward): torch's grouped FP8 GEMM takes rowwise and
+  MX scales only, never 1x128 / 128x128 blocks. Each kernels object says so (capturable, capturable_backward,
+  capture_note), and Float8GroupedExperts.cuda_graph_blocker tells the CUDA-graph guard.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +39,7 @@ from torch import nn
 
 from fp8stack.backends import deepgemm, fp8_quant
 from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, swap_module
-from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, GroupLayout
+from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK, gather_rows
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError
@@ -70,15 +77,22 @@ class TorchBlockwiseKernels:
     name = "torch scaled_mm per expert"
     row_alignment = BLOCK
     """Rows per expert are padded to whole 128-token tiles (the wgrad GEMM reduces over them)."""
+    capturable = capturable_backward = False
+    """Each expert's rows are sliced on the host: torch's grouped FP8 GEMM (_scaled_grouped_mm, scaled_grouped_mm)
+    dispatches rowwise, MXFP8, MXFP4 and NVFP4 scales only, so block scales run one scaled_mm per expert."""
+    capture_note = ("not capturable in a CUDA graph: torch's grouped FP8 GEMM takes no 1x128 / 128x128 block "
+                    "scales, so each forward reads the expert group sizes on the host to run one scaled_mm per "
+                    "expert; build DeepGEMM (launch/build_deepgemm.sh) for a capturable forward, or use recipe "
+                    "rowwise")
 
     def __init__(self, scaled_mm=F.scaled_mm):
         self.scaled_mm = scaled_mm
 
-    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding") -> torch.Tensor:
         """Row group e of a [R, K] (1x128 scales) times b[e]^T, b [E, N, K] (128x128 scales) -> [R, N] BF16."""
         out = a.data.new_zeros(a.data.shape[0], b.data.shape[1], dtype=torch.bfloat16)
         start = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(groups.counts):
             if count:
                 rows = slice(start, start + count)
                 out[rows] = self.scaled_mm(
@@ -88,11 +102,11 @@ class TorchBlockwiseKernels:
             start += count
         return out
 
-    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding") -> torch.Tensor:
         """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32."""
-        out = a.data.new_zeros(len(counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32)
+        out = a.data.new_zeros(len(groups.counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32)
         start = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(groups.counts):
             if count:
                 tokens, tiles = slice(start, start + count), slice(start // BLOCK, (start + count) // BLOCK)
                 out[e] = self.scaled_mm(
@@ -107,6 +121,9 @@ class TorchRowwiseKernels:
     """The rowwise recipes' grouped GEMMs on torch._scaled_grouped_mm (sm90, sm100)."""
 
     name = "torch _scaled_grouped_mm"
+    capturable = capturable_backward = True
+    """All three GEMMs take the group ends on the GPU (offs)."""
+    capture_note = ""
 
     def __init__(self, scaled_grouped_mm=torch._scaled_grouped_mm):
         self.scaled_grouped_mm = scaled_grouped_mm
@@ -159,6 +176,11 @@ class TokenGroupPadding:
         """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
         return gather_rows(y, self.unpad_source)
 
+    @functools.cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Rows per padded group, read on the host on first use (a device sync) and kept for the backward."""
+        return tuple(group_counts(self.offsets))
+
 
 def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """An expert without tokens gets a zero weight gradient, whatever the kernel leaves there."""
@@ -168,44 +190,44 @@ def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Te
 
 class BlockwiseGroupedMM(torch.autograd.Function):
     """y = x @ w[e]^T per expert row group, with forward, dgrad and wgrad block-scaled FP8 GEMMs.
-    Each operand is quantized once, whole (1x128 tiles never cross a 128-aligned expert group)."""
+    Groups are padded to the kernels' row alignment on the GPU (a static row count), the padding gathered
+    inside each quantizer; each operand is quantized once, whole (1x128 tiles never cross an aligned group).
+    Whether the group sizes are read on the host is the kernels' affair (their capturable flags)."""
 
     @staticmethod
     def forward(ctx, x, weight, offsets, kernels):
-        layout = GroupLayout.build(offsets, kernels.row_alignment)  # the step's one host sync
-        x_padded = layout.pad(x)
+        padding = TokenGroupPadding.build(offsets, x.shape[0], kernels.row_alignment)
         weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
         if ctx.needs_input_grad[1]:
             # The wgrad operand x^T (1x128 tiles along the tokens) comes from the same read of x.
-            x_fp8, x_t = fp8_quant.quantize_both_1x128(x_padded)
+            x_fp8, x_t = fp8_quant.gather_quantize_both_1x128(x, padding.source)
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale, x_t.data, x_t.scale)
         else:
-            x_fp8 = fp8_quant.quantize_rows_1x128(x_padded)
+            x_fp8 = fp8_quant.gather_quantize_rows_1x128(x, padding.source)
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale)
-        y = kernels.m_grouped(x_fp8, weight_fp8, layout.padded)
-        ctx.layout, ctx.kernels, ctx.rows = layout, kernels, x.shape[0]
+        y = kernels.m_grouped(x_fp8, weight_fp8, padding)
+        ctx.padding, ctx.kernels = padding, kernels
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
-        return layout.unpad(y, x.shape[0]).to(_activation_dtype(x))
+        return fp8_quant.gather_rows_fused(y, padding.unpad_source).to(_activation_dtype(x))
 
     @staticmethod
     def backward(ctx, grad_y):
         weight_data, weight_scale, *x_t = ctx.saved_tensors
-        layout, kernels = ctx.layout, ctx.kernels
-        grad_padded = layout.pad(grad_y)
+        padding, kernels = ctx.padding, ctx.kernels
         need_x, need_w = ctx.needs_input_grad[:2]
         if need_x and need_w:
-            grad_fp8, grad_t = fp8_quant.quantize_both_1x128(grad_padded)
+            grad_fp8, grad_t = fp8_quant.gather_quantize_both_1x128(grad_y, padding.source)
         elif need_x:
-            grad_fp8 = fp8_quant.quantize_rows_1x128(grad_padded)
+            grad_fp8 = fp8_quant.gather_quantize_rows_1x128(grad_y, padding.source)
         elif need_w:
-            grad_t = fp8_quant.quantize_cols_1x128(grad_padded)
+            grad_t = fp8_quant.gather_quantize_cols_1x128(grad_y, padding.source)
         grad_x = grad_w = None
         if need_x:
             weight_t = fp8_quant.transpose_blocks(Fp8Tensor(weight_data, weight_scale))  # the forward's, transposed
-            grad_x = kernels.m_grouped(grad_fp8, weight_t, layout.padded)
-            grad_x = layout.unpad(grad_x, ctx.rows).to(ctx.x_dtype)
+            grad_x = kernels.m_grouped(grad_fp8, weight_t, padding)
+            grad_x = fp8_quant.gather_rows_fused(grad_x, padding.unpad_source).to(ctx.x_dtype)
         if need_w:
-            grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), layout.padded).to(ctx.weight_dtype)
+            grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), padding).to(ctx.weight_dtype)
         return grad_x, grad_w, None, None
 
 
@@ -286,9 +308,21 @@ class Float8GroupedExperts(GroupedExperts):
         new.train(experts.training)
         return new
 
+    def kernels_of(self, recipe: str):
+        """The kernels object running `recipe`'s GEMMs."""
+        return self.blockwise_kernels if recipe == "blockwise" else self.rowwise_kernels
+
+    def cuda_graph_blocker(self, backward: bool) -> str:
+        """'' when the forward (and the backward, with backward=True) reads nothing on the host and can be
+        captured in a CUDA graph; otherwise why not and what to do instead, one line."""
+        for recipe in sorted(set(self.recipes.values())):
+            kernels = self.kernels_of(recipe)
+            if not kernels.capturable or (backward and not kernels.capturable_backward):
+                return f"grouped_fp8 {recipe} experts on {kernels.name}: {kernels.capture_note}"
+        return ""
+
     def extra_repr(self) -> str:
-        kernels = {r: (self.blockwise_kernels if r == "blockwise" else self.rowwise_kernels).name
-                   for r in self.recipes.values()}
+        kernels = {r: self.kernels_of(r).name for r in self.recipes.values()}
         return f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}"
 
 
@@ -384,11 +418,10 @@ def _check_shapes(module_fqn: str, experts: GroupedExperts, recipes: dict[str, s
 
 def _notes(plan: Plan, blockwise_kernels, rowwise_kernels) -> list[str]:
     notes = []
-    if blockwise_kernels is not None:
-        notes.append(f"blockwise expert GEMMs run on {blockwise_kernels.name}; each step reads the expert "
-                     "group sizes on the host (no CUDA graphs around the experts)")
-    if rowwise_kernels is not None:
-        notes.append(f"rowwise expert GEMMs run on {rowwise_kernels.name}")
+    for recipe, kernels in (("blockwise", blockwise_kernels), ("rowwise", rowwise_kernels)):
+        if kernels is not None:
+            graphs = f"; {kernels.capture_note}" if kernels.capture_note else "; capturable in a CUDA graph"
+            notes.append(f"{recipe} expert GEMMs run on {kernels.name}{graphs}")
     if plan.fp8_format != "e4m3":
         notes.append(f"plan asks fp8_format {plan.fp8_format}, but grouped_fp8 runs gradients in E4M3 too: "
                      "its kernels take no E5M2 operands (as in DeepSeek-V3, fine-grained scales keep the range)")

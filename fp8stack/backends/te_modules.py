@@ -125,6 +125,12 @@ class TEGroupedExperts(_WeightCache, nn.Module):
         padding = x_sorted.shape[0] - rows
         return F.pad(out, (0, 0, 0, padding)) if padding else out
 
+    def cuda_graph_blocker(self, backward: bool) -> str:
+        """Why this module cannot be captured in a CUDA graph, and what to do instead (one line)."""
+        return ("TE GroupedLinear experts: not capturable in a CUDA graph: te.GroupedLinear takes the experts' row "
+                "counts (m_splits) as a Python list, read on the host every forward; plan the experts on grouped_fp8 "
+                "(recipe rowwise, or blockwise on DeepGEMM for a capturable forward) to capture them")
+
     def _experts(self, x: torch.Tensor, counts: list[int], is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, splits = self.pad(x, counts)
         gate, up = self.fc1(x, splits, is_first_microbatch=is_first_microbatch).chunk(2, dim=-1)

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fp8stack.backends import deepgemm, fp8_quant
-from fp8stack.backends.grouped import BlockwiseGroupedMM, TorchBlockwiseKernels
+from fp8stack.backends.grouped import BlockwiseGroupedMM, TokenGroupPadding, TorchBlockwiseKernels
 from fp8stack.bench.backends import time_steps
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     w = (torch.randn(e, n, d, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     offsets = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * t
     grad = torch.randn(e * t, n, device="cuda", dtype=torch.bfloat16)
-    kernels, counts = KERNELS[args.kernels](), (t,) * e
+    kernels = KERNELS[args.kernels]()
+    groups = TokenGroupPadding.build(offsets, e * t, kernels.row_alignment)
     gemm_flop = 2 * e * t * d * n
 
     def fp8_step():
@@ -63,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     grad_rows, grad_cols = fp8_quant.quantize_both_1x128(grad)
     weight_t = fp8_quant.transpose_blocks(weight_fp8)
     parts = {
-        "fprop GEMM": lambda: kernels.m_grouped(x_rows, weight_fp8, counts),
-        "dgrad GEMM": lambda: kernels.m_grouped(grad_rows, weight_t, counts),
-        "wgrad GEMM (with its operand layout)": lambda: kernels.k_grouped(grad_cols, x_cols, counts),
+        "fprop GEMM": lambda: kernels.m_grouped(x_rows, weight_fp8, groups),
+        "dgrad GEMM": lambda: kernels.m_grouped(grad_rows, weight_t, groups),
+        "wgrad GEMM (with its operand layout)": lambda: kernels.k_grouped(grad_cols, x_cols, groups),
         "quantize x, rows and columns": lambda: fp8_quant.quantize_both_1x128(x.detach()),
         "quantize w, 128x128": lambda: fp8_quant.quantize_blocks_128x128(w.detach()),
         "transpose w's FP8 blocks": lambda: fp8_quant.transpose_blocks(weight_fp8),

@@ -4,7 +4,10 @@ which module stops a training step from being captured.
 A captured step may not read device values on the host (`.item()`, `if x.max() > 1`, `.tolist()`),
 make shapes that depend on data, or allocate outside the graph's pool. `no_host_sync` turns the first
 kind into an error wherever it happens; `capture_check` tries a real capture and names the module
-that was running when it broke.
+that was running when it broke. A module that knows it reads the host (a grouped-GEMM library taking
+Python lists of group sizes) says so beforehand through the `cuda_graph_blocker(backward) -> str`
+method ('' when capturable); `capture_blockers` and `check_capturable` refuse such a model before any
+compute, naming the module, why, and what to do.
 """
 
 from collections.abc import Callable, Iterator
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["CaptureReport", "branchless_clamp", "capture_check", "is_graph_capturing", "no_host_sync", "te_graphed"]
+__all__ = ["CaptureRefused", "CaptureReport", "branchless_clamp", "capture_blockers", "capture_check",
+           "check_capturable", "is_graph_capturing", "no_host_sync", "te_graphed"]
 
 
 def is_graph_capturing() -> bool:
@@ -44,6 +48,33 @@ def no_host_sync() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+class CaptureRefused(RuntimeError):
+    """A model holds a module that says it cannot be captured in a CUDA graph."""
+
+
+def capture_blockers(model: nn.Module, backward: bool = True) -> list[tuple[str, str]]:
+    """(fqn, why and what to do) of each module of `model` whose `cuda_graph_blocker(backward)` says its
+    forward (and, with backward=True, its backward) cannot be captured; fqn '<root>' for the model itself.
+    Found by that method alone, whichever library the module comes from."""
+    blockers = []
+    for fqn, module in model.named_modules():
+        blocker = getattr(module, "cuda_graph_blocker", None)
+        reason = blocker(backward) if callable(blocker) else ""
+        if reason:
+            blockers.append((fqn or "<root>", reason))
+    return blockers
+
+
+def check_capturable(model: nn.Module, backward: bool = True) -> None:
+    """Raise CaptureRefused naming the first module that cannot be captured (forward, and backward when asked),
+    why, and the fix, in one line; return quietly when none says so. Needs no GPU: call it before capturing."""
+    blockers = capture_blockers(model, backward)
+    if blockers:
+        fqn, reason = blockers[0]
+        more = f" (and {len(blockers) - 1} more module(s) like it)" if len(blockers) > 1 else ""
+        raise CaptureRefused(f"cannot capture {fqn} in a CUDA graph{more}: {reason}")
 
 
 @dataclass
@@ -108,7 +139,12 @@ def capture_check(model: nn.Module, batch, loss_fn: Callable[[nn.Module, object]
     torch.cuda.graph after `warmup` eager steps on a side stream, then replay it once.
     loss_fn(model, batch) -> scalar loss. Never raises for a step that cannot be captured: the report
     says in which phase and module it broke and why. The model's parameters and gradients are changed
-    by the steps: run it on a copy when that matters."""
+    by the steps: run it on a copy when that matters. A model holding a module that says it cannot be
+    captured (capture_blockers) is refused at 'setup', before any compute."""
+    blockers = capture_blockers(model, backward=True)
+    if blockers:
+        fqn, reason = blockers[0]
+        return CaptureReport(False, f"refused: {reason}", "setup", fqn)
     if not torch.cuda.is_available():
         return CaptureReport(False, "needs CUDA: torch.cuda.is_available() is False, so there is no graph to capture",
                              "setup")

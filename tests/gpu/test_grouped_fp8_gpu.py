@@ -14,7 +14,8 @@ from fp8stack.backends import deepgemm
 from fp8stack.backends.blockwise import (quantize_1x128, quantize_128x128, reference_grouped_dgrad,
                                          reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends.grouped import (BlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
-                                       RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels)
+                                       RowwiseGroupedMM, TokenGroupPadding, TorchBlockwiseKernels,
+                                       TorchRowwiseKernels)
 from fp8stack.backends.fp8_quant import quantize_rowwise
 from fp8stack.models import Llama
 from fp8stack.plan import PolicyConfig, load_description, make_plan
@@ -90,7 +91,8 @@ def test_torch_blockwise_scaled_mm_when_k_blocks_are_not_a_multiple_of_4(k):
     """One GEMM straight through the native kernel, K/128 = 3, 5, 7, 9."""
     torch.manual_seed(0)
     a, b = torch.randn(256, k, device=DEVICE), torch.randn(1, 256, k, device=DEVICE)
-    out = TorchBlockwiseKernels().m_grouped(quantize_1x128(a), quantize_128x128(b), (256,))
+    groups = TokenGroupPadding.build(offsets_of([256]), 256, alignment=128)
+    out = TorchBlockwiseKernels().m_grouped(quantize_1x128(a), quantize_128x128(b), groups)
     reference = reference_grouped_gemm(a, b, offsets_of([256]))
     assert rel_err(out, reference) < KERNEL_TOLERANCE
 
