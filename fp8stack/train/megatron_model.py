@@ -100,8 +100,8 @@ def moe_fields(shape: LlamaConfig, fp8: bool) -> dict:
     if (moe.route_norm and moe.top_k == 1) or (sigmoid and not moe.route_norm and moe.top_k > 1):
         raise ConfigError(f"the MoE router ({moe.score_func} scores, top {moe.top_k}, route_norm {moe.route_norm}) "
                           "has no megatron-core form: megatron renormalises sigmoid top-k weights when top_k > 1 and "
-                          "never a single weight: set the description's router route_norm to what megatron does, or use "
-                          "--model.impl torch")
+                          "never a single weight: set the description's router route_norm to what megatron does, or "
+                          "use --model.impl torch")
     from fp8stack.megatron import te_usable
 
     return {
@@ -157,7 +157,8 @@ def load_llama_weights(model, llama: Llama) -> None:
     names = [name for name, _ in model.named_parameters()]
     unknown = [name for name in names if name not in full]
     # Whole sizes, not counts: megatron holds each expert's weights apart, the plain MoE all experts in one.
-    mapped, plain = sum(full[name].numel() for name in names if name in full), sum(p.numel() for p in llama.parameters())
+    mapped = sum(full[name].numel() for name in names if name in full)
+    plain = sum(p.numel() for p in llama.parameters())
     if unknown or mapped != plain:
         raise ValueError(f"load_llama_weights: the GPTModel's parameters ({mapped} elements whole) do not map one to "
                          f"one onto the plain Llama's {plain} (no source for {unknown}): build it with "
