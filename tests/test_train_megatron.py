@@ -92,7 +92,8 @@ def test_fp8_dot_product_attention_reaches_megatrons_config_and_the_plan():
     (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
     (["--no-te.cache-fp8-weights"], "does not take te.cache_fp8_weights false"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
-    (["--model", "tiny-moe"], "builds tiny, llama-1b-like, llama-70b-layers, not 'tiny-moe'"),
+    (["--model", "llama3-8b"], "builds tiny, llama-1b-like, llama-70b-layers, tiny-moe, deepseek-moe-small, not "
+                               "'llama3-8b'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),
     (["--backend", "torchao"], "--backend te"),
     (["--small-gemm-filter", "rowwise"], "precision.small_gemm_filter='rowwise'"),

@@ -405,8 +405,10 @@ def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
                           "--training.param-dtype fp32, or add data-parallel ranks")
 
 
-MEGATRON_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers")
-"""Models the Megatron path builds (dense; the MoE model is not mapped to megatron's MoE)."""
+MEGATRON_MOE_MODELS = ("tiny-moe", "deepseek-moe-small")
+"""MoE models the Megatron path builds: megatron's MoE layers (routed experts as grouped GEMMs, a shared expert)."""
+MEGATRON_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", *MEGATRON_MOE_MODELS)
+"""Models the Megatron path builds."""
 
 
 def _check_megatron(job: JobConfig) -> None:
@@ -439,6 +441,8 @@ def _check_megatron(job: JobConfig) -> None:
     if job.model.name not in MEGATRON_MODELS:
         raise ConfigError(f"--model.impl megatron builds {', '.join(MEGATRON_MODELS)}, not {job.model.name!r}: pick "
                           "one of those or use --model.impl torch")
+    if job.model.name in MEGATRON_MOE_MODELS:
+        _check_megatron_moe(job)
     recipe = job.precision.recipe
     if is_fp8(recipe) and recipe not in MEGATRON_RECIPES:
         raise ConfigError(f"recipe {recipe!r} is a torchao recipe; megatron-core runs FP8 through TransformerEngine: "
@@ -449,6 +453,19 @@ def _check_megatron(job: JobConfig) -> None:
     if job.precision.small_gemm_filter not in ("auto", "off"):
         raise ConfigError(f"precision.small_gemm_filter={job.precision.small_gemm_filter!r}: megatron converts every "
                           "TE linear whatever its size; leave it at auto (or off)")
+
+
+def _check_megatron_moe(job: JobConfig) -> None:
+    """What the Megatron path does not do for an MoE model yet; each refusal names the fix."""
+    name = job.model.name
+    if job.parallelism.tensor_parallel > 1:
+        raise ConfigError(f"--model.impl megatron builds {name} with its experts on every rank (expert and tensor "
+                          "parallelism of MoE layers are not wired): drop --tensor-model-parallel-size, or use "
+                          "--model.impl torch")
+    if job.optimizer.distributed or job.training.param_dtype == "bf16":
+        raise ConfigError(f"megatron's optimizer (--use-distributed-optimizer, or --param-dtype bf16) keeps {name}'s "
+                          "experts in a second optimizer that the trainer's learning-rate schedule does not drive: "
+                          "drop those options (FP32 parameters, the trainer's AdamW), or use --model.impl torch")
 
 
 def recompute_blocks(spec: str | None) -> list[int] | str | None:

@@ -5,8 +5,8 @@
 --fp8-dot-product-attention -> fp8_attention (megatron's TE attention runs under its layer's recipe with fp8_dpa).
 Backend
 te (megatron runs FP8 through TransformerEngine) and no small-GEMM filter: megatron converts every TE
-linear whatever its size. Experts, which the policy may send to fp8stack's grouped_fp8 backend, run on
-megatron's TE experts here, so their decisions say te.
+linear whatever its size. Experts run on megatron's TE experts (blockwise ones too: blockwise_experts te), and
+their decisions say which.
 """
 
 import dataclasses
@@ -53,15 +53,14 @@ def plan_from_megatron_args(config, *, vocab_size: int, seq_len: int, fp8=_UNSET
         first_last_layers_bf16=bool(flags["first_last_layers_bf16"]),
         num_layers_at_start_in_bf16=flags["num_layers_at_start_in_bf16"],
         num_layers_at_end_in_bf16=flags["num_layers_at_end_in_bf16"], small_gemm_filter="off", overrides=overrides,
+        blockwise_experts="te",  # megatron's experts are TE modules, whatever the recipe
         head_on_te=False,  # megatron's output layer is its own ColumnParallelLinear
         fp8_attention=bool(flags["fp8_dot_product_attention"]))
     plan = make_plan(describe_transformer_config(config, vocab_size=vocab_size, seq_len=seq_len, name=name), policy)
     experts = "TE GroupedLinear (TEGroupedMLP, --moe-grouped-gemm)" if flags["moe_grouped_gemm"] else \
         "one TE linear per expert (SequentialMLP, no --moe-grouped-gemm)"
-    decisions = tuple(
-        dataclasses.replace(d, backend="te", reason=f"{d.reason}; megatron runs the experts as {experts}")
-        if d.component.kind == "expert" and d.backend == "grouped_fp8" else d
-        for d in plan.decisions)
+    decisions = tuple(dataclasses.replace(d, reason=f"{d.reason}; megatron runs the experts as {experts}")
+                      if d.component.kind == "expert" and d.backend == "te" else d for d in plan.decisions)
     return dataclasses.replace(plan, decisions=decisions)
 
 

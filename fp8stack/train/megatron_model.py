@@ -35,11 +35,17 @@ from fp8stack.train.model import build_model, model_config
 
 log = logging.getLogger(__name__)
 
+EXPERT_BIAS_UPDATE_RATE = 1e-3
+"""How far a sigmoid router's expert bias moves per step towards balance (DeepSeek-V3's rate, megatron's default)."""
+
+
 def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | None):
-    """megatron's TransformerConfig for the plain Llama `shape` under cfg's FP8 and tensor-parallel options."""
+    """megatron's TransformerConfig for the plain Llama `shape` (dense or MoE) under cfg's FP8 and tensor-parallel
+    options."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     tp, bf16 = cfg.parallelism.tensor_parallel, cfg.training.param_dtype == "bf16"
+    fp8 = is_fp8(cfg.precision.recipe)
     try:
         return TransformerConfig(
             num_layers=shape.n_layers, hidden_size=shape.dim, num_attention_heads=shape.n_heads,
@@ -52,7 +58,8 @@ def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | Non
             params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, use_cpu_initialization=True,
             perform_initialization=False,
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-            **({"fp8": fp8_format, "fp8_recipe": cfg.precision.recipe} if is_fp8(cfg.precision.recipe) else {}),
+            **({"fp8": fp8_format, "fp8_recipe": cfg.precision.recipe} if fp8 else {}),
+            **moe_fields(shape, fp8),
             fp8_margin=cfg.te.delayed_margin,
             first_last_layers_bf16=cfg.precision.first_last_layers_bf16,
             num_layers_at_start_in_bf16=cfg.precision.num_layers_at_start_in_bf16,
@@ -60,6 +67,53 @@ def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | Non
             fp8_dot_product_attention=cfg.precision.fp8_attention)
     except (ValueError, AssertionError) as err:
         raise ConfigError(f"megatron-core refuses this configuration: {err}") from None
+
+
+def moe_fields(shape: LlamaConfig, fp8: bool) -> dict:
+    """TransformerConfig fields of `shape`'s MoE layers ({} for a dense model), routing as the plain MoE
+    (fp8stack.models.moe.Router) routes, in the terms of megatron's topk_routing_with_score_function:
+
+    - softmax, weights as scored: softmax over all experts, then the top k (moe_router_pre_softmax). With route_norm:
+      softmax over the top-k logits (megatron's default order), the renormalised top k of the full softmax.
+    - sigmoid: megatron renormalises the top-k weights whenever top_k > 1 (route_norm), dividing by their sum
+      + 1e-20 where the plain router divides by the sum, and keeps a single weight as scored. Sigmoid weights as
+      scored at top_k > 1, and route_norm at top_k 1 (a weight of 1), have no megatron form: refused.
+    - moe_router_dtype fp32: the router GEMM in FP32 and the weights kept FP32 to the weighted sum (the plain router
+      runs its GEMM in the activation dtype and scores in FP32).
+    - megatron multiplies each token's weight into its expert's SwiGLU output before linear_fc2, the plain MoE into
+      the expert's output: the same function, rounded differently in BF16 and FP8.
+    - Balancing: sigmoid routers take DeepSeek-V3's aux-loss-free expert bias (moe_router_enable_expert_bias: added
+      to the scores for the top-k choice only, moved by sign(mean load - load) x EXPERT_BIAS_UPDATE_RATE once per
+      step from the step's token counts, as finalize_model_grads does); softmax routers none, as the plain model.
+      No auxiliary loss either way.
+
+    Experts are grouped GEMMs (moe_grouped_gemm: TEGroupedMLP's TE GroupedLinear on the TE spec; the local spec, on
+    a CPU, builds SequentialMLP whatever the flag says). The alltoall dispatcher: with one expert-parallel rank it
+    only permutes, and unlike allgather it pads the routing map for FP8 (moe_router_padding_for_quantization: each
+    expert's token count a multiple of 16, so TEGroupedMLP pads and unpads nothing), as megatron advises for FP8
+    grouped GEMMs; the padding rows carry weight 0 and leave the expert-bias counts alone. The permutation is TE's
+    fused one where TE runs (moe_permute_fusion)."""
+    moe = shape.moe
+    if moe is None:
+        return {}
+    sigmoid = moe.score_func == "sigmoid"
+    if (moe.route_norm and moe.top_k == 1) or (sigmoid and not moe.route_norm and moe.top_k > 1):
+        raise ConfigError(f"the MoE router ({moe.score_func} scores, top {moe.top_k}, route_norm {moe.route_norm}) "
+                          "has no megatron-core form: megatron renormalises sigmoid top-k weights when top_k > 1 and "
+                          "never a single weight: set the description's router route_norm to what megatron does, or "
+                          "use --model.impl torch")
+    from fp8stack.megatron import te_usable
+
+    return {
+        "num_moe_experts": moe.num_experts, "moe_router_topk": moe.top_k, "moe_ffn_hidden_size": moe.expert_ffn_dim,
+        "moe_shared_expert_intermediate_size": moe.shared_ffn_dim or None,
+        "moe_layer_freq": [int(shape.is_moe_layer(i)) for i in range(shape.n_layers)],
+        "moe_router_score_function": moe.score_func, "moe_router_pre_softmax": not sigmoid and not moe.route_norm,
+        "moe_router_dtype": "fp32", "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+        "moe_router_enable_expert_bias": sigmoid, "moe_router_bias_update_rate": EXPERT_BIAS_UPDATE_RATE,
+        "moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall",
+        "moe_router_padding_for_quantization": fp8, "moe_permute_fusion": te_usable(),
+    }
 
 
 def fp8_format(cfg: JobConfig) -> str:
@@ -102,9 +156,12 @@ def load_llama_weights(model, llama: Llama) -> None:
     full = megatron_layout(llama)
     names = [name for name, _ in model.named_parameters()]
     unknown = [name for name in names if name not in full]
-    if unknown or len(names) != len(list(llama.parameters())):
-        raise ValueError(f"load_llama_weights: the GPTModel's {len(names)} parameters do not map one to one onto "
-                         f"the plain Llama's {len(list(llama.parameters()))} (no source for {unknown}): build it with "
+    # Whole sizes, not counts: megatron holds each expert's weights apart, the plain MoE all experts in one.
+    mapped = sum(full[name].numel() for name in names if name in full)
+    plain = sum(p.numel() for p in llama.parameters())
+    if unknown or mapped != plain:
+        raise ValueError(f"load_llama_weights: the GPTModel's parameters ({mapped} elements whole) do not map one to "
+                         f"one onto the plain Llama's {plain} (no source for {unknown}): build it with "
                          "transformer_config (no biases, untied output, RMSNorm) from the Llama's shape")
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     with torch.no_grad():
@@ -123,8 +180,8 @@ def load_llama_weights(model, llama: Llama) -> None:
 def megatron_layout(llama: Llama) -> dict[str, torch.Tensor]:
     """`llama`'s full (unsharded) weights under the names and layouts of megatron's GPTModel, both specs'."""
     shape = llama.config
-    if not shape.fused_projections or any(shape.is_moe_layer(i) for i in range(shape.n_layers)):
-        raise ValueError("megatron_layout maps dense Llamas with fused projections (wqkv, w13) only")
+    if not shape.fused_projections:
+        raise ValueError("megatron_layout maps Llamas with fused projections (wqkv, w13) only")
     full = {"embedding.word_embeddings.weight": llama.tok_embeddings.weight,
             "decoder.final_layernorm.weight": llama.norm.weight, "output_layer.weight": llama.output.weight}
     for i, block in enumerate(llama.layers):
@@ -136,11 +193,28 @@ def megatron_layout(llama: Llama) -> dict[str, torch.Tensor]:
             f"{layer}.self_attention.linear_qkv.weight": qkv_layout(block.attention.wqkv.weight, shape),
             f"{layer}.self_attention.linear_proj.weight": block.attention.wo.weight,
             f"{layer}.pre_mlp_layernorm.weight": ffn_norm,
+        })
+        full.update(moe_layout(block.moe, f"{layer}.mlp") if shape.is_moe_layer(i) else {
             f"{layer}.mlp.linear_fc1.layer_norm_weight": ffn_norm,
             # [w1 (gate); w3 (up)]: megatron's GLU applies the activation to the first half as well.
             f"{layer}.mlp.linear_fc1.weight": block.feed_forward.w13.weight,
             f"{layer}.mlp.linear_fc2.weight": block.feed_forward.w2.weight,
         })
+    return full
+
+
+def moe_layout(moe, mlp: str) -> dict[str, torch.Tensor]:
+    """The plain MoE's weights under megatron's MoELayer names `mlp`.*: the router, each expert's fc1 ([gate; up],
+    as the plain w13 stacks them) and fc2 under TEGroupedMLP's names (linear_fc1.weight{j}) and SequentialMLP's
+    (local_experts.{j}.linear_fc1.weight), and the shared expert."""
+    full = {f"{mlp}.router.weight": moe.router.gate.weight}
+    for j in range(moe.config.num_experts):
+        for gemm, weights in (("linear_fc1", moe.experts.w13), ("linear_fc2", moe.experts.w2)):
+            full[f"{mlp}.experts.{gemm}.weight{j}"] = weights[j]
+            full[f"{mlp}.experts.local_experts.{j}.{gemm}.weight"] = weights[j]
+    if moe.shared_experts is not None:
+        full[f"{mlp}.shared_experts.linear_fc1.weight"] = moe.shared_experts.w13.weight
+        full[f"{mlp}.shared_experts.linear_fc2.weight"] = moe.shared_experts.w2.weight
     return full
 
 
@@ -256,15 +330,32 @@ class MegatronModel:
             self.model.finish_grad_sync()
             for p in params:
                 p.grad = p.main_grad
+        self.update_expert_bias()
         return finish_grads(params, max_norm, self.tp_group)
+
+    def update_expert_bias(self) -> None:
+        """finalize_model_grads' step for routers with an expert bias, which it runs itself under megatron's
+        optimizer: each bias moves towards balance by the token counts of the step (summed over the data-parallel
+        ranks), and the counts start again at zero."""
+        if not self.gpt.config.moe_router_enable_expert_bias:
+            return
+        from megatron.core.distributed.finalize_model_grads import (_update_router_expert_bias,
+                                                                    reset_model_temporary_tensors)
+
+        _update_router_expert_bias([self.gpt], self.gpt.config)
+        reset_model_temporary_tensors(self.gpt.config, [self.gpt])
 
     def after_optimizer_step(self) -> None:
         """The weights changed: megatron's TE linears cast them to FP8 on the first micro-batch of a step
         and reuse that copy until told a new step began, as megatron's training loop tells them; DDP's
-        gradient buffers start the next step at zero."""
+        gradient buffers start the next step at zero, and so do the routers' token counts (passes without an
+        optimizer step, the FP8 priming ones, leave counts that no bias update consumed)."""
+        from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+
         self.model.set_is_first_microbatch()
         if self.main_grads:
             self.model.zero_grad_buffer()
+        reset_model_temporary_tensors(self.gpt.config, [self.gpt])
 
     def checkpoint_layout(self, optimizer: "torch.optim.Optimizer | ReadyGradsOptimizer"):
         """How checkpoint.save/load lay out this model's tensors and those of `optimizer` (the one the trainer steps:
@@ -312,7 +403,8 @@ def megatron_optimizer(model: torch.nn.Module, cfg: JobConfig) -> ReadyGradsOpti
                              adam_beta1=ADAM_BETAS[0], adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS,
                              clip_grad=opt.grad_clip, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                              use_distributed_optimizer=opt.distributed)
-    (optimizer,) = get_megatron_optimizer(config, [model]).chained_optimizers  # a dense model: one, no experts'
+    # One optimizer: an MoE model's experts would get a second, which the trainer's schedule does not drive (refused)
+    (optimizer,) = get_megatron_optimizer(config, [model]).chained_optimizers
     for group in optimizer.param_groups:
         group["weight_decay"] = opt.weight_decay * group["wd_mult"]
     return ReadyGradsOptimizer(optimizer)
