@@ -343,6 +343,11 @@ def run_ab(args: argparse.Namespace) -> int:
                  f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB) and while the bf16 runs' final "
                  "losses span at most that. "
                  f"MFU: {payload['mfu_basis'] or 'not reported on this device'}."
+                 + (f" Experts max/mean: the max / mean expert load of each MoE layer, averaged over the layers and "
+                    f"the last {LAST_FRACTION:.0%} of steps; an arm's is judged alike the bf16 runs' within their "
+                    "range widened by its width or two standard errors of the window means, whichever is larger "
+                    "(a note in the reason, not part of the verdict)."
+                    if any(arm.router_imbalance is not None for arm in arms) else "")
                  + "".join(f" Runs {', '.join(c['runs'])} from an earlier call ({c['date']}: `{c['command']}`)."
                            for c in continued_from) + "\n")
         markdown = markdown_table(*table)
@@ -508,7 +513,8 @@ class _RunningArm:
 
 def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:
     """The evidence's table: one row per arm, under the name it is shown by (Arm.label), with its measurements, its
-    speed, memory and loss verdicts (verdict_cells) and the overall verdict with its reason."""
+    speed, memory and loss verdicts (verdict_cells) and the overall verdict with its reason; for an MoE model also
+    its final-window mean expert load imbalance (Arm.router_imbalance)."""
     header = ["arm", "backend", "step ms", "tokens/s", "TFLOP/s", "MFU", "mem GiB", "final loss", "speed", "memory",
               "loss", "verdict", "reason"]
 
@@ -518,6 +524,11 @@ def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:
     rows = [[a.label, a.backend, fmt(a.step_ms, ".1f"), fmt(a.tokens_per_s, ",.0f"), fmt(a.tflops, ".3g"),
              fmt(a.mfu, ".1%"), fmt(a.peak_mem_gib, ".2f"), fmt(a.final_loss, ".4f"), *verdict_cells(a),
              a.verdict, a.reason] for a in arms]
+    if any(a.router_imbalance is not None for a in arms):  # an MoE model: its routing beside its final loss
+        at = header.index("final loss") + 1
+        header.insert(at, "experts max/mean")
+        for arm, row in zip(arms, rows):
+            row.insert(at, fmt(arm.router_imbalance, ".3f"))
     return header, rows
 
 

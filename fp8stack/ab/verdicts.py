@@ -19,12 +19,17 @@ Each arm gets three verdicts and an overall one, each of them against what the A
 - overall (overall_verdict): ship when faster and the loss within the tolerance; rollback when slower or the loss
   outside the tolerance (an arm far below bf16 computes something else too), or when the arm failed; inconclusive
   otherwise, so a gap within the noise never reads rollback. Memory does not enter it: it is there to be read.
+- router (MoE models; a note, not part of the overall verdict): the arm's final-window mean expert load imbalance
+  (TrainResult.router's 'imbalance', max expert load / mean load averaged over the MoE layers, over the last
+  LAST_FRACTION of steps) against the BF16 runs' (the reference and its repeats): 'differs' outside their range
+  widened by router_margin on each side, 'within' inside it (router_check).
 A ship judged against a single bf16 run says that the loss spread between runs went unmeasured. With two BF16
 configurations (--fastest-bf16: plain, and on TE modules) the faster one is the reference every FP8 arm is judged
 against, as the fastest BF16 configuration of a model is the fair baseline. On a CPU the BF16 configurations run
 their activations in FP32: the table and the plot name them so (arm_label); the evidence's JSON keeps their keys.
 """
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -48,6 +53,9 @@ MIN_LOSS_WINDOW = 5
 """Steps the final-loss mean averages at the shortest run whose loss is judged (loss_horizon): one step's loss
 carries its batch's noise, ~1% of the loss on the tiny model (CPU_LOSS_TOLERANCE); a mean of 5 steps cuts that
 to under half, under a quarter of the CPU tolerance."""
+ROUTER_SIGMAS = 2.0
+"""How many standard errors of the final-window means (router_margin) two runs' imbalances may part by when the
+BF16 runs' own spread is smaller: about a 5% chance of 'differs' between runs that route alike, for a normal mean."""
 REPEAT_ARM = "bf16 (repeat)"
 """The second bf16 run, as a partial evidence file lists it among the pending arms (then 'bf16 (repeat 2)', ...)."""
 BF16_ON_TE_ARM = "bf16 on te"
@@ -149,6 +157,12 @@ class Arm:
     loss_verdict: str | None = None
     """within | above | below the tolerance | inconclusive (loss_unresolved) | not judged (steps < loss_horizon);
     None for the reference and failed arms."""
+    router_imbalance: float | None = None
+    """MoE models: mean over the last LAST_FRACTION of steps of the max / mean expert load, averaged over the MoE
+    layers (router_window); None for a dense model or a failed arm."""
+    router_verdict: str | None = None
+    """MoE models: within | differs, the arm's router_imbalance against the BF16 runs' (router_check); None for the
+    reference, dense models and failed arms."""
 
 
 def peak_tflops(device: str) -> dict[str, float] | None:
@@ -170,6 +184,41 @@ def final_loss(losses: list[float]) -> float:
     """Mean over the last LAST_FRACTION of the steps (at least one step)."""
     tail = max(1, round(len(losses) * LAST_FRACTION))
     return statistics.fmean(losses[-tail:])
+
+
+def router_window(result: dict) -> tuple[float, float] | None:
+    """(mean, standard error) of a run's per-step mean expert load imbalance (TrainResult.router's 'imbalance') over
+    its last LAST_FRACTION of steps, the error as step-to-step standard deviation / sqrt(steps) (0 from one step);
+    None for a run that logged no router statistics (a dense model)."""
+    series = [step["imbalance"] for step in result.get("router") or []]
+    if not series:
+        return None
+    tail = series[-max(1, round(len(series) * LAST_FRACTION)):]
+    error = statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0
+    return statistics.fmean(tail), error
+
+
+def router_margin(arm: tuple[float, float], bf16: list[tuple[float, float]]) -> float:
+    """How far outside the BF16 runs' range of final-window imbalances (`bf16`: router_window of each) `arm`'s may lie
+    and still route alike: the larger of the range's width, which measures run-to-run chaos as the loss band does,
+    and ROUTER_SIGMAS standard errors of the difference between two window means (the arm's and the noisiest BF16
+    run's), which measures what a window of that many steps can resolve when the BF16 runs agree bit for bit or ran
+    once."""
+    means = [mean for mean, _ in bf16]
+    resolution = ROUTER_SIGMAS * math.hypot(arm[1], max(error for _, error in bf16))
+    return max(max(means) - min(means), resolution)
+
+
+def router_check(arm: tuple[float, float], bf16: list[tuple[float, float]]) -> tuple[str, str]:
+    """(within | differs, the sentence saying so): `arm`'s final-window imbalance (router_window) against the BF16
+    runs' range widened by router_margin on each side."""
+    means = [mean for mean, _ in bf16]
+    low, high, margin = min(means), max(means), router_margin(arm, bf16)
+    verdict = "within" if low - margin <= arm[0] <= high + margin else "differs"
+    runs = f"the {len(means)} bf16 runs' {low:.3f} to {high:.3f}" if len(means) > 1 else f"bf16's {low:.3f}"
+    return verdict, (f"experts max/mean {arm[0]:.3f} over the last {LAST_FRACTION:.0%} of steps "
+                     f"{'within' if verdict == 'within' else 'outside'} {runs} +-{margin:.3f} (router statistics "
+                     f"{'alike' if verdict == 'within' else 'differ'})")
 
 
 def loss_horizon(warmup: int) -> int:
@@ -276,6 +325,9 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
     ran = sum(isinstance(results[arm.recipe], dict) for arm in arms if is_bf16_arm(arm.recipe))
     baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if ran > 1 else "")
     unresolved = loss_unresolved(passes, [r["rel_loss_gap"] for r in measured], tolerance)
+    bf16_routing = [window for window in (router_window(run) for run in (results[reference],
+                    *(repeat for repeat in (repeats or {}).values() if isinstance(repeat, dict))))
+                    if window is not None]
     for arm, result in zip(arms, results.values()):
         if arm is baseline:
             continue
@@ -295,6 +347,10 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
             arm.reason += f"; {SINGLE_RUN_CAVEAT}"
         if arm.loss_verdict == "inconclusive" and measured:
             arm.reason += f"; {band_note(arm.final_loss, [baseline.final_loss, *(r['final_loss'] for r in measured)])}"
+        window = router_window(result)
+        if window is not None and bf16_routing:
+            arm.router_verdict, note = router_check(window, bf16_routing)
+            arm.reason += f"; {note}"
     return arms, records
 
 
@@ -440,4 +496,5 @@ def _measure(recipe: str, result: dict | str, backend: str, peaks: dict | None, 
         loss_curve=result["losses"], ran_between=result["ran_between"],
         zero_fp8_weight_grads=result["zero_fp8_weight_grads"], label=arm_label(recipe, result["dtype"]),
         activation_dtype=result["dtype"], steps=len(result["losses"]),
+        router_imbalance=(router_window(result) or (None,))[0],
         loss_horizon=loss_horizon(result["config"]["optimizer"]["warmup"]))

@@ -48,9 +48,16 @@ class ModelConfig:
     described model: token ids (batch, seq) in, logits (batch, seq, vocab) out (fp8stack.train.user_code)."""
     fused_projections: bool = True
     """Build wqkv and w13 as one GEMM each; False builds wq/wk/wv and w1/w3 (tensor parallelism needs that)."""
+    expert_bias_rate: float | None = None
+    """MoE models on the plain path: how far each optimizer step moves an expert's routing bias towards the mean load
+    (auxiliary-loss-free load balancing, fp8stack.models.MoEConfig.bias_update_rate); 0 turns balancing off. None:
+    1e-3 for sigmoid routers (DeepSeek-V3's), 4e-3 / experts for softmax ones."""
 
     def validate(self) -> None:
         _choose("model.impl", self.impl, MODEL_IMPLS)
+        if self.expert_bias_rate is not None and not self.expert_bias_rate >= 0:
+            raise ConfigError(f"model.expert_bias_rate={self.expert_bias_rate} must be at least 0 (0 turns MoE load "
+                              "balancing off)")
         if self.factory is not None and ":" not in self.factory:
             raise ConfigError(f"model.factory {self.factory!r}: write it as module:function or path/to/file.py:function")
         if self.factory is not None and self.impl != "torch":

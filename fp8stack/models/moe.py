@@ -3,17 +3,33 @@
 Tokens are sorted by expert so that all experts run as one grouped GEMM (torch._grouped_mm) over
 contiguous row groups. `GroupedExperts` is the piece an FP8 backend swaps for a subclass: same
 parameters (w13, w2), same forward(x_sorted, offsets).
+
+Load balancing is DeepSeek-V3's auxiliary-loss-free one (arXiv 2412.19437, section 2.1.2): each MoE keeps a
+per-expert bias, added to the router's scores to choose the top-k experts and left out of the weights that combine
+their outputs. The forward counts the slots each expert received (no host sync); once per optimizer step
+`update_expert_bias(model)` moves every bias by rate * sign(mean load - expert load) and clears the counts, as
+torchtitan's optimizer hook does. A loop of one's own calls it after optimizer.step(), or registers it:
+
+    register_expert_bias_update(optimizer, model)   # data parallel: group=<the replicas' process group>
+
+`router_statistics` turns what an update saw into load imbalance, dropped slots and the bias range for a log.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fp8stack.plan.description import ROUTER_SCORES
 
-
+SIGMOID_BIAS_RATE = 1e-3
+"""DeepSeek-V3's bias update speed (gamma) for its sigmoid router, per optimizer step."""
+SIGMOID_SLOPE = 0.25
+"""d sigmoid / d logit at logit 0: a sigmoid score moves by a quarter of its logit's move."""
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -31,6 +47,13 @@ class MoEConfig:
     """Router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)."""
     route_norm: bool = False
     """Rescale each token's top-k weights to sum to 1."""
+    bias_update_rate: float | None = None
+    """Auxiliary-loss-free load balancing: each optimizer step moves an expert's routing bias by this much towards
+    the mean load (0 turns balancing off; the bias then stays 0). None: DeepSeek-V3's 1e-3 for sigmoid scores; for
+    softmax scores 4e-3 / num_experts, the same step in logit units. A sigmoid score near logit 0 moves by a
+    quarter of its logit's move, a softmax probability near the uniform 1 / E by 1 / E of it, so 1e-3 on sigmoid
+    scores is a 4e-3 logit shift and on softmax scores 4e-3 / E is (5e-4 for E = 8): a softmax bias of 1e-3 would
+    take a large-E router's near-tied experts past each other twice as fast as DeepSeek's at E = 8."""
 
     def __post_init__(self) -> None:
         if self.score_func not in ROUTER_SCORES:
@@ -39,6 +62,18 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
         if self.expert_ffn_dim <= 0 or self.shared_ffn_dim < 0:
             raise ValueError("MoEConfig: expert_ffn_dim must be positive and shared_ffn_dim non-negative")
+        if self.bias_update_rate is not None and not self.bias_update_rate >= 0:
+            raise ValueError(f"MoEConfig.bias_update_rate={self.bias_update_rate} must be at least 0 (0 turns load "
+                             "balancing off) or None for the router's default")
+
+    @property
+    def expert_bias_rate(self) -> float:
+        """bias_update_rate, or the default for the router's scores when it is None."""
+        if self.bias_update_rate is not None:
+            return self.bias_update_rate
+        if self.score_func == "sigmoid":
+            return SIGMOID_BIAS_RATE
+        return SIGMOID_BIAS_RATE / SIGMOID_SLOPE / self.num_experts
 
 
 class FeedForward(nn.Module):
@@ -76,7 +111,8 @@ def trunc_normal_as_fused_(linears: list[nn.Linear], std: float) -> None:
 
 
 class Router(nn.Module):
-    """Scores experts per token (BF16 GEMM, FP32 softmax/sigmoid) and keeps the top-k."""
+    """Scores experts per token (BF16 GEMM, FP32 softmax/sigmoid) and keeps the top-k, chosen by the scores plus a
+    per-expert bias when one is given; the weights are the unbiased scores of the chosen experts."""
 
     def __init__(self, dim: int, config: MoEConfig):
         super().__init__()
@@ -85,11 +121,15 @@ class Router(nn.Module):
         self.score_func = config.score_func
         self.route_norm = config.route_norm
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (weights [T, top_k] FP32, expert indices [T, top_k])."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], bias FP32 [E] or None -> (weights [T, top_k] FP32, expert indices [T, top_k])."""
         logits = self.gate(x).float()
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
-        weights, experts = scores.topk(self.top_k, dim=-1)
+        if bias is None:
+            weights, experts = scores.topk(self.top_k, dim=-1)
+        else:
+            experts = (scores + bias).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
         if self.route_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
@@ -153,6 +193,8 @@ class Permutation:
     """[T * top_k] row holding each slot's result (slot = token * top_k + choice)."""
     offsets: torch.Tensor
     """int32 [E] end row of each expert's (padded) group."""
+    counts: torch.Tensor
+    """int64 [E] slots placed in each expert's group (its load, padding left out)."""
 
 
 def permute(experts: torch.Tensor, num_experts: int, alignment: int) -> Permutation:
@@ -175,11 +217,16 @@ def permute(experts: torch.Tensor, num_experts: int, alignment: int) -> Permutat
     row_token[rows] = slots // top_k
     slot_row = torch.empty_like(rows)
     slot_row[slots] = rows
-    return Permutation(row_token=row_token, slot_row=slot_row, offsets=padded_ends.to(torch.int32))
+    return Permutation(row_token=row_token, slot_row=slot_row, offsets=padded_ends.to(torch.int32), counts=counts)
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k of E) plus optional shared experts, replacing a block's FeedForward."""
+    """Routed experts (top-k of E) plus optional shared experts, replacing a block's FeedForward.
+
+    Buffers: expert_bias (FP32 [E], in the state dict: a checkpoint keeps it) steers the top-k choice;
+    tokens_per_expert and routed_slots (FP32, not in the state dict: update_expert_bias clears them every step)
+    count what the forwards that build a graph routed, each once: a forward recomputed in backward (activation
+    checkpointing) is not counted again."""
 
     def __init__(self, dim: int, config: MoEConfig, fused_projections: bool = True):
         super().__init__()
@@ -189,12 +236,17 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, config.expert_ffn_dim, config.num_experts)
         self.shared_experts = (FeedForward(dim, config.shared_ffn_dim, fused=fused_projections)
                                if config.shared_ffn_dim else None)
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("routed_slots", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = self.router(x)
+        weights, experts = self.router(x, self.expert_bias if self.config.expert_bias_rate > 0 else None)
         perm = permute(experts, self.config.num_experts, self.experts.group_alignment)
+        self._count(perm.counts, experts.numel())
         # Padding rows read an appended zero row; its gradient is dropped.
         padded_x = torch.cat([x, x.new_zeros(1, x.shape[-1])])
         rows_out = self.experts(padded_x[perm.row_token], perm.offsets)
@@ -205,8 +257,104 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out.view(shape)
 
+    @torch.compiler.disable
+    def _count(self, counts: torch.Tensor, slots: int) -> None:
+        """Add a forward's loads to the step's counts, unless it builds no graph (no_grad: evaluation) or recomputes
+        a forward in backward. Eager even in a compiled block (one graph break per MoE layer): whether a forward is
+        a recompute is the autograd engine's state at run time, which a compiled graph cannot read."""
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.tokens_per_expert.add_(counts)
+            self.routed_slots.add_(slots)
+
     def init_weights(self, init_std: float) -> None:
+        """The weights as new, the routing bias 0 and nothing counted (after to_empty() too)."""
         nn.init.trunc_normal_(self.router.gate.weight, std=init_std)
+        for buffer in (self.expert_bias, self.tokens_per_expert, self.routed_slots):
+            buffer.zero_()
         self.experts.init_weights(init_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
+
+
+@dataclass(frozen=True)
+class RouterLoad:
+    """What one MoE layer routed over one optimizer step, as update_expert_bias saw it (device tensors)."""
+
+    tokens_per_expert: torch.Tensor
+    """FP32 [E] slots each expert received over the step's micro-batches (over all data-parallel ranks)."""
+    routed_slots: torch.Tensor
+    """FP32 scalar: the slots the router chose (tokens x top_k); those not in tokens_per_expert were dropped."""
+    bias: torch.Tensor
+    """FP32 [E] the routing bias after the update."""
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """The model's MoE modules by qualified name."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, RouterLoad]:
+    """Once per optimizer step, after its micro-batches' forwards: move each MoE's expert bias by
+    rate * sign(mean load - expert load) (MoEConfig.expert_bias_rate; a rate of 0 leaves it) and clear the counts.
+    group: the data-parallel replicas' process group, over which the loads are summed (one all-reduce) so that every
+    replica moves its biases alike. Returns what each layer routed (RouterLoad, by name) without a host sync."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    counted = torch.stack([torch.cat([moe.tokens_per_expert, moe.routed_slots.view(1)]) for moe in layers.values()])
+    if group is not None:
+        dist.all_reduce(counted, group=group)
+    loads = {}
+    for (name, moe), row in zip(layers.items(), counted):
+        tokens_per_expert, routed_slots = row[:-1], row[-1]
+        rate = moe.config.expert_bias_rate
+        if rate > 0:
+            moe.expert_bias.add_(rate * torch.sign(tokens_per_expert.mean() - tokens_per_expert))
+        moe.tokens_per_expert.zero_()
+        moe.routed_slots.zero_()
+        loads[name] = RouterLoad(tokens_per_expert=tokens_per_expert, routed_slots=routed_slots,
+                                 bias=moe.expert_bias.clone())
+    return loads
+
+
+def register_expert_bias_update(optimizer: torch.optim.Optimizer, model: nn.Module,
+                                group: dist.ProcessGroup | None = None) -> RemovableHandle:
+    """Run update_expert_bias(model, group) after every optimizer.step() (its loads are then not returned)."""
+    return optimizer.register_step_post_hook(lambda *_hook_args: update_expert_bias(model, group))
+
+
+def clear_expert_load(model: nn.Module) -> None:
+    """Forget the loads counted since the last update (forwards that were not training steps)."""
+    for moe in moe_layers(model).values():
+        moe.tokens_per_expert.zero_()
+        moe.routed_slots.zero_()
+
+
+ROUTER_STATISTICS = ("imbalance", "cv", "dropped", "bias_min", "bias_max")
+"""Per layer: max expert load / mean load; the loads' coefficient of variation (population standard deviation /
+mean); the share of routed slots no expert received; the smallest and largest routing bias."""
+
+
+def router_statistics(loads: dict[str, RouterLoad]) -> dict[str, float]:
+    """update_expert_bias's loads as numbers (one host sync): '<layer>/<statistic>' for each of ROUTER_STATISTICS,
+    and over the layers 'imbalance' and 'cv' (means), 'imbalance_max', 'dropped' (of all slots), 'bias_min' and
+    'bias_max'. A layer that received nothing has NaN imbalance and cv."""
+    if not loads:
+        return {}
+    per_layer = []
+    for load in loads.values():
+        counts = load.tokens_per_expert
+        mean = counts.mean()
+        per_layer.append(torch.stack([counts.max() / mean, counts.std(correction=0) / mean,
+                                      (load.routed_slots - counts.sum()) / load.routed_slots.clamp(min=1),
+                                      load.bias.min(), load.bias.max(), load.routed_slots - counts.sum(),
+                                      load.routed_slots]))
+    values = torch.stack(per_layer).tolist()
+    stats = {f"{name}/{statistic}": row[index]
+             for name, row in zip(loads, values) for index, statistic in enumerate(ROUTER_STATISTICS)}
+    columns = list(zip(*values))
+    stats.update(imbalance=math.fsum(columns[0]) / len(values), imbalance_max=max(columns[0]),
+                 cv=math.fsum(columns[1]) / len(values), dropped=math.fsum(columns[5]) / max(math.fsum(columns[6]), 1),
+                 bias_min=min(columns[3]), bias_max=max(columns[4]))
+    return stats

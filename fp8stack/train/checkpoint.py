@@ -120,7 +120,7 @@ def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: tor
     if layout is None:
         model_state, optim_state = get_state_dict(masters or model, optimizer)
         tensors, extra = _split_extra_state({**model_state, **_extra_state(model, masters)})
-        items, planner = {"model": tensors, "optimizer": optim_state}, None
+        items, planner = {"model": tensors, "optimizer": optim_state, **_buffer_items(model, masters)}, None
     else:
         items, plain["layout"], planner = layout.save_items()
         extra = _split_extra_state(layout.module.state_dict())[1]
@@ -168,7 +168,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         raise CheckpointMismatchError(
             f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
             f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
-    state = {"model": tensors, "optimizer": optim_state}
+    state = {"model": tensors, "optimizer": optim_state, **_buffer_items(model, masters)}  # buffers load in place
     with _te_extra_state_trust(trusted):
         _load_extra_state(path, model, saved["extra_state"])  # first: what TE refuses stops the load here
         _load_tensors(path, state, reader)
@@ -333,6 +333,17 @@ def _load_tensors(path: Path, state: dict, reader: JsonMetadataReader, planner: 
 def _extra_state(model: nn.Module, masters: nn.Module | None) -> dict:
     """The model's extra states when its tensors come from `masters` (which have none); else nothing to add."""
     return {} if masters is None else _split_extra_state(model.state_dict())[1]
+
+
+def _buffer_items(model: nn.Module, masters: nn.Module | None) -> dict:
+    """The model's persistent buffers (an MoE's routing biases) when its tensors come from `masters`, which hold only
+    parameters: {'buffers': {name: the buffer itself}}, which DCP saves and loads in place; nothing else to add."""
+    if masters is None:
+        return {}
+    parameters = {name for name, _ in model.named_parameters()}
+    buffers = {name: value for name, value in _split_extra_state(model.state_dict(keep_vars=True))[0].items()
+               if name not in parameters}
+    return {"buffers": buffers} if buffers else {}
 
 
 def _split_extra_state(model_state: dict) -> tuple[dict, dict]:

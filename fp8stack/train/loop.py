@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fp8stack.models import Llama
 from fp8stack.models.llama import tensor_parallel_plan
+from fp8stack.models.moe import RouterLoad, clear_expert_load, router_statistics, update_expert_bias
 from fp8stack.config import ConfigError, JobConfig, recompute_blocks, to_dict
 from fp8stack.plan import Plan, make_plan
 from fp8stack.plan.from_module import describe_module
@@ -120,6 +121,9 @@ class Session:
     checkpoint_layout: checkpoint.TensorLayout | None = None
     """How checkpoints lay out the model's and optimizer's tensors when not as torch's get_state_dict does (the
     Megatron path's sharded state dicts)."""
+    router_loads: dict[str, RouterLoad] = field(default_factory=dict)
+    """What each MoE layer routed in the last step (update_expert_bias after its optimizer step); empty for a model
+    without fp8stack MoE layers."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -139,6 +143,7 @@ class Session:
             # As after an optimizer step: cached FP8 weights were cast with the unprimed scales, and megatron's
             # gradient buffers must start the first step at zero.
             self.after_optimizer_step()
+        clear_expert_load(self.model)  # the first step's routing bias moves by the first step's loads only
 
     def step(self, grad_clip: float, on_gradients: Callable[[], None] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -169,6 +174,7 @@ class Session:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.after_optimizer_step()
+        self.router_loads = update_expert_bias(self.model, self.env.data_parallel_group)
         return loss, grad_norm, lr
 
 
@@ -316,8 +322,12 @@ def train(cfg: JobConfig) -> TrainResult:
                           "their FP8 gradient casts flushed every value; TE delayed scaling does so until each scale "
                           "has seen its tensor's amax (its scales start at 1): raise --te.priming-passes",
                           file=sys.stderr)
+                router = router_statistics(run.router_loads)
+                if router:
+                    result.router.append(router)
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
-                                "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000})
+                                "tokens_per_s": result.tokens_per_step / elapsed_ms * 1000,
+                                **{f"router/{name}": value for name, value in router.items()}})
                 saved = save(step + 1) if cfg.checkpoint.dir and _checkpoint_due(step + 1, cfg) else None
                 comms.step_done()
                 signal_number = stop.agreed(device, env.world_size)
@@ -617,6 +627,12 @@ class _Distributed:
                 dist.barrier()
             dist.destroy_process_group()
 
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel replicas' process group when several hold the model, else None."""
+        mesh = self.fsdp_mesh if self.fsdp_mesh is not None else self.ddp_mesh
+        return mesh.get_group() if mesh is not None and self.dp_size > 1 else None
+
     def mean(self, value: torch.Tensor) -> float:
         """The mean of a scalar over all ranks (gloo has no AVG, hence SUM / world)."""
         if self.world_size > 1:
@@ -671,8 +687,11 @@ class _Logger:
         if self.progress is not None:
             self.progress.update(self.task, advance=1, loss=metrics["loss"], tps=metrics["tokens_per_s"])
         elif self.cfg.logging.progress and ((step + 1) % self.cfg.logging.interval == 0 or step + 1 == self.cfg.training.steps):
+            router = (f"  experts max/mean {metrics['router/imbalance']:.2f} (cv {metrics['router/cv']:.2f}, dropped "
+                      f"{metrics['router/dropped']:.1%}, bias {metrics['router/bias_min']:+.3f} to "
+                      f"{metrics['router/bias_max']:+.3f})" if "router/imbalance" in metrics else "")
             print(f"step {step + 1}/{self.cfg.training.steps}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
-                  f"{metrics['step_ms']:.0f} ms  {metrics['tokens_per_s']:,.0f} tok/s", flush=True)
+                  f"{metrics['step_ms']:.0f} ms  {metrics['tokens_per_s']:,.0f} tok/s{router}", flush=True)
 
     def fp8_stats_due(self, step: int) -> bool:
         """Whether this step's FP8 statistics go to TensorBoard (logging.fp8_stats_interval)."""

@@ -4,14 +4,19 @@ from dataclasses import replace
 
 import torch
 
-from fp8stack.config import JobConfig
+from fp8stack.config import ConfigError, JobConfig
 from fp8stack.models import Llama, LlamaConfig, load_model_config
 from fp8stack.train import user_code
 
 
 def model_config(cfg: JobConfig) -> LlamaConfig:
-    """The model's shape: model.name with the configuration's projections and sequence length."""
+    """The model's shape: model.name with the configuration's projections, sequence length and MoE bias rate."""
     config = replace(load_model_config(cfg.model.name), fused_projections=cfg.model.fused_projections)
+    if cfg.model.expert_bias_rate is not None:
+        if config.moe is None:
+            raise ConfigError(f"model.expert_bias_rate balances the experts of an MoE model, and {cfg.model.name} is "
+                              "dense: drop --model.expert-bias-rate or pick an MoE model (tiny-moe, deepseek-moe-small)")
+        config = replace(config, moe=replace(config.moe, bias_update_rate=cfg.model.expert_bias_rate))
     return replace(config, seq_len=cfg.training.seq_len) if cfg.training.seq_len is not None else config
 
 

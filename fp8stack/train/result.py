@@ -45,5 +45,8 @@ class TrainResult:
     """Collectives per step (comm_stats.Collectives as a dict) when profile_collectives > 0."""
     activation_bytes_saved_per_step: float | None = None
     """With compress_activations: bytes the FP8 storage of saved activations saved per step (this rank)."""
+    router: list[dict[str, float]] = field(default_factory=list)
+    """Per step of an MoE model (empty otherwise): fp8stack.models.moe.router_statistics of its layers' routing,
+    per layer ('layers.1.moe/imbalance') and over the layers ('imbalance': mean max/mean expert load)."""
     zero_fp8_weight_grads: list[list[str]] = field(default_factory=list)
     """Per checked step (the first fp8_grad_check_steps): FP8 weights whose whole gradient was zero (this rank)."""
