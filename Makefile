@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXTRAS_demo := plot
 EXTRAS_test := test,plot,megatron,tb
 
-.PHONY: demo test test-gpu venv clean
+.PHONY: demo test test-gpu venv deepgemm clean
 
 $(VENV)/.created: scripts/find-python.sh
 	@PYBIN=$$(scripts/find-python.sh) || exit 1; \
@@ -29,6 +29,11 @@ test: $(VENV)/.installed-test
 
 test-gpu: $(VENV)/.installed-test
 	$(PY) -m pytest -m gpu
+
+# The [deepgemm] extra has no pip-installable form: DeepGEMM is built from its SHA-256-pinned sdist against the
+# venv's torch (needs nvcc 12.9+ and GCC 13+) and installed into the venv.
+deepgemm: $(VENV)/.installed-test
+	PYTHON=$(PY) launch/build_deepgemm.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

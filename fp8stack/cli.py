@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "model.fused_projections"))
     # Every policy flag is optional: a flag the user did not give leaves the recipe file's value.
     add_section_arguments(plan, "precision", PolicyConfig(recipe=BF16),
-                          skip=("precision.overrides", "precision.blockwise_experts_why"))
+                          skip=("precision.overrides",))
     plan.add_argument("--recipe-file", metavar="PATH_OR_NAME",
                       help="YAML with settings and per-block / per-fqn overrides (a path or a name in configs/recipes)")
     plan.add_argument("--format", choices=tuple(RENDERERS), default="table", help="output format (default: table)")

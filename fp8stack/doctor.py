@@ -30,7 +30,7 @@ from packaging.version import InvalidVersion, Version
 
 from fp8stack import __version__
 from fp8stack.plan import PlanError, PolicyConfig
-from fp8stack.plan.recipes import BACKEND_LABELS, BLOCKWISE_EXPERT_BACKENDS, RECIPES, Recipe, expert_backend
+from fp8stack.plan.recipes import BACKEND_LABELS, RECIPES, Recipe, expert_paths
 
 OK, NOT_INSTALLED, TOO_OLD, UNUSABLE, NOT_CHECKED = "ok", "not installed", "too old", "unusable", "not checked"
 """A package's status in the report."""
@@ -448,10 +448,9 @@ def _backends(packages: dict[str, Package]) -> list[BackendRun]:
 
 
 def _expert_recipes(backend: str) -> list[str]:
-    """Recipes whose MoE expert GEMMs the plan may give `backend`, over every dense backend and blockwise choice."""
+    """Recipes whose MoE expert GEMMs the plan may give `backend`, over every dense backend."""
     return [r.name for r in RECIPES.values()
-            if any(expert_backend(r, dense, choice)[0] == backend
-                   for dense in r.dense_backends for choice in BLOCKWISE_EXPERT_BACKENDS)]
+            if any(path[0] == backend for dense in r.dense_backends for path in expert_paths(r, dense))]
 
 
 def _missing_installs(backend: str, packages: dict[str, Package]) -> str:

@@ -5,29 +5,36 @@
 # the kernels are compiled at run time by DeepJIT with nvcc. Needs nvcc (CUDA 12.9+), a C++20 compiler with
 # <format> (GCC 13+) and Python headers. Without elfutils' headers (libdw-dev), launch/deepgemm/ supplies the
 # declarations DeepJIT's stack traces use (it loads libdw.so.1 itself at run time, if present).
-# Usage: launch/build_deepgemm.sh [SDIST] [TARGET]
-#   SDIST   the deepinfer_gemm-2.8.2.tar.gz (default: downloaded from PyPI)
+# The sdist is pinned by its SHA-256 (PyPI's own digest): an archive that does not match is refused before
+# anything is unpacked or installed (exit 2, one line).
+# Usage: launch/build_deepgemm.sh [SDIST] [TARGET]   (make deepgemm: into the venv's site-packages)
+#   SDIST   the deepinfer_gemm-2.8.2.tar.gz (default: downloaded from its pinned PyPI address)
 #   TARGET  site directory to install into (default: this Python's purelib)
 # Environment: PYTHON (default python3).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}
 VERSION=2.8.2
+SHA256=aad050965750f809b8dbb744a8db54fc4eba0eb3bc99d565fa9b41010fe25351
+URL=https://files.pythonhosted.org/packages/c3/81/8211cfa3e92b0f5be337116fe15da8a6fa232161899a628fe100d8895fa0/deepinfer_gemm-$VERSION.tar.gz
 SDIST=${1:-}
-TARGET=${2:-$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")}
-CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 if [ -z "$SDIST" ]; then
   SDIST=$WORK/deepinfer_gemm-$VERSION.tar.gz
-  "$PYTHON" - "$SDIST" "$VERSION" <<'PY'
-import json, sys, urllib.parse, urllib.request
-index = "https://pypi.org/pypi/deepinfer-gemm/json"
-release = json.load(urllib.request.urlopen(index))["releases"][sys.argv[2]]
-url = next(f["url"] for f in release if f["packagetype"] == "sdist")
-urllib.request.urlretrieve(urllib.parse.urljoin(index, url), sys.argv[1])
-PY
+  "$PYTHON" -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" "$URL" "$SDIST"
 fi
+if [ ! -f "$SDIST" ]; then
+  echo "build_deepgemm.sh: $SDIST is not a file: pass the deepinfer_gemm-$VERSION.tar.gz sdist, or no argument to download it" >&2
+  exit 2
+fi
+ACTUAL=$("$PYTHON" -c "import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())" "$SDIST")
+if [ "$ACTUAL" != "$SHA256" ]; then
+  echo "build_deepgemm.sh: $SDIST has SHA-256 $ACTUAL, not deepinfer-gemm $VERSION's pinned $SHA256: pass the genuine sdist (PyPI's), or no argument to download it" >&2
+  exit 2
+fi
+TARGET=${2:-$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")}
+CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 tar xzf "$SDIST" -C "$WORK"
 cd "$WORK/deepinfer_gemm-$VERSION"
 # As DeepGEMM's setup.py lays out the package: CUTLASS's cute and cutlass headers beside its own, for DeepJIT.

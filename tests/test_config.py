@@ -25,7 +25,7 @@ EARLIER_FLAGS = {
     "--num-layers-at-start-in-bf16": ("2", "precision.num_layers_at_start_in_bf16"),
     "--num-layers-at-end-in-bf16": ("2", "precision.num_layers_at_end_in_bf16"),
     "--small-gemm-filter": ("off", "precision.small_gemm_filter"),
-    "--blockwise-experts": ("te", "precision.blockwise_experts"), "--blockwise-gemms": ("te", "te.blockwise_gemms"),
+    "--expert-backend": ("te", "precision.expert_backend"), "--blockwise-gemms": ("te", "te.blockwise_gemms"),
     "--train-iters": ("7", "training.steps"), "--steps": ("7", "training.steps"),
     "--lr-warmup-iters": ("3", "optimizer.warmup"), "--lr": ("1e-4", "optimizer.lr"),
     "--min-lr": ("1e-5", "optimizer.min_lr"), "--weight-decay": ("0.05", "optimizer.weight_decay"),

@@ -421,7 +421,8 @@ def test_rowwise_fwd_dgrad_wgrad(high_precision_wgrad):
 def _tiny_moe_and_plan(recipe="blockwise", fp8_format="hybrid"):
     torch.manual_seed(0)
     model = Llama(load_model_config("tiny-moe"))
-    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format=fp8_format))
+    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format=fp8_format,
+                                                                expert_backend="grouped_fp8"))
     return model, plan
 
 

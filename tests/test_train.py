@@ -348,44 +348,24 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
     assert plan("tensorwise", backend="torchao")[1].decision("output").backend == "bf16"
 
 
-def test_blockwise_experts_reach_the_plan():
+def test_expert_backend_reaches_the_plan():
     from fp8stack.train.loop import build_plan
     from fp8stack.train.model import build_model
 
-    def expert_backend(**options) -> str:
+    def expert(**options):
         cfg = resolve_job(from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise",
                                           "training.device": "cpu", **options}))
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
-        return next(d.backend for d in plan.decisions if d.component.kind == "expert")
+        return next(d for d in plan.decisions if d.component.kind == "expert")
 
-    assert expert_backend() == "grouped_fp8"  # auto on a CPU: the grouped kernels (te only where TE runs)
-    assert expert_backend(**{"precision.blockwise_experts": "te"}) == "te"
-    with pytest.raises(ConfigError, match="blockwise_experts='x': use auto, grouped_fp8 or te"):
-        from_overrides({"precision.blockwise_experts": "x"})
-
-
-def test_auto_blockwise_experts_on_te_say_why_in_the_plan():
-    from fp8stack.plan import PolicyConfig, make_plan
-    from fp8stack.plan.from_module import describe_module
-    from fp8stack.train.model import build_model
-    from fp8stack.train.resolve import AUTO_BLOCKWISE_EXPERTS_ON_TE
-
-    cfg = resolve_job(from_overrides({"model.name": "tiny-moe", "precision.recipe": "blockwise",
-                                      "training.device": "cpu"}))
-    assert cfg.precision.blockwise_experts == "grouped_fp8", "auto on a CPU: TE runs no blockwise FP8 here"
-    model = build_model(cfg, torch.device("cpu"))
-    description = describe_module(model, seq_len=model.config.seq_len, name=cfg.model.name)
-
-    def expert_reason(**choice) -> str:  # as resolve decides auto on a GPU where TE runs blockwise
-        d = next(d for d in make_plan(description, PolicyConfig(recipe="blockwise", **choice)).decisions
-                 if d.component.kind == "expert")
-        assert (d.backend, d.recipe) == ("te", "blockwise")
-        return d.reason
-
-    assert expert_reason(blockwise_experts="te", blockwise_experts_why=AUTO_BLOCKWISE_EXPERTS_ON_TE).endswith(
-        f"GroupedLinear (blockwise_experts=te: {AUTO_BLOCKWISE_EXPERTS_ON_TE}; not fp8stack's grouped kernels)")
-    assert expert_reason(blockwise_experts="te").endswith(
-        "GroupedLinear (blockwise_experts=te, not fp8stack's grouped kernels)")
+    auto = expert()  # the plan's measured table for the target arch (sm90 on a CPU): TE's GroupedLinear is fastest
+    assert (auto.backend, auto.recipe) == ("te", "blockwise")
+    assert "expert_backend=auto: the fastest blockwise expert path on sm90, measured " in auto.reason
+    asked = expert(**{"precision.expert_backend": "grouped_fp8"})
+    assert (asked.backend, asked.recipe) == ("grouped_fp8", "blockwise")
+    assert "expert_backend=grouped_fp8, as asked: measured " in asked.reason
+    with pytest.raises(ConfigError, match="expert_backend='x': use auto, grouped_fp8 or te"):
+        from_overrides({"precision.expert_backend": "x"})
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

@@ -114,6 +114,22 @@ def test_megatrons_moe_computes_the_plain_moes_function(megatron_moe_on_cpu):
     torch.testing.assert_close(megatron(tokens, positions, causal), plain(tokens), rtol=1e-5, atol=1e-5)
 
 
+def test_routers_get_bf16_activations_in_their_fp32_weights_dtype(megatron_moe_on_cpu):
+    """TE's router GEMM refuses an FP32 weight with BF16 activations (FP32 parameters under autocast): every router
+    of the built model casts its input to its weight's dtype first, and leaves matching input alone."""
+    from megatron.core.transformer.moe.router import Router
+
+    megatron, _ = build(moe_cfg())
+    routers = [m for m in megatron.modules() if isinstance(m, Router)]
+    assert len(routers) == 3 and all(r.weight.dtype == torch.float32 for r in routers)
+    seen = []
+    routers[0].register_forward_pre_hook(lambda router, args: seen.append(args[0].dtype))  # after the cast
+    hidden = torch.randn(SEQ, 2, routers[0].weight.shape[1], dtype=torch.bfloat16)
+    routers[0](hidden)
+    assert seen == [torch.float32]
+    assert megatron_model.input_in_weight_dtype(routers[0], (hidden.float(),)) is None
+
+
 def test_megatrons_moe_trains_and_moves_the_expert_bias(megatron_moe_on_cpu):
     """A few steps of the trainer's AdamW through MegatronModel's clip (which updates sigmoid routers' expert bias
     from the step's token counts, as finalize_model_grads does): finite, falling losses; every MoE layer's bias moved

@@ -13,12 +13,17 @@ DeepGEMM moves the FP32 scales into its TMA-aligned layout itself (transform_sf_
 
 import importlib
 import math
+import os
+import sys
 from types import ModuleType
 
 import torch
 
 from fp8stack.backends.base import BackendUnavailable
 from fp8stack.backends.blockwise import BLOCK, Fp8Tensor
+
+JIT_CACHE_ENV = "DG_JIT_CACHE_DIR"
+"""The environment variable DeepGEMM's JIT compiler reads its kernel cache folder from (csrc/jit/compiler.hpp)."""
 
 REQUIRED = ("m_grouped_fp8_gemm_nt_contiguous", "k_grouped_fp8_gemm_nt_contiguous")
 """DeepGEMM functions the adapter calls."""
@@ -30,13 +35,26 @@ def load() -> tuple[ModuleType | None, str]:
         library = importlib.import_module("deep_gemm")
     except Exception as err:  # ImportError, or an OSError / ABI error from its extension
         return None, (f"deep_gemm is not importable ({type(err).__name__}: {err}); build DeepGEMM against this "
-                      "torch with fp8stack's launch/build_deepgemm.sh (pip cannot: see the [deepgemm] extra), or use "
-                      "the torch kernels")
+                      "torch with fp8stack's launch/build_deepgemm.sh (make deepgemm; pip cannot, see the [deepgemm] "
+                      "extra), or use the torch kernels")
     missing = [name for name in REQUIRED if not hasattr(library, name)]
     if missing:
         return None, (f"the installed deep_gemm lacks {', '.join(missing)}: install a DeepGEMM with "
                       "Hopper K-grouped FP8 GEMMs, or use the torch kernels")
     return library, ""
+
+
+def use_jit_cache_dir(path: str) -> None:
+    """Point DeepGEMM's JIT kernel cache at `path` (created if missing) before DeepGEMM is imported: its compiler
+    reads the folder from the environment once. Refuses when deep_gemm is already imported with another folder."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    current = os.environ.get(JIT_CACHE_ENV)
+    if "deep_gemm" in sys.modules and current != folder:
+        raise RuntimeError(f"deep_gemm was imported before fp8stack could set {JIT_CACHE_ENV}={folder} (it has "
+                           f"{current or 'its default, ~/.deep_gemm'}): set deepgemm.jit_cache_dir before anything "
+                           "imports deep_gemm, or export the variable yourself")
+    os.makedirs(folder, exist_ok=True)
+    os.environ[JIT_CACHE_ENV] = folder
 
 
 def m_indices(offsets: torch.Tensor, rows: int) -> torch.Tensor:

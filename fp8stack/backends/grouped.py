@@ -362,7 +362,7 @@ class GroupedFP8Backend(Backend):
         for module_fqn, gemm_recipes in recipes.items():  # all checks before the first swap
             _check_shapes(module_fqn, model.get_submodule(module_fqn), gemm_recipes)
         used = {r for per_module in recipes.values() for r in per_module.values()}
-        blockwise_kernels = self._blockwise_kernels() if "blockwise" in used else None
+        blockwise_kernels, without_deepgemm = self._blockwise_kernels() if "blockwise" in used else (None, "")
         rowwise_kernels = TorchRowwiseKernels() if used - {"blockwise"} else None
         for module_fqn, gemm_recipes in recipes.items():
             new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
@@ -370,16 +370,21 @@ class GroupedFP8Backend(Backend):
             model = swap_module(model, module_fqn, new)
         record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
                                   converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
-                                  notes=_notes(plan, blockwise_kernels, rowwise_kernels) if used else [])
+                                  notes=_notes(plan, blockwise_kernels, rowwise_kernels, without_deepgemm)
+                                  if used else [])
         return model, record
 
-    def _blockwise_kernels(self):
+    def _blockwise_kernels(self) -> tuple:
+        """(the blockwise kernels, why DeepGEMM is not among them when auto fell back to torch's, else '')."""
         if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
             raise BackendUnavailable("the blockwise recipe's grouped GEMMs (torch's DeepSeek-style scaled_mm and "
                                      "DeepGEMM with FP32 scales) run on sm90 only; use recipe mxfp8 on sm100")
-        if self.kernels == "torch" or (self.kernels == "auto" and deepgemm.load()[0] is None):
-            return TorchBlockwiseKernels()
-        return deepgemm.DeepGemmKernels()
+        if self.kernels == "torch":
+            return TorchBlockwiseKernels(), ""
+        library, why = deepgemm.load()
+        if library is None and self.kernels == "auto":
+            return TorchBlockwiseKernels(), why
+        return deepgemm.DeepGemmKernels(library), ""  # kernels deepgemm without it: BackendUnavailable naming why
 
 
 def _expert_gemms(model: nn.Module, d: Decision) -> tuple[str, tuple[str, ...]]:
@@ -416,12 +421,14 @@ def _check_shapes(module_fqn: str, experts: GroupedExperts, recipes: dict[str, s
 
 
 
-def _notes(plan: Plan, blockwise_kernels, rowwise_kernels) -> list[str]:
+def _notes(plan: Plan, blockwise_kernels, rowwise_kernels, without_deepgemm: str = "") -> list[str]:
     notes = []
     for recipe, kernels in (("blockwise", blockwise_kernels), ("rowwise", rowwise_kernels)):
         if kernels is not None:
             graphs = f"; {kernels.capture_note}" if kernels.capture_note else "; capturable in a CUDA graph"
             notes.append(f"{recipe} expert GEMMs run on {kernels.name}{graphs}")
+    if without_deepgemm:
+        notes.append(f"not on DeepGEMM: {without_deepgemm}")
     if plan.fp8_format != "e4m3":
         notes.append(f"plan asks fp8_format {plan.fp8_format}, but grouped_fp8 runs gradients in E4M3 too: "
                      "its kernels take no E5M2 operands (as in DeepSeek-V3, fine-grained scales keep the range)")

@@ -74,7 +74,7 @@ def _plan(spec: list[dict], block: str, recipe: str, backend: str, arch: int) ->
     description = description_from_dict({"name": "bench", "seq_len": 1, "blocks": {block: spec},
                                          "layers": [{"block": block}]})
     plan = make_plan(description, PolicyConfig(recipe=recipe, backend=backend, arch=arch, small_gemm_filter="off",
-                                               blockwise_experts="te" if backend == "te" else "grouped_fp8"))
+                                               expert_backend="te" if backend == "te" else "grouped_fp8"))
     backends = {d.backend for d in plan.decisions}
     if len(backends) != 1 or (is_fp8(recipe) and BF16 in backends):
         raise PlanError("the policy does not run this shape as asked: " + "; ".join(d.reason for d in plan.decisions))

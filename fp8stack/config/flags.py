@@ -25,7 +25,7 @@ from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_PARALLEL, DATA_SOURCES,
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.description import CONFIGS_DIR
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES, Override
-from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, BLOCKWISE_GEMMS,
+from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, EXPERT_BACKENDS,
                                    FP8_FORMATS, PARAM_DTYPES, RECIPES, parse_arch, recipe_name)
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -34,7 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.fp8_format": FP8_FORMATS,
     "precision.backend": BACKEND_PREFERENCES,
     "precision.small_gemm_filter": SMALL_GEMM_CHOICES,
-    "precision.blockwise_experts": ("auto", *BLOCKWISE_EXPERT_BACKENDS),
+    "precision.expert_backend": ("auto", *EXPERT_BACKENDS),
     "te.blockwise_gemms": BLOCKWISE_GEMMS,
     "training.device": DEVICES,
     "training.dtype": ACTIVATION_DTYPES,
@@ -56,7 +56,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "precision.num_layers_at_start_in_bf16": ("--num-layers-at-start-in-bf16",),
     "precision.num_layers_at_end_in_bf16": ("--num-layers-at-end-in-bf16",),
     "precision.small_gemm_filter": ("--small-gemm-filter",),
-    "precision.blockwise_experts": ("--blockwise-experts",),
+    "precision.expert_backend": ("--expert-backend",),
     "precision.head_on_te": ("--head-on-te",),
     "precision.fuse_norm": ("--fuse-norm",),
     "precision.fuse_mlp": ("--fuse-mlp",),
@@ -162,7 +162,7 @@ def sections(root: type = JobConfig) -> dict[str, type]:
     return {f.name: _section_class(f) for f in fields(root)}
 
 
-DERIVED_FIELDS = ("precision.arch", "precision.overrides", "precision.blockwise_experts_why")
+DERIVED_FIELDS = ("precision.arch", "precision.overrides")
 """Fields a run sets itself (the GPU's arch) or takes from elsewhere (recipe files), not flags of train/ab/profile."""
 
 

@@ -9,6 +9,7 @@ what the machine runs (fp8stack.train.resolve), and the evidence records what th
 from dataclasses import dataclass, field, fields
 
 import importlib.util
+import os
 
 from fp8stack.plan import PolicyConfig
 from fp8stack.plan.recipes import BLOCKWISE_GEMMS, MEGATRON_RECIPES, PARAM_DTYPES, get_recipe, is_fp8
@@ -95,6 +96,20 @@ class TEConfig:
         _at_least("te.delayed_margin", self.delayed_margin, 0)
         _at_least("te.priming_passes", self.priming_passes, 0)
         _choose("te.blockwise_gemms", self.blockwise_gemms, BLOCKWISE_GEMMS)
+
+
+@dataclass
+class DeepGemmConfig:
+    """DeepGEMM, where installed (launch/build_deepgemm.sh): the blockwise expert GEMMs and te.blockwise_gemms."""
+
+    jit_cache_dir: str | None = None
+    """Folder for DeepGEMM's JIT-compiled kernels (its DG_JIT_CACHE_DIR, which fp8stack sets before DeepGEMM is
+    imported; created if missing). A folder on a persistent disk spares each fresh machine their compilation. None
+    leaves DeepGEMM's own choice (DG_JIT_CACHE_DIR if set, else ~/.deep_gemm)."""
+
+    def validate(self) -> None:
+        if self.jit_cache_dir is not None:
+            _check_writable_dir("deepgemm.jit_cache_dir", self.jit_cache_dir)
 
 
 @dataclass
@@ -344,8 +359,9 @@ class JobConfig:
     """One training run: every section, validated on construction."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    precision: PolicyConfig = field(default_factory=lambda: PolicyConfig(recipe="bf16", blockwise_experts="auto"))
+    precision: PolicyConfig = field(default_factory=lambda: PolicyConfig(recipe="bf16"))
     te: TEConfig = field(default_factory=TEConfig)
+    deepgemm: DeepGemmConfig = field(default_factory=DeepGemmConfig)
     torchao: TorchaoConfig = field(default_factory=TorchaoConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -483,6 +499,20 @@ def recompute_blocks(spec: str | None) -> list[int] | str | None:
         return [int(part) for part in spec.split(",")]
     except ValueError:
         raise ConfigError(f"activation_checkpoint.layers={spec!r}: write 'all' or block indices like '0,2'") from None
+
+
+def _check_writable_dir(name: str, path: str) -> None:
+    """`path` is, or can be made, a folder this process writes into."""
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{name} must be a folder path, got {path!r}: pass a folder, or leave it unset")
+    target = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ConfigError(f"{name} {path!r} is a file, not a folder: pass a folder path")
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} {path!r}: {existing} is not a folder this user can write in: pass a writable folder")
 
 
 def _choose(name: str, value, allowed) -> None:

@@ -5,7 +5,7 @@
 --fp8-dot-product-attention -> fp8_attention (megatron's TE attention runs under its layer's recipe with fp8_dpa).
 Backend
 te (megatron runs FP8 through TransformerEngine) and no small-GEMM filter: megatron converts every TE
-linear whatever its size. Experts run on megatron's TE experts (blockwise ones too: blockwise_experts te), and
+linear whatever its size. Experts run on megatron's TE experts (expert_backend te, whatever the measured table), and
 their decisions say which.
 """
 
@@ -53,7 +53,7 @@ def plan_from_megatron_args(config, *, vocab_size: int, seq_len: int, fp8=_UNSET
         first_last_layers_bf16=bool(flags["first_last_layers_bf16"]),
         num_layers_at_start_in_bf16=flags["num_layers_at_start_in_bf16"],
         num_layers_at_end_in_bf16=flags["num_layers_at_end_in_bf16"], small_gemm_filter="off", overrides=overrides,
-        blockwise_experts="te",  # megatron's experts are TE modules, whatever the recipe
+        expert_backend="te",  # megatron's experts are TE modules, whatever the recipe or the measured table
         head_on_te=False,  # megatron's output layer is its own ColumnParallelLinear
         fp8_attention=bool(flags["fp8_dot_product_attention"]))
     plan = make_plan(describe_transformer_config(config, vocab_size=vocab_size, seq_len=seq_len, name=name), policy)

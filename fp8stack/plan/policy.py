@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from fp8stack.plan.description import Component, ModelDescription, NormFeed, SwiGLUFeed
 from fp8stack.plan.errors import PlanError, PlanWarning
 from fp8stack.plan.plan import Decision, Fusion, Plan
-from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, BLOCKWISE_EXPERT_BACKENDS, FP8_FORMATS,
-                                   GROUPED_ALIGNMENT, dense_backend, expert_backend, fp8_attention_head_dim_problem,
-                                   fp8_attention_recipes, get_recipe)
+from fp8stack.plan.expert_speeds import measured
+from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, EXPERT_BACKENDS, FP8_FORMATS,
+                                   GROUPED_ALIGNMENT, Recipe, dense_backend, expert_paths,
+                                   fp8_attention_head_dim_problem, fp8_attention_recipes, get_recipe)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -109,14 +110,12 @@ class PolicyConfig:
     """Which torchao size thresholds send small GEMMs to BF16: auto (the recipe's own, as torchao's
     auto-filter picks them) | rowwise | tensorwise | off. Projections the plan merges into one GEMM are judged by the
     merged GEMM's size."""
-    blockwise_experts: str = "grouped_fp8"
-    """Where blockwise expert GEMMs run: grouped_fp8 (DeepGEMM when installed, else torch scaled_mm per expert), te
-    (TE GroupedLinear, Float8BlockScaling), or auto: te where TE runs blockwise FP8 (measured faster than grouped_fp8
-    on either kernels on one H200), which a tool that knows the machine decides (the trainer does); the plan alone
-    takes grouped_fp8 for auto."""
-    blockwise_experts_why: str = ""
-    """Why blockwise_experts is te when a tool chose it (train's auto); the plan's reason for those expert GEMMs
-    says it. Empty: chosen by the user."""
+    expert_backend: str = "auto"
+    """Where FP8 expert GEMMs run: auto (the fastest path measured on the target arch for the experts' recipe, from
+    fp8stack/plan/expert_speeds.json; BF16 where every measured path is slower than BF16; TE's, else grouped_fp8's,
+    where none is measured), te (TE GroupedLinear) or grouped_fp8 (fp8stack's grouped kernels: blockwise on DeepGEMM
+    when installed, else torch's). A named backend is planned even where measured slower than BF16, with that
+    measurement in the reason."""
     head_on_te: bool | None = None
     """The output head (BF16 by rule) runs as a TE module without FP8 beside the plan's TE linears, so TE's fused
     weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad, and the final
@@ -136,11 +135,10 @@ class PolicyConfig:
     """Per-block / per-fqn rules; the last matching one wins."""
 
     def __post_init__(self) -> None:
-        for name in ("recipe", "backend", "small_gemm_filter", "blockwise_experts"):
+        for name in ("recipe", "backend", "small_gemm_filter", "expert_backend"):
             _require_name(getattr(self, name), name)
-        if self.blockwise_experts not in ("auto", *BLOCKWISE_EXPERT_BACKENDS):
-            raise PlanError(f"blockwise_experts={self.blockwise_experts!r}: use auto, "
-                            f"{' or '.join(BLOCKWISE_EXPERT_BACKENDS)}")
+        if self.expert_backend not in ("auto", *EXPERT_BACKENDS):
+            raise PlanError(f"expert_backend={self.expert_backend!r}: use auto, {' or '.join(EXPERT_BACKENDS)}")
         if self.fp8_format is not None:
             _require_name(self.fp8_format, "fp8_format")
         for name in ("first_last_layers_bf16", "fuse_norm", "fuse_mlp", "fp8_attention"):
@@ -299,6 +297,15 @@ def fp8_attention_core(c: Component, cfg: PolicyConfig, model: ModelDescription)
     return Decision(c, "te", recipe, f"{note}: {why}" if note else why)
 
 
+def experts_measured_slower(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
+    """Expert GEMMs stay BF16 where every FP8 path measured for them on the target arch is slower than BF16, unless
+    the user named their backend (expert_backend)."""
+    if c.kind != "expert" or _target(c, cfg)[1] == BF16:
+        return None
+    choice = _expert_choice(c, cfg)
+    return Decision(c, BF16, BF16, choice.why) if choice.keep_bf16 else None
+
+
 def alignment(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
     """FP8 GEMMs need both dims divisible by 16 (128 for block scales and grouped GEMMs)."""
     backend, recipe, _ = _target(c, cfg)
@@ -343,14 +350,13 @@ def fp8(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision:
     why = f"{recipe} FP8 ({get_recipe(recipe).summary}) via {BACKEND_LABELS[backend]}"
     if c.kind == "expert" and recipe != cfg.recipe and not override_reason:
         why += f"; grouped expert GEMMs have no {cfg.recipe} kernel, so they use {recipe}"
-    if c.kind == "expert" and recipe == "blockwise" and backend == "te":
-        chosen = f"te: {cfg.blockwise_experts_why};" if cfg.blockwise_experts_why else "te,"
-        why += f" GroupedLinear (blockwise_experts={chosen} not fp8stack's grouped kernels)"
+    if c.kind == "expert":
+        why += f"{' GroupedLinear' if backend == 'te' else ''}; {_expert_choice(c, cfg).why}"
     return Decision(c, backend, recipe, f"{override_reason}: {why}" if override_reason else why)
 
 
-RULES: tuple[Rule, ...] = (high_precision_kinds, no_fp8_requested, first_last_layers, fp8_attention_core, alignment,
-                          small_gemm, fp8)
+RULES: tuple[Rule, ...] = (high_precision_kinds, no_fp8_requested, first_last_layers, fp8_attention_core,
+                          experts_measured_slower, alignment, small_gemm, fp8)
 """In order; the first rule that returns a Decision decides."""
 
 
@@ -483,11 +489,65 @@ def _target(c: Component, cfg: PolicyConfig) -> tuple[str, str, str]:
     if preference == BF16 or recipe_name == BF16:
         return BF16, BF16, note
     recipe = get_recipe(recipe_name)
-    if c.kind == "expert":  # experts never run on the dense backend; the preference only picks TE's GroupedLinear
-        dense = preference if preference in recipe.dense_backends else recipe.dense_backends[0]
-        backend, expert_recipe = expert_backend(recipe, dense, cfg.blockwise_experts)
-        return backend, expert_recipe, note
+    if c.kind == "expert":  # experts never run on the dense backend: the measured table or expert_backend picks
+        choice = _expert_choice(c, cfg)
+        return choice.backend, choice.recipe, note
     try:
         return dense_backend(recipe, preference), recipe.name, note
     except PlanError as err:
         raise PlanError(f"{note or 'policy'} on {c.fqn}: {err}") from None
+
+
+@dataclass(frozen=True)
+class ExpertChoice:
+    """Where one expert GEMM's FP8 runs, and why."""
+
+    backend: str
+    """te or grouped_fp8."""
+    recipe: str
+    """The recipe it runs with there."""
+    why: str
+    """The measurement (or its absence) behind the choice, for the reason column."""
+    keep_bf16: bool = False
+    """Every FP8 path measured slower than BF16 and none was asked for: the experts stay BF16."""
+
+
+def _expert_choice(c: Component, cfg: PolicyConfig) -> ExpertChoice:
+    """The expert path for `c` under its recipe (an override's, else the policy's): the one expert_backend names,
+    else the fastest measured on the target arch, else (none measured) the first of expert_paths."""
+    override = _matching_override(c, cfg)
+    recipe = get_recipe(override.recipe if override and override.recipe else cfg.recipe)
+    preference = override.backend if override and override.backend else cfg.backend
+    dense = preference if preference in recipe.dense_backends else recipe.dense_backends[0]
+    timed = [(backend, expert_recipe, measured(cfg.arch, expert_recipe, backend))
+             for backend, expert_recipe in expert_paths(recipe, dense)]
+    if cfg.expert_backend != "auto":
+        return _asked_expert_path(cfg, recipe, dense, timed)
+    faster = [t for t in timed if t[2] is not None and t[2].speedup > 1]
+    if faster:
+        backend, expert_recipe, best = max(faster, key=lambda t: t[2].speedup)
+        others = "".join(f"; {b}: {m.speedup}x" for b, _, m in timed if m is not None and b != backend)
+        return ExpertChoice(backend, expert_recipe, f"expert_backend=auto: the fastest {expert_recipe} expert path "
+                                                    f"on sm{cfg.arch}, {best.describe()}{others}")
+    unmeasured = [t for t in timed if t[2] is None]
+    if unmeasured:
+        backend, expert_recipe, _ = unmeasured[0]
+        return ExpertChoice(backend, expert_recipe, f"expert_backend=auto: {backend}/{expert_recipe} experts are "
+                                                    f"unmeasured on sm{cfg.arch}, so planned untimed (measure them: "
+                                                    "fp8stack.bench.backends, then fp8stack.bench.expert_table)")
+    backend, expert_recipe, best = max(timed, key=lambda t: t[2].speedup)
+    slower = ", ".join(f"{b}/{r} {m.describe()}" for b, r, m in timed)
+    return ExpertChoice(backend, expert_recipe, f"every FP8 expert path of recipe {recipe.name} is slower than BF16 "
+                                                f"on sm{cfg.arch} ({slower}), so the experts stay BF16: pass "
+                                                f"expert_backend={backend} to run them in FP8 anyway", keep_bf16=True)
+
+
+def _asked_expert_path(cfg: PolicyConfig, recipe: Recipe, dense: str, timed: list) -> ExpertChoice:
+    """The path expert_backend names, with what it was measured at; a recipe without that path is refused."""
+    for backend, expert_recipe, speed in timed:
+        if backend == cfg.expert_backend:
+            worth = speed.describe() if speed else f"unmeasured on sm{cfg.arch}"
+            return ExpertChoice(backend, expert_recipe, f"expert_backend={backend}, as asked: {worth}")
+    raise PlanError(f"expert_backend={cfg.expert_backend}: recipe {recipe.name} with its linears on {dense} has no "
+                    f"{cfg.expert_backend} expert path: use expert_backend auto or "
+                    f"{' or '.join(b for b, _, _ in timed)}")

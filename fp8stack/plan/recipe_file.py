@@ -7,7 +7,7 @@ from fp8stack.plan.errors import PlanError
 from fp8stack.plan.policy import Override
 
 SETTINGS = ("recipe", "fp8_format", "backend", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-            "num_layers_at_end_in_bf16", "small_gemm_filter", "blockwise_experts", "head_on_te")
+            "num_layers_at_end_in_bf16", "small_gemm_filter", "expert_backend", "head_on_te")
 """PolicyConfig fields a recipe file may set (command-line flags win over them)."""
 _OVERRIDE_KEYS = {"block", "fqn", "backend", "recipe", "reason"}
 

@@ -26,9 +26,10 @@ class Recipe:
     dense_backends: tuple[str, ...]
     """Backends that implement it for dense linears; the first is the `auto` choice."""
     expert_backend: str
-    """Backend for MoE expert GEMMs under this recipe."""
+    """The recipe's own path for MoE expert GEMMs: grouped_fp8 where fp8stack's grouped kernels run expert_recipe,
+    te where only TE GroupedLinear runs it (expert_paths lists every path)."""
     expert_recipe: str
-    """Recipe the expert GEMMs run with (grouped GEMMs exist only for some scalings)."""
+    """Recipe the grouped_fp8 expert GEMMs run with (grouped GEMMs exist only for some scalings)."""
     alignment: int
     """Both GEMM dims must be multiples of this."""
     min_arch: int
@@ -152,9 +153,9 @@ def dense_backend(recipe: Recipe, preference: str) -> str:
     return preference
 
 
-BLOCKWISE_EXPERT_BACKENDS = ("grouped_fp8", "te")
-"""Where blockwise expert GEMMs may run: fp8stack's grouped kernels (DeepGEMM, else torch scaled_mm per expert)
-or TE GroupedLinear with Float8BlockScaling."""
+EXPERT_BACKENDS = ("grouped_fp8", "te")
+"""Where FP8 expert GEMMs may run: fp8stack's grouped kernels (blockwise on DeepGEMM when installed, else torch
+scaled_mm per expert; rowwise on torch's scaled grouped GEMM) or TE GroupedLinear."""
 
 BLOCKWISE_GEMMS = ("te", "deepgemm")
 """Where TE's blockwise (Float8BlockScaling) modules run their GEMMs: cuBLAS, or DeepGEMM's dense kernels."""
@@ -164,12 +165,15 @@ optimizer, or BF16 with the TE FP8 linears' weights in FP8 only, FP32 masters in
 (the training configuration's param_dtype)."""
 
 
-def expert_backend(recipe: Recipe, dense: str, blockwise_experts: str = "grouped_fp8") -> tuple[str, str]:
-    """(backend, recipe) for MoE expert GEMMs: TE GroupedLinear follows a TE dense path except for
-    blockwise, which takes `blockwise_experts` (one of BLOCKWISE_EXPERT_BACKENDS)."""
-    if dense == "te" and (recipe.name != "blockwise" or blockwise_experts == "te"):
-        return "te", recipe.name
-    return recipe.expert_backend, recipe.expert_recipe
+def expert_paths(recipe: Recipe, dense: str) -> tuple[tuple[str, str], ...]:
+    """(backend, recipe) of each way MoE expert GEMMs can run under `recipe` with the dense linears on `dense`: TE
+    GroupedLinear runs the recipe itself beside TE linears (or where TE is the recipe's only expert path); grouped_fp8
+    runs the grouped scaling the recipe maps to (rowwise for tensorwise). TE first: the path planned where none is
+    measured."""
+    paths = [("te", recipe.name)] if dense == "te" or recipe.expert_backend == "te" else []
+    if recipe.expert_backend == "grouped_fp8":
+        paths.append(("grouped_fp8", recipe.expert_recipe))
+    return tuple(paths)
 
 
 def parse_arch(text: str | int) -> int:

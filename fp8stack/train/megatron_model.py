@@ -143,7 +143,26 @@ def gpt_model(config, plan: Plan, llama: Llama, use_te: bool | None = None):
                      position_embedding_type="rope", rotary_base=int(shape.rope_theta),
                      share_embeddings_and_output_weights=False)
     load_llama_weights(model, llama)
+    route_in_the_weights_dtype(model)
     return model
+
+
+def route_in_the_weights_dtype(model) -> None:
+    """megatron's router GEMM (TE's general_gemm, under moe_router_dtype fp32) takes its input in the router weight's
+    dtype, which megatron's own mixed precision (Float16Module) keeps equal to the activations'. FP32 parameters
+    under autocast give it an FP32 weight and BF16 activations, which cuBLAS refuses: each router gets the
+    activations in its weight's dtype (an FP32 GEMM, the one moe_router_dtype fp32 asks for)."""
+    from megatron.core.transformer.moe.router import Router
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.register_forward_pre_hook(input_in_weight_dtype)
+
+
+def input_in_weight_dtype(router, args: tuple) -> tuple | None:
+    """A router's forward pre-hook: its hidden states cast to its weight's dtype where they differ."""
+    hidden, *rest = args
+    return None if hidden.dtype == router.weight.dtype else (hidden.to(router.weight.dtype), *rest)
 
 
 def load_llama_weights(model, llama: Llama) -> None:

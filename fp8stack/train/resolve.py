@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from fp8stack.backends import get_backend
+from fp8stack.backends import deepgemm
 from fp8stack.config import ConfigError, JobConfig, check_data_parallel_levers
 from fp8stack.models import LlamaConfig
 from fp8stack.models.training_defaults import training_defaults
@@ -17,13 +17,18 @@ CPU_ARCH = 90
 """On a CPU the plan targets Hopper: torch's CPU scaled GEMMs emulate its FP8 recipes."""
 CUDNN_ATTENTION_MIN_ARCH = 90
 """cuDNN's fused attention is a Hopper kernel (wgmma, TMA); measured fastest on one H200."""
-AUTO_BLOCKWISE_EXPERTS_ON_TE = "auto, where TE runs blockwise FP8: measured faster than grouped_fp8 on one H200"
-"""Why auto puts blockwise experts on TE GroupedLinear (the plan's reason says it)."""
 
 
 def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobConfig:
     """`job` with device, dtypes, batch, optimizer, kernels and levers chosen: `shape` is the model's (None for
-    a model from model.factory, whose size is unknown until built)."""
+    a model from model.factory, whose size is unknown until built). Points DeepGEMM's JIT cache at
+    deepgemm.jit_cache_dir first, before anything imports DeepGEMM."""
+    if job.deepgemm.jit_cache_dir is not None:
+        try:
+            deepgemm.use_jit_cache_dir(job.deepgemm.jit_cache_dir)
+        except OSError as err:
+            raise ConfigError(f"deepgemm.jit_cache_dir {job.deepgemm.jit_cache_dir!r} cannot be created "
+                              f"({err.strerror}): pass a folder this user can write in") from None
     device = _device(job.training.device)
     on_gpu = device == "cuda"
     arch = _arch() if on_gpu else CPU_ARCH
@@ -55,8 +60,7 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
                             else defaults.warmup, min_lr=optimizer.min_lr if optimizer.min_lr is not None else lr / 10)
     precision = replace(precision, arch=arch,
                         small_gemm_filter="off" if not on_gpu and precision.small_gemm_filter == "auto"
-                        else precision.small_gemm_filter,
-                        **_blockwise_experts(precision.blockwise_experts, on_gpu))
+                        else precision.small_gemm_filter)
     return replace(job, training=training, optimizer=optimizer, precision=precision)
 
 
@@ -105,10 +109,3 @@ def _sdpa_backend(on_gpu: bool, arch: int, impl: str) -> str:
     cudnn = on_gpu and impl == "torch" and arch >= CUDNN_ATTENTION_MIN_ARCH and torch.backends.cudnn.is_available()
     return "cudnn" if cudnn else "auto"
 
-
-def _blockwise_experts(choice: str, on_gpu: bool) -> dict[str, str]:
-    if choice != "auto":
-        return {}
-    if on_gpu and get_backend("te").available(["blockwise"])[0]:
-        return {"blockwise_experts": "te", "blockwise_experts_why": AUTO_BLOCKWISE_EXPERTS_ON_TE}
-    return {"blockwise_experts": "grouped_fp8"}

@@ -130,7 +130,8 @@ def test_available_on_hopper():
 def test_converted_moe_llama_trains(recipe):
     torch.manual_seed(0)
     model = Llama(load_model_config("tiny-moe")).to(DEVICE)
-    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format="e4m3"))
+    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe=recipe, fp8_format="e4m3",
+                                                                expert_backend="grouped_fp8"))
     tokens = torch.randint(0, 256, (4, 129), device=DEVICE)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with torch.autocast("cuda", dtype=torch.bfloat16):

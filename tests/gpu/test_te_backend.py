@@ -91,7 +91,7 @@ def policy(recipe: str, fp8_format: str, fuse_norm: bool = False, fuse_mlp: bool
            head_on_te: bool | None = False) -> PolicyConfig:
     """Every GEMM but the head's on TE; norms fused only when asked (the tests compare fused against unfused)."""
     return PolicyConfig(recipe=recipe, fp8_format=fp8_format, backend="te", small_gemm_filter="off",
-                        arch=100 if recipe == "mxfp8" else 90, blockwise_experts="te", fuse_norm=fuse_norm,
+                        arch=100 if recipe == "mxfp8" else 90, expert_backend="te", fuse_norm=fuse_norm,
                         fuse_mlp=fuse_mlp, head_on_te=head_on_te)
 
 
@@ -181,7 +181,7 @@ def test_linear_matches_reference(recipe, fp8_format, in_features, out_features)
     ])
 
 
-@pytest.mark.parametrize("recipe, fp8_format", RECIPE_FORMATS)  # blockwise too: policy() has blockwise_experts=te
+@pytest.mark.parametrize("recipe, fp8_format", RECIPE_FORMATS)  # blockwise too: policy() has expert_backend=te
 def test_grouped_experts_match_bf16(recipe, fp8_format):
     num_experts, dim, hidden = 4, 512, 256
     torch.manual_seed(0)

@@ -1,0 +1,225 @@
+"""The plan's measured expert table (fp8stack/plan/expert_speeds.json) against the evidence it is generated from,
+the policy's expert choices from it, and DeepGEMM as an optional dependency: its absence, its pinned source archive
+and its JIT cache folder."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8stack.backends import BackendUnavailable, deepgemm, te_deepgemm
+from fp8stack.backends.grouped import GroupedFP8Backend
+from fp8stack.bench import expert_table
+from fp8stack.config import ConfigError, from_overrides
+from fp8stack.models import load_model_config
+from fp8stack.models.llama import Llama
+from fp8stack.plan import PolicyConfig, description_from_dict, load_description, make_plan
+from fp8stack.plan.expert_speeds import TABLE_PATH, load_table, measured
+from fp8stack.train.command import main as train_main
+from fp8stack.train.loop import resolve_job
+
+REPO = Path(__file__).resolve().parents[1]
+EVIDENCE = "profiles/runs/*/backends-*.json"
+"""The backends benchmark's evidence, as the table's own command names it."""
+
+
+def evidence_files() -> list[Path]:
+    return sorted(Path().glob(EVIDENCE))
+
+
+# --- the table, from the evidence ---------------------------------------------------------------------------
+
+def test_the_packaged_table_is_what_the_evidence_gives(monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert load_table()["generated_by"] == expert_table.COMMAND
+    assert expert_table.render(expert_table.build_table(evidence_files())) == TABLE_PATH.read_text(), (
+        f"fp8stack/plan/expert_speeds.json differs from the evidence: run {expert_table.COMMAND}")
+
+
+def test_each_measurement_names_the_evidence_row_it_comes_from(monkeypatch):
+    monkeypatch.chdir(REPO)
+    archs = load_table()["archs"]
+    assert "sm90" in archs
+    for arch, paths in archs.items():
+        for key, devices in paths.items():
+            assert len({m["device"] for m in devices}) == len(devices), key  # one per device: its newest
+            for m in devices:
+                record = json.loads(Path(m["source"]).read_text())
+                assert (record["environment"]["device"], record["date"][:10]) == (m["device"], m["date"])
+                assert arch == "sm" + record["environment"]["compute_capability"].replace(".", "")
+                recipe, backend = key.split(":")[0].split("/")
+                rows = [r for r in record["grouped"] if r["gemm"] == "experts" and r["recipe"] == recipe
+                        and r["backend"] == backend and r.get("options", {}).get("kernels", "") == m["kernels"]
+                        and r["experts"] == 8 and r["tokens_per_expert"] == 4096]
+                assert [r["speedup_vs_bf16"] for r in rows] == [m["speedup"]], (key, m["source"])
+
+
+def test_the_tool_writes_the_table_where_asked(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "speeds.json"
+    assert expert_table.main([*map(str, evidence_files()), "--out", str(out)]) == 0
+    assert out.read_text() == TABLE_PATH.read_text()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{}", "is not fp8stack.bench.backends evidence (KeyError"),
+    ("[1", "is not fp8stack.bench.backends evidence (JSONDecodeError"),
+    (json.dumps({"date": "2026-11-26", "environment": {"device": "X", "compute_capability": "9.0"}, "grouped": []}),
+     "no whole-expert-block measurement at the target shape in these files"),
+])
+def test_the_tool_refuses_what_is_not_expert_evidence_in_one_line(tmp_path, capsys, text, message):
+    bad, out = tmp_path / "bad.json", tmp_path / "speeds.json"
+    bad.write_text(text)
+    assert expert_table.main([str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_the_slowest_device_of_a_path_counts_and_the_fastest_kernels():
+    def row(speedup, device, kernels=""):
+        return {"speedup": speedup, "device": device, "date": "2026-11-26", "source": f"p/{device}/x.json",
+                "kernels": kernels}
+
+    table = {"archs": {"sm90": {
+        "blockwise/grouped_fp8:deepgemm": [row(0.9, "A", "deepgemm"), row(0.8, "B", "deepgemm")],
+        "blockwise/grouped_fp8:torch": [row(0.7, "A", "torch"), row(0.75, "B", "torch")],
+        "blockwise/te": [row(1.3, "A"), row(1.2, "B")]}}}
+    grouped = measured(90, "blockwise", "grouped_fp8", table)
+    assert (grouped.speedup, grouped.device, grouped.kernels) == (0.8, "B", "deepgemm")
+    assert (measured(90, "blockwise", "te", table).speedup, measured(90, "blockwise", "te", table).device) == (1.2, "B")
+    assert measured(100, "blockwise", "te", table) is None
+    assert measured(90, "rowwise", "grouped_fp8", table) is None
+
+
+# --- the plan's choice ----------------------------------------------------------------------------------------
+
+def experts_model():
+    """The MoE target's expert shape beside a dense linear large enough that the plan has FP8 either way."""
+    return description_from_dict({
+        "name": "experts", "seq_len": 4096,
+        "blocks": {"moe": [{"name": "attention.wo", "kind": "linear", "n": 7168, "k": 7168},
+                           {"name": "moe.experts.w13", "kind": "expert", "n": 4096, "k": 7168, "experts": 8,
+                            "active": 2}]},
+        "layers": [{"block": "moe"}]})
+
+
+def expert_decision(recipe: str, **policy):
+    return make_plan(experts_model(), PolicyConfig(recipe=recipe, small_gemm_filter="off", **policy)).decision(
+        "layers.0.moe.experts.w13")
+
+
+def test_blockwise_experts_take_the_fastest_path_measured_on_sm90():
+    te, grouped = measured(90, "blockwise", "te"), measured(90, "blockwise", "grouped_fp8")
+    assert te.speedup > 1 > grouped.speedup  # what the evidence says today; the plan follows it
+    d = expert_decision("blockwise")
+    assert (d.backend, d.recipe) == ("te", "blockwise")
+    assert f"expert_backend=auto: the fastest blockwise expert path on sm90, {te.describe()}" in d.reason
+    assert d.reason.endswith(f"; grouped_fp8: {grouped.speedup}x")
+    assert (REPO / te.folder).is_dir() and te.device in d.reason and f"{te.speedup}x BF16" in d.reason
+
+
+def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
+    grouped = measured(90, "blockwise", "grouped_fp8")
+    d = expert_decision("blockwise", expert_backend="grouped_fp8")
+    assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise")
+    assert d.reason.endswith(f"expert_backend=grouped_fp8, as asked: {grouped.describe()}")
+    assert grouped.kernels == "deepgemm" and "with deepgemm kernels" in d.reason
+
+
+def test_rowwise_experts_stay_bf16_unless_asked_because_every_path_is_slower():
+    rowwise = measured(90, "rowwise", "grouped_fp8")
+    assert rowwise.speedup < 1
+    kept = expert_decision("rowwise")
+    assert (kept.backend, kept.recipe) == ("bf16", "bf16")
+    assert kept.reason == (f"every FP8 expert path of recipe rowwise is slower than BF16 on sm90 (grouped_fp8/rowwise "
+                           f"{rowwise.describe()}), so the experts stay BF16: pass expert_backend=grouped_fp8 to run "
+                           "them in FP8 anyway")
+    asked = expert_decision("rowwise", expert_backend="grouped_fp8")
+    assert (asked.backend, asked.recipe) == ("grouped_fp8", "rowwise")
+    assert asked.reason.endswith(f"expert_backend=grouped_fp8, as asked: {rowwise.describe()}")
+
+
+def test_unmeasured_experts_are_planned_on_the_recipes_first_path_and_say_so():
+    assert measured(100, "mxfp8", "te") is None
+    d = expert_decision("mxfp8", arch=100)
+    assert (d.backend, d.recipe) == ("te", "mxfp8")
+    assert "expert_backend=auto: te/mxfp8 experts are unmeasured on sm100, so planned untimed" in d.reason
+    asked = expert_decision("blockwise", arch=100, expert_backend="grouped_fp8")
+    assert asked.reason.endswith("expert_backend=grouped_fp8, as asked: unmeasured on sm100")
+
+
+# --- DeepGEMM absent ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_deep_gemm(monkeypatch):
+    """`import deep_gemm` fails, as on a machine where it is not installed."""
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)
+
+
+def test_deepgemm_absence_is_a_reason_never_an_import_error(no_deep_gemm):
+    library, why = deepgemm.load()
+    assert library is None and why.startswith("deep_gemm is not importable (ModuleNotFoundError: ")
+    assert "launch/build_deepgemm.sh (make deepgemm" in why
+    with pytest.raises(BackendUnavailable, match="deep_gemm is not importable"):
+        deepgemm.DeepGemmKernels()
+    with pytest.raises(BackendUnavailable, match="blockwise_gemms=deepgemm: deep_gemm is not importable"):
+        te_deepgemm.load_library()
+
+
+def test_grouped_experts_without_deepgemm_say_why_in_their_notes(no_deep_gemm):
+    torch.manual_seed(0)
+    model = Llama(load_model_config("tiny-moe"))
+    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe="blockwise", expert_backend="grouped_fp8"))
+    _, record = GroupedFP8Backend(kernels="auto").convert(model, list(plan.for_backend("grouped_fp8")), plan)
+    assert any(note.startswith("blockwise expert GEMMs run on torch") for note in record.notes)
+    assert any(note.startswith("not on DeepGEMM: deep_gemm is not importable") for note in record.notes)
+
+
+# --- the pinned source archive --------------------------------------------------------------------------------
+
+def test_the_build_refuses_an_archive_that_is_not_the_pinned_one(tmp_path):
+    fake, target = tmp_path / "deepinfer_gemm-2.8.2.tar.gz", tmp_path / "site"
+    fake.write_bytes(b"not DeepGEMM's sources")
+    done = subprocess.run(["bash", str(REPO / "launch/build_deepgemm.sh"), str(fake), str(target)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "not deepinfer-gemm 2.8.2's pinned " in done.stderr, done.stderr
+    assert not target.exists()
+
+
+# --- the JIT cache folder -------------------------------------------------------------------------------------
+
+def test_the_jit_cache_folder_reaches_the_environment_before_deepgemm_is_imported(monkeypatch, tmp_path):
+    monkeypatch.setenv(deepgemm.JIT_CACHE_ENV, "unchanged")  # restored after the test
+    folder = tmp_path / "cache" / "deep_gemm"
+    resolve_job(from_overrides({"model.name": "tiny", "training.device": "cpu",
+                                "deepgemm.jit_cache_dir": str(folder)}))
+    assert os.environ[deepgemm.JIT_CACHE_ENV] == str(folder) and folder.is_dir()
+    assert "deep_gemm" not in sys.modules
+
+
+def test_the_jit_cache_folder_is_not_changed_under_an_imported_deepgemm(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "deep_gemm", object())
+    monkeypatch.setenv(deepgemm.JIT_CACHE_ENV, str(tmp_path / "first"))
+    with pytest.raises(RuntimeError, match="deep_gemm was imported before fp8stack could set DG_JIT_CACHE_DIR="):
+        deepgemm.use_jit_cache_dir(str(tmp_path / "second"))
+    deepgemm.use_jit_cache_dir(str(tmp_path / "first"))  # the folder it has: nothing to change
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{tmp}/a-file", "deepgemm.jit_cache_dir '{tmp}/a-file' is a file, not a folder: pass a folder path"),
+    ("{tmp}/a-file/cache", "{tmp}/a-file is not a folder this user can write in: pass a writable folder"),
+    ("", "deepgemm.jit_cache_dir must be a folder path, got '': pass a folder, or leave it unset"),
+])
+def test_a_bad_jit_cache_folder_is_refused_in_one_line(tmp_path, capsys, value, message):
+    (tmp_path / "a-file").write_text("not a folder\n")
+    code = train_main(["--device", "cpu", "--no-progress", "--deepgemm.jit-cache-dir", value.format(tmp=tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message.format(tmp=tmp_path) in err, err
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        from_overrides({"deepgemm.jit_cache_dir": str(tmp_path / "a-file")})
