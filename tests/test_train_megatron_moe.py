@@ -264,3 +264,19 @@ def test_the_moe_models_are_accepted_on_the_megatron_path():
     for name in ("tiny-moe", "deepseek-moe-small"):
         cfg = moe_cfg("--fp8-recipe", "blockwise", model=name)
         assert (cfg.model.impl, cfg.model.name) == ("megatron", name)
+
+
+@pytest.mark.parametrize("key, extra", [
+    ("decoder.layers.1.mlp.experts.linear_fc1._extra_state", True),
+    ("decoder.layers.1.mlp.experts.linear_fc1._extra_state7", True),  # TE GroupedLinear's GEMM 7, on dist-ckpt
+    ("decoder.layers.0.self_attention.linear_qkv._extra_state", True),
+    ("decoder.layers.1.mlp.experts.linear_fc1.weight7", False),
+    ("decoder.layers.1.mlp.router.expert_bias", False),
+    ("decoder.layers.1.mlp.experts.linear_fc1._extra_state_copy", False),
+])
+def test_extra_states_of_every_gemm_stay_in_the_rank_files(key, extra):
+    """The sharded checkpoint leaves all extra states to the rank files, GroupedLinear's per-GEMM ones included: a
+    checkpoint keeping GEMMs 1..n-1 without GEMM 0 fails megatron's sharding validation on load."""
+    from fp8stack.train.megatron_checkpoint import is_extra_state
+
+    assert is_extra_state(key) is extra

@@ -16,6 +16,7 @@ moment shards, bucket by bucket); the trainer's AdamW's as megatron's FP32Optimi
 moment a ShardedTensor shaped as its parameter, the step common).
 """
 
+import re
 from collections.abc import Callable
 from itertools import chain
 
@@ -29,6 +30,13 @@ DISTRIBUTED_OPTIMIZER_SHARDING = "dp_reshardable"
 """The distributed optimizer's checkpoint format (megatron's distrib_optim_sharding_type, Megatron-LM's default)."""
 ADAMW_STEP = "common_step"
 """Where the trainer's AdamW's step (one for every parameter) is kept, as megatron's optimizers keep theirs."""
+
+
+def is_extra_state(key: str) -> bool:
+    """A module's extra state ('..._extra_state'), or one of the per-GEMM ones megatron's TE GroupedLinear adds to
+    its sharded state dict ('..._extra_state1' to '..._extra_state<n-1>', beside '..._extra_state' for GEMM 0): the
+    rank files keep them, in the module's own state_dict, where GroupedLinear holds all its GEMMs' in one."""
+    return re.search(f"{EXTRA_STATE_SUFFIX}[0-9]*$", key) is not None
 
 
 def _mcore_load_planner():
@@ -52,8 +60,7 @@ class MegatronTensors:
 
     def sharded_state_dict(self, is_loading: bool) -> dict:
         """{'model': the GPTModel's sharded state dict without its extra states, 'optimizer': the optimizer's}."""
-        model = {key: value for key, value in self.module.sharded_state_dict().items()
-                 if not key.endswith(EXTRA_STATE_SUFFIX)}
+        model = {key: value for key, value in self.module.sharded_state_dict().items() if not is_extra_state(key)}
         if isinstance(self.optimizer, torch.optim.Optimizer):
             optimizer = torch_optimizer_sharded_state_dict(self.optimizer, model, is_loading)
         else:
@@ -105,7 +112,7 @@ class MegatronTensors:
     def _load(self, state: dict) -> None:
         """The model's tensors (its extra states came from the rank file), then the optimizer's."""
         incompatible = self.module.load_state_dict(state["model"], strict=False)
-        missing = [key for key in incompatible.missing_keys if not key.endswith(EXTRA_STATE_SUFFIX)]
+        missing = [key for key in incompatible.missing_keys if not is_extra_state(key)]
         if missing or incompatible.unexpected_keys:
             raise CheckpointMismatchError(f"the checkpoint does not fit this model: missing {missing}, unexpected "
                                           f"{incompatible.unexpected_keys}; resume with the same model and plan")
