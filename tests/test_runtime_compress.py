@@ -46,6 +46,32 @@ def test_a_llama_step_with_compressed_activations(granularity):
     assert max(errs) > 1e-4  # compression did happen
 
 
+def test_saved_views_come_back_with_their_strides_for_a_compiled_backward():
+    """Attention's q, k and v are views of the fused projection's output, strided as the whole: a compiled backward
+    asserts the strides it saved with (inductor's assert_size_stride), so unpacking restores them."""
+    from fp8stack.runtime.compress import ActivationCompressor
+
+    fused = torch.randn(4, 64, 3 * 128, dtype=torch.bfloat16)
+    view = fused[..., 128:256]
+    compressor = ActivationCompressor(min_numel=16)
+    packed = compressor.pack(view)
+    restored = ActivationCompressor.unpack(packed)
+    assert restored.stride() == view.stride() != restored.contiguous().stride()
+    subnormal = float(view.abs().max()) / 448 * 2**-9  # E4M3's smallest step at this tensor's scale
+    torch.testing.assert_close(restored.float(), view.float(), rtol=0.07, atol=subnormal)
+
+    def step(x, w):
+        q, k, v = (x @ w).view(2, 64, 3, 4, 32).unbind(2)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).sum()
+
+    x = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    w = torch.randn(128, 3 * 128, dtype=torch.bfloat16, requires_grad=True)
+    with compress_saved_activations(min_numel=16):
+        loss = torch.compile(step, backend="inductor")(x, w)
+    loss.backward()  # without the strides: AssertionError from the compiled backward's assert_size_stride
+    assert torch.isfinite(w.grad.float()).all()
+
+
 def test_weights_are_never_compressed():
     linear = nn.Linear(128, 128)
     x = torch.randn(64, 128, dtype=torch.bfloat16).requires_grad_(True)

@@ -46,6 +46,9 @@ class _Packed:
     data: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    stride: tuple[int, ...]
+    """The saved tensor's strides: a compiled backward checks them (a view of a fused projection's output keeps
+    the strides of the whole)."""
 
 
 @dataclass
@@ -106,13 +109,16 @@ class ActivationCompressor:
         self.compressed += 1
         self.bytes_before += size
         self.bytes_after += data.numel() + scale.numel() * scale.element_size()
-        return _Packed(data, scale, tensor.dtype)
+        return _Packed(data, scale, tensor.dtype, tensor.stride())
 
     @staticmethod
     def unpack(packed):
         if not isinstance(packed, _Packed):
             return packed
-        return (packed.data.float() * packed.scale).to(packed.dtype)
+        values = (packed.data.float() * packed.scale).to(packed.dtype)
+        if values.stride() == packed.stride:
+            return values
+        return torch.empty_strided(values.shape, packed.stride, dtype=values.dtype, device=values.device).copy_(values)
 
     def __enter__(self) -> "ActivationCompressor":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
