@@ -116,8 +116,11 @@ class TEGroupedExperts(_WeightCache, nn.Module):
         self.pad = te.Fp8Padding(num_experts)
         self.unpad = te.Fp8Unpadding(num_experts)
 
+    @torch.compiler.disable
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """offsets: int32 end row of each expert's group; rows past offsets[-1] are padding (output zero)."""
+        """offsets: int32 end row of each expert's group; rows past offsets[-1] are padding (output zero).
+        Eager in a compiled block: traced, the host's row counts would become constants of the graph, recompiled
+        for every routing until dynamo gives up on the frame."""
         # TE splits the rows on the host: one device-to-host copy of the E counts per call.
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
         rows = sum(counts)

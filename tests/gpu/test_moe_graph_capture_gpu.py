@@ -219,3 +219,20 @@ def test_torch_grouped_fp8_gemm_still_takes_no_block_scales():
         F.scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, F.ScalingType.BlockWise1x128,
                             scale_b, F.ScalingType.BlockWise128x128, offs=offsets, output_dtype=torch.bfloat16)
         torch.cuda.synchronize()
+
+
+@te_mark(["tensorwise"])
+def test_a_compiled_moe_layer_on_te_experts_compiles_once_whatever_the_routing():
+    """TE's GroupedLinear takes the row counts as Python ints: traced by dynamo they would become constants of the
+    graph, recompiled for every routing until dynamo gives up on the frame. The experts run eagerly instead."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    moe = _moe("te")
+    compiled = torch.compile(moe)
+    for seed in range(4):
+        x, grad = _inputs(seed)
+        compiled(x.requires_grad_()).backward(grad)
+        if seed == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a new routing recompiled the MoE layer"
