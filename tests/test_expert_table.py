@@ -119,8 +119,20 @@ def test_blockwise_experts_take_the_fastest_path_measured_on_sm90():
     d = expert_decision("blockwise")
     assert (d.backend, d.recipe) == ("te", "blockwise")
     assert f"expert_backend=auto: the fastest blockwise expert path on sm90, {te.describe()}" in d.reason
-    assert d.reason.endswith(f"; grouped_fp8: {grouped.speedup}x")
+    assert d.reason.endswith(f"; grouped_fp8: {grouped.speedup}x")  # the measured shape: no note on it
     assert (REPO / te.folder).is_dir() and te.device in d.reason and f"{te.speedup}x BF16" in d.reason
+
+
+def test_a_choice_says_when_the_model_s_experts_are_not_the_measured_shape():
+    """The table measures one block shape (8 experts of 7168 -> 2048, 4096 tokens each): a model whose expert GEMMs
+    differ is told its own speed is unmeasured; the measured shape's GEMMs, w13 and w2, are not."""
+    from fp8stack.plan.expert_speeds import shape_note
+
+    assert shape_note(8, 2 * 2048, 7168) == shape_note(8, 7168, 2048) == ""
+    assert shape_note(32, 3072, 2048) == ("; measured at 8 experts of 7168 -> 2048 with 4096 tokens each, not at this "
+                                          "GEMM's 32 experts of [3072, 2048]: measure this model (fp8stack ab)")
+    moe = make_plan(load_description("deepseek-moe-small"), PolicyConfig(recipe="blockwise", backend="te", arch=90))
+    assert all("not at this GEMM's 32 experts" in d.reason for d in moe.decisions if d.component.kind == "expert")
 
 
 def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():

@@ -60,3 +60,16 @@ def measured(arch: int, recipe: str, backend: str, table: dict | None = None) ->
     per_kernels = [min((Measurement(**m) for m in devices), key=lambda m: m.speedup)
                    for key, devices in rows.items() if key == prefix or key.startswith(prefix + ":")]
     return max(per_kernels, key=lambda m: m.speedup, default=None)
+
+
+def shape_note(experts: int, n: int, k: int, table: dict | None = None) -> str:
+    """'' when an expert GEMM of `experts` experts and weight [n, k] is one of the measured block's (w13 [2F, D] or
+    w2 [D, F]), else what was measured and that this shape was not: a whole-block speedup at one shape does not carry
+    to fewer tokens per expert or smaller GEMMs (launch and quantization costs grow in share)."""
+    shape = (table or load_table())["shape"]
+    dim, hidden = shape["dim"], shape["hidden"]
+    if experts == shape["experts"] and (n, k) in ((2 * hidden, dim), (dim, hidden)):
+        return ""
+    return (f"; measured at {shape['experts']} experts of {dim} -> {hidden} with {shape['tokens_per_expert']} tokens "
+            f"each, not at this GEMM's {experts} experts of [{n}, {k}]: measure this model (fp8stack ab)")
+

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fp8stack.plan.description import Component, ModelDescription, NormFeed, SwiGLUFeed
 from fp8stack.plan.errors import PlanError, PlanWarning
 from fp8stack.plan.plan import Decision, Fusion, Plan
-from fp8stack.plan.expert_speeds import measured
+from fp8stack.plan.expert_speeds import measured, shape_note
 from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, EXPERT_BACKENDS, FP8_FORMATS,
                                    GROUPED_ALIGNMENT, Recipe, dense_backend, expert_paths,
                                    fp8_attention_head_dim_problem, fp8_attention_recipes, get_recipe)
@@ -528,7 +528,8 @@ def _expert_choice(c: Component, cfg: PolicyConfig) -> ExpertChoice:
         backend, expert_recipe, best = max(faster, key=lambda t: t[2].speedup)
         others = "".join(f"; {b}: {m.speedup}x" for b, _, m in timed if m is not None and b != backend)
         return ExpertChoice(backend, expert_recipe, f"expert_backend=auto: the fastest {expert_recipe} expert path "
-                                                    f"on sm{cfg.arch}, {best.describe()}{others}")
+                                                    f"on sm{cfg.arch}, {best.describe()}{others}"
+                                                    f"{shape_note(c.experts, c.n, c.k)}")
     unmeasured = [t for t in timed if t[2] is None]
     if unmeasured:
         backend, expert_recipe, _ = unmeasured[0]
