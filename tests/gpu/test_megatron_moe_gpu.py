@@ -5,7 +5,6 @@ resumed from its middle checkpoint repeats the uninterrupted one bit for bit.
 Run with `pytest -m gpu tests/gpu/test_megatron_moe_gpu.py`."""
 
 import pytest
-import torch
 
 from gpu_skips import require_te, te_mark
 
