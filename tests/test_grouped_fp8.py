@@ -247,6 +247,34 @@ def test_token_group_padding_without_host_sync():
     assert padding.counts == (4, 0, 8)  # read on the host once, on first use
 
 
+def test_aligned_groups_need_no_room_for_padding():
+    """Groups already starting on the alignment (GroupedExperts' contract under MoE) keep their rows: the buffer is
+    the tokens rounded up to the alignment, not T + E * (alignment - 1), and holds the same rows."""
+    x = torch.arange(1.0, 15.0).unsqueeze(1)  # 14 rows: groups 4, 0, 8, then 2 rows past the groups
+    general = TokenGroupPadding.build(offsets_of([4, 0, 8]), num_tokens=14, alignment=4)
+    aligned = TokenGroupPadding.build(offsets_of([4, 0, 8]), num_tokens=14, alignment=4, aligned=True)
+    assert (general.rows, aligned.rows) == (24, 16)  # 14 + 3 * 3 and 14, rounded up to 4
+    assert torch.equal(aligned.offsets, general.offsets) and aligned.counts == general.counts == (4, 0, 8)
+    assert torch.equal(aligned.pad(x), general.pad(x)[:16])
+    assert aligned.pad(x)[:12].squeeze(1).tolist() == list(range(1, 13)) and (aligned.pad(x)[12:] == 0).all()
+    assert torch.equal(aligned.unpad(aligned.pad(x)), general.unpad(general.pad(x)))
+
+
+@pytest.mark.parametrize("kernels", list(BLOCKWISE_KERNELS))
+def test_blockwise_on_aligned_groups_equals_the_general_padding(kernels):
+    x, w, offsets = _problem([128, 0, 256, 128], extra_rows=3 * 127)  # MoE's static room, unused
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    outs = []
+    for aligned in (False, True):
+        y = BlockwiseGroupedMM.apply(x, w, offsets, BLOCKWISE_KERNELS[kernels](), aligned)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    for general, aligned in zip(*outs):
+        assert torch.equal(general, aligned)
+
+
 def test_rhs_block_scale_pads_k_blocks_to_a_multiple_of_four():
     scale = torch.rand(2, 5) + 1  # N/128 = 2, K/128 = 5 (K = 640)
     laid_out = rhs_block_scale(scale)

@@ -154,7 +154,11 @@ class TokenGroupPadding:
     """Buffer rows."""
 
     @classmethod
-    def build(cls, offsets: torch.Tensor, num_tokens: int, alignment: int) -> "TokenGroupPadding":
+    def build(cls, offsets: torch.Tensor, num_tokens: int, alignment: int,
+              aligned: bool = False) -> "TokenGroupPadding":
+        """aligned: the caller's groups already start on multiples of `alignment` (GroupedExperts' contract when
+        its group_alignment is one), so no group moves and the buffer needs no room for padding: T rows, rounded
+        up to the alignment, instead of T + E * (alignment - 1)."""
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
         padded_counts = (counts + alignment - 1) // alignment * alignment
         padded_ends = padded_counts.cumsum(0)
@@ -163,7 +167,8 @@ class TokenGroupPadding:
         inside = group < offsets.numel()
         shift = ((padded_ends - padded_counts) - (offsets - counts))[group.clamp(max=offsets.numel() - 1)]
         # The GEMMs also need the buffer's row count (a stride when transposed) aligned.
-        rows = -(-(num_tokens + offsets.numel() * (alignment - 1)) // alignment) * alignment
+        room = 0 if aligned else offsets.numel() * (alignment - 1)
+        rows = -(-(num_tokens + room) // alignment) * alignment
         dest = torch.where(inside, tokens + shift, rows)  # tokens past the groups go to a scratch row
         source = torch.full((rows + 1,), -1, dtype=torch.long, device=offsets.device).index_copy_(0, dest, tokens)
         return cls(padded_ends.to(offsets.dtype), source[:rows], torch.where(inside, dest, -1), rows)
@@ -195,8 +200,8 @@ class BlockwiseGroupedMM(torch.autograd.Function):
     Whether the group sizes are read on the host is the kernels' affair (their capturable flags)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, kernels):
-        padding = TokenGroupPadding.build(offsets, x.shape[0], kernels.row_alignment)
+    def forward(ctx, x, weight, offsets, kernels, aligned=False):
+        padding = TokenGroupPadding.build(offsets, x.shape[0], kernels.row_alignment, aligned)
         weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
         if ctx.needs_input_grad[1]:
             # The wgrad operand x^T (1x128 tiles along the tokens) comes from the same read of x.
@@ -228,7 +233,7 @@ class BlockwiseGroupedMM(torch.autograd.Function):
             grad_x = fp8_quant.gather_rows_fused(grad_x, padding.unpad_source).to(ctx.x_dtype)
         if need_w:
             grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), padding).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 class RowwiseGroupedMM(torch.autograd.Function):
@@ -291,7 +296,8 @@ class Float8GroupedExperts(GroupedExperts):
         if recipe is None:
             return super().grouped_mm(x, weight, offsets)
         if recipe == "blockwise":
-            return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels)
+            aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
+            return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned)
         return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp")
 
     @classmethod
