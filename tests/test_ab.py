@@ -477,3 +477,13 @@ def test_relative_gap_is_a_trailing_mean_of_the_per_step_gap():
     base = [2.0, 2.0, 2.0, 2.0]
     assert relative_gap([2.0, 2.2, 1.8, 2.0], base, window=1) == pytest.approx([0.0, 10.0, -10.0, 0.0])
     assert relative_gap([2.0, 2.2, 1.8, 2.0], base, window=2) == pytest.approx([0.0, 5.0, 0.0, -5.0])
+
+
+def test_an_ab_past_one_pass_over_its_text_is_told_before_it_runs():
+    """The 2 000-step runs at 4 x 1024 on the default 7.9 MB text read it 1.03 times: said before any run, with the
+    data size that gives a loss verdict."""
+    from fp8stack.ab.run import repeated_text
+
+    message = repeated_text(2000 * 4 * 1024, 7_948_986)
+    assert message.startswith("8,192,000 training tokens per arm read the training text (7.9 MB) 1.03 times")
+    assert message.endswith("pass --max-data-bytes 8192000 or more (or train fewer tokens)")

@@ -11,6 +11,7 @@ which no arm measured anything writes none. How arms are judged: fp8stack.ab.ver
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -260,7 +261,10 @@ def run_ab(args: argparse.Namespace) -> int:
     peaks = peak_tflops(env["device"]) if on_gpu else None
     sequences = first.training.global_batch or first.training.micro_batch * ab.nproc
     split_bytes = load_split("train", first.data.max_bytes, source=first.data.source).numel()
-    passes = first.training.steps * sequences * first.training.seq_len / split_bytes
+    tokens = first.training.steps * sequences * first.training.seq_len
+    passes = tokens / split_bytes
+    if passes > MAX_PASSES:
+        print(f"fp8stack ab: warning: {repeated_text(tokens, split_bytes)}", file=sys.stderr, flush=True)
     repeat_names = repeat_arms(ab.baseline_runs)
     results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in configs}
     repeats: dict[str, dict | str] = {name: runs[name] for name in repeat_names if name in runs}
@@ -470,6 +474,14 @@ def _check(ab: AbConfig, tolerance: float) -> None:
         raise ConfigError(f"unknown {', '.join(unknown)} in --param-dtypes/--blockwise-gemms/--attention: use "
                           f"{', '.join(PARAM_DTYPES)} / {', '.join(BLOCKWISE_GEMMS)} / "
                           f"{', '.join(ATTENTION_PRECISIONS)}")
+
+
+def repeated_text(tokens: int, split_bytes: int) -> str:
+    """Why an A/B reading its training text more than MAX_PASSES times will not compare final losses, and the fix
+    (said before any run: a 2 000-step loss A/B found it out after its GPU time was spent)."""
+    return (f"{tokens:,} training tokens per arm read the training text ({split_bytes / 1e6:.1f} MB) "
+            f"{tokens / split_bytes:.2f} times: the runs memorise it and their final losses will not be compared; for "
+            f"a loss verdict pass --max-data-bytes {math.ceil(tokens / MAX_PASSES)} or more (or train fewer tokens)")
 
 
 def _planned_backend(recipe: str, preference: str) -> str:
