@@ -68,21 +68,24 @@ def test_a_yaml_path_loads_as_its_name_does():
     assert load_model_config(str(CONFIGS_DIR / "models" / "tiny.yaml")) == load_model_config("tiny")
 
 
-def test_llama3_8b_is_an_8b_model():
-    config = load_model_config("llama3-8b")
-    assert (config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
-            config.seq_len) == (4096, 32, 32, 8, 14336, 128256, 8192)
+def shape_and_parameters(name: str) -> tuple[tuple, int]:
+    """A named model's (dim, layers, heads, KV heads, FFN width, vocabulary, sequence) and its parameter count."""
+    config = load_model_config(name)
     with torch.device("meta"):
         params = sum(p.numel() for p in Llama(config).parameters())
+    return (config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
+            config.seq_len), params
+
+
+def test_llama3_8b_is_an_8b_model():
+    shape, params = shape_and_parameters("llama3-8b")
+    assert shape == (4096, 32, 32, 8, 14336, 128256, 8192)
     assert 8.0e9 < params < 8.1e9  # Meta's Llama 3 8B: 8.03B parameters
 
 
 def test_llama_70b_layers_has_llama3_70b_layer_widths_and_fits_one_h200_with_fp32_masters():
-    config = load_model_config("llama-70b-layers")
-    assert (config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
-            config.seq_len) == (8192, 4, 64, 8, 28672, 32000, 4096)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in Llama(config).parameters())
+    shape, params = shape_and_parameters("llama-70b-layers")
+    assert shape == (8192, 4, 64, 8, 28672, 32000, 4096)
     # FP32 masters and two FP32 Adam moments (12 bytes each) leave an H200's 141 GB room for activations.
     assert 3.9e9 < params < 4.0e9 and params * 12 < 50e9
 

@@ -164,10 +164,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=True)
     model_state, optim_state = get_state_dict(masters or model, optimizer)
     tensors, extra_keys = _split_extra_state({**model_state, **_extra_state(model, masters)})
-    if set(saved["extra_state"]) != set(extra_keys):
-        raise CheckpointMismatchError(
-            f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
-            f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
+    _check_extra_state_keys(path, saved, extra_keys)
     state = {"model": tensors, "optimizer": optim_state, **_buffer_items(model, masters)}  # buffers load in place
     with _te_extra_state_trust(trusted):
         _load_extra_state(path, model, saved["extra_state"])  # first: what TE refuses stops the load here
@@ -193,16 +190,20 @@ def _load_laid_out(path: Path, layout: TensorLayout, saved: dict, reader: JsonMe
     if not isinstance(saved.get("layout"), dict):
         raise CheckpointMismatchError(f"{path} was not saved in this model's layout (its rank file has no layout "
                                       "values): resume it with the model implementation it was saved with")
-    extra_keys = _split_extra_state(layout.module.state_dict())[1]
-    if set(saved["extra_state"]) != set(extra_keys):
-        raise CheckpointMismatchError(
-            f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
-            f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
+    _check_extra_state_keys(path, saved, _split_extra_state(layout.module.state_dict())[1])
     items, planner, put_in_place = layout.load_items()
     with _te_extra_state_trust(trusted):
         _load_extra_state(path, layout.module, saved["extra_state"])
         _load_tensors(path, items, reader, planner)
         put_in_place(saved["layout"])
+
+
+def _check_extra_state_keys(path: Path, saved: dict, extra_keys) -> None:
+    """The model's extra states (TE's FP8 scaling state) are the ones the rank file holds, or the plan changed."""
+    if set(saved["extra_state"]) != set(extra_keys):
+        raise CheckpointMismatchError(
+            f"{path}: the model's extra state (FP8 scaling state) does not match the checkpoint's "
+            f"({sorted(set(saved['extra_state']) ^ set(extra_keys))}): resume with the same plan")
 
 
 def saved_run(path: str | Path) -> dict | None:
