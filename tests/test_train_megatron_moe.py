@@ -86,6 +86,11 @@ def test_the_descriptions_moe_shape_and_routing_map_onto_megatrons_config():
     assert shape.moe.route_norm
     assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 1e-3
     assert config.moe_aux_loss_coeff == 0.0 and config.moe_router_load_balancing_type == "none"
+    # --model.expert-bias-rate reaches megatron's router as it does the plain MoE's: 0 turns the bias off
+    for rate in (2e-3, 0.0):
+        given = moe_cfg("--model.expert-bias-rate", str(rate), model="deepseek-moe-small")
+        config = megatron_model.transformer_config(given, model_config(given), "hybrid")
+        assert (config.moe_router_enable_expert_bias, config.moe_router_bias_update_rate) == (rate > 0, rate)
 
 
 @pytest.mark.parametrize("score_func, top_k, route_norm", [("sigmoid", 2, False), ("softmax", 1, True)])
@@ -161,7 +166,7 @@ def test_megatrons_moe_trains_and_moves_the_expert_bias(megatron_moe_on_cpu):
         assert torch.isfinite(norm)
         if step == 0:
             for router, count in zip(routers, counts):
-                expected = torch.sign(count.mean() - count) * megatron_model.EXPERT_BIAS_UPDATE_RATE
+                expected = torch.sign(count.mean() - count) * sigmoid.moe.expert_bias_rate
                 assert torch.equal(router.expert_bias, expected)
         assert all(not r.local_tokens_per_expert.any() for r in routers)
         optimizer.step()

@@ -35,8 +35,6 @@ from fp8stack.train.model import build_model, model_config
 
 log = logging.getLogger(__name__)
 
-EXPERT_BIAS_UPDATE_RATE = 1e-3
-"""How far a sigmoid router's expert bias moves per step towards balance (DeepSeek-V3's rate, megatron's default)."""
 
 
 def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | None):
@@ -83,9 +81,10 @@ def moe_fields(shape: LlamaConfig, fp8: bool) -> dict:
     - megatron multiplies each token's weight into its expert's SwiGLU output before linear_fc2, the plain MoE into
       the expert's output: the same function, rounded differently in BF16 and FP8.
     - Balancing: sigmoid routers take DeepSeek-V3's aux-loss-free expert bias (moe_router_enable_expert_bias: added
-      to the scores for the top-k choice only, moved by sign(mean load - load) x EXPERT_BIAS_UPDATE_RATE once per
-      step from the step's token counts, as finalize_model_grads does); softmax routers none, as the plain model.
-      No auxiliary loss either way.
+      to the scores for the top-k choice only, moved by sign(mean load - load) x the plain MoE's rate,
+      MoEConfig.expert_bias_rate, once per step from the step's token counts, as finalize_model_grads does; a rate
+      of 0 turns it off). Softmax routers none: megatron's TransformerConfig refuses an expert bias on softmax
+      scores, where the plain MoE balances them too. No auxiliary loss either way.
 
     Experts are grouped GEMMs (moe_grouped_gemm: TEGroupedMLP's TE GroupedLinear on the TE spec; the local spec, on
     a CPU, builds SequentialMLP whatever the flag says). The alltoall dispatcher: with one expert-parallel rank it
@@ -110,7 +109,8 @@ def moe_fields(shape: LlamaConfig, fp8: bool) -> dict:
         "moe_layer_freq": [int(shape.is_moe_layer(i)) for i in range(shape.n_layers)],
         "moe_router_score_function": moe.score_func, "moe_router_pre_softmax": not sigmoid and not moe.route_norm,
         "moe_router_dtype": "fp32", "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
-        "moe_router_enable_expert_bias": sigmoid, "moe_router_bias_update_rate": EXPERT_BIAS_UPDATE_RATE,
+        "moe_router_enable_expert_bias": sigmoid and moe.expert_bias_rate > 0,
+        "moe_router_bias_update_rate": moe.expert_bias_rate,
         "moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall",
         "moe_router_padding_for_quantization": fp8, "moe_permute_fusion": te_usable(),
     }
