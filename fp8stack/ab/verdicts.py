@@ -180,10 +180,14 @@ def blended_peak(peaks: dict[str, float], fp8_share: float) -> float:
     return 1.0 / (fp8_share / peaks["fp8"] + (1.0 - fp8_share) / peaks["bf16"])
 
 
+def final_window(series: list[float]) -> list[float]:
+    """The last LAST_FRACTION of a per-step series (at least one step)."""
+    return series[-max(1, round(len(series) * LAST_FRACTION)):]
+
+
 def final_loss(losses: list[float]) -> float:
     """Mean over the last LAST_FRACTION of the steps (at least one step)."""
-    tail = max(1, round(len(losses) * LAST_FRACTION))
-    return statistics.fmean(losses[-tail:])
+    return statistics.fmean(final_window(losses))
 
 
 def router_window(result: dict) -> tuple[float, float] | None:
@@ -193,7 +197,7 @@ def router_window(result: dict) -> tuple[float, float] | None:
     series = [step["imbalance"] for step in result.get("router") or []]
     if not series:
         return None
-    tail = series[-max(1, round(len(series) * LAST_FRACTION)):]
+    tail = final_window(series)
     error = statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0
     return statistics.fmean(tail), error
 
