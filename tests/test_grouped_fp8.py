@@ -342,6 +342,56 @@ def test_blockwise_fwd_dgrad_wgrad_match_the_reference(kernels, counts):
         assert (w.grad[counts.index(0)] == 0).all()
 
 
+@pytest.mark.parametrize("kernels", list(BLOCKWISE_KERNELS))
+def test_blockwise_wgrad_adds_into_main_grad_across_micro_batches(kernels):
+    """With the weight's FP32 main_grad passed, two micro-batches' wgrads land there, summed in FP32, and autograd
+    gets no weight gradient (nothing for a hook to cast or add); an empty expert's buffer keeps what it held."""
+    x, w, offsets = _problem(UNEVEN)
+    w.requires_grad_(True)
+    main_grad = torch.full(w.shape, 0.5)
+    expected = main_grad.clone()
+    for seed in (1, 2):
+        grad_y = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(seed))
+        BlockwiseGroupedMM.apply(x, w, offsets, BLOCKWISE_KERNELS[kernels](), False, main_grad).backward(grad_y)
+        expected += reference_grouped_wgrad(grad_y, x, offsets)
+    assert w.grad is None
+    assert rel_err(main_grad - 0.5, expected - 0.5) < KERNEL_TOLERANCE
+    assert (main_grad[UNEVEN.index(0)] == 0.5).all()
+
+
+def test_a_k_grouped_gemm_refuses_a_buffer_it_cannot_add_into():
+    x, w, offsets = _problem(UNEVEN)
+    w.requires_grad_(True)
+    y = BlockwiseGroupedMM.apply(x, w, offsets, BLOCKWISE_KERNELS["deepgemm"](), False,
+                                 torch.zeros(w.shape, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"contiguous FP32 \[4, 256, 640\] buffer, got torch.bfloat16"):
+        y.sum().backward()
+
+
+def test_master_weights_hand_the_blockwise_experts_their_main_grads():
+    """After hand_over_main_grads (what MasterWeights calls), the converted experts' blockwise wgrads go into the
+    weights' main_grad: the same gradient autograd gave them before, in FP32, and no .grad."""
+    model, plan = _tiny_moe_and_plan()
+    decisions = [plan.decision("layers.1.moe.experts.w13"), plan.decision("layers.1.moe.experts.w2")]
+    backend = GroupedFP8Backend(kernels="torch")
+    backend.convert(model, decisions, plan)
+    moe = model.layers[1].moe
+    moe.experts.blockwise_kernels = BLOCKWISE_KERNELS["torch"]()  # the GPU kernels' contract, in FP32 on CPU
+    x = torch.randn(2, 16, 256)
+    moe(x).square().mean().backward()
+    autograd_grads = [moe.experts.w13.grad.clone(), moe.experts.w2.grad.clone()]
+    weights = [moe.experts.w13, moe.experts.w2]
+    for weight in weights:
+        weight.grad = None
+        weight.main_grad = torch.zeros(weight.shape)
+    backend.hand_over_main_grads(model)
+    assert moe.experts.wgrad_into_main_grad
+    moe(x).square().mean().backward()
+    for weight, expected in zip(weights, autograd_grads):
+        assert weight.grad is None
+        assert rel_err(weight.main_grad, expected) < 1e-6
+
+
 def test_blockwise_keeps_dtypes_and_follows_autocast():
     x, w, offsets = _problem([128, 128], n=128, k=128)
     x = x.bfloat16().requires_grad_(True)

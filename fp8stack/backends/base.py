@@ -92,8 +92,8 @@ class Backend:
         return {}
 
     def hand_over_main_grads(self, model: nn.Module) -> None:
-        """Master weights take over the FP32 main_grad buffers its modules accumulate weight gradients into: the
-        modules stop pointing their weights' .grad at them."""
+        """Master weights now own an FP32 main_grad per weight: modules that kept their own buffers stop pointing
+        their weights' .grad at them, and modules that can add their weight gradients into main_grad start to."""
 
     def refuse_wrappers(self, *, tensor_parallel: bool, fully_shard: bool) -> str | None:
         """Why this backend, as configured, cannot run its modules under the wrappers asked for (tensor parallelism,

@@ -68,6 +68,16 @@ def dequantize_128x128(t: Fp8Tensor) -> torch.Tensor:
     return t.data.float() * expanded
 
 
+def new_or_into(into: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The FP32 buffer a K-grouped GEMM adds into: `into` (checked: FP32, contiguous, of this shape), else zeros."""
+    if into is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    if into.dtype != torch.float32 or tuple(into.shape) != shape or not into.is_contiguous():
+        raise ValueError(f"a grouped weight gradient accumulates into a contiguous FP32 {list(shape)} buffer, got "
+                         f"{into.dtype} {list(into.shape)}{'' if into.is_contiguous() else ' (strided)'}")
+    return into
+
+
 def group_counts(offsets: torch.Tensor) -> list[int]:
     """Rows per expert from cumulative end offsets (a host sync: never inside a CUDA-graph capture)."""
     return torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).tolist()

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 from fp8stack.backends.base import BackendUnavailable
-from fp8stack.backends.blockwise import BLOCK, Fp8Tensor
+from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, new_or_into
 
 JIT_CACHE_ENV = "DG_JIT_CACHE_DIR"
 """The environment variable DeepGEMM's JIT compiler reads its kernel cache folder from (csrc/jit/compiler.hpp)."""
@@ -120,13 +120,14 @@ class DeepGemmKernels:
             (a.data, a.scale), (b.data, b.scale), out, m_indices(groups.offsets, rows), disable_ue8m0_cast=True)
         return out
 
-    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups) -> torch.Tensor:
-        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32.
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups, into: torch.Tensor | None = None) -> torch.Tensor:
+        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32;
+        into: an FP32 [E, M, N] the products are added to in place (and returned) instead of a new zeroed one.
         groups.counts: tokens per expert (multiples of 128), read on the host."""
         # The Hopper kernel computes d = c + a @ b^T in place in d; DeepGEMM first copies c into d unless c is d,
-        # so c is d, zeroed (an expert without tokens keeps a zero gradient).
+        # so c is d: zeroed, or the buffer accumulated into (an expert without tokens adds nothing).
         ks = list(groups.counts)  # host values: DeepGEMM plans the K-grouped kernel on the CPU
-        out = torch.zeros(len(ks), a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
+        out = new_or_into(into, (len(ks), a.data.shape[0], b.data.shape[0]), a.data.device)
         # The operands may run past the groups (a static buffer): DeepGEMM takes exactly sum(ks) tokens.
         tiles = sum(ks) // BLOCK
         a_scale, b_scale = a.scale[:, :tiles].contiguous(), b.scale[:, :tiles].contiguous()

@@ -39,7 +39,7 @@ from torch import nn
 
 from fp8stack.backends import deepgemm, fp8_quant
 from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, swap_module
-from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts
+from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts, new_or_into
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK, gather_rows
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError
@@ -102,14 +102,16 @@ class TorchBlockwiseKernels:
             start += count
         return out
 
-    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding") -> torch.Tensor:
-        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32."""
-        out = a.data.new_zeros(len(groups.counts), a.data.shape[0], b.data.shape[0], dtype=torch.float32)
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding",
+                  into: torch.Tensor | None = None) -> torch.Tensor:
+        """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32;
+        into: an FP32 [E, M, N] the products are added to (and returned) instead of a new zeroed one."""
+        out = new_or_into(into, (len(groups.counts), a.data.shape[0], b.data.shape[0]), a.data.device)
         start = 0
         for e, count in enumerate(groups.counts):
             if count:
                 tokens, tiles = slice(start, start + count), slice(start // BLOCK, (start + count) // BLOCK)
-                out[e] = self.scaled_mm(
+                out[e] += self.scaled_mm(
                     a.data[:, tokens].contiguous(), b.data[:, tokens].contiguous().t(),
                     outer_dim_major(a.scale[:, tiles]), F.ScalingType.BlockWise1x128,
                     outer_dim_major(b.scale[:, tiles]), F.ScalingType.BlockWise1x128, output_dtype=torch.bfloat16)
@@ -197,10 +199,12 @@ class BlockwiseGroupedMM(torch.autograd.Function):
     """y = x @ w[e]^T per expert row group, with forward, dgrad and wgrad block-scaled FP8 GEMMs.
     Groups are padded to the kernels' row alignment on the GPU (a static row count), the padding gathered
     inside each quantizer; each operand is quantized once, whole (1x128 tiles never cross an aligned group).
-    Whether the group sizes are read on the host is the kernels' affair (their capturable flags)."""
+    Whether the group sizes are read on the host is the kernels' affair (their capturable flags).
+    main_grad: the weight's FP32 gradient buffer, which the wgrad GEMM adds into in place (no weight gradient is
+    returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, kernels, aligned=False):
+    def forward(ctx, x, weight, offsets, kernels, aligned=False, main_grad=None):
         padding = TokenGroupPadding.build(offsets, x.shape[0], kernels.row_alignment, aligned)
         weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
         if ctx.needs_input_grad[1]:
@@ -211,7 +215,7 @@ class BlockwiseGroupedMM(torch.autograd.Function):
             x_fp8 = fp8_quant.gather_quantize_rows_1x128(x, padding.source)
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale)
         y = kernels.m_grouped(x_fp8, weight_fp8, padding)
-        ctx.padding, ctx.kernels = padding, kernels
+        ctx.padding, ctx.kernels, ctx.main_grad = padding, kernels, main_grad
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
         return fp8_quant.gather_rows_fused(y, padding.unpad_source).to(_activation_dtype(x))
 
@@ -231,9 +235,11 @@ class BlockwiseGroupedMM(torch.autograd.Function):
             weight_t = fp8_quant.transpose_blocks(Fp8Tensor(weight_data, weight_scale))  # the forward's, transposed
             grad_x = kernels.m_grouped(grad_fp8, weight_t, padding)
             grad_x = fp8_quant.gather_rows_fused(grad_x, padding.unpad_source).to(ctx.x_dtype)
-        if need_w:
+        if need_w and ctx.main_grad is not None:
+            kernels.k_grouped(grad_t, Fp8Tensor(*x_t), padding, into=ctx.main_grad)
+        elif need_w:
             grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), padding).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class RowwiseGroupedMM(torch.autograd.Function):
@@ -291,13 +297,18 @@ class Float8GroupedExperts(GroupedExperts):
     """GroupedExperts whose planned GEMMs run in FP8; the same Parameter objects as the module it replaces.
     A GEMM with no recipe (the plan keeps it BF16) runs GroupedExperts' torch._grouped_mm."""
 
+    wgrad_into_main_grad: bool = False
+    """The blockwise wgrad GEMMs add into their weights' FP32 main_grad (set once master weights own those buffers:
+    GroupedFP8Backend.hand_over_main_grads)."""
+
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         recipe = self.recipes.get("w13" if weight is self.w13 else "w2")
         if recipe is None:
             return super().grouped_mm(x, weight, offsets)
         if recipe == "blockwise":
             aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
-            return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned)
+            main_grad = weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
+            return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned, main_grad)
         return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp")
 
     @classmethod
@@ -344,6 +355,13 @@ class GroupedFP8Backend(Backend):
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"grouped_fp8 kernels={self.kernels!r}: use one of {', '.join(KERNEL_CHOICES)}")
+
+    def hand_over_main_grads(self, model: nn.Module) -> None:
+        """Master weights give every weight an FP32 main_grad: the blockwise experts' wgrad GEMMs add into it
+        themselves from now on (DeepGEMM's K-grouped kernel accumulates in place; torch's adds per expert)."""
+        for module in model.modules():
+            if isinstance(module, Float8GroupedExperts):
+                module.wgrad_into_main_grad = True
 
     def available(self, recipes: Sequence[str] = ()) -> tuple[bool, str]:
         if not torch.cuda.is_available():

@@ -86,6 +86,29 @@ def test_blockwise_fwd_dgrad_wgrad_match_the_reference(kernels, counts, k):
         assert (w.grad[counts.index(0)] == 0).all()
 
 
+@pytest.mark.parametrize("kernels", list(KERNELS))
+def test_blockwise_wgrad_adds_into_main_grad_as_autograd_would(kernels):
+    """The wgrad GEMM given the weight's FP32 main_grad (what master weights hand over) adds two micro-batches'
+    gradients into it in place: their FP32 sum, within an FP32 rounding of autograd's per-micro-batch gradients;
+    the empty expert's buffer keeps its value, and autograd returns no weight gradient."""
+    torch.manual_seed(0)
+    offsets = offsets_of(UNEVEN)
+    x = torch.randn(sum(UNEVEN), 640, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(len(UNEVEN), 384, 640, device=DEVICE) * 0.05).requires_grad_(True)
+    grads = [torch.randn(sum(UNEVEN), 384, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    expected = torch.full(w.shape, 0.5, device=DEVICE)
+    for grad_y in grads:
+        BlockwiseGroupedMM.apply(x, w, offsets, KERNELS[kernels]()).backward(grad_y)
+        expected += w.grad.float()
+        w.grad = None
+    main_grad = torch.full(w.shape, 0.5, device=DEVICE)
+    for grad_y in grads:
+        BlockwiseGroupedMM.apply(x, w, offsets, KERNELS[kernels](), False, main_grad).backward(grad_y)
+    assert w.grad is None
+    assert rel_err(main_grad - 0.5, expected - 0.5) < 1e-5
+    assert (main_grad[UNEVEN.index(0)] == 0.5).all()
+
+
 @pytest.mark.parametrize("k", [384, 640, 896, 1152])
 def test_torch_blockwise_scaled_mm_when_k_blocks_are_not_a_multiple_of_4(k):
     """One GEMM straight through the native kernel, K/128 = 3, 5, 7, 9."""
