@@ -18,7 +18,8 @@ from fp8stack.bench import expert_table
 from fp8stack.config import ConfigError, from_overrides
 from fp8stack.models import load_model_config
 from fp8stack.models.llama import Llama
-from fp8stack.plan import ModelDescription, PolicyConfig, description_from_dict, load_description, make_plan
+from fp8stack.plan import (ModelDescription, PlanWarning, PolicyConfig, description_from_dict, load_description,
+                           make_plan)
 from fp8stack.plan import expert_speeds
 from fp8stack.plan.expert_speeds import TABLE_PATH, ExpertGemm, ExpertShape, load_table, measured, shape_note
 from fp8stack.train.command import main as train_main
@@ -202,6 +203,28 @@ def test_the_plan_chooses_each_model_s_expert_path_at_its_own_shape(monkeypatch)
                                  "1024 tokens each on H200 (p/H200)")
 
 
+def test_evidence_at_deepseek_moe_small_s_shape_decides_its_plan(tmp_path, monkeypatch):
+    """What `python -m fp8stack.bench.backends --shapes deepseek-moe-small --tokens 4096 --grouped-only` records
+    (here with made-up speeds) becomes the table the plan reads for that model's experts, at their own shape."""
+    small = {"source": "deepseek-moe-small", "experts": 32, "model_experts": 32, "top_k": 8, "dim": 2048,
+             "hidden": 1536, "tokens_per_expert": 1024, "gemm": "experts"}
+    evidence = tmp_path / "backends-small-h200.json"
+    evidence.write_text(json.dumps({"date": "2026-11-27T00:00:00", "environment": {
+        "device": "NVIDIA H200", "compute_capability": "9.0"}, "grouped": [
+        {**small, "backend": "te", "recipe": "blockwise", "options": {}, "speedup_vs_bf16": 0.474},
+        {**small, "backend": "grouped_fp8", "recipe": "blockwise", "options": {"kernels": "deepgemm"},
+         "speedup_vs_bf16": 0.9}]}))
+    table = expert_table.build_table([evidence])
+    monkeypatch.setattr(expert_speeds, "load_table", lambda: table)
+    with pytest.warns(PlanWarning, match="runs 4% of its GEMM FLOPs in FP8"):  # its FLOPs are the experts'
+        plan = make_plan(load_description("deepseek-moe-small"), PolicyConfig(recipe="blockwise"))
+    experts = [d for d in plan.decisions if d.component.kind == "expert"]
+    assert len(experts) == 14 and {(d.backend, d.recipe) for d in experts} == {("bf16", "bf16")}
+    for d in experts:
+        assert "te/blockwise measured 0.474x BF16 at 32 experts of 2048 -> 1536 with 1024 tokens each" in d.reason
+        assert "pass expert_backend=grouped_fp8 to run them in FP8 anyway" in d.reason and "nearest" not in d.reason
+
+
 # --- the plan's choice, from the packaged table -------------------------------------------------------------
 
 def experts_model():
@@ -230,9 +253,11 @@ def test_a_choice_says_when_the_model_s_experts_are_not_a_measured_shape():
     GEMMs, w13 and w2, are not."""
     te = measured(90, "blockwise", "te", W13)
     assert shape_note(te, W13) == shape_note(te, ExpertGemm(8, 7168, 2048, 1024)) == ""
-    moe = make_plan(load_description("deepseek-moe-small"), PolicyConfig(recipe="blockwise", backend="te", arch=90))
-    experts = [d for d in moe.decisions if d.component.kind == "expert"]
-    assert experts and all("is the nearest shape measured to this GEMM's 32 experts" in d.reason for d in experts)
+    unmeasured = moe_model(16, 3072, 1024, 4)  # no evidence measures 16 experts of 3072 -> 1024
+    experts = [d for d in make_plan(unmeasured, PolicyConfig(recipe="blockwise", small_gemm_filter="off")).decisions
+               if d.component.kind == "expert"]
+    assert len(experts) == 2
+    assert all("is the nearest shape measured to this GEMM's 16 experts of [" in d.reason for d in experts)
 
 
 def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
