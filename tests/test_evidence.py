@@ -184,6 +184,31 @@ def test_benchmark_shapes():
         ("issue-7", 8, 7168, 2048, 4096)]
 
 
+def test_grouped_only_times_the_expert_blocks_of_the_named_models_and_no_linear():
+    """The run that measures deepseek-moe-small's expert block for the plan's table: every expert variant at its shape
+    (32 experts of 2048 -> 1536, 4096 tokens x top-8 / 32 = 1024 each) and the MoE target's, no dense linear."""
+    args = bench.parse_args(["--shapes", "deepseek-moe-small", "--tokens", "4096", "--local-experts", "32",
+                             "--grouped-only", "--label", "deepseek-moe-small-experts"])
+    assert bench.dense_runs(args) == []
+    runs = bench.grouped_runs(args)
+    assert len(runs) == 2 * 2 * len(bench.EXPERT_VARIANTS)  # (its shape, the target's) x (w13, whole block)
+    small = {"source": "deepseek-moe-small", "experts": 32, "model_experts": 32, "top_k": 8, "dim": 2048,
+             "hidden": 1536, "tokens_per_expert": 1024}
+    blocks = [(backend, recipe, options) for shape, gemm, backend, recipe, options in runs
+              if shape == small and gemm == "experts"]
+    assert blocks == list(bench.EXPERT_VARIANTS)
+    planned = set()
+    for backend, recipe, options in blocks:  # the policy runs each as asked at this shape
+        _, decisions = bench.expert_plan(32, 2048, 1536, recipe, backend)
+        planned |= {(d.backend, d.recipe, options.get("kernels", "")) for d in decisions}
+    assert planned == {("bf16", "bf16", ""), ("grouped_fp8", "blockwise", "torch"),
+                       ("grouped_fp8", "blockwise", "deepgemm"), ("grouped_fp8", "rowwise", ""),
+                       ("grouped_fp8", "rowwise_gw_hp", ""), ("te", "tensorwise", ""), ("te", "delayed", ""),
+                       ("te", "blockwise", "")}
+    assert len(bench.dense_runs(bench.parse_args(["--shapes", "deepseek-moe-small"]))) == 6 * len(
+        bench.DENSE_VARIANTS)  # without the flag: its six linear shapes too
+
+
 def test_speedups_compare_like_with_like_and_failures_stay_visible():
     results = [{"n": 1, "recipe": "bf16", "compiled": False, "median_ms": 2.0},
                {"n": 1, "recipe": "rowwise", "compiled": False, "median_ms": 1.0},

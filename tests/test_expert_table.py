@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,20 @@ from fp8stack.bench import expert_table
 from fp8stack.config import ConfigError, from_overrides
 from fp8stack.models import load_model_config
 from fp8stack.models.llama import Llama
-from fp8stack.plan import PolicyConfig, description_from_dict, load_description, make_plan
-from fp8stack.plan.expert_speeds import TABLE_PATH, load_table, measured
+from fp8stack.plan import (ModelDescription, PlanWarning, PolicyConfig, description_from_dict, load_description,
+                           make_plan)
+from fp8stack.plan import expert_speeds
+from fp8stack.plan.expert_speeds import TABLE_PATH, ExpertGemm, ExpertShape, load_table, measured, shape_note
 from fp8stack.train.command import main as train_main
 from fp8stack.train.loop import resolve_job
 
 REPO = Path(__file__).resolve().parents[1]
 EVIDENCE = "profiles/runs/*/backends-*.json"
 """The backends benchmark's evidence, as the table's own command names it."""
+TARGET = ExpertShape(experts=8, dim=7168, hidden=2048, tokens_per_expert=4096)
+"""The MoE target's expert block (fp8stack.bench.backends.ISSUE7_EXPERTS), measured on every sm90 GPU so far."""
+W13 = ExpertGemm(experts=8, n=2 * 2048, k=7168, tokens_per_expert=1024)
+"""Its w13 GEMM, as a plan of experts_model() reads the table for it."""
 
 
 def evidence_files() -> list[Path]:
@@ -46,7 +53,7 @@ def test_each_measurement_names_the_evidence_row_it_comes_from(monkeypatch):
     assert "sm90" in archs
     for arch, paths in archs.items():
         for key, devices in paths.items():
-            assert len({m["device"] for m in devices}) == len(devices), key  # one per device: its newest
+            assert len({(m["device"], str(m["shape"])) for m in devices}) == len(devices), key  # the newest of each
             for m in devices:
                 record = json.loads(Path(m["source"]).read_text())
                 assert (record["environment"]["device"], record["date"][:10]) == (m["device"], m["date"])
@@ -54,8 +61,27 @@ def test_each_measurement_names_the_evidence_row_it_comes_from(monkeypatch):
                 recipe, backend = key.split(":")[0].split("/")
                 rows = [r for r in record["grouped"] if r["gemm"] == "experts" and r["recipe"] == recipe
                         and r["backend"] == backend and r.get("options", {}).get("kernels", "") == m["kernels"]
-                        and r["experts"] == 8 and r["tokens_per_expert"] == 4096]
+                        and all(r[field] == value for field, value in m["shape"].items())]
                 assert [r["speedup_vs_bf16"] for r in rows] == [m["speedup"]], (key, m["source"])
+    shapes = [ExpertShape(**shape) for shape in load_table()["shapes"]]
+    assert TARGET in shapes and len(shapes) > 1  # the models' shapes the evidence measured are kept too
+
+
+def test_the_table_keeps_one_measurement_per_device_and_shape_the_newest(tmp_path):
+    def evidence(name, date, speedups):
+        path = tmp_path / name
+        path.write_text(json.dumps({"date": date, "environment": {"device": "H", "compute_capability": "9.0"},
+                                    "grouped": [{"gemm": "experts", "recipe": "blockwise", "backend": "te",
+                                                 "speedup_vs_bf16": speedup, **shape} for shape, speedup in speedups]}))
+        return path
+
+    small = {"experts": 32, "dim": 2048, "hidden": 1536, "tokens_per_expert": 1024}
+    old = evidence("old.json", "2026-11-01T00:00:00", [(asdict(TARGET), 1.2), (small, 0.5)])
+    new = evidence("new.json", "2026-11-02T00:00:00", [(small, 0.6)])
+    table = expert_table.build_table([old, new])
+    assert table["shapes"] == [asdict(TARGET), small]
+    assert [(m["speedup"], m["source"]) for m in table["archs"]["sm90"]["blockwise/te"]] == [
+        (1.2, old.as_posix()), (0.6, new.as_posix())]
 
 
 def test_the_tool_writes_the_table_where_asked(monkeypatch, tmp_path, capsys):
@@ -69,7 +95,10 @@ def test_the_tool_writes_the_table_where_asked(monkeypatch, tmp_path, capsys):
     ("{}", "is not fp8stack.bench.backends evidence (KeyError"),
     ("[1", "is not fp8stack.bench.backends evidence (JSONDecodeError"),
     (json.dumps({"date": "2026-11-26", "environment": {"device": "X", "compute_capability": "9.0"}, "grouped": []}),
-     "no whole-expert-block measurement at the target shape in these files"),
+     "no timed FP8 whole-expert-block measurement in these files"),
+    (json.dumps({"date": "2026-11-26", "environment": {"device": "X", "compute_capability": "9.0"},
+                 "grouped": [{"gemm": "experts", "recipe": "blockwise", "backend": "te", "speedup_vs_bf16": 1.1}]}),
+     "is not fp8stack.bench.backends evidence (KeyError: 'experts')"),
 ])
 def test_the_tool_refuses_what_is_not_expert_evidence_in_one_line(tmp_path, capsys, text, message):
     bad, out = tmp_path / "bad.json", tmp_path / "speeds.json"
@@ -80,32 +109,127 @@ def test_the_tool_refuses_what_is_not_expert_evidence_in_one_line(tmp_path, caps
     assert not out.exists()
 
 
-def test_the_slowest_device_of_a_path_counts_and_the_fastest_kernels():
-    def row(speedup, device, kernels=""):
-        return {"speedup": speedup, "device": device, "date": "2026-11-26", "source": f"p/{device}/x.json",
-                "kernels": kernels}
+def row(speedup, device, kernels="", shape=TARGET):
+    """A table measurement."""
+    return {"speedup": speedup, "shape": asdict(shape), "device": device, "date": "2026-11-26",
+            "source": f"p/{device}/x.json", "kernels": kernels}
 
+
+def test_the_slowest_device_of_a_path_counts_and_the_fastest_kernels():
     table = {"archs": {"sm90": {
         "blockwise/grouped_fp8:deepgemm": [row(0.9, "A", "deepgemm"), row(0.8, "B", "deepgemm")],
         "blockwise/grouped_fp8:torch": [row(0.7, "A", "torch"), row(0.75, "B", "torch")],
         "blockwise/te": [row(1.3, "A"), row(1.2, "B")]}}}
-    grouped = measured(90, "blockwise", "grouped_fp8", table)
+    grouped = measured(90, "blockwise", "grouped_fp8", W13, table)
     assert (grouped.speedup, grouped.device, grouped.kernels) == (0.8, "B", "deepgemm")
-    assert (measured(90, "blockwise", "te", table).speedup, measured(90, "blockwise", "te", table).device) == (1.2, "B")
-    assert measured(100, "blockwise", "te", table) is None
-    assert measured(90, "rowwise", "grouped_fp8", table) is None
+    te = measured(90, "blockwise", "te", W13, table)
+    assert (te.speedup, te.device, te.shape) == (1.2, "B", TARGET)
+    assert measured(100, "blockwise", "te", W13, table) is None
+    assert measured(90, "rowwise", "grouped_fp8", W13, table) is None
 
 
-# --- the plan's choice ----------------------------------------------------------------------------------------
+# --- the plan's choice at each model's shape ----------------------------------------------------------------
 
-def experts_model():
-    """The MoE target's expert shape beside a dense linear large enough that the plan has FP8 either way."""
+SMALL = ExpertShape(experts=32, dim=2048, hidden=1536, tokens_per_expert=1024)
+"""deepseek-moe-small's expert block at micro-batch 1 (32 experts top-8 of 2048 -> 1536, 4096 tokens)."""
+TWO_SHAPES = {"archs": {"sm90": {
+    "blockwise/te": [row(1.24, "H200"), row(0.47, "H200", shape=SMALL)],
+    "blockwise/grouped_fp8:deepgemm": [row(0.89, "H200", "deepgemm"), row(1.1, "H200", "deepgemm", SMALL)]}}}
+"""A path faster than BF16 at one shape and slower at the other, and one the other way round."""
+
+
+def test_a_path_is_read_at_the_gemm_s_own_shape_from_w13_or_w2():
+    for gemm in (ExpertGemm(32, 2 * 1536, 2048, 1024), ExpertGemm(32, 2048, 1536, 1024)):  # w13, w2
+        te = measured(90, "blockwise", "te", gemm, TWO_SHAPES)
+        assert (te.speedup, te.shape) == (0.47, SMALL) and shape_note(te, gemm) == ""
+    te = measured(90, "blockwise", "te", W13, TWO_SHAPES)
+    assert (te.speedup, te.shape) == (1.24, TARGET) and shape_note(te, W13) == ""
+    assert "at 32 experts of 2048 -> 1536 with 1024 tokens each on H200" in measured(
+        90, "blockwise", "te", ExpertGemm(32, 2048, 1536, 1024), TWO_SHAPES).describe()
+
+
+def test_elsewhere_the_nearest_measured_shape_counts_and_the_reason_says_so():
+    """Nearest: the fewest of (experts, dim, hidden) differing, then the closest tokens per expert (log scale)."""
+    wider = ExpertGemm(32, 2 * 2048, 2048, 1024)  # SMALL's experts and dim, another hidden: one differs
+    assert measured(90, "blockwise", "te", wider, TWO_SHAPES).shape == SMALL
+    many = ExpertGemm(256, 2 * 2048, 7168, 128)  # TARGET's dim and hidden, 256 experts: one differs
+    assert measured(90, "blockwise", "te", many, TWO_SHAPES).shape == TARGET
+    tied = {"archs": {"sm90": {"blockwise/te": [row(1.2, "H", shape=TARGET),
+                                                row(0.5, "H", shape=ExpertShape(32, 7168, 2048, 256))]}}}
+    assert measured(90, "blockwise", "te", many, tied).shape.tokens_per_expert == 256  # 128 is nearer 256 than 4096
+    note = shape_note(measured(90, "blockwise", "te", wider, TWO_SHAPES), wider)
+    assert note == ("; 32 experts of 2048 -> 1536 is the nearest shape measured to this GEMM's 32 experts of "
+                    "[4096, 2048] with 1024 tokens each per sequence: measure this model (fp8stack ab)")
+
+
+def moe_model(experts: int, dim: int, hidden: int, active: int) -> ModelDescription:
+    """A description with one MoE layer of these experts beside a dense linear large enough that the plan has FP8
+    either way."""
     return description_from_dict({
         "name": "experts", "seq_len": 4096,
         "blocks": {"moe": [{"name": "attention.wo", "kind": "linear", "n": 7168, "k": 7168},
-                           {"name": "moe.experts.w13", "kind": "expert", "n": 4096, "k": 7168, "experts": 8,
-                            "active": 2}]},
+                           {"name": "moe.experts.w13", "kind": "expert", "n": 2 * hidden, "k": dim,
+                            "experts": experts, "active": active},
+                           {"name": "moe.experts.w2", "kind": "expert", "n": dim, "k": hidden, "experts": experts,
+                            "active": active}]},
         "layers": [{"block": "moe"}]})
+
+
+def test_the_plan_chooses_each_model_s_expert_path_at_its_own_shape(monkeypatch):
+    monkeypatch.setattr(expert_speeds, "load_table", lambda: TWO_SHAPES)
+    policy = PolicyConfig(recipe="blockwise", small_gemm_filter="off")
+    target = make_plan(moe_model(8, 7168, 2048, 2), policy)
+    small = make_plan(moe_model(32, 2048, 1536, 8), policy)
+    for fqn in ("layers.0.moe.experts.w13", "layers.0.moe.experts.w2"):
+        d = target.decision(fqn)
+        assert (d.backend, d.recipe) == ("te", "blockwise")
+        assert "the fastest blockwise expert path on sm90, measured 1.24x BF16 at 8 experts of 7168 -> 2048" in d.reason
+        assert "nearest shape" not in d.reason and "nearest shape" not in small.decision(fqn).reason
+        d = small.decision(fqn)
+        assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise")
+        assert "measured 1.1x BF16 with deepgemm kernels at 32 experts of 2048 -> 1536 with 1024 tokens" in d.reason
+        assert d.reason.endswith("; te: 0.47x")
+    slower = {"archs": {"sm90": {"blockwise/te": TWO_SHAPES["archs"]["sm90"]["blockwise/te"],
+                                 "blockwise/grouped_fp8:deepgemm": [row(0.8, "H200", "deepgemm", SMALL)]}}}
+    monkeypatch.setattr(expert_speeds, "load_table", lambda: slower)
+    kept = make_plan(moe_model(32, 2048, 1536, 8), policy).decision("layers.0.moe.experts.w13")
+    assert (kept.backend, kept.recipe) == ("bf16", "bf16")
+    assert kept.reason.startswith("every FP8 expert path of recipe blockwise is slower than BF16 on sm90 (te/blockwise "
+                                  "measured 0.47x BF16 at 32 experts of 2048 -> 1536 with 1024 tokens each on H200")
+    asked_te = PolicyConfig(recipe="blockwise", small_gemm_filter="off", expert_backend="te")
+    asked = make_plan(moe_model(32, 2048, 1536, 8), asked_te).decision("layers.0.moe.experts.w13")
+    assert (asked.backend, asked.recipe) == ("te", "blockwise")
+    assert asked.reason.endswith("expert_backend=te, as asked: measured 0.47x BF16 at 32 experts of 2048 -> 1536 with "
+                                 "1024 tokens each on H200 (p/H200)")
+
+
+def test_evidence_at_deepseek_moe_small_s_shape_decides_its_plan(tmp_path, monkeypatch):
+    """What `python -m fp8stack.bench.backends --shapes deepseek-moe-small --tokens 4096 --grouped-only` records
+    (here with made-up speeds) becomes the table the plan reads for that model's experts, at their own shape."""
+    small = {"source": "deepseek-moe-small", "experts": 32, "model_experts": 32, "top_k": 8, "dim": 2048,
+             "hidden": 1536, "tokens_per_expert": 1024, "gemm": "experts"}
+    evidence = tmp_path / "backends-small-h200.json"
+    evidence.write_text(json.dumps({"date": "2026-11-27T00:00:00", "environment": {
+        "device": "NVIDIA H200", "compute_capability": "9.0"}, "grouped": [
+        {**small, "backend": "te", "recipe": "blockwise", "options": {}, "speedup_vs_bf16": 0.474},
+        {**small, "backend": "grouped_fp8", "recipe": "blockwise", "options": {"kernels": "deepgemm"},
+         "speedup_vs_bf16": 0.9}]}))
+    table = expert_table.build_table([evidence])
+    monkeypatch.setattr(expert_speeds, "load_table", lambda: table)
+    with pytest.warns(PlanWarning, match="runs 4% of its GEMM FLOPs in FP8"):  # its FLOPs are the experts'
+        plan = make_plan(load_description("deepseek-moe-small"), PolicyConfig(recipe="blockwise"))
+    experts = [d for d in plan.decisions if d.component.kind == "expert"]
+    assert len(experts) == 14 and {(d.backend, d.recipe) for d in experts} == {("bf16", "bf16")}
+    for d in experts:
+        assert "te/blockwise measured 0.474x BF16 at 32 experts of 2048 -> 1536 with 1024 tokens each" in d.reason
+        assert "pass expert_backend=grouped_fp8 to run them in FP8 anyway" in d.reason and "nearest" not in d.reason
+
+
+# --- the plan's choice, from the packaged table -------------------------------------------------------------
+
+def experts_model():
+    """The MoE target's expert shape beside a dense linear large enough that the plan has FP8 either way."""
+    return moe_model(8, 7168, 2048, 2)
 
 
 def expert_decision(recipe: str, **policy):
@@ -114,29 +238,30 @@ def expert_decision(recipe: str, **policy):
 
 
 def test_blockwise_experts_take_the_fastest_path_measured_on_sm90():
-    te, grouped = measured(90, "blockwise", "te"), measured(90, "blockwise", "grouped_fp8")
+    te, grouped = measured(90, "blockwise", "te", W13), measured(90, "blockwise", "grouped_fp8", W13)
     assert te.speedup > 1 > grouped.speedup  # what the evidence says today; the plan follows it
     d = expert_decision("blockwise")
     assert (d.backend, d.recipe) == ("te", "blockwise")
     assert f"expert_backend=auto: the fastest blockwise expert path on sm90, {te.describe()}" in d.reason
     assert d.reason.endswith(f"; grouped_fp8: {grouped.speedup}x")  # the measured shape: no note on it
     assert (REPO / te.folder).is_dir() and te.device in d.reason and f"{te.speedup}x BF16" in d.reason
+    assert "at 8 experts of 7168 -> 2048 with 4096 tokens each" in d.reason
 
 
-def test_a_choice_says_when_the_model_s_experts_are_not_the_measured_shape():
-    """The table measures one block shape (8 experts of 7168 -> 2048, 4096 tokens each): a model whose expert GEMMs
-    differ is told its own speed is unmeasured; the measured shape's GEMMs, w13 and w2, are not."""
-    from fp8stack.plan.expert_speeds import shape_note
-
-    assert shape_note(8, 2 * 2048, 7168) == shape_note(8, 7168, 2048) == ""
-    assert shape_note(32, 3072, 2048) == ("; measured at 8 experts of 7168 -> 2048 with 4096 tokens each, not at this "
-                                          "GEMM's 32 experts of [3072, 2048]: measure this model (fp8stack ab)")
-    moe = make_plan(load_description("deepseek-moe-small"), PolicyConfig(recipe="blockwise", backend="te", arch=90))
-    assert all("not at this GEMM's 32 experts" in d.reason for d in moe.decisions if d.component.kind == "expert")
+def test_a_choice_says_when_the_model_s_experts_are_not_a_measured_shape():
+    """A model whose expert GEMMs were not measured is told which shape its speed was read at; the measured shape's
+    GEMMs, w13 and w2, are not."""
+    te = measured(90, "blockwise", "te", W13)
+    assert shape_note(te, W13) == shape_note(te, ExpertGemm(8, 7168, 2048, 1024)) == ""
+    unmeasured = moe_model(16, 3072, 1024, 4)  # no evidence measures 16 experts of 3072 -> 1024
+    experts = [d for d in make_plan(unmeasured, PolicyConfig(recipe="blockwise", small_gemm_filter="off")).decisions
+               if d.component.kind == "expert"]
+    assert len(experts) == 2
+    assert all("is the nearest shape measured to this GEMM's 16 experts of [" in d.reason for d in experts)
 
 
 def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
-    grouped = measured(90, "blockwise", "grouped_fp8")
+    grouped = measured(90, "blockwise", "grouped_fp8", W13)
     d = expert_decision("blockwise", expert_backend="grouped_fp8")
     assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise")
     assert d.reason.endswith(f"expert_backend=grouped_fp8, as asked: {grouped.describe()}")
@@ -144,7 +269,7 @@ def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
 
 
 def test_rowwise_experts_stay_bf16_unless_asked_because_every_path_is_slower():
-    rowwise = measured(90, "rowwise", "grouped_fp8")
+    rowwise = measured(90, "rowwise", "grouped_fp8", W13)
     assert rowwise.speedup < 1
     kept = expert_decision("rowwise")
     assert (kept.backend, kept.recipe) == ("bf16", "bf16")
@@ -157,7 +282,7 @@ def test_rowwise_experts_stay_bf16_unless_asked_because_every_path_is_slower():
 
 
 def test_unmeasured_experts_are_planned_on_the_recipes_first_path_and_say_so():
-    assert measured(100, "mxfp8", "te") is None
+    assert measured(100, "mxfp8", "te", W13) is None
     d = expert_decision("mxfp8", arch=100)
     assert (d.backend, d.recipe) == ("te", "mxfp8")
     assert "expert_backend=auto: te/mxfp8 experts are unmeasured on sm100, so planned untimed" in d.reason

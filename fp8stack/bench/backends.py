@@ -2,7 +2,8 @@
 this GPU runs, forward + backward (input and weight gradients), against BF16.
 
     python -m fp8stack.bench.backends [--shapes llama-1b-like,deepseek-v3-like-moe] [--tokens 8192]
-                                      [--iters 20] [--compile] [--out profiles] [--label L]
+                                      [--local-experts 32] [--iters 20] [--compile] [--grouped-only]
+                                      [--out profiles] [--label L]
 
 Each variant is a one-component model converted by the backend the policy names, exactly as the
 assembly would convert it. Writes profiles/runs/<date>-backends-<device>/ (.json: every raw timing; .md).
@@ -294,6 +295,23 @@ def _cell(r: dict, field: str) -> str:
     return f"{outcome}: {r[outcome]}".replace("|", "/").replace("\n", " ")[:160]
 
 
+def dense_runs(args: argparse.Namespace) -> list[tuple[dict, str, str, bool]]:
+    """(linear shape, backend, recipe, compiled) of each dense variant the run times; none under --grouped-only."""
+    if args.grouped_only:
+        return []
+    return [(shape, backend, recipe, compiled) for shape in linear_shapes(list(comma_separated(args.shapes)))
+            for backend, recipe in DENSE_VARIANTS
+            for compiled in ((False, True) if args.compile and (not is_fp8(recipe) or backend == "torchao")
+                             else (False,))]
+
+
+def grouped_runs(args: argparse.Namespace) -> list[tuple[dict, str, str, str, dict]]:
+    """(expert shape, gemm, backend, recipe, options) of each grouped variant the run times."""
+    return [(shape, gemm, backend, recipe, options)
+            for shape in expert_shapes(list(comma_separated(args.shapes)), args.tokens, args.local_experts)
+            for gemm in ("w13", "experts") for backend, recipe, options in EXPERT_VARIANTS]
+
+
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fp8stack.bench.backends needs a CUDA GPU (torch.cuda.is_available() is False): run it on the GPU "
@@ -304,24 +322,19 @@ def run(args: argparse.Namespace) -> int:
     major, minor = torch.cuda.get_device_capability()
     s = Settings(tokens=args.tokens, iters=args.iters, warmup=args.warmup, arch=10 * major + minor,
                  compile=args.compile)
-    names = list(comma_separated(args.shapes))
     dense = []
-    for shape in linear_shapes(names):
-        for backend, recipe in DENSE_VARIANTS:
-            for compiled in (False, True) if s.compile and (not is_fp8(recipe) or backend == "torchao") else (False,):
-                r = bench_linear(shape["n"], shape["k"], backend, recipe, compiled, s)
-                dense.append({"source": shape["source"], "names": shape["names"], **r})
-                print(f"linear {shape['n']}x{shape['k']} {r['backend']}/{recipe}{' compiled' if compiled else ''}: "
-                      f"{_cell(r, 'median_ms')} ms", flush=True)
+    for shape, backend, recipe, compiled in dense_runs(args):
+        r = bench_linear(shape["n"], shape["k"], backend, recipe, compiled, s)
+        dense.append({"source": shape["source"], "names": shape["names"], **r})
+        print(f"linear {shape['n']}x{shape['k']} {r['backend']}/{recipe}{' compiled' if compiled else ''}: "
+              f"{_cell(r, 'median_ms')} ms", flush=True)
     _speedups(dense, lambda r: (r["n"], r["k"], r["compiled"]))
     grouped = []
-    for shape in expert_shapes(names, args.tokens, args.local_experts):
-        for gemm in ("w13", "experts"):
-            for backend, recipe, options in EXPERT_VARIANTS:
-                r = bench_experts(shape, backend, recipe, options, gemm, s)
-                grouped.append(r)
-                print(f"{gemm} {shape['source']} E={shape['experts']} {r['backend']}/{recipe} {options or ''}: "
-                      f"{_cell(r, 'median_ms')} ms", flush=True)
+    for shape, gemm, backend, recipe, options in grouped_runs(args):
+        r = bench_experts(shape, backend, recipe, options, gemm, s)
+        grouped.append(r)
+        print(f"{gemm} {shape['source']} E={shape['experts']} {r['backend']}/{recipe} {options or ''}: "
+              f"{_cell(r, 'median_ms')} ms", flush=True)
     _speedups(grouped, lambda r: (r["source"], r["experts"], r["tokens_per_expert"], r["gemm"]))
 
     dense_rows = [[f"{r['n']}x{r['k']}", r["backend"], r["recipe"] + (" (compiled)" if r["compiled"] else ""),
@@ -347,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fp8stack.bench.backends", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama-1b-like,deepseek-v3-like-moe",
                         help="comma-separated model descriptions whose GEMM shapes are timed")
@@ -357,12 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-experts", type=int, default=32,
                         help="experts one GPU holds for a model's grouped GEMMs (DeepSeek-V3's 256 over EP 8)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd bf16 and torchao linears")
+    parser.add_argument("--grouped-only", action="store_true",
+                        help="time the grouped expert GEMMs alone, not the models' dense linears (what the plan's "
+                             "expert table, fp8stack.bench.expert_table, reads)")
     parser.add_argument("--out", default="profiles", help="folder for the evidence files")
     parser.add_argument("--label", help="added to the evidence's name, backends-<label>-<gpu>, so a partial run "
                                         "(e.g. --shapes '' times the MoE target's expert shape alone) keeps the "
                                         "full one")
     add_force_option(parser)
-    return run(parser.parse_args(argv))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

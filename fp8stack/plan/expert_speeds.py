@@ -1,11 +1,15 @@
-"""The measured speed of each expert-GEMM path per GPU arch: the whole expert block (w13, SwiGLU, w2; forward and
-backward, quantization included) over its BF16 grouped GEMM, read from expert_speeds.json.
+"""The measured speed of each expert-GEMM path per GPU arch and expert-block shape: the whole expert block (w13,
+SwiGLU, w2; forward and backward, quantization included) over its BF16 grouped GEMM, read from expert_speeds.json.
 
 That file is generated from the backends benchmark's evidence (python -m fp8stack.bench.expert_table), never edited
-by hand; each measurement names its device, date and evidence file. Pure data: no torch, no CUDA.
+by hand; each measurement names its shape, device, date and evidence file. A speedup holds at the shape it was
+measured at: fewer tokens per expert or smaller GEMMs give launch and quantization costs a larger share, so the plan
+reads a model's expert GEMMs at their own shape where measured, else at the nearest measured one, and says which.
+Pure data: no torch, no CUDA.
 """
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -14,12 +18,60 @@ TABLE_PATH = Path(__file__).with_name("expert_speeds.json")
 """The packaged table."""
 
 
+@dataclass(frozen=True, order=True)
+class ExpertShape:
+    """A whole expert block as the backends benchmark times it: `experts` SwiGLU experts of dim -> hidden
+    (w13 [2 * hidden, dim], w2 [dim, hidden]), each given tokens_per_expert rows."""
+
+    experts: int
+    """Experts in the grouped GEMMs (one GPU's, under expert parallelism)."""
+    dim: int
+    """The model width D: w13's input and w2's output features."""
+    hidden: int
+    """The expert's SwiGLU width F."""
+    tokens_per_expert: int
+    """Rows each expert's GEMMs get (balanced routing)."""
+
+    def describe(self) -> str:
+        """'8 experts of 7168 -> 2048 with 4096 tokens each'."""
+        return f"{self.experts} experts of {self.dim} -> {self.hidden} with {self.tokens_per_expert} tokens each"
+
+
+@dataclass(frozen=True)
+class ExpertGemm:
+    """One expert GEMM of a model as the plan sees it: `experts` weights [n, k], which is w13 [2F, D] or w2 [D, F]."""
+
+    experts: int
+    """Experts sharing the GEMM."""
+    n: int
+    """Output features."""
+    k: int
+    """Input features."""
+    tokens_per_expert: int
+    """Rows each expert gets from one sequence (seq_len x top-k / experts): breaks ties between measured shapes."""
+
+    def distance(self, shape: ExpertShape) -> tuple[int, float]:
+        """How far a measured block is from this GEMM's: first how many of (experts, dim, hidden) differ, reading
+        the GEMM as w13 or as w2 (whichever is nearer), then how far apart the tokens per expert are in log scale.
+        (0, ...) is this GEMM's own shape."""
+        readings = ((self.k, self.n / 2), (self.n, self.k))  # (dim, hidden) if it is w13, if it is w2
+        differ = min((self.experts != shape.experts) + (dim != shape.dim) + (hidden != shape.hidden)
+                     for dim, hidden in readings)
+        return differ, abs(math.log(self.tokens_per_expert / shape.tokens_per_expert))
+
+    def describe(self) -> str:
+        """'32 experts of [3072, 2048] with 1024 tokens each per sequence'."""
+        return f"{self.experts} experts of [{self.n}, {self.k}] with {self.tokens_per_expert} tokens each per sequence"
+
+
 @dataclass(frozen=True)
 class Measurement:
-    """One expert path's whole-block speedup over BF16 on one device."""
+    """One expert path's whole-block speedup over BF16 at one shape on one device."""
 
     speedup: float
     """BF16 grouped experts' median step time over this path's (above 1: faster than BF16)."""
+    shape: ExpertShape
+    """The expert block it was measured at."""
     device: str
     """The GPU it was measured on, as torch names it."""
     date: str
@@ -29,15 +81,21 @@ class Measurement:
     kernels: str = ""
     """The grouped GEMM kernels it ran on where the backend has a choice (deepgemm, torch), else ''."""
 
+    @classmethod
+    def of(cls, row: dict) -> "Measurement":
+        """A measurement from its dict in the table."""
+        return cls(**{**row, "shape": ExpertShape(**row["shape"])})
+
     @property
     def folder(self) -> str:
         """The evidence folder (profiles/runs/<folder>)."""
         return str(Path(self.source).parent)
 
     def describe(self) -> str:
-        """'measured 1.197x BF16 on NVIDIA H100 80GB HBM3 (profiles/runs/...)', with the kernels where named."""
+        """'measured 1.197x BF16 at 8 experts of 7168 -> 2048 with 4096 tokens each on NVIDIA H100 80GB HBM3
+        (profiles/runs/...)', with the kernels where named."""
         on = f" with {self.kernels} kernels" if self.kernels else ""
-        return f"measured {self.speedup}x BF16{on} on {self.device} ({self.folder})"
+        return f"measured {self.speedup}x BF16{on} at {self.shape.describe()} on {self.device} ({self.folder})"
 
 
 def table_key(recipe: str, backend: str, kernels: str = "") -> str:
@@ -47,29 +105,35 @@ def table_key(recipe: str, backend: str, kernels: str = "") -> str:
 
 @cache
 def load_table(path: Path = TABLE_PATH) -> dict:
-    """The table: {'archs': {'sm90': {key: [measurement dicts, one per device]}}, ...}."""
+    """The table: {'archs': {'sm90': {key: [measurement dicts, one per device and shape]}}, ...}."""
     return json.loads(path.read_text())
 
 
-def measured(arch: int, recipe: str, backend: str, table: dict | None = None) -> Measurement | None:
-    """What one expert path (the expert GEMMs' recipe on `backend`) is worth on sm`arch`, None when unmeasured there.
-    Per kernel choice the slowest device of the arch counts (the plan holds for every GPU measured); of the kernel
-    choices the fastest counts, which the backend runs when it can (grouped_fp8 takes DeepGEMM when installed)."""
+def measured(arch: int, recipe: str, backend: str, gemm: ExpertGemm, table: dict | None = None) -> Measurement | None:
+    """What one expert path (the expert GEMMs' recipe on `backend`) is worth for `gemm` on sm`arch`, None when the
+    path is unmeasured there. Read at the path's measured shape nearest the GEMM's (ExpertGemm.distance; its own
+    where measured); there, per kernel choice the slowest device counts (the plan holds for every GPU measured), and
+    of the kernel choices the fastest, which the backend runs when it can (grouped_fp8 takes DeepGEMM when
+    installed)."""
     rows = (table or load_table())["archs"].get(f"sm{arch}", {})
     prefix = table_key(recipe, backend)
-    per_kernels = [min((Measurement(**m) for m in devices), key=lambda m: m.speedup)
-                   for key, devices in rows.items() if key == prefix or key.startswith(prefix + ":")]
-    return max(per_kernels, key=lambda m: m.speedup, default=None)
+    found = [(key, Measurement.of(m)) for key, devices in rows.items() if key == prefix or key.startswith(prefix + ":")
+             for m in devices]
+    if not found:
+        return None
+    nearest = min({m.shape for _, m in found}, key=lambda shape: (gemm.distance(shape), shape))
+    slowest: dict[str, Measurement] = {}
+    for key, m in found:
+        if m.shape == nearest and (key not in slowest or m.speedup < slowest[key].speedup):
+            slowest[key] = m
+    return max(slowest.values(), key=lambda m: m.speedup)
 
 
-def shape_note(experts: int, n: int, k: int, table: dict | None = None) -> str:
-    """'' when an expert GEMM of `experts` experts and weight [n, k] is one of the measured block's (w13 [2F, D] or
-    w2 [D, F]), else what was measured and that this shape was not: a whole-block speedup at one shape does not carry
-    to fewer tokens per expert or smaller GEMMs (launch and quantization costs grow in share)."""
-    shape = (table or load_table())["shape"]
-    dim, hidden = shape["dim"], shape["hidden"]
-    if experts == shape["experts"] and (n, k) in ((2 * hidden, dim), (dim, hidden)):
+def shape_note(m: Measurement, gemm: ExpertGemm) -> str:
+    """'' when `m` was measured at `gemm`'s own shape (its experts, dim and hidden), else that it was not: a
+    whole-block speedup does not carry to fewer tokens per expert or smaller GEMMs."""
+    if gemm.distance(m.shape)[0] == 0:
         return ""
-    return (f"; measured at {shape['experts']} experts of {dim} -> {hidden} with {shape['tokens_per_expert']} tokens "
-            f"each, not at this GEMM's {experts} experts of [{n}, {k}]: measure this model (fp8stack ab)")
-
+    shape = m.shape
+    return (f"; {shape.experts} experts of {shape.dim} -> {shape.hidden} is the nearest shape measured to this GEMM's "
+            f"{gemm.describe()}: measure this model (fp8stack ab)")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fp8stack.plan.description import Component, ModelDescription, NormFeed, SwiGLUFeed
 from fp8stack.plan.errors import PlanError, PlanWarning
 from fp8stack.plan.plan import Decision, Fusion, Plan
-from fp8stack.plan.expert_speeds import measured, shape_note
+from fp8stack.plan.expert_speeds import ExpertGemm, measured, shape_note
 from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, EXPERT_BACKENDS, FP8_FORMATS,
                                    GROUPED_ALIGNMENT, Recipe, dense_backend, expert_paths,
                                    fp8_attention_head_dim_problem, fp8_attention_recipes, get_recipe)
@@ -111,11 +111,11 @@ class PolicyConfig:
     auto-filter picks them) | rowwise | tensorwise | off. Projections the plan merges into one GEMM are judged by the
     merged GEMM's size."""
     expert_backend: str = "auto"
-    """Where FP8 expert GEMMs run: auto (the fastest path measured on the target arch for the experts' recipe, from
-    fp8stack/plan/expert_speeds.json; BF16 where every measured path is slower than BF16; TE's, else grouped_fp8's,
-    where none is measured), te (TE GroupedLinear) or grouped_fp8 (fp8stack's grouped kernels: blockwise on DeepGEMM
-    when installed, else torch's). A named backend is planned even where measured slower than BF16, with that
-    measurement in the reason."""
+    """Where FP8 expert GEMMs run: auto (the fastest path measured on the target arch for the experts' recipe at the
+    model's expert shape, else at the nearest measured one, from fp8stack/plan/expert_speeds.json; BF16 where every
+    measured path is slower than BF16; TE's, else grouped_fp8's, where none is measured), te (TE GroupedLinear) or
+    grouped_fp8 (fp8stack's grouped kernels: blockwise on DeepGEMM when installed, else torch's). A named backend is
+    planned even where measured slower than BF16, with that measurement in the reason."""
     head_on_te: bool | None = None
     """The output head (BF16 by rule) runs as a TE module without FP8 beside the plan's TE linears, so TE's fused
     weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad, and the final
@@ -257,7 +257,7 @@ def high_precision_kinds(c: Component, cfg: PolicyConfig, model: ModelDescriptio
 def no_fp8_requested(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
     """A bf16 recipe (and no override asking for FP8) keeps everything BF16: as it is, or (the policy's recipe
     bf16 with backend te) on TransformerEngine modules."""
-    backend, recipe, note = _target(c, cfg)
+    backend, recipe, note = _target(c, cfg, model)
     if recipe != BF16:
         return None
     reason = note or (BF16_ON_TE_REASON if backend == "te" else "recipe bf16: no FP8 requested")
@@ -284,7 +284,7 @@ def fp8_attention_core(c: Component, cfg: PolicyConfig, model: ModelDescription)
     onto a recipe without FP8 attention, is refused (the user asked for FP8 attention: it never quietly stays BF16)."""
     if c.kind != "attn_core":
         return None
-    backend, recipe, note = _target(c, cfg)  # not bf16: no_fp8_requested decided those
+    backend, recipe, note = _target(c, cfg, model)  # not bf16: no_fp8_requested decided those
     arch = get_recipe(recipe).fp8_attention_arch
     if backend != "te" or arch is None or cfg.arch < arch:
         raise PlanError(f"{note or 'policy'} on {c.fqn}: FP8 attention runs on TE under {fp8_attention_recipes()}, "
@@ -300,15 +300,15 @@ def fp8_attention_core(c: Component, cfg: PolicyConfig, model: ModelDescription)
 def experts_measured_slower(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
     """Expert GEMMs stay BF16 where every FP8 path measured for them on the target arch is slower than BF16, unless
     the user named their backend (expert_backend)."""
-    if c.kind != "expert" or _target(c, cfg)[1] == BF16:
+    if c.kind != "expert" or _target(c, cfg, model)[1] == BF16:
         return None
-    choice = _expert_choice(c, cfg)
+    choice = _expert_choice(c, cfg, model)
     return Decision(c, BF16, BF16, choice.why) if choice.keep_bf16 else None
 
 
 def alignment(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision | None:
     """FP8 GEMMs need both dims divisible by 16 (128 for block scales and grouped GEMMs)."""
-    backend, recipe, _ = _target(c, cfg)
+    backend, recipe, _ = _target(c, cfg, model)
     need = GROUPED_ALIGNMENT if backend == "grouped_fp8" else get_recipe(recipe).alignment
     for dim, value in (("n", c.n), ("k", c.k)):
         if value % need:
@@ -335,7 +335,7 @@ def small_gemm(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Deci
 def merged_linears(c: Component, cfg: PolicyConfig, model: ModelDescription) -> tuple[Component, ...]:
     """The linears (c among them) that would run merged into one GEMM with c, fused with the norm they all read, when
     the policy fuses norms and they would run on TE; () when c runs alone."""
-    if not cfg.fuse_norm or _target(c, cfg)[0] != "te":
+    if not cfg.fuse_norm or _target(c, cfg, model)[0] != "te":
         return ()
     for feed in model.feeds:
         if isinstance(feed, NormFeed) and c.fqn in feed.linears and len(feed.linears) > 1:
@@ -346,12 +346,12 @@ def merged_linears(c: Component, cfg: PolicyConfig, model: ModelDescription) -> 
 
 def fp8(c: Component, cfg: PolicyConfig, model: ModelDescription) -> Decision:
     """What is left runs in FP8 on its backend."""
-    backend, recipe, override_reason = _target(c, cfg)
+    backend, recipe, override_reason = _target(c, cfg, model)
     why = f"{recipe} FP8 ({get_recipe(recipe).summary}) via {BACKEND_LABELS[backend]}"
     if c.kind == "expert" and recipe != cfg.recipe and not override_reason:
         why += f"; grouped expert GEMMs have no {cfg.recipe} kernel, so they use {recipe}"
     if c.kind == "expert":
-        why += f"{' GroupedLinear' if backend == 'te' else ''}; {_expert_choice(c, cfg).why}"
+        why += f"{' GroupedLinear' if backend == 'te' else ''}; {_expert_choice(c, cfg, model).why}"
     return Decision(c, backend, recipe, f"{override_reason}: {why}" if override_reason else why)
 
 
@@ -478,7 +478,7 @@ def _matching_override(c: Component, cfg: PolicyConfig) -> Override | None:
     return matches[-1] if matches else None
 
 
-def _target(c: Component, cfg: PolicyConfig) -> tuple[str, str, str]:
+def _target(c: Component, cfg: PolicyConfig, model: ModelDescription) -> tuple[str, str, str]:
     """(backend, recipe, override reason) this component would get if no safety rule intervenes."""
     override = _matching_override(c, cfg)
     recipe_name = (override.recipe if override and override.recipe else cfg.recipe)
@@ -490,7 +490,7 @@ def _target(c: Component, cfg: PolicyConfig) -> tuple[str, str, str]:
         return BF16, BF16, note
     recipe = get_recipe(recipe_name)
     if c.kind == "expert":  # experts never run on the dense backend: the measured table or expert_backend picks
-        choice = _expert_choice(c, cfg)
+        choice = _expert_choice(c, cfg, model)
         return choice.backend, choice.recipe, note
     try:
         return dense_backend(recipe, preference), recipe.name, note
@@ -512,24 +512,27 @@ class ExpertChoice:
     """Every FP8 path measured slower than BF16 and none was asked for: the experts stay BF16."""
 
 
-def _expert_choice(c: Component, cfg: PolicyConfig) -> ExpertChoice:
+def _expert_choice(c: Component, cfg: PolicyConfig, model: ModelDescription) -> ExpertChoice:
     """The expert path for `c` under its recipe (an override's, else the policy's): the one expert_backend names,
-    else the fastest measured on the target arch, else (none measured) the first of expert_paths."""
+    else the fastest measured on the target arch at the GEMM's shape (else the nearest measured), else (none
+    measured) the first of expert_paths."""
     override = _matching_override(c, cfg)
     recipe = get_recipe(override.recipe if override and override.recipe else cfg.recipe)
     preference = override.backend if override and override.backend else cfg.backend
     dense = preference if preference in recipe.dense_backends else recipe.dense_backends[0]
-    timed = [(backend, expert_recipe, measured(cfg.arch, expert_recipe, backend))
+    gemm = _expert_gemm(c, model)
+    timed = [(backend, expert_recipe, measured(cfg.arch, expert_recipe, backend, gemm))
              for backend, expert_recipe in expert_paths(recipe, dense)]
     if cfg.expert_backend != "auto":
-        return _asked_expert_path(cfg, recipe, dense, timed)
+        return _asked_expert_path(cfg, recipe, dense, timed, gemm)
     faster = [t for t in timed if t[2] is not None and t[2].speedup > 1]
     if faster:
         backend, expert_recipe, best = max(faster, key=lambda t: t[2].speedup)
-        others = "".join(f"; {b}: {m.speedup}x" for b, _, m in timed if m is not None and b != backend)
+        others = "".join(f"; {b}: {m.speedup}x" + (f" at {m.shape.describe()}" if m.shape != best.shape else "")
+                         for b, _, m in timed if m is not None and b != backend)
         return ExpertChoice(backend, expert_recipe, f"expert_backend=auto: the fastest {expert_recipe} expert path "
                                                     f"on sm{cfg.arch}, {best.describe()}{others}"
-                                                    f"{shape_note(c.experts, c.n, c.k)}")
+                                                    f"{shape_note(best, gemm)}")
     unmeasured = [t for t in timed if t[2] is None]
     if unmeasured:
         backend, expert_recipe, _ = unmeasured[0]
@@ -540,14 +543,20 @@ def _expert_choice(c: Component, cfg: PolicyConfig) -> ExpertChoice:
     slower = ", ".join(f"{b}/{r} {m.describe()}" for b, r, m in timed)
     return ExpertChoice(backend, expert_recipe, f"every FP8 expert path of recipe {recipe.name} is slower than BF16 "
                                                 f"on sm{cfg.arch} ({slower}), so the experts stay BF16: pass "
-                                                f"expert_backend={backend} to run them in FP8 anyway", keep_bf16=True)
+                                                f"expert_backend={backend} to run them in FP8 anyway"
+                                                f"{shape_note(best, gemm)}", keep_bf16=True)
 
 
-def _asked_expert_path(cfg: PolicyConfig, recipe: Recipe, dense: str, timed: list) -> ExpertChoice:
+def _expert_gemm(c: Component, model: ModelDescription) -> ExpertGemm:
+    """An expert component as the measured table is read for it: its tokens per expert are one sequence's."""
+    return ExpertGemm(c.experts, c.n, c.k, max(1, round(model.seq_len * c.active / c.experts)))
+
+
+def _asked_expert_path(cfg: PolicyConfig, recipe: Recipe, dense: str, timed: list, gemm: ExpertGemm) -> ExpertChoice:
     """The path expert_backend names, with what it was measured at; a recipe without that path is refused."""
     for backend, expert_recipe, speed in timed:
         if backend == cfg.expert_backend:
-            worth = speed.describe() if speed else f"unmeasured on sm{cfg.arch}"
+            worth = speed.describe() + shape_note(speed, gemm) if speed else f"unmeasured on sm{cfg.arch}"
             return ExpertChoice(backend, expert_recipe, f"expert_backend={backend}, as asked: {worth}")
     raise PlanError(f"expert_backend={cfg.expert_backend}: recipe {recipe.name} with its linears on {dense} has no "
                     f"{cfg.expert_backend} expert path: use expert_backend auto or "
