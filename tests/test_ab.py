@@ -1,6 +1,7 @@
 """The A/B harness: verdict rules on synthetic numbers, and a real two-arm run on the CPU."""
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -448,6 +449,14 @@ def test_options_apply_to_every_arm_whose_plan_uses_them():
     assert {cfg.logging.interval for cfg in _arms("--steps", "40").values()} == {10}
     with pytest.raises(ConfigError, match="megatron's BF16 run is on TE already"):
         _arms("--bf16-on-te", "--model-impl", "megatron")
+
+
+def test_every_arm_takes_the_optimizers_moments(monkeypatch):
+    find_spec = importlib.util.find_spec  # as where TE is installed (the check looks for it; nothing imports it)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: object() if name == "transformer_engine" else find_spec(name, *args))
+    arms = _arms("--optimizer.moments", "bf16", recipes=("bf16", "tensorwise", "delayed"))
+    assert len(arms) == 3 and {cfg.optimizer.moments for cfg in arms.values()} == {"bf16"}
 
 
 def test_an_option_of_some_recipes_is_checked_under_the_arms_that_take_it(capsys):

@@ -52,6 +52,7 @@ FILES = {
     "block-typo.yaml": "recipe: tensorwise\noverrides: [{block: dnese, backend: bf16}]\n",
     "fqn-typo.yaml": "recipe: tensorwise\noverrides: [{fqn: 'layers.*.attention.wqvk', backend: bf16}]\n",
     "moe-on-dense.yaml": "recipe: tensorwise\noverrides: [{block: moe, recipe: rowwise}]\n",
+    "bf16-moments-ckpt/run.json": json.dumps({"config": {"optimizer": {"moments": "bf16"}}}),
     "core-on-torchao.yaml": "overrides: [{fqn: 'layers.*.attention.core', backend: torchao, recipe: tensorwise}]\n",
 }
 
@@ -149,6 +150,11 @@ TRAIN_BAD = [
     (["--save", "{tmp}/empty-ckpts", "--load", "latest"], "no step-* checkpoint under {tmp}/empty-ckpts"),
     (["--use-distributed-optimizer"], "optimizer.distributed is megatron-core's distributed optimizer, for "
                                       "--model-impl megatron"),
+    (["--optimizer.moments", "bf16"], "optimizer.moments bf16 needs TransformerEngine's FusedAdam on a GPU, and this "
+                                      "run is on a CPU: run on a GPU, or drop --optimizer.moments bf16"),
+    (["--load", "{tmp}/bf16-moments-ckpt", "--resume-despite-changes"],
+     "{tmp}/bf16-moments-ckpt holds BF16 Adam moments and this run keeps FP32 ones (optimizer.moments): resume with "
+     "--optimizer.moments bf16; the two optimizers' states do not convert into each other"),
     (["--fp8-dot-product-attention"], "fp8_attention runs attention in FP8 under an FP8 recipe, and the recipe is "
      "bf16: pass --fp8-recipe with one of delayed (sm90+), tensorwise (sm100+), mxfp8 (sm100+)"),
     (["--fp8-recipe", "rowwise", "--fp8-dot-product-attention"], "recipe rowwise has no FP8 attention"),
@@ -179,6 +185,8 @@ AB_BAD = [
     (["--lr", "0"], "optimizer.lr must be positive"),
     (["--lr-warmup-iters", "-1"], "optimizer.warmup must be at least 0, got -1"),
     (["--nproc", "0"], "--nproc 0: each arm runs in at least one process"),
+    (["--optimizer.moments", "bf16"], "optimizer.moments bf16 needs TransformerEngine's FusedAdam on a GPU, and this "
+                                      "run is on a CPU"),
     (["--loss-tolerance", "-0.1"], "--loss-tolerance -0.1: pass a relative gap >= 0"),
     (["--loss-tolerance", "nan"], "--loss-tolerance nan: pass a relative gap >= 0"),
     (["--activation-checkpoint.layers", "all", "--activation-checkpoint.modules", "moe"],

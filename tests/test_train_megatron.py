@@ -192,7 +192,7 @@ def test_gpt_model_computes_the_plain_llamas_function(megatron_rope_on_cpu):
     losses = []
     for loss_of, model in ((lambda: Llama.loss(plain(tokens), targets), plain),
                            (lambda: megatron(tokens, positions, causal, labels=targets).mean(), megatron)):
-        optimizer = _adamw(model, cfg, torch.device("cpu"))
+        optimizer = _adamw(model, cfg)
         first = loss_of()
         first.backward()
         optimizer.step()
@@ -250,7 +250,7 @@ def test_two_ranks_start_from_the_tp1_weights_and_finish_gradients_like_megatron
 def stepped_adamw(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.AdamW:
     """The trainer's AdamW over `model` after one step on gradients drawn from a fixed seed (the same on every rank,
     so TP-replicated weights stay equal, as training keeps them)."""
-    optimizer = _adamw(model, cfg, torch.device("cpu"))
+    optimizer = _adamw(model, cfg)
     generator = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=generator)
@@ -288,7 +288,7 @@ def test_megatron_checkpoints_hold_whole_tensors_and_resume_the_model_and_adamw(
     assert "layout" in torch.load(path / "rank0.pt", weights_only=True)
 
     other = build(cfg, seed=1)
-    fresh = _adamw(other, cfg, torch.device("cpu"))
+    fresh = _adamw(other, cfg)
     assert not same_training_state(model, optimizer, other, fresh)
     resumed = checkpoint.load(path, other, fresh, constant_lr(fresh), layout=MegatronTensors(other, fresh))
     assert resumed == Resumed(step=1, data_position=5)
@@ -312,7 +312,7 @@ def _two_rank_checkpoint(rank: int, init_file: str, folder: str, out: str) -> No
     path = checkpoint.save(folder, 1, model, optimizer, constant_lr(optimizer), 0,
                            layout=MegatronTensors(model, optimizer))
     other = build(cfg, seed=1)
-    fresh = _adamw(other, cfg, torch.device("cpu"))
+    fresh = _adamw(other, cfg)
     checkpoint.load(path, other, fresh, constant_lr(fresh), layout=MegatronTensors(other, fresh))
     shards = {name: (p.detach().clone(), getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
               for name, p in model.named_parameters()}
@@ -333,7 +333,7 @@ def test_a_tp2_checkpoint_resumes_on_each_rank_and_holds_the_whole_weights(tmp_p
 
     cfg = from_overrides({"optimizer.lr": 1e-3}, megatron_cfg())
     whole = build(cfg, seed=1)
-    fresh = _adamw(whole, cfg, torch.device("cpu"))
+    fresh = _adamw(whole, cfg)
     checkpoint.load(folder / "step-00000001", whole, fresh, constant_lr(fresh), layout=MegatronTensors(whole, fresh))
     weights = dict(whole.named_parameters())
     for name, (shard0, dim, stride) in ranks[0]["shards"].items():

@@ -154,7 +154,7 @@ def test_megatrons_moe_trains_and_moves_the_expert_bias(megatron_moe_on_cpu):
                                          tp_group=parallel_state.get_tensor_model_parallel_group())
     routers = [layer.mlp.router for layer in gpt.decoder.layers[1:]]
     assert all(torch.equal(r.expert_bias, torch.zeros(8)) for r in routers)
-    optimizer = _adamw(gpt, cfg, torch.device("cpu"))
+    optimizer = _adamw(gpt, cfg)
     tokens, targets = batch(shape.vocab_size)
     losses = []
     for step in range(6):
@@ -198,7 +198,7 @@ def test_moe_checkpoints_resume_the_model_expert_bias_and_adamw_exactly(tmp_path
                                         use_te=False)
 
     model = drawn(0)
-    optimizer = _adamw(model, cfg, torch.device("cpu"))
+    optimizer = _adamw(model, cfg)
     tokens, targets = batch(small.vocab_size)
     megatron_loss(model, tokens, targets).backward()
     optimizer.step()
@@ -213,7 +213,7 @@ def test_moe_checkpoints_resume_the_model_expert_bias_and_adamw_exactly(tmp_path
     assert any(key.endswith("router.expert_bias") for key in tensors), sorted(tensors)
 
     other = drawn(1)
-    fresh = _adamw(other, cfg, torch.device("cpu"))
+    fresh = _adamw(other, cfg)
     checkpoint.load(path, other, fresh, torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 1.0),
                     layout=MegatronTensors(other, fresh))
     for (name, mine), theirs in zip(model.state_dict().items(), other.state_dict().values(), strict=True):

@@ -20,8 +20,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NoReturn
 
-from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_PARALLEL, DATA_SOURCES, DEVICES, MODEL_IMPLS, ConfigError,
-                                 JobConfig)
+from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_PARALLEL, DATA_SOURCES, DEVICES, MODEL_IMPLS, OPTIMIZER_MOMENTS,
+                                 ConfigError, JobConfig)
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.description import CONFIGS_DIR
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES, Override
@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.device": DEVICES,
     "training.dtype": ACTIVATION_DTYPES,
     "training.param_dtype": PARAM_DTYPES,
+    "optimizer.moments": OPTIMIZER_MOMENTS,
     "parallelism.data_parallel": DATA_PARALLEL,
     "data.source": DATA_SOURCES,
 }

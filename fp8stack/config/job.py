@@ -20,6 +20,8 @@ ACTIVATION_DTYPES = ("auto", "bf16", "fp32")
 """auto: bf16 on CUDA, fp32 on a CPU."""
 DATA_PARALLEL = ("fsdp", "ddp")
 """How the plain model's data-parallel ranks share it: FSDP2 shards it, DDP replicates it."""
+OPTIMIZER_MOMENTS = ("fp32", "bf16")
+"""How AdamW stores its moments (fp8stack.precision.adamw's moments, whose MOMENTS these are)."""
 DEVICES = ("auto", "cuda", "cpu")
 """auto: cuda when available (under torchrun, cuda:LOCAL_RANK)."""
 DATA_SOURCES = ("stdlib", "python")
@@ -213,8 +215,17 @@ class OptimizerConfig:
     the data-parallel ranks, with the trainer's schedule, weight decay, betas, epsilon and clipping (without it,
     BF16 parameters take megatron's unsharded mixed-precision optimizer). The plain path shards optimizer state with
     FSDP2 (--data-parallel fsdp)."""
+    moments: str = "fp32"
+    """How AdamW stores its two moments (exp_avg, exp_avg_sq): fp32 (torch's AdamW: 8 bytes per parameter) or bf16
+    (TransformerEngine's FusedAdam: 4 bytes, as DeepSeek-V3 trains; fp8stack.precision.adamw). The master weights stay
+    FP32 and the update is computed in FP32; only the stored moments round to BF16. Opt-in, for BF16 and FP8 runs
+    alike (--optimizer.moments bf16 reaches every arm of an A/B); needs TransformerEngine on a GPU. On the Megatron
+    path, where megatron's optimizer runs, it is megatron's precision-aware optimizer (--use-precision-aware-optimizer
+    --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16), which needs --use-distributed-optimizer. A checkpoint resumes only
+    with the moments it was saved with."""
 
     def validate(self) -> None:
+        _choose("optimizer.moments", self.moments, OPTIMIZER_MOMENTS)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if value is not None and not (value == value and abs(value) != float("inf")):
@@ -399,6 +410,7 @@ class JobConfig:
         if self.torchao.fsdp_float8_all_gather and not (is_fp8(recipe) and get_recipe(recipe).gathers_in_fp8):
             raise ConfigError(f"torchao.fsdp_float8_all_gather gathers tensorwise-scaled weights, and recipe {recipe} "
                               "is not: use --fp8-recipe tensorwise or drop it")
+        check_optimizer_moments(self, None if self.training.device == "auto" else self.training.device)
         if self.model.impl == "megatron":
             _check_megatron(self)
         elif self.optimizer.distributed:
@@ -426,6 +438,23 @@ def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
                           "parallelism shards; under it only FSDP2's mixed precision keeps BF16 parameters "
                           "(param_dtype bf16 with more ranks than --tensor-model-parallel-size): use "
                           "--training.param-dtype fp32, or add data-parallel ranks")
+
+
+def check_optimizer_moments(job: JobConfig, device: str | None) -> None:
+    """BF16 moments run on TransformerEngine's FusedAdam on a GPU (device None: not chosen yet, checked again by
+    fp8stack.train.resolve once it is)."""
+    if job.optimizer.moments == "fp32":
+        return
+    need = "optimizer.moments bf16 needs TransformerEngine's FusedAdam on a GPU"
+    if device == "cpu":
+        raise ConfigError(f"{need}, and this run is on a CPU: run on a GPU, or drop --optimizer.moments bf16")
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(f"{need}, and transformer_engine is not installed: pip install 'fp8stack[te]', or drop "
+                          "--optimizer.moments bf16")
+    if job.model.impl == "megatron" and job.training.param_dtype == "bf16" and not job.optimizer.distributed:
+        raise ConfigError("optimizer.moments bf16 on --model.impl megatron with BF16 parameters is megatron's "
+                          "precision-aware optimizer, which megatron runs inside its distributed optimizer only: add "
+                          "--use-distributed-optimizer, or use --param-dtype fp32 (the trainer's AdamW)")
 
 
 MEGATRON_MOE_MODELS = ("tiny-moe", "deepseek-moe-small")

@@ -1,8 +1,8 @@
 """The training loop: plain-torch model -> plan -> assemble -> AdamW steps on stdlib text.
 
-Precision, as the plan's FP32 list says: parameters (master weights) and AdamW moments are FP32;
-activations run in `dtype` (bf16 through torch.autocast, or fp32); FP8 modules cast their own
-inputs; loss, gradient norm and clipping are FP32.
+Precision, as the plan's FP32 list says: parameters (master weights) and AdamW moments are FP32 (the moments BF16
+with optimizer.moments bf16); activations run in `dtype` (bf16 through torch.autocast, or fp32); FP8 modules cast
+their own inputs; loss, gradient norm and clipping are FP32.
 """
 
 import functools
@@ -34,7 +34,7 @@ from fp8stack.config import ConfigError, JobConfig, recompute_blocks, to_dict
 from fp8stack.plan import Plan, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.plan.recipes import get_recipe, is_fp8
-from fp8stack.precision import DataParallelGradients, MasterWeights, ShardedMasterWeights
+from fp8stack.precision import DataParallelGradients, MasterWeights, ShardedMasterWeights, adamw
 from fp8stack.runtime.attention import check_sdpa_backend, sdpa_backend
 from fp8stack.runtime.compress import ActivationCompressor, compress_saved_activations
 from fp8stack.runtime.numerics import (NonFiniteLossError, clear_fp8_stats, fp8_stats, pin_step, rng_states,
@@ -88,8 +88,9 @@ class Session:
     """The assembled model."""
     plan: Plan
     """The plan it was assembled under."""
-    optimizer: torch.optim.AdamW
-    """AdamW over the FP32 master weights, or on the Megatron path megatron's distributed optimizer
+    optimizer: torch.optim.Optimizer
+    """AdamW over the FP32 master weights (torch's, or TE's FusedAdam with BF16 moments: optimizer.moments), or on
+    the Megatron path megatron's distributed optimizer
     (megatron_model.ReadyGradsOptimizer: clip_fn prepares and clips its gradients, step() applies them)."""
     scheduler: torch.optim.lr_scheduler.LambdaLR
     """Warm-up then cosine decay (lr_at)."""
@@ -234,7 +235,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
         if cfg.model.impl == "megatron" and built.optimizer is not None:
             optimizer, scheduled = built.optimizer, built.optimizer.torch_optimizer
         else:
-            optimizer = scheduled = _adamw(masters.module if masters else model, cfg, device)
+            optimizer = scheduled = _adamw(masters.module if masters else model, cfg)
         layout = built.checkpoint_layout(optimizer) if cfg.model.impl == "megatron" else None
         yield Session(env=env, model=model, plan=plan, optimizer=optimizer,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(scheduled,
@@ -496,9 +497,9 @@ def _check_cpu_support(plan: Plan, device: torch.device, dtype: torch.dtype) -> 
                           "autocast only): use --dtype fp32 on a CPU")
 
 
-def _adamw(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the FP32 parameters of `model` (the model, or MasterWeights.module), so its moments are FP32
-    too; no decay on norm weights."""
+def _adamw(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
+    """AdamW over the FP32 parameters of `model` (the model, or MasterWeights.module), its moments FP32 or BF16
+    (optimizer.moments, fp8stack.precision.adamw); no decay on norm weights."""
     params = [p for p in model.parameters() if p.requires_grad]
     wrong = {p.dtype for p in params} - {torch.float32}
     if wrong:
@@ -507,7 +508,10 @@ def _adamw(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torc
                            "masters of BF16 or FP8 parameters (param_dtype bf16 or fp8)")
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optimizer.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=ADAM_BETAS, eps=ADAM_EPS, fused=device.type == "cuda")
+    try:
+        return adamw(groups, moments=cfg.optimizer.moments, lr=cfg.optimizer.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+    except ImportError as err:  # TE found but not importable here: as the config check's refusal
+        raise ConfigError(str(err)) from None
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:

@@ -13,7 +13,8 @@ plain path, each rank keeping its own.
 
 The distributed optimizer's state is saved as megatron saves it by default (dp_reshardable: its FP32 master and
 moment shards, bucket by bucket); the trainer's AdamW's as megatron's FP32Optimizer saves torch optimizers (each
-moment a ShardedTensor shaped as its parameter, the step common).
+moment a ShardedTensor shaped as its parameter, the step common; TE's FusedAdam, which keeps BF16 moments, hands them
+out in FP32 and counts its step in the parameter groups, which are common too).
 """
 
 import re
@@ -23,6 +24,7 @@ from itertools import chain
 import torch
 from torch import nn
 
+from fp8stack.precision.optimizer import keeps_step_per_group
 from fp8stack.train.checkpoint import EXTRA_STATE_SUFFIX, CheckpointMismatchError
 from fp8stack.train.dcp_json import WeightsOnlyLoadPlanner
 
@@ -135,8 +137,7 @@ def torch_optimizer_sharded_state_dict(optimizer: torch.optim.Optimizer, model_s
     if is_loading:
         for param in params:
             if not optimizer.state[param]:
-                optimizer.state[param].update(step=torch.zeros((), dtype=torch.float32, device=param.device),
-                                              exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+                _zero_state(optimizer, param)
     state = optimizer.state_dict()
     steps = {float(entry["step"]) for entry in state["state"].values() if "step" in entry}
     if len(steps) > 1:
@@ -147,6 +148,17 @@ def torch_optimizer_sharded_state_dict(optimizer: torch.optim.Optimizer, model_s
     if step is not None:
         state["state"][ADAMW_STEP] = step.detach().cpu().clone()
     return state
+
+
+def _zero_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """Zero moments for `param` to load into, as the optimizer makes its own: TE's FusedAdam (BF16 moments) in its
+    moments' dtype, its step kept in the parameter groups (which the common part restores); torch's AdamW in the
+    parameter's dtype with a step of its own."""
+    if keeps_step_per_group(optimizer):
+        optimizer.initialize_state(param, store_param_remainders=False)
+    else:
+        optimizer.state[param].update(step=torch.zeros((), dtype=torch.float32, device=param.device),
+                                      exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
 
 
 def load_torch_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -410,8 +410,8 @@ def with_main_grads(model: torch.nn.Module, config, fuse_wgrad: bool, distribute
 
 def megatron_optimizer(model: torch.nn.Module, cfg: JobConfig) -> ReadyGradsOptimizer:
     """megatron's optimizer over `model` (in DistributedDataParallel): the distributed one (optimizer.distributed,
-    FP32 masters and moments sharded over the data-parallel ranks), else for BF16 parameters
-    Float16OptimizerWithFloat16Params (FP32 masters of each); with the trainer's hyperparameters: Adam with decoupled
+    FP32 masters and moments, BF16 ones with optimizer.moments bf16, sharded over the data-parallel ranks), else for
+    BF16 parameters Float16OptimizerWithFloat16Params (FP32 masters of each); with the trainer's hyperparameters: Adam with decoupled
     weight decay on matrices only, clipping at grad_clip. Its learning rate is the trainer's schedule (LambdaLR over
     torch_optimizer), not megatron's OptimizerParamScheduler, so the weight decay megatron's scheduler would set per
     group (wd_mult: 0 for norms) is set here once."""
@@ -421,12 +421,22 @@ def megatron_optimizer(model: torch.nn.Module, cfg: JobConfig) -> ReadyGradsOpti
     config = OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
                              adam_beta1=ADAM_BETAS[0], adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS,
                              clip_grad=opt.grad_clip, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                             use_distributed_optimizer=opt.distributed)
+                             use_distributed_optimizer=opt.distributed, **precision_aware(opt.moments))
     # One optimizer: an MoE model's experts would get a second, which the trainer's schedule does not drive (refused)
     (optimizer,) = get_megatron_optimizer(config, [model]).chained_optimizers
     for group in optimizer.param_groups:
         group["weight_decay"] = opt.weight_decay * group["wd_mult"]
     return ReadyGradsOptimizer(optimizer)
+
+
+def precision_aware(moments: str) -> dict:
+    """megatron OptimizerConfig's fields for optimizer.moments: BF16 moments are its precision-aware optimizer (TE's
+    FusedAdam inside the distributed optimizer), the masters kept whole in FP32 (not as remainders of the BF16
+    parameters, megatron's default there), so the moments are the one change."""
+    if moments == "fp32":
+        return {}
+    return {"use_precision_aware_optimizer": True, "exp_avg_dtype": torch.bfloat16,
+            "exp_avg_sq_dtype": torch.bfloat16, "store_param_remainders": False}
 
 
 @contextmanager

@@ -46,8 +46,26 @@ def preflight(cfg: JobConfig, model: LlamaConfig | None) -> Path | None:
     path = resume_path(cfg)
     checkpoint.check_run(path, run_settings(cfg, model, int(os.environ.get("WORLD_SIZE", "1"))),
                          cfg.checkpoint.resume_despite_changes)
+    _check_moments(path, cfg.optimizer.moments)
     checkpoint.check_files(path)
     return path
+
+
+def _check_moments(path: Path, moments: str) -> None:
+    """A checkpoint resumes with the Adam moments it holds (optimizer.moments in its run.json's config; fp32 before
+    the field existed), even with resume_despite_changes: torch's AdamW and TE's FusedAdam lay their states out
+    differently (a step per parameter, or per group), so neither loads the other's."""
+    saved = checkpoint.saved_run(path)
+    config = saved.get("config") if saved else None
+    optimizer = config.get("optimizer") if isinstance(config, dict) else None
+    if not isinstance(optimizer, dict):  # no record of the run's configuration: the tensors' keys will tell
+        return
+    saved_moments = optimizer.get("moments", "fp32")
+    if saved_moments != moments:
+        raise checkpoint.CheckpointMismatchError(
+            f"{path} holds {str(saved_moments).upper()} Adam moments and this run keeps {moments.upper()} ones "
+            f"(optimizer.moments): resume with --optimizer.moments {saved_moments}; the two optimizers' states do not "
+            "convert into each other")
 
 
 def check_output_dir(path: str | Path, option: str) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from fp8stack.backends import deepgemm
-from fp8stack.config import ConfigError, JobConfig, check_data_parallel_levers
+from fp8stack.config import ConfigError, JobConfig, check_data_parallel_levers, check_optimizer_moments
 from fp8stack.models import LlamaConfig
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train.defaults import batch_defaults
@@ -30,6 +30,7 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
             raise ConfigError(f"deepgemm.jit_cache_dir {job.deepgemm.jit_cache_dir!r} cannot be created "
                               f"({err.strerror}): pass a folder this user can write in") from None
     device = _device(job.training.device)
+    check_optimizer_moments(job, device)
     on_gpu = device == "cuda"
     arch = _arch() if on_gpu else CPU_ARCH
     training, precision = job.training, job.precision
