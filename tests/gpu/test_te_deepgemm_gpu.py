@@ -60,9 +60,11 @@ def test_blockwise_gemms_on_deepgemm_match_cublas_and_take_every_gemm():
     finally:
         te_deepgemm.unroute()
     assert any("blockwise_gemms=deepgemm" in note for note in record.notes), record.notes
-    # fprop, dgrad and wgrad of each blockwise linear, fused or not; the head runs on TE without FP8 (cuBLAS)
-    gemms = 3 * sum(d.backend == "te" and d.recipe == "blockwise" for d in plan.decisions) * len(batches)
-    assert router.calls == {"deepgemm": gemms, "te": 0}
+    # fprop, dgrad and wgrad of each blockwise linear, fused or not, on DeepGEMM; the head's, on TE without FP8,
+    # stay cuBLAS's
+    on_te = [d for d in plan.decisions if d.backend == "te" and d.component.kind in ("linear", "head")]
+    blockwise = sum(d.recipe == "blockwise" for d in on_te)
+    assert router.calls == {"deepgemm": 3 * blockwise * len(batches), "te": 3 * (len(on_te) - blockwise) * len(batches)}
     for got, want in zip(logits, reference[0]):
         assert torch.equal(got, want)
     assert grads.keys() == reference[1].keys()
