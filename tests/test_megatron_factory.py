@@ -64,7 +64,7 @@ def test_first_last_layers_bf16_leave_the_outer_layers_out_of_fp8():
 
 def test_moe_blockwise_experts_run_in_their_layers_context():
     config = moe(hidden_size=128, ffn_hidden_size=256, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128)
-    precisions = layer_precisions(config, plan_for(config, recipe="blockwise"))
+    precisions = layer_precisions(config, plan_for(config, recipe="blockwise", expert_backend="te"))
     assert [p.recipe for p in precisions] == ["blockwise"] * 4
     assert all(p.exceptions == () for p in precisions)  # grouped_fp8 experts run on TE blockwise, like the rest
 
