@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fp8stack.models import load_model_config
-from fp8stack.bench.multigpu import ONE_RANK_TWINS, earlier_parts, render, restart_plan, run_fsdp, run_restart
+from fp8stack.bench.multigpu import (ONE_RANK_TWINS, RESTART_PATHS, earlier_parts, render, restart_plan, run_fsdp,
+                                     run_restart)
 from fp8stack.models import Llama
 from fp8stack.config import from_overrides
 from fp8stack.train.loop import train
@@ -102,15 +103,30 @@ def test_fsdp_part_runs_every_arm_and_judges_them(tmp_path):
     assert "| fp8_all_gather |" in text and "one_rank_fp8_all_gather" in text
 
 
-def test_killed_rank_restarts_from_the_checkpoint_with_identical_losses(tmp_path):
+CPU_FP8 = ("--backend", "torchao", "--fp8-recipe", "tensorwise")
+"""What stands in for TE's delayed scaling on a CPU: the fast path's DDP, masters and checkpoint flow stay as they are."""
+
+
+@pytest.mark.parametrize("path, cpu", [("fsdp_fp8_all_gather", ()), ("fast", CPU_FP8)])
+def test_killed_rank_restarts_from_the_checkpoint_with_identical_losses(path, cpu, tmp_path):
     steps = 6
     interval, kill_step = restart_plan(steps)
-    part = run_restart(tmp_path, steps, micro_batch=2, extra=("--device", "cpu", "--seq-length", "32"))
+    part = run_restart(tmp_path, steps, path, micro_batch=2, extra=("--device", "cpu", "--seq-length", "32", *cpu))
     failed = [name for name, ok in part["checks"].items() if not ok]
     assert not failed, (failed, {name: run.get("log_tail", "") for name, run in part["runs"].items()})
     assert part["checkpoints_after_kill"] == [f"step-{interval:08d}"] and part["kill_at_step"] == kill_step
     assert part["bit_identical"] and part["tolerance"] == 0.0  # CPU kernels and gloo sums are deterministic
     assert len(part["losses"]["restarted"]) == steps - interval
+    assert RESTART_PATHS[path][0] in render({"passed": True, "gpus": 0, "commands": part["commands"],
+                                             "restart": {"paths": {path: part}, "checks": part["checks"]}})
+
+
+def test_the_fast_restart_path_is_the_one_gpu_fast_path_under_ddp():
+    from fp8stack.train.command import job_from_flags
+
+    job = job_from_flags(RESTART_PATHS["fast"][1])
+    assert (job.precision.recipe, job.precision.backend, job.parallelism.data_parallel) == ("delayed", "te", "ddp")
+    assert job.checkpoint.trust and job.training.param_dtype is None  # BF16 parameters with masters: resolved default
 
 
 def test_keep_other_parts_takes_the_parts_not_rerun_from_the_same_environments_evidence(tmp_path):

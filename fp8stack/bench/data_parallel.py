@@ -89,7 +89,7 @@ def judge(records: dict[str, dict], steps: int) -> dict:
         checks[f"{name}: first step's gradient norm within {GRAD_NORM_RTOL:.0%}"] = \
             gaps["first_grad_norm_rel_gap"] <= GRAD_NORM_RTOL
         checks[f"{name}: final mean loss within {FINAL_LOSS_RTOL:.0%}"] = gaps["final_rel_gap"] <= FINAL_LOSS_RTOL
-    bf16, fp8 = (_block_all_gather_bytes(records.get(name, {})) for name in ("fsdp", "fsdp_fp8_params"))
+    bf16, fp8 = (block_all_gather_bytes(records.get(name, {})) for name in ("fsdp", "fsdp_fp8_params"))
     if bf16:  # none counted over one rank (see the module docstring)
         figures["all_gather_bytes_fp8_over_bf16_blocks"] = fp8 / bf16
         checks[f"fsdp_fp8_params: blocks' all-gather bytes at most {ALL_GATHER_RATIO}x fsdp's (FP8 travels as FP8)"] \
@@ -97,7 +97,7 @@ def judge(records: dict[str, dict], steps: int) -> dict:
     return {"figures": figures, "checks": checks}
 
 
-def _block_all_gather_bytes(record: dict) -> float:
+def block_all_gather_bytes(record: dict) -> float:
     """All-gather bytes per step of the transformer blocks' groups (the root group's stay BF16 by plan rule 1)."""
     by_group = (record.get("collectives") or {}).get("all_gather_bytes_by_group", {})
     return sum(value for group, value in by_group.items() if group != "root")

@@ -10,10 +10,10 @@ Parts (--parts, default all three):
   one rank, twice the micro-batch, which reads the same global batches, fp8stack.train.data). Collectives
   and their bytes are counted by fp8stack.train.comm_stats over PROFILED_STEPS steps of each 2-rank arm.
 - tp: tensor parallel 2, fp8stack.bench.multigpu_tp.run_tp (its dict goes under "tensor_parallel").
-- restart: the tiny model, FSDP2 with FP8 all-gather, 2 ranks: an uninterrupted run; a run that saves
-  every `interval` steps and whose rank 1 SIGKILLs itself (fp8stack.train.fault) before the second
-  checkpoint; then both ranks restarted with --load latest. The restarted losses must equal the
-  uninterrupted run's.
+- restart: the tiny model on 2 ranks, per training path of RESTART_PATHS (--restart-paths; the fast path by
+  default and FSDP2 with torchao's FP8 all-gather): an uninterrupted run; a run that saves every `interval` steps
+  and whose rank 1 SIGKILLs itself (fp8stack.train.fault) before the second checkpoint; then both ranks restarted
+  with --load latest. The restarted losses must equal the uninterrupted run's.
 
 Every part judges itself ("checks"); one evidence run, profiles/runs/<date>-multigpu-<gpu>/ (.json + .md), holds all
 parts with the exact launch commands. Exit status 1 when a check fails. Each part's wall time is in its
@@ -161,21 +161,43 @@ def restart_plan(steps: int) -> tuple[int, int]:
     return interval, 2 * interval - 1
 
 
-def run_restart(workdir: Path, steps: int, model: str = "tiny", micro_batch: int = 4,
+RESTART_PATHS = {
+    "fast": ("the one-GPU fast path under DDP: TE delayed scaling, BF16 parameters with FP32 masters, fused "
+             "weight-gradient accumulation and the FP8 weight cache",
+             ["--fp8-recipe", "delayed", "--backend", "te", "--parallelism.data-parallel", "ddp",
+              "--checkpoint.trust"]),
+    "fsdp_fp8_all_gather": ("FSDP2 + torchao tensorwise with FP8 all-gather and precomputed scales",
+                            ["--fp8-recipe", "tensorwise", "--backend", "torchao", "--fsdp-float8-all-gather",
+                             "--precompute-fp8-scales"]),
+}
+"""Training path -> (what it is, its flags) for the restart part. The fast path's delayed-scaling state is TE's
+pickle in the checkpoint, which loads only with --checkpoint.trust (the checkpoint is this run's own)."""
+
+
+def run_restarts(workdir: Path, steps: int, paths: Sequence[str], micro_batch: int = 4,
+                 extra: Sequence[str] = ()) -> dict:
+    """Part 3 for each training path: run_restart's record per path, their checks named after the path."""
+    done = {path: run_restart(workdir / path, steps, path, micro_batch=micro_batch, extra=extra) for path in paths}
+    return {"paths": done, "checks": {f"{path}: {name}": ok for path, part in done.items()
+                                      for name, ok in part["checks"].items()},
+            "commands": [command for part in done.values() for command in part["commands"]]}
+
+
+def run_restart(workdir: Path, steps: int, path: str = "fast", model: str = "tiny", micro_batch: int = 4,
                 extra: Sequence[str] = ()) -> dict:
-    """Part 3: uninterrupted vs killed-and-restarted, FSDP2 + torchao tensorwise with FP8 all-gather."""
+    """Uninterrupted vs killed-and-restarted on one training path of RESTART_PATHS."""
     interval, kill_step = restart_plan(steps)
     saved = workdir / "checkpoints"
-    flags = ["--model", model, "--fp8-recipe", "tensorwise", "--backend", "torchao", "--small-gemm-filter", "off",
-             "--fsdp-float8-all-gather", "--precompute-fp8-scales", "--micro-batch-size", str(micro_batch),
-             "--train-iters", str(steps), "--seed", "0", "--eval-iters", "0", *extra]
+    flags = ["--model", model, *RESTART_PATHS[path][1], "--small-gemm-filter", "off",
+             "--micro-batch-size", str(micro_batch), "--train-iters", str(steps), "--seed", "0", "--eval-iters", "0",
+             *extra]
     checkpointed = [*flags, "--save", str(saved), "--save-interval", str(interval)]
     uninterrupted = launch("uninterrupted", workdir, 2, flags)
     killed = launch("killed", workdir, 2, checkpointed, env={KILL_AT_ENV: f"1:{kill_step}"})
     left = sorted(p.name for p in saved.glob("step-*")) if saved.exists() else []
     restarted = launch("restarted", workdir, 2, [*checkpointed, "--load", "latest"])
 
-    base = {"model": model, "steps": steps, "checkpoint_interval": interval, "killed_rank": 1,
+    base = {"path": path, "model": model, "steps": steps, "checkpoint_interval": interval, "killed_rank": 1,
             "kill_at_step": kill_step, "checkpoints_after_kill": left,
             "runs": {r.name: run_record(r) for r in (uninterrupted, killed, restarted)},
             "commands": [r.command for r in (uninterrupted, killed, restarted)]}
@@ -223,7 +245,7 @@ def render(payload: dict) -> str:
     verdict = "PASS" if payload["passed"] else "FAIL"
     pending = f" Partial: not yet run: {', '.join(payload['pending'])}." if payload.get("pending") else ""
     sections = [f"Multi-GPU checks on {payload['gpus']} GPU(s). Overall: **{verdict}**.{pending}\n"]
-    renderers = {"fsdp": _render_fsdp, "tp": _render_tp, "restart": _render_restart}
+    renderers = {"fsdp": _render_fsdp, "tp": _render_tp, "restart": _render_restarts}
     for part in PARTS:
         found = payload.get(KEYS[part])
         if found:
@@ -306,9 +328,13 @@ def _loss_table(first_column: str, comparisons) -> str:
                            "first grad-norm gap", "any step's max gap"], rows) + "\n"
 
 
+def _render_restarts(part: dict) -> str:
+    return "\n".join(_render_restart(path) for path in part["paths"].values())
+
+
 def _render_restart(part: dict) -> str:
-    text = (f"## Kill rank 1, restart from the checkpoint ({part['model']}, FSDP2 + torchao tensorwise, FP8 "
-            f"all-gather, 2 ranks, {part['steps']} steps)\n\nCheckpoint every {part['checkpoint_interval']} steps; "
+    text = (f"## Kill rank 1, restart from the checkpoint ({part['model']}, {RESTART_PATHS[part['path']][0]}, 2 "
+            f"ranks, {part['steps']} steps)\n\nCheckpoint every {part['checkpoint_interval']} steps; "
             f"rank 1 SIGKILLs itself as step {part['kill_at_step']} begins; checkpoints left: "
             f"{', '.join(part['checkpoints_after_kill']) or 'none'}. Runs: " +
             ", ".join(f"{name} exit {run['returncode']}" for name, run in part["runs"].items()) + ".\n")
@@ -325,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=LOSS_STEPS, help="steps of the fsdp arms")
     parser.add_argument("--tp-steps", type=int, default=LOSS_STEPS, help="steps of each tensor-parallel run")
     parser.add_argument("--restart-steps", type=int, default=30, help="steps of the restart runs")
+    parser.add_argument("--restart-paths", default=",".join(RESTART_PATHS),
+                        help=f"training paths the restart part kills and restarts: some of {','.join(RESTART_PATHS)}")
     parser.add_argument("--model", default="llama-1b-like", help="model of the fsdp part")
     parser.add_argument("--micro-batch-size", type=int, default=FSDP_MICRO_BATCH, help="per rank, fsdp part")
     parser.add_argument("--seq-length", type=int, default=FSDP_SEQ, help="fsdp part")
@@ -343,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--parts is empty: name some of {','.join(PARTS)}")
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}: use a subset of {','.join(PARTS)}")
+    restart_paths = comma_separated(args.restart_paths)
+    if "restart" in parts and (not restart_paths or set(restart_paths) - set(RESTART_PATHS)):
+        parser.error(f"--restart-paths {args.restart_paths!r}: name some of {','.join(RESTART_PATHS)}")
     extra = ("--device", args.device) if args.device else ()
 
     import torch
@@ -357,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = {"fsdp": lambda workdir: run_fsdp(workdir, args.steps, args.model, args.micro_batch_size, args.seq_length,
                                               args.seed, extra),
              "tp": lambda workdir: run_tp_part(workdir, args.tp_steps, args.seed),
-             "restart": lambda workdir: run_restart(workdir, args.restart_steps, extra=extra)}
+             "restart": lambda workdir: run_restarts(workdir, args.restart_steps, restart_paths, extra=extra)}
     todo = [part for part in PARTS if part in parts]
     with tempfile.TemporaryDirectory(prefix="fp8stack-multigpu-") as scratch:
         workdir = args.workdir or Path(scratch)

@@ -341,7 +341,7 @@ def train(cfg: JobConfig) -> TrainResult:
                                           f"{cfg.training.steps}: {kept}", signal_number, result)
         result.collectives = asdict(comms.result) if comms.result else None
         if device.type == "cuda":
-            result.resident_mem_gib = torch.cuda.memory_allocated(device) / 2**30
+            result.resident_mem_gib = env.max(torch.cuda.memory_allocated(device) / 2**30)
         if run.compressor and result.losses:
             result.activation_bytes_saved_per_step = run.compressor.bytes_saved / len(result.losses)
 
@@ -350,7 +350,7 @@ def train(cfg: JobConfig) -> TrainResult:
         if cfg.training.eval_batches:
             result.val_loss = _validate(run.loss_fn, cfg, seq_len, env, run.autocast)
         if device.type == "cuda":
-            result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
+            result.peak_mem_gib = env.max(torch.cuda.max_memory_allocated(device) / 2**30)
         result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
         return result
 
@@ -636,6 +636,14 @@ class _Distributed:
         """The data-parallel replicas' process group when several hold the model, else None."""
         mesh = self.fsdp_mesh if self.fsdp_mesh is not None else self.ddp_mesh
         return mesh.get_group() if mesh is not None and self.dp_size > 1 else None
+
+    def max(self, value: float) -> float:
+        """The largest of a number over all ranks: a run's memory is its fullest GPU's."""
+        if self.world_size > 1:
+            largest = torch.tensor(value, dtype=torch.float64, device=self.device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            value = float(largest)
+        return value
 
     def mean(self, value: torch.Tensor) -> float:
         """The mean of a scalar over all ranks (gloo has no AVG, hence SUM / world)."""

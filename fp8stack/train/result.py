@@ -34,11 +34,11 @@ class TrainResult:
     val_loss: float | None = None
     """Mean validation loss after the last step."""
     peak_mem_gib: float | None = None
-    """CUDA peak allocated memory (None on a CPU)."""
+    """CUDA peak allocated memory, the largest over the ranks (None on a CPU)."""
     resident_mem_gib: float | None = None
-    """CUDA memory still allocated after the last step: what a run holds between steps (parameters, masters,
-    optimizer state, gradient buffers, FP8 weight caches); the peak less this is the step's transient memory
-    (activations, workspaces). None on a CPU."""
+    """CUDA memory still allocated after the last step, the largest over the ranks: what a run holds between steps
+    (parameters, masters, optimizer state, gradient buffers, FP8 weight caches); the peak less this is the step's
+    transient memory (activations, workspaces). None on a CPU."""
     max_rss_gib: float = 0.0
     """Peak resident memory of the process."""
     collectives: dict | None = None

@@ -1,0 +1,255 @@
+"""`python -m fp8stack.bench.scaling`: BF16 and the fast FP8 path on N GPUs under DDP and under FSDP2, against the
+same runs on one GPU.
+
+    python -m fp8stack.bench.scaling --nproc 2 [--model llama-1b-like] [--recipe delayed] [--steps 40]
+                                     [--wrappers ddp,fsdp,fsdp_fp8_params]
+
+Every run is a launch/train.sh run of the same model, recipe and seed with the configuration's defaults otherwise
+(the measured fast path: BF16 parameters with FP32 masters, TE's fused weight-gradient accumulation and FP8 weight
+cache where the wrapper keeps them, compile, cuDNN attention). Each rank trains the one-GPU run's micro-batch and
+accumulation (weak scaling: the global batch grows with N), so a rank's compute is the one-GPU run's and what differs
+is what the wrapper adds. Runs:
+- one_gpu: NPROC=1, unwrapped, BF16 and the recipe, side by side (one per GPU when there are two);
+- each wrapper at NPROC=N, BF16 and the recipe, one after another:
+  ddp (--parallelism.data-parallel ddp: a replica per GPU, FP32 main_grads averaged once per step),
+  fsdp (FSDP2: sharded FP32 masters, BF16 all-gathered copies, FP32 reduce-scatter),
+  fsdp_gather_once (fsdp with --no-parallelism.fsdp-reshard-after-forward: one all-gather per step),
+  fsdp_fp8_params (fsdp with --param-dtype fp8: TE's FP8 weights all-gathered in FP8; the recipe only, as BF16 has
+  no FP8 weights).
+Judged: each wrapper's FP8/BF16 tokens/s within RATIO_TOLERANCE of one_gpu's (what the wrapper costs must not eat
+FP8's gain; fsdp_fp8_params over fsdp's BF16 run), and fsdp_fp8_params' all-gather bytes over the transformer blocks at most ALL_GATHER_RATIO of fsdp's
+with the same recipe (FP8 travels as FP8). Reported: tokens/s of the whole job and per GPU, scaling efficiency (N-GPU
+tokens/s over N one-GPU runs'), peak and resident memory of the fullest GPU, collectives per step. The evidence,
+profiles/runs/<date>-scaling-<model>-<N>gpu-<gpu>/, holds them, the checks and every launch command, and with
+matplotlib a figure of per-GPU tokens/s and the FP8/BF16 ratios against the one-GPU band; `--plot-only <json>` draws
+the figure of a run measured before it existed.
+"""
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from fp8stack.ab import comma_separated
+from fp8stack.ab.plot import pyplot
+from fp8stack.bench.data_parallel import block_all_gather_bytes
+from fp8stack.bench.launches import launch, run_record, start, wait
+from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, note_unmeasured, plot_only,
+                                  refuse_flags_beside_plot_only, write_plot)
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.plan.recipes import BF16
+
+PROG = "python -m fp8stack.bench.scaling"
+ONE_GPU = "one_gpu"
+"""The reference runs: one process, no wrapper."""
+WRAPPERS = {"ddp": ["--parallelism.data-parallel", "ddp"],
+            "fsdp": ["--parallelism.data-parallel", "fsdp"],
+            "fsdp_gather_once": ["--parallelism.data-parallel", "fsdp", "--no-parallelism.fsdp-reshard-after-forward"],
+            "fsdp_fp8_params": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8"]}
+"""Wrapper -> its flags beside the common ones, at NPROC=N."""
+DEFAULT_WRAPPERS = ("ddp", "fsdp", "fsdp_fp8_params")
+FP8_ONLY = {"fsdp_fp8_params": "fsdp"}
+"""Wrappers that hold FP8 weights, run with the recipe only -> the wrapper whose BF16 run their FP8/BF16 is over
+(BF16 has no FP8 weights: FSDP2's BF16 run is what a user would otherwise train)."""
+RATIO_TOLERANCE = 0.03
+"""The target: |FP8/BF16 tokens/s under a wrapper on N GPUs - the same on one GPU| at most this."""
+ALL_GATHER_RATIO = 0.55
+"""The target: fsdp_fp8_params' all-gather bytes over the blocks at most this share of fsdp's (same recipe); the
+root group (embeddings, final norm, output head) stays BF16 by plan rule 1 in both."""
+PROFILED_STEPS = 2
+"""Steps whose collectives are counted (steps 1 and 2; step 0 initialises lazily)."""
+
+
+def runs(wrappers: Sequence[str], recipe: str) -> list[tuple[str, str]]:
+    """(wrapper, recipe) of every run, the one-GPU pair first."""
+    recipes = (BF16, recipe)
+    return [(ONE_GPU, r) for r in recipes] + [(w, r) for w in wrappers for r in recipes
+                                              if r != BF16 or w not in FP8_ONLY]
+
+
+def run_name(wrapper: str, recipe: str) -> str:
+    return f"{wrapper}/{recipe}"
+
+
+def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: Sequence[str],
+            gpus: int) -> dict[str, dict]:
+    """The one-GPU runs side by side when there are GPUs for both (else one after another), then the N-GPU runs one
+    after another (their step times are compared)."""
+    def flags(wrapper: str, recipe: str) -> list[str]:
+        return [*common, "--fp8-recipe", recipe, *WRAPPERS.get(wrapper, [])]
+
+    singles = [run for run in planned if run[0] == ONE_GPU]
+    records = {}
+    if gpus >= len(singles):
+        started = [start(run_name(*run), workdir, 1, flags(*run), {"CUDA_VISIBLE_DEVICES": str(gpu)})
+                   for gpu, run in enumerate(singles)]
+        records.update((run.name, run_record(run)) for run in map(wait, started))
+    else:
+        records.update((run_name(*run), run_record(launch(run_name(*run), workdir, 1, flags(*run))))
+                       for run in singles)
+    for run in planned:
+        if run[0] != ONE_GPU:
+            records[run_name(*run)] = run_record(launch(run_name(*run), workdir, nproc, flags(*run)))
+    return records
+
+
+def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str, nproc: int, steps: int) -> dict:
+    """Per wrapper: FP8/BF16 against one GPU's, per-GPU tokens/s and scaling efficiency; the all-gather ratio."""
+    checks = {f"{name} ran {steps} steps": len(records[name].get("losses", ())) == steps
+              for name in map(lambda run: run_name(*run), planned)}
+    tokens = {name: record["tokens_per_s"] for name, record in records.items() if "tokens_per_s" in record}
+    figures: dict = {"per_gpu_tokens_per_s": {name: value / (1 if name.startswith(ONE_GPU) else nproc)
+                                              for name, value in tokens.items()}}
+    one = {r: tokens.get(run_name(ONE_GPU, r)) for r in (BF16, recipe)}
+    figures["scaling_efficiency"] = {name: value / (nproc * one[name.split("/")[1]])
+                                     for name, value in tokens.items()
+                                     if not name.startswith(ONE_GPU) and one[name.split("/")[1]]}
+    ratios = {wrapper: tokens[run_name(wrapper, recipe)] / tokens[run_name(FP8_ONLY.get(wrapper, wrapper), BF16)]
+              for wrapper in dict.fromkeys(w for w, _ in planned)
+              if run_name(wrapper, recipe) in tokens and run_name(FP8_ONLY.get(wrapper, wrapper), BF16) in tokens}
+    figures["fp8_over_bf16"] = ratios
+    if ONE_GPU in ratios:
+        for wrapper, ratio in ratios.items():
+            if wrapper != ONE_GPU:
+                checks[f"{wrapper}: FP8/BF16 {ratio:.3f} within {RATIO_TOLERANCE} of one GPU's "
+                       f"{ratios[ONE_GPU]:.3f}"] = abs(ratio - ratios[ONE_GPU]) <= RATIO_TOLERANCE
+    bf16_gather, fp8_gather = (block_all_gather_bytes(records.get(run_name(w, recipe), {}))
+                               for w in ("fsdp", "fsdp_fp8_params"))
+    if bf16_gather and fp8_gather:
+        figures["all_gather_bytes_fp8_over_bf16_blocks"] = fp8_gather / bf16_gather
+        checks[f"fsdp_fp8_params: blocks' all-gather bytes at most {ALL_GATHER_RATIO}x fsdp's"] = \
+            fp8_gather / bf16_gather <= ALL_GATHER_RATIO
+    return {"figures": figures, "checks": checks}
+
+
+def render(payload: dict) -> str:
+    """The evidence's Markdown: a row per run, the ratios, the checks, the commands."""
+    figures, nproc = payload.get("figures", {}), payload["nproc"]
+    rows = []
+    for name, record in payload["runs"].items():
+        if "tokens_per_s" not in record:
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", f"failed (exit {record.get('returncode')})"])
+            continue
+        collectives = (record.get("collectives") or {}).get("bytes", {})
+        efficiency = figures.get("scaling_efficiency", {}).get(name)
+        rows.append([name, record.get("world_size", "-"), f"{record['tokens_per_s']:,.0f}",
+                     f"{figures['per_gpu_tokens_per_s'][name]:,.0f}", f"{efficiency:.3f}" if efficiency else "-",
+                     f"{record['peak_mem_gib']:.2f}", f"{record.get('resident_mem_gib') or 0:.2f}",
+                     f"{collectives.get('all_gather', 0) / 2**30:.2f} / {collectives.get('reduce_scatter', 0) / 2**30:.2f}"
+                     f" / {collectives.get('all_reduce', 0) / 2**30:.2f}", f"{record['losses'][-1]:.4f}"])
+    table = markdown_table(["run", "ranks", "tokens/s", "tokens/s per GPU", f"scaling efficiency ({nproc} GPUs)",
+                            "peak GiB (fullest GPU)", "resident GiB", "all-gather / reduce-scatter / all-reduce "
+                            "GiB per step", "last loss"], rows)
+    ratios = markdown_table(["wrapper", "FP8/BF16 tokens/s"], [[wrapper, f"{ratio:.3f}x"] for wrapper, ratio in
+                                                                 figures.get("fp8_over_bf16", {}).items()])
+    gather = figures.get("all_gather_bytes_fp8_over_bf16_blocks")
+    checks = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in payload["checks"].items())
+    commands = "\n".join(record["command"] for record in payload["runs"].values())
+    return (f"BF16 and {payload['recipe']} on {nproc} GPUs under each data-parallel wrapper and on one GPU: "
+            f"{payload['model']}, {payload['steps']} steps per run, each rank training the one-GPU run's micro-batches "
+            f"(weak scaling).\n\n{table}\n\n{ratios}\n\n" +
+            (f"FP8-parameter all-gather bytes over the blocks, vs fsdp's BF16 copies: {gather:.3f}x.\n\n"
+             if gather else "") +
+            f"## Checks\n\n{checks}\n\n## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
+
+
+RECIPE_COLOURS = {"bf16": "tab:gray", "fp8": "tab:blue"}
+
+
+def figure(payload: dict):
+    """Per-GPU tokens/s of every run (BF16 grey, FP8 blue), and each wrapper's FP8/BF16 ratio against one GPU's
+    with the tolerance band around it."""
+    plt = pyplot()
+    wrappers = list(dict.fromkeys(name.split("/")[0] for name in payload["runs"]))
+    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(FIGURE_WIDTH * 2 / 3, figure_height(len(payload["runs"]))),
+                                       layout="constrained")
+    per_gpu = payload.get("figures", {}).get("per_gpu_tokens_per_s", {})
+    names = list(payload["runs"])
+    rows = list(range(len(names)))
+    bars = speed.barh(rows, [per_gpu.get(name, 0) for name in names],
+                      color=[RECIPE_COLOURS["bf16" if name.endswith("/" + BF16) else "fp8"] for name in names])
+    speed.bar_label(bars, [f"{per_gpu[name]:,.0f}" if name in per_gpu else "" for name in names], padding=3,
+                    fontsize="small")
+    note_unmeasured(speed, rows, [None if name in per_gpu else "failed" for name in names])
+    speed.set_yticks(rows, names)
+    speed.invert_yaxis()
+    speed.margins(x=0.2)
+    speed.set(xlabel="tokens/s per GPU", title="tokens/s per GPU (grey BF16, blue FP8)")
+    ratios = payload.get("figures", {}).get("fp8_over_bf16", {})
+    measured = [w for w in wrappers if w in ratios]
+    values = [ratios[w] for w in measured]
+    bars = ratio.bar(range(len(measured)), values, color=RECIPE_COLOURS["fp8"])
+    ratio.bar_label(bars, [f"{value:.3f}x" for value in values], padding=3, fontsize="small")
+    if ONE_GPU in ratios:
+        reference = ratios[ONE_GPU]
+        ratio.axhspan(reference - RATIO_TOLERANCE, reference + RATIO_TOLERANCE, color="tab:green", alpha=0.3,
+                      label=f"one GPU's ratio ± {RATIO_TOLERANCE}")
+        ratio.legend(fontsize="small", loc="upper right")
+        values += [reference - RATIO_TOLERANCE, reference + RATIO_TOLERANCE]
+    ratio.set_xticks(range(len(measured)), measured)
+    ratio.set(ylabel="FP8 / BF16 tokens/s", title="FP8 over BF16 per wrapper",
+              ylim=(max(0.0, min(values, default=1) - 0.15), max(values, default=1) + 0.1))
+    device = (payload.get("environment") or {}).get("device", "an unrecorded device")
+    fig.suptitle(f"{payload['model']}, {payload['recipe']} vs BF16 on {payload['nproc']} GPUs and one ({device})")
+    return fig
+
+
+def is_scaling_record(record: dict) -> bool:
+    """The JSON is this bench's evidence: its runs by name, each with its launch command, and its GPU count."""
+    return isinstance(record.get("runs"), dict) and isinstance(record.get("nproc"), int) and \
+        all(isinstance(r, dict) and "command" in r for r in record["runs"].values())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="GPUs of the wrapped runs (at least 2)")
+    parser.add_argument("--wrappers", default=",".join(DEFAULT_WRAPPERS),
+                        help=f"comma-separated subset of {','.join(WRAPPERS)}")
+    parser.add_argument("--steps", type=int, default=40, help="steps per run")
+    parser.add_argument("--model", default="llama-1b-like")
+    parser.add_argument("--recipe", default="delayed", help="the FP8 recipe set against BF16")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="passed to every run (default: auto)")
+    parser.add_argument("--out-dir", default="profiles", help="evidence folder")
+    add_force_option(parser)
+    add_plot_only_option(parser)
+    args = parser.parse_args(argv)
+    if args.plot_only:
+        refuse_flags_beside_plot_only(parser, args)
+        return plot_only(PROG, args.plot_only, is_scaling_record, figure)
+    wrappers = comma_separated(args.wrappers)
+    unknown = sorted(set(wrappers) - set(WRAPPERS))
+    if not wrappers or unknown:
+        parser.error(f"--wrappers {args.wrappers!r}: name some of {','.join(WRAPPERS)}")
+    if args.nproc < 2:
+        parser.error(f"--nproc {args.nproc}: the wrapped runs need at least 2 GPUs (one GPU's wrappers: "
+                     "python -m fp8stack.bench.data_parallel)")
+    if args.recipe == BF16:
+        parser.error("--recipe bf16: name the FP8 recipe set against BF16 (delayed, tensorwise, blockwise, ...)")
+    name = f"scaling-{args.model}-{args.nproc}gpu-{device_slug()}"
+    claim_or_exit(PROG, name, args.out_dir, args.force)
+    common = ["--model", args.model, "--train-iters", str(args.steps), "--eval-iters", "0", "--log-interval", "10",
+              "--profile-collectives", str(PROFILED_STEPS), *(("--device", args.device) if args.device else ())]
+    planned = runs(wrappers, args.recipe)
+    with tempfile.TemporaryDirectory(prefix="fp8stack-scaling-") as scratch:
+        records = run_all(Path(scratch), planned, args.nproc, common, _gpu_count())
+    payload = {"model": args.model, "recipe": args.recipe, "steps": args.steps, "nproc": args.nproc, "runs": records,
+               "targets": {"ratio_tolerance": RATIO_TOLERANCE, "all_gather_ratio": ALL_GATHER_RATIO},
+               **judge(records, planned, args.recipe, args.nproc, args.steps)}
+    payload["passed"] = all(payload["checks"].values())
+    text = render(payload)
+    print(text, flush=True)
+    paths = write_evidence(name, payload, text, args.out_dir, replace=args.force)
+    paths += tuple(filter(None, [write_plot(paths[0], figure)]))
+    print(f"[scaling] evidence: {', '.join(map(str, paths))}", flush=True)
+    return 0 if payload["passed"] else 1
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""fp8stack.bench.scaling on a CPU: which runs it plans and with which flags, how it judges them (synthetic run
+records as launches.run_record keeps them), its evidence and figure. The runs themselves are launch/train.sh runs on
+2+ GPUs (the lead runs `python -m fp8stack.bench.scaling --nproc 2` there); their launching is shared with
+fp8stack.bench.multigpu, whose 2-rank runs tests/test_multigpu_cpu.py starts on gloo."""
+
+import importlib.util
+import json
+
+import pytest
+
+from fp8stack.bench import scaling
+from fp8stack.evidence import run_folder
+from fp8stack.train.command import job_from_flags
+
+STEPS = 6
+TOKENS_PER_STEP = 65536
+
+
+def measured(tokens_per_s: float, peak: float, world_size: int, gathered: dict | None = None) -> dict:
+    """A run record as launches.run_record keeps a finished run; `gathered`: all-gather bytes per group."""
+    collectives = None if gathered is None else {
+        "bytes": {"all_gather": sum(gathered.values()), "reduce_scatter": 1.0, "all_reduce": 0.0},
+        "all_gather_bytes_by_group": gathered}
+    return {"command": f"NPROC={world_size} launch/train.sh", "returncode": 0, "wall_s": 60.0,
+            "losses": [10.0 - step for step in range(STEPS)], "step_ms_median": TOKENS_PER_STEP / tokens_per_s * 1000,
+            "step_ms_spread": 0.01, "tokens_per_s": tokens_per_s, "peak_mem_gib": peak, "resident_mem_gib": peak / 2,
+            "world_size": world_size, "device": "NVIDIA H200", "collectives": collectives, "first_step": 0,
+            "plan_summary": {}, "grad_norms": [1.0] * STEPS}
+
+
+RECORDS = {"one_gpu/bf16": measured(93_000, 24.7, 1), "one_gpu/delayed": measured(132_000, 25.9, 1),
+           "ddp/bf16": measured(184_000, 24.8, 2), "ddp/delayed": measured(258_000, 26.0, 2),
+           "fsdp/bf16": measured(170_000, 20.0, 2, {"root": 0.5e9, "layers.0": 4e9}),
+           "fsdp/delayed": measured(225_000, 20.5, 2, {"root": 0.5e9, "layers.0": 4e9}),
+           "fsdp_fp8_params/delayed": measured(240_000, 18.0, 2, {"root": 0.5e9, "layers.0": 2e9})}
+
+
+def test_the_runs_are_each_wrappers_bf16_and_fp8_pair_beside_one_gpus_and_fp8_weights_only_in_fp8():
+    planned = scaling.runs(["ddp", "fsdp", "fsdp_fp8_params"], "delayed")
+    assert [scaling.run_name(*run) for run in planned] == list(RECORDS)
+
+
+@pytest.mark.parametrize("wrapper, data_parallel, param_dtype, reshard", [
+    ("ddp", "ddp", None, None), ("fsdp", "fsdp", None, None), ("fsdp_gather_once", "fsdp", None, False),
+    ("fsdp_fp8_params", "fsdp", "fp8", None)])
+def test_each_wrappers_flags_ask_for_that_wrapper_and_leave_the_rest_at_the_fast_paths_defaults(
+        wrapper, data_parallel, param_dtype, reshard):
+    job = job_from_flags(["--fp8-recipe", "delayed", *scaling.WRAPPERS[wrapper]])
+    assert job.parallelism.data_parallel == data_parallel and job.training.param_dtype == param_dtype
+    assert job.parallelism.fsdp_reshard_after_forward is reshard and not job.parallelism.data_parallel_one_rank
+    assert job.te.gradient_accumulation_fusion is None and job.te.cache_fp8_weights  # the wrapper decides
+
+
+def judged(records: dict = RECORDS) -> dict:
+    return scaling.judge(records, scaling.runs(["ddp", "fsdp", "fsdp_fp8_params"], "delayed"), "delayed", 2, STEPS)
+
+
+def test_each_wrappers_fp8_over_bf16_is_judged_against_one_gpus_and_the_fp8_all_gather_against_bf16s():
+    result = judged()
+    ratios, checks = result["figures"]["fp8_over_bf16"], result["checks"]
+    assert ratios == pytest.approx({"one_gpu": 132 / 93, "ddp": 258 / 184, "fsdp": 225 / 170,
+                                    "fsdp_fp8_params": 240 / 170})  # over FSDP2's BF16 run
+    assert checks[f"ddp: FP8/BF16 {258 / 184:.3f} within 0.03 of one GPU's {132 / 93:.3f}"] is True
+    assert checks[f"fsdp: FP8/BF16 {225 / 170:.3f} within 0.03 of one GPU's {132 / 93:.3f}"] is False
+    assert result["figures"]["all_gather_bytes_fp8_over_bf16_blocks"] == pytest.approx(0.5)
+    assert checks["fsdp_fp8_params: blocks' all-gather bytes at most 0.55x fsdp's"] is True
+    assert result["figures"]["per_gpu_tokens_per_s"]["ddp/delayed"] == 129_000
+    assert result["figures"]["scaling_efficiency"]["ddp/delayed"] == pytest.approx(258 / 264)
+    assert all(checks[f"{name} ran {STEPS} steps"] for name in RECORDS)
+
+
+def test_a_failed_run_fails_its_check_and_leaves_its_wrapper_unjudged():
+    records = {**RECORDS, "ddp/delayed": {"command": "NPROC=2 launch/train.sh", "returncode": 1, "wall_s": 5.0,
+                                          "log_tail": "RuntimeError: NCCL error"}}
+    result = judged(records)
+    assert result["checks"]["ddp/delayed ran 6 steps"] is False
+    assert "ddp" not in result["figures"]["fp8_over_bf16"]
+    text = scaling.render({"model": "llama-1b-like", "recipe": "delayed", "steps": STEPS, "nproc": 2,
+                           "runs": records, **result})
+    assert "| ddp/delayed | - |" in text and "failed (exit 1)" in text and "FAIL: ddp/delayed ran 6 steps" in text
+
+
+def write_json(folder, records: dict = RECORDS):
+    path = folder / "scaling-llama-1b-like-2gpu-h200.json"
+    path.write_text(json.dumps({"environment": {"device": "NVIDIA H200"}, "model": "llama-1b-like",
+                                "recipe": "delayed", "steps": STEPS, "nproc": 2, "runs": records, **judged(records)}))
+    return path
+
+
+def test_the_figure_shows_per_gpu_tokens_and_each_wrappers_ratio_against_the_one_gpu_band(tmp_path):
+    pytest.importorskip("matplotlib")
+    fig = scaling.figure(json.loads(write_json(tmp_path).read_text()))
+    speed, ratio = fig.axes
+    assert [label.get_text() for label in speed.get_yticklabels()] == list(RECORDS)
+    assert [bar.get_width() for bar in speed.containers[0]][:3] == [93_000, 132_000, 92_000]
+    assert [label.get_text() for label in ratio.get_xticklabels()] == ["one_gpu", "ddp", "fsdp", "fsdp_fp8_params"]
+    bars, band = ratio.patches[:4], ratio.patches[4]
+    assert [bar.get_height() for bar in bars] == pytest.approx([132 / 93, 258 / 184, 225 / 170, 240 / 170])
+    assert (band.get_y(), band.get_height()) == pytest.approx((132 / 93 - 0.03, 0.06))
+
+
+def test_a_run_writes_json_markdown_and_figure_and_fails_on_a_failed_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling, "run_all", lambda workdir, planned, nproc, common, gpus: {
+        scaling.run_name(*run): RECORDS[scaling.run_name(*run)] for run in planned})
+    code = scaling.main(["--nproc", "2", "--steps", str(STEPS), "--out-dir", str(tmp_path)])
+    folder = run_folder("scaling-llama-1b-like-2gpu-cpu", tmp_path)
+    assert code == 1  # fsdp's ratio is outside the band: evidence, and a failed check
+    record = json.loads((folder / "scaling-llama-1b-like-2gpu-cpu.json").read_text())
+    assert record["nproc"] == 2 and set(record["runs"]) == set(RECORDS) and record["passed"] is False
+    assert (folder / "scaling-llama-1b-like-2gpu-cpu.png").is_file() == (importlib.util.find_spec("matplotlib")
+                                                                         is not None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "1"], "--nproc 1: the wrapped runs need at least 2 GPUs"),
+    (["--wrappers", "ddp,zero"], "--wrappers 'ddp,zero': name some of ddp,fsdp,fsdp_gather_once,fsdp_fp8_params"),
+    (["--recipe", "bf16"], "--recipe bf16: name the FP8 recipe set against BF16"),
+])
+def test_bad_options_are_refused_in_one_line_before_any_run(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(scaling, "run_all", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as exit_:
+        scaling.main([*argv, "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_evidence_index_describes_a_scaling_run(tmp_path):
+    from fp8stack.bench.results import Run, describe
+
+    record = json.loads(write_json(tmp_path).read_text())
+    run = Run(tmp_path, {"scaling-llama-1b-like-2gpu-h200.json": {**record, "passed": False}})
+    assert run.kind == "scaling"
+    assert describe(run) == ("llama-1b-like BF16 and delayed on 2 GPUs and one (" + ", ".join(RECORDS) +
+                             "): not all checks passed")
