@@ -71,6 +71,9 @@ def test_fused_wgrad_under_fsdp_is_refused_naming_te_and_the_fix():
     ({"parallelism.data_parallel": "ddp", "torchao.fsdp_float8_all_gather": True,
       "precision.recipe": "tensorwise"}, None,
      "all-gathers FSDP2's sharded weights, and DDP shards none: use --parallelism.data-parallel fsdp"),
+    ({"te.local_amax": True, "training.param_dtype": "fp8"}, 2,
+     "te.local_amax keeps each rank's delayed-scaling scales its own, and FSDP2 all-gathers each FP8 weight's shards "
+     "under one scale: drop --te.local-amax or --param-dtype fp8"),
 ])
 def test_what_no_wrapper_serves_is_refused_naming_the_fix(settings, world_size, message):
     with pytest.raises(ConfigError, match=message):
@@ -128,6 +131,7 @@ def test_megatrons_model_runs_megatrons_ddp_not_the_plain_wrappers_and_fuses_wgr
     (["--data-parallel", "ddp", "--tensor-model-parallel-size", "2"], "use --parallelism.data-parallel fsdp"),
     (["--gradient-accumulation-fusion", "--fsdp-one-rank"], "pass --parallelism.data-parallel ddp"),
     (["--data-parallel", "ddp", "--fsdp-float8-all-gather", "--fp8-recipe", "tensorwise"], "DDP shards none"),
+    (["--te.local-amax", "--param-dtype", "fp8", "--fsdp-one-rank"], "drop --te.local-amax or --param-dtype fp8"),
 ])
 def test_refusals_exit_2_in_one_line(flags, message, capsys):
     assert train_main([*flags, "--device", "cpu", "--no-progress"]) == 2

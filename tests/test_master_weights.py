@@ -102,3 +102,37 @@ def test_fp8_parameters_need_every_fp8_layer_on_te(settings, why):
         pass
     with pytest.raises(ConfigError, match="param_dtype fp8 keeps BF16 parameters.*pass --training.dtype bf16"):
         from_overrides({"training.param_dtype": "fp8", "training.dtype": "fp32"})
+
+
+def test_under_ddp_each_bucket_is_averaged_as_soon_as_its_gradients_are_final_not_at_the_backwards_end():
+    """MasterWeights(model, data_parallel=...) starts a bucket's all-reduce from the hook of its last parameter's
+    gradient, during the backward of the step's last micro-batch; the backward's end only waits. Micro-batches
+    under no_sync start none. One gloo rank: the collectives run, the order of calls is what is checked."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from fp8stack.precision import MasterWeights
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+        masters = MasterWeights(model, data_parallel=dist.group.WORLD, bucket_bytes=16 * 16 * 4 + 16 * 4)
+        assert len(masters.buffers) == 4  # a bucket per layer (weight and bias)
+        events, started = [], dist.all_reduce
+        dist_all_reduce = lambda buffer, **kwargs: (events.append(("start", buffer.numel())),  # noqa: E731
+                                                    started(buffer, **kwargs))[1]
+        finish = masters._average.finish
+        masters._average.finish = lambda: (events.append(("backward end",)), finish())[1]
+        original, dist.all_reduce = dist.all_reduce, dist_all_reduce
+        try:
+            x = torch.randn(8, 16)
+            with masters.no_sync():
+                model(x.bfloat16()).float().sum().backward()
+            assert events == [], "accumulation micro-batches average nothing"
+            model(x.bfloat16()).float().sum().backward()
+        finally:
+            dist.all_reduce = original
+        assert events == [("start", 16 * 16 + 16)] * 4 + [("backward end",)]
+        assert all(p.grad is None for p in masters.params)
+    finally:
+        dist.destroy_process_group()

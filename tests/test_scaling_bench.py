@@ -42,7 +42,7 @@ def test_the_runs_are_each_wrappers_bf16_and_fp8_pair_beside_one_gpus_and_fp8_we
 
 @pytest.mark.parametrize("wrapper, data_parallel, param_dtype, reshard", [
     ("ddp", "ddp", None, None), ("fsdp", "fsdp", None, None), ("fsdp_gather_once", "fsdp", None, False),
-    ("fsdp_fp8_params", "fsdp", "fp8", None)])
+    ("fsdp_fp8_params", "fsdp", "fp8", None), ("fsdp_fp8_params_gather_once", "fsdp", "fp8", False)])
 def test_each_wrappers_flags_ask_for_that_wrapper_and_leave_the_rest_at_the_fast_paths_defaults(
         wrapper, data_parallel, param_dtype, reshard):
     job = job_from_flags(["--fp8-recipe", "delayed", *scaling.WRAPPERS[wrapper]])
@@ -62,7 +62,7 @@ def test_each_wrappers_fp8_over_bf16_is_judged_against_one_gpus_and_the_fp8_all_
                                     "fsdp_fp8_params": 240 / 170})  # over FSDP2's BF16 run
     assert checks[f"ddp: FP8/BF16 {258 / 184:.3f} within 0.03 of one GPU's {132 / 93:.3f}"] is True
     assert checks[f"fsdp: FP8/BF16 {225 / 170:.3f} within 0.03 of one GPU's {132 / 93:.3f}"] is False
-    assert result["figures"]["all_gather_bytes_fp8_over_bf16_blocks"] == pytest.approx(0.5)
+    assert result["figures"]["all_gather_bytes_fp8_over_bf16_blocks"] == pytest.approx({"fsdp_fp8_params": 0.5})
     assert checks["fsdp_fp8_params: blocks' all-gather bytes at most 0.55x fsdp's"] is True
     assert result["figures"]["per_gpu_tokens_per_s"]["ddp/delayed"] == 129_000
     assert result["figures"]["scaling_efficiency"]["ddp/delayed"] == pytest.approx(258 / 264)
@@ -78,6 +78,8 @@ def test_a_failed_run_fails_its_check_and_leaves_its_wrapper_unjudged():
     text = scaling.render({"model": "llama-1b-like", "recipe": "delayed", "steps": STEPS, "nproc": 2,
                            "runs": records, **result})
     assert "| ddp/delayed | - |" in text and "failed (exit 1)" in text and "FAIL: ddp/delayed ran 6 steps" in text
+    assert "| fsdp/delayed | 2 | 225,000 | 112,500 | 0.852 | 20.50 | 10.25 | 4.19 / 0.00 | 0 |" in text
+    assert "fsdp_fp8_params's all-gather bytes over the blocks, FP8 weights vs fsdp's BF16 copies: 0.500x." in text
 
 
 def write_json(folder, records: dict = RECORDS):
@@ -113,7 +115,7 @@ def test_a_run_writes_json_markdown_and_figure_and_fails_on_a_failed_check(tmp_p
 
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "1"], "--nproc 1: the wrapped runs need at least 2 GPUs"),
-    (["--wrappers", "ddp,zero"], "--wrappers 'ddp,zero': name some of ddp,fsdp,fsdp_gather_once,fsdp_fp8_params"),
+    (["--wrappers", "ddp,zero"], "--wrappers 'ddp,zero': name some of ddp,fsdp,fsdp_gather_once,fsdp_fp8_params,"),
     (["--recipe", "bf16"], "--recipe bf16: name the FP8 recipe set against BF16"),
 ])
 def test_bad_options_are_refused_in_one_line_before_any_run(argv, message, tmp_path, monkeypatch, capsys):

@@ -303,7 +303,7 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
     cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
                                       "--small-gemm-filter", "off", "--device", "cpu"]))
     plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
-    assert _backend_options(cfg, plan, micro_batches=1)["te"]["delayed_margin"] == 2
+    assert _backend_options(cfg, plan, micro_batches=1, fully_sharded=False)["te"]["delayed_margin"] == 2
 
 
 def test_fp8_weight_cache_follows_micro_batches_and_the_configuration():
@@ -316,10 +316,26 @@ def test_fp8_weight_cache_follows_micro_batches_and_the_configuration():
         cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--small-gemm-filter", "off",
                                           "--device", "cpu", *flags]))
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
-        return _backend_options(cfg, plan, micro_batches)["te"]["cache_fp8_weights"]
+        return _backend_options(cfg, plan, micro_batches, fully_sharded=False)["te"]["cache_fp8_weights"]
 
     assert cached(2) and not cached(1)
     assert not cached(2, "--no-te.cache-fp8-weights")
+
+
+def test_delayed_amaxes_stay_local_where_replicas_hold_whole_weights_and_are_reduced_under_fsdp2():
+    """te.local_amax None: local in one process and under DDP (no all-reduce per module and pass), reduced over the
+    ranks under FSDP2; asked for, as asked."""
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    def local(fully_sharded: bool, *flags: str) -> bool:
+        cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--small-gemm-filter", "off",
+                                          "--device", "cpu", *flags]))
+        plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+        return _backend_options(cfg, plan, 1, fully_sharded=fully_sharded)["te"]["local_amax"]
+
+    assert local(False) and not local(True)
+    assert not local(False, "--no-te.local-amax") and local(True, "--te.local-amax")
 
 
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
@@ -333,7 +349,7 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
         return cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")))
 
     def options(recipe: str, backend: str = "te") -> dict | None:
-        return _backend_options(*plan(recipe, backend), 1)
+        return _backend_options(*plan(recipe, backend), 1, fully_sharded=False)
 
     assert options("delayed")["te"]["fuse_wgrad_accumulation"] is True
     assert options("bf16")["te"]["fuse_wgrad_accumulation"] is True  # a bf16 plan on te: TE modules without FP8

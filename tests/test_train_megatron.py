@@ -91,6 +91,7 @@ def test_fp8_dot_product_attention_reaches_megatrons_config_and_the_plan():
     (["--param-dtype", "fp8"], "does not take training.param_dtype fp8 (TE weights held in FP8"),
     (["--sdpa-backend", "flash"], "does not take training.sdpa_backend"),
     (["--no-te.cache-fp8-weights"], "does not take te.cache_fp8_weights false"),
+    (["--te.local-amax"], "does not take te.local_amax (the plain path's TE scaling state"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
     (["--model", "llama3-8b"], "builds tiny, llama-1b-like, llama-70b-layers, tiny-moe, deepseek-moe-small, not "
                                "'llama3-8b'"),

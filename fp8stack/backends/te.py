@@ -67,11 +67,12 @@ FUSED_WGRAD_UNDER_FULLY_SHARD = (
 """Why TE's fused weight-gradient accumulation cannot run under fully_shard, and the fixes."""
 
 
-def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0, fp8_dpa: bool = False):
+def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0, fp8_dpa: bool = False,
+              reduce_amax: bool = True):
     """The TransformerEngine recipe object for an fp8stack recipe and format (needs TE installed); delayed scaling
-    leaves 2^delayed_margin headroom (TE's margin; the other recipes have none). fp8_dpa: TE's DotProductAttention
-    under this recipe runs in FP8 (the plan's FP8 attention cores; TE's linears ignore it). None for bf16: the module
-    runs without FP8."""
+    leaves 2^delayed_margin headroom (TE's margin; the other recipes have none) and, with reduce_amax False, keeps
+    each process's amaxes its own (TEBackend.local_amax). fp8_dpa: TE's DotProductAttention under this recipe runs in
+    FP8 (the plan's FP8 attention cores; TE's linears ignore it). None for bf16: the module runs without FP8."""
     _check_recipe_name(recipe_name)
     if recipe_name == BF16:
         return None
@@ -92,7 +93,7 @@ def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0, fp8_dp
     if recipe_name == "delayed":
         return te_recipes.DelayedScaling(fp8_format=fmt, margin=delayed_margin,
                                          amax_history_len=DELAYED_AMAX_HISTORY_LEN,
-                                         amax_compute_algo=DELAYED_AMAX_COMPUTE_ALGO, **dpa)
+                                         amax_compute_algo=DELAYED_AMAX_COMPUTE_ALGO, reduce_amax=reduce_amax, **dpa)
     return getattr(te_recipes, TE_RECIPES[recipe_name])(fp8_format=fmt, **dpa)
 
 
@@ -121,6 +122,12 @@ class TEBackend(Backend):
     high-precision copy, and no cast in forward. For a trainer whose optimizer steps FP32 masters (take_master_values
     gives their initial values) and copies them into these weights after each step, which quantizes them
     (fp8stack.precision.MasterWeights). Dense linears, LayerNormLinear and LayerNormMLP; not GroupedLinear experts."""
+    local_amax: bool = False
+    """Delayed scaling: each process keeps its own amaxes and scales (TE DelayedScaling reduce_amax=False, what
+    Megatron's --tp-only-amax-red does without tensor parallelism). Otherwise TE all-reduces the amaxes over all
+    processes at the end of every module's forward and backward: a collective per module and pass, which holds the
+    ranks in step. Replicas (DDP) hold whole weights and need no common scale; weights held in FP8 and sharded by
+    fully_shard do (each all-gathered weight carries one scale), so before_fully_shard refuses the two together."""
 
     name: ClassVar[str] = "te"
 
@@ -172,8 +179,8 @@ class TEBackend(Backend):
         # recipe, and the FP8 attention's own autocast holds no linear, so its backward scales move at the backward
         # of the linears sharing its recipe (wqkv's, right after it).
         attention_recipes = {d.recipe for d in cores}
-        te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin, fp8_dpa=name in attention_recipes)
-                      for name in recipes}
+        te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin, fp8_dpa=name in attention_recipes,
+                                      reduce_amax=not self.local_amax) for name in recipes}
         wgrad_fusion, wgrad_note = self._wgrad_fusion(model, decisions)
         options = {"cache_weights": self.cache_fp8_weights and not self.fp8_weights,
                    "fuse_wgrad_accumulation": wgrad_fusion, **({"fp8_weights": True} if self.fp8_weights else {})}
@@ -225,7 +232,8 @@ class TEBackend(Backend):
             notes.append(f"delayed: TE DelayedScaling with amax history {DELAYED_AMAX_HISTORY_LEN} and "
                          f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin {self.delayed_margin}, so "
                          "one FP8 autocast per module updates each scale once per step, as one model-wide autocast "
-                         "would")
+                         "would" + ("; amaxes kept per process (local_amax: no all-reduce per module and pass)"
+                                    if self.local_amax else ""))
         cached = sum(1 for _, m, _ in built if getattr(m, "cached_weights", ()))
         if cached:
             notes.append(f"cache_fp8_weights: {cached} module(s) cast their weights to FP8 once per optimizer step and "
@@ -303,6 +311,10 @@ class TEBackend(Backend):
         full-size weights alive after fully_shard replaced them."""
         if any(getattr(module, "main_grad_weights", ()) for module in model.modules()):
             raise NotImplementedError(FUSED_WGRAD_UNDER_FULLY_SHARD)
+        if self.local_amax and self.fp8_weights:
+            raise NotImplementedError("te local_amax keeps each process's delayed-scaling scales its own, and fully_shard "
+                                      "all-gathers each FP8 weight's shards under one scale: drop local_amax (TE then "
+                                      "reduces the amaxes over the ranks) or fp8_weights")
         cached = [module for module in model.modules() if getattr(module, "cached_weights", ())]
         for module in cached:
             module.cached_weights = ()

@@ -171,7 +171,8 @@ def run_record(run: Run) -> dict:
         ms = steady_state(run.result["step_ms"])
         record.update(losses=run.result["losses"], step_ms_median=statistics.median(ms),
                       step_ms_spread=relative_spread(ms), tokens_per_s=run.result["tokens_per_s"],
-                      peak_mem_gib=run.result["peak_mem_gib"], world_size=run.result["world_size"],
+                      peak_mem_gib=run.result["peak_mem_gib"], resident_mem_gib=run.result.get("resident_mem_gib"),
+                      world_size=run.result["world_size"],
                       device=run.result["device"], collectives=run.result.get("collectives"),
                       first_step=run.result["first_step"], plan_summary=run.result["plan_summary"],
                       grad_norms=run.result["grad_norms"])

@@ -15,10 +15,13 @@ is what the wrapper adds. Runs:
   fsdp (FSDP2: sharded FP32 masters, BF16 all-gathered copies, FP32 reduce-scatter),
   fsdp_gather_once (fsdp with --no-parallelism.fsdp-reshard-after-forward: one all-gather per step),
   fsdp_fp8_params (fsdp with --param-dtype fp8: TE's FP8 weights all-gathered in FP8; the recipe only, as BF16 has
-  no FP8 weights).
+  no FP8 weights), fsdp_fp8_params_gather_once (both).
+TE keeps no FP8 weight cache under FSDP2 (it quantizes each gathered BF16 weight in every forward and backward), so
+the FSDP2 runs that gather once per step still cast per micro-batch; FP8 parameters gather what is already FP8.
 Judged: each wrapper's FP8/BF16 tokens/s within RATIO_TOLERANCE of one_gpu's (what the wrapper costs must not eat
-FP8's gain; fsdp_fp8_params over fsdp's BF16 run), and fsdp_fp8_params' all-gather bytes over the transformer blocks at most ALL_GATHER_RATIO of fsdp's
-with the same recipe (FP8 travels as FP8). Reported: tokens/s of the whole job and per GPU, scaling efficiency (N-GPU
+FP8's gain; an FP8-parameter wrapper over its BF16-parameter twin's BF16 run, FP8_ONLY), and an FP8-parameter
+wrapper's all-gather bytes over the transformer blocks at most ALL_GATHER_RATIO of its twin's with the same recipe
+(FP8 travels as FP8). Reported: tokens/s of the whole job and per GPU, scaling efficiency (N-GPU
 tokens/s over N one-GPU runs'), peak and resident memory of the fullest GPU, collectives per step. The evidence,
 profiles/runs/<date>-scaling-<model>-<N>gpu-<gpu>/, holds them, the checks and every launch command, and with
 matplotlib a figure of per-GPU tokens/s and the FP8/BF16 ratios against the one-GPU band; `--plot-only <json>` draws
@@ -46,10 +49,12 @@ ONE_GPU = "one_gpu"
 WRAPPERS = {"ddp": ["--parallelism.data-parallel", "ddp"],
             "fsdp": ["--parallelism.data-parallel", "fsdp"],
             "fsdp_gather_once": ["--parallelism.data-parallel", "fsdp", "--no-parallelism.fsdp-reshard-after-forward"],
-            "fsdp_fp8_params": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8"]}
+            "fsdp_fp8_params": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8"],
+            "fsdp_fp8_params_gather_once": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8",
+                                            "--no-parallelism.fsdp-reshard-after-forward"]}
 """Wrapper -> its flags beside the common ones, at NPROC=N."""
 DEFAULT_WRAPPERS = ("ddp", "fsdp", "fsdp_fp8_params")
-FP8_ONLY = {"fsdp_fp8_params": "fsdp"}
+FP8_ONLY = {"fsdp_fp8_params": "fsdp", "fsdp_fp8_params_gather_once": "fsdp_gather_once"}
 """Wrappers that hold FP8 weights, run with the recipe only -> the wrapper whose BF16 run their FP8/BF16 is over
 (BF16 has no FP8 weights: FSDP2's BF16 run is what a user would otherwise train)."""
 RATIO_TOLERANCE = 0.03
@@ -114,12 +119,15 @@ def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str,
             if wrapper != ONE_GPU:
                 checks[f"{wrapper}: FP8/BF16 {ratio:.3f} within {RATIO_TOLERANCE} of one GPU's "
                        f"{ratios[ONE_GPU]:.3f}"] = abs(ratio - ratios[ONE_GPU]) <= RATIO_TOLERANCE
-    bf16_gather, fp8_gather = (block_all_gather_bytes(records.get(run_name(w, recipe), {}))
-                               for w in ("fsdp", "fsdp_fp8_params"))
-    if bf16_gather and fp8_gather:
-        figures["all_gather_bytes_fp8_over_bf16_blocks"] = fp8_gather / bf16_gather
-        checks[f"fsdp_fp8_params: blocks' all-gather bytes at most {ALL_GATHER_RATIO}x fsdp's"] = \
-            fp8_gather / bf16_gather <= ALL_GATHER_RATIO
+    gathers = {}
+    for fp8_params, twin in FP8_ONLY.items():
+        fp8_gather, bf16_gather = (block_all_gather_bytes(records.get(run_name(w, recipe), {}))
+                                   for w in (fp8_params, twin))
+        if bf16_gather and fp8_gather:
+            gathers[fp8_params] = fp8_gather / bf16_gather
+            checks[f"{fp8_params}: blocks' all-gather bytes at most {ALL_GATHER_RATIO}x {twin}'s"] = \
+                gathers[fp8_params] <= ALL_GATHER_RATIO
+    figures["all_gather_bytes_fp8_over_bf16_blocks"] = gathers
     return {"figures": figures, "checks": checks}
 
 
@@ -129,29 +137,34 @@ def render(payload: dict) -> str:
     rows = []
     for name, record in payload["runs"].items():
         if "tokens_per_s" not in record:
-            rows.append([name, "-", "-", "-", "-", "-", "-", "-", f"failed (exit {record.get('returncode')})"])
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", f"failed (exit {record.get('returncode')})"])
             continue
-        collectives = (record.get("collectives") or {}).get("bytes", {})
+        collectives = record.get("collectives") or {}
+        moved, calls = collectives.get("bytes", {}), collectives.get("counts", {})
         efficiency = figures.get("scaling_efficiency", {}).get(name)
         rows.append([name, record.get("world_size", "-"), f"{record['tokens_per_s']:,.0f}",
                      f"{figures['per_gpu_tokens_per_s'][name]:,.0f}", f"{efficiency:.3f}" if efficiency else "-",
-                     f"{record['peak_mem_gib']:.2f}", f"{record.get('resident_mem_gib') or 0:.2f}",
-                     f"{collectives.get('all_gather', 0) / 2**30:.2f} / {collectives.get('reduce_scatter', 0) / 2**30:.2f}"
-                     f" / {collectives.get('all_reduce', 0) / 2**30:.2f}", f"{record['losses'][-1]:.4f}"])
+                     f"{record['peak_mem_gib']:.2f}", _gib(record.get("resident_mem_gib")),
+                     f"{moved.get('all_gather', 0) / 2**30:.2f} / {moved.get('reduce_scatter', 0) / 2**30:.2f}",
+                     f"{calls.get('all_reduce', 0):g}", f"{record['losses'][-1]:.4f}"])
     table = markdown_table(["run", "ranks", "tokens/s", "tokens/s per GPU", f"scaling efficiency ({nproc} GPUs)",
-                            "peak GiB (fullest GPU)", "resident GiB", "all-gather / reduce-scatter / all-reduce "
-                            "GiB per step", "last loss"], rows)
+                            "peak GiB (fullest GPU)", "resident GiB", "all-gather / reduce-scatter GiB per step",
+                            "all-reduces per step", "last loss"], rows)
     ratios = markdown_table(["wrapper", "FP8/BF16 tokens/s"], [[wrapper, f"{ratio:.3f}x"] for wrapper, ratio in
                                                                  figures.get("fp8_over_bf16", {}).items()])
-    gather = figures.get("all_gather_bytes_fp8_over_bf16_blocks")
+    gathers = "".join(f"{wrapper}'s all-gather bytes over the blocks, FP8 weights vs {FP8_ONLY[wrapper]}'s BF16 copies: "
+                      f"{ratio:.3f}x.\n\n" for wrapper, ratio in
+                      figures.get("all_gather_bytes_fp8_over_bf16_blocks", {}).items())
     checks = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in payload["checks"].items())
     commands = "\n".join(record["command"] for record in payload["runs"].values())
     return (f"BF16 and {payload['recipe']} on {nproc} GPUs under each data-parallel wrapper and on one GPU: "
             f"{payload['model']}, {payload['steps']} steps per run, each rank training the one-GPU run's micro-batches "
-            f"(weak scaling).\n\n{table}\n\n{ratios}\n\n" +
-            (f"FP8-parameter all-gather bytes over the blocks, vs fsdp's BF16 copies: {gather:.3f}x.\n\n"
-             if gather else "") +
-            f"## Checks\n\n{checks}\n\n## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
+            f"(weak scaling).\n\n{table}\n\n{ratios}\n\n{gathers}## Checks\n\n{checks}\n\n## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
+
+
+def _gib(value: float | None) -> str:
+    """GiB to two decimals; '-' where the run did not record it."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 RECIPE_COLOURS = {"bf16": "tab:gray", "fp8": "tab:blue"}

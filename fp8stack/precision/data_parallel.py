@@ -12,8 +12,9 @@ whose FP32 main_grads (TE's fused weight-gradient GEMMs write into them) are the
 
 Unlike torch's DistributedDataParallel this wraps nothing: the model, its state-dict keys and its compiled blocks stay
 as they are, and TE's fused weight-gradient accumulation, which writes into main_grad outside autograd's hooks, is
-reduced with everything else. The average runs at the end of the backward, in buckets of BUCKET_BYTES all in flight
-at once, not overlapped with the backward.
+reduced with everything else. DataParallelGradients averages at the end of the backward, in buckets of BUCKET_BYTES all
+in flight at once; MasterWeights starts each bucket's average during the last micro-batch's backward, as soon as its
+gradients are final (OverlappedAverage), so the communication hides behind the rest of the backward.
 """
 
 from collections.abc import Callable, Iterator
@@ -56,10 +57,12 @@ def refuse_sharded(model: nn.Module, what: str) -> None:
 
 class AtBackwardEnd:
     """Runs `action` once at the end of every backward through `model`'s output, unless the forward ran inside
-    no_sync() (as with DDP, the forward decides: run the forward and backward of accumulation micro-batches in it)."""
+    no_sync() (as with DDP, the forward decides: run the forward and backward of accumulation micro-batches in it);
+    `at_forward`, if given, at each such forward's end, before its backward."""
 
-    def __init__(self, model: nn.Module, action: Callable[[], None]):
+    def __init__(self, model: nn.Module, action: Callable[[], None], at_forward: Callable[[], None] | None = None):
         self._action = action
+        self._at_forward = at_forward
         self._sync = True
         self._queued = False
         model.register_forward_hook(self._watch_output)
@@ -78,6 +81,8 @@ class AtBackwardEnd:
             return
         tensor = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if tensor is not None:
+            if self._at_forward is not None:
+                self._at_forward()
             tensor.register_hook(self._queue_action)
 
     def _queue_action(self, _grad: torch.Tensor) -> None:
@@ -101,6 +106,48 @@ def average(buffers: list[torch.Tensor], group: dist.ProcessGroup) -> None:
         handles.append(dist.all_reduce(buffer, group=group, async_op=True))
     for handle in handles:
         handle.wait()
+
+
+class OverlappedAverage:
+    """Averages flat FP32 gradient buffers over `group` while the backward still runs, as torch's and Megatron's DDP
+    do: once armed (at the forward of a step's last micro-batch), each buffer's all-reduce starts as soon as every
+    parameter whose gradient it holds has reported ready() (from its post-accumulate-grad hook, once its gradient is
+    in the buffer); finish() starts the buffers still waiting (parameters this backward did not reach) and waits for
+    all. `members[i]`: the parameters whose gradients buffers[i] holds."""
+
+    def __init__(self, buffers: list[torch.Tensor], members: list[list[torch.Tensor]], group: dist.ProcessGroup):
+        self.buffers, self.group = buffers, group
+        self._bucket_of = {id(param): index for index, run in enumerate(members) for param in run}
+        self._sizes = [len({id(param) for param in run}) for run in members]
+        self._ready: list[set[int]] | None = None
+        self._handles: dict[int, dist.Work] = {}
+
+    def arm(self) -> None:
+        """The coming backward ends the step: average each buffer as soon as it is complete."""
+        self._ready = [set() for _ in self.buffers]
+
+    def ready(self, param: torch.Tensor) -> None:
+        """`param`'s gradient of this backward is in its buffer (nothing to do unless armed)."""
+        if self._ready is None:
+            return
+        index = self._bucket_of[id(param)]
+        self._ready[index].add(id(param))
+        if len(self._ready[index]) == self._sizes[index] and index not in self._handles:
+            self._start(index)
+
+    def finish(self) -> None:
+        """Start every buffer not started yet and wait for all: the buffers hold the averages."""
+        for index in range(len(self.buffers)):
+            if index not in self._handles:
+                self._start(index)
+        for handle in self._handles.values():
+            handle.wait()
+        self._ready, self._handles = None, {}
+
+    def _start(self, index: int) -> None:
+        buffer = self.buffers[index]
+        buffer.div_(dist.get_world_size(self.group))  # then summed: gloo has no AVG
+        self._handles[index] = dist.all_reduce(buffer, group=self.group, async_op=True)
 
 
 def buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,

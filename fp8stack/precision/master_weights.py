@@ -19,9 +19,11 @@ Weights a backend holds in FP8 only (TE's fp8_weights) stay FP8: their masters s
 quantized them from, and copying a master into such a weight quantizes it (TE's QuantizedTensor.copy_), with the scale
 the recipe keeps for that weight.
 
-With data_parallel (a process group or 1-D device mesh of replicas), the main_grads are averaged over its ranks at the
-end of each backward not run inside masters.no_sync() (fp8stack.precision.data_parallel): DDP with Megatron's FP32
-gradient buffers, TE's fused weight-gradient accumulation included.
+With data_parallel (a process group or 1-D device mesh of replicas), the main_grads are averaged over its ranks in the
+backward not run inside masters.no_sync() (fp8stack.precision.data_parallel): DDP with Megatron's FP32 gradient
+buffers, TE's fused weight-gradient accumulation included. Each bucket's all-reduce starts as soon as its gradients are
+final, while the backward goes on (OverlappedAverage): TE reports a weight whose main_grad its GEMM wrote by handing
+autograd a placeholder gradient (Megatron's grad_added_to_main_grad protocol), whose hook marks it ready and drops it.
 
     masters = MasterWeights(model, data_parallel=mesh)
     for i, batch in enumerate(micro_batches):
@@ -38,8 +40,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fp8stack.assembly import assembly_state, post_optimizer_step_hook
-from fp8stack.precision.data_parallel import (BUCKET_BYTES, AtBackwardEnd, average, broadcast_from_first, buckets,
-                                              process_group, refuse_sharded)
+from fp8stack.precision.data_parallel import (BUCKET_BYTES, AtBackwardEnd, OverlappedAverage, broadcast_from_first,
+                                              buckets, process_group, refuse_sharded)
 
 
 class SteppedMasters:
@@ -103,13 +105,18 @@ class MasterWeights(SteppedMasters):
         for module in model.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in ours:
                 module.sparse = True
-        for param in self.params:  # TE's fused weight-gradient GEMMs already write into their weights' main_grads
-            if getattr(param, "main_grad", None) is None:
-                param.register_post_accumulate_grad_hook(_into_main_grad)
-        self.buffers = _main_grad_buffers(self.params, bucket_bytes)
+        written_by_backend = {id(p) for p in self.params if getattr(p, "main_grad", None) is not None}
+        self.buffers, members = _main_grad_buffers(self.params, bucket_bytes)
         """The FP32 buffers every main_grad is a view into: zeroed, and averaged over the replicas, whole."""
         self.group = process_group(data_parallel) if data_parallel is not None else None
         """The replicas' process group (data_parallel), or None."""
+        self._average = OverlappedAverage(self.buffers, members, self.group) if self.group is not None else None
+        for param in self.params:
+            if id(param) not in written_by_backend:
+                param.register_post_accumulate_grad_hook(self._into_main_grad)
+            elif self._average is not None:  # TE hands autograd a placeholder once its GEMM wrote the main_grad
+                param.grad_added_to_main_grad = False
+                param.register_post_accumulate_grad_hook(self._written_by_backend)
         if self.group is not None:
             broadcast_from_first(self.masters, self.group)
         with torch.no_grad():
@@ -118,7 +125,8 @@ class MasterWeights(SteppedMasters):
                     param.data = param.data.to(torch.bfloat16)
                 if self.group is not None:
                     param.copy_(master)
-        self._at_backward_end = AtBackwardEnd(model, self.reduce_grads) if self.group is not None else None
+        self._at_backward_end = (AtBackwardEnd(model, self.reduce_grads, at_forward=self._average.arm)
+                                 if self._average is not None else None)
         self._link_grads()
         model.register_forward_pre_hook(self._link_unlinked_grads)
 
@@ -138,9 +146,26 @@ class MasterWeights(SteppedMasters):
         return self._at_backward_end.no_sync() if self._at_backward_end else nullcontext()
 
     def reduce_grads(self) -> None:
-        """Average the main_grads over data_parallel's ranks now (what the end of a backward outside no_sync does)."""
-        if self.group is not None:
-            average(self.buffers, self.group)
+        """Average the main_grads over data_parallel's ranks now (what the end of a backward outside no_sync does,
+        having started the buckets whose gradients were final on the way)."""
+        if self._average is not None:
+            self._average.finish()
+
+    def _into_main_grad(self, param: torch.Tensor) -> None:
+        """Add a micro-batch's BF16 gradient into the FP32 main_grad, then drop it."""
+        grad = param.grad
+        if grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
+            param.main_grad.index_add_(0, grad._indices()[0], grad._values().to(param.main_grad.dtype))
+        else:
+            param.main_grad.add_(grad)
+        param.grad = None
+        if self._average is not None:
+            self._average.ready(param)
+
+    def _written_by_backend(self, param: torch.Tensor) -> None:
+        """A backend's GEMM wrote this micro-batch's gradient into the main_grad: drop the placeholder."""
+        param.grad = None
+        self._average.ready(param)
 
     def _link_grads(self) -> None:
         for param, master in zip(self.params, self.masters, strict=True):
@@ -153,21 +178,12 @@ class MasterWeights(SteppedMasters):
             self._link_grads()
 
 
-def _into_main_grad(param: torch.Tensor) -> None:
-    """Add a micro-batch's BF16 gradient into the FP32 main_grad, then drop it."""
-    grad = param.grad
-    if grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
-        param.main_grad.index_add_(0, grad._indices()[0], grad._values().to(param.main_grad.dtype))
-    else:
-        param.main_grad.add_(grad)
-    param.grad = None
-
-
-def _main_grad_buffers(params: list[nn.Parameter], bucket_bytes: int) -> list[torch.Tensor]:
+def _main_grad_buffers(params: list[nn.Parameter], bucket_bytes: int
+                       ) -> tuple[list[torch.Tensor], list[list[nn.Parameter]]]:
     """Flat FP32 buffers, in buckets of about bucket_bytes, with each parameter's main_grad a view into one (starting
-    from the values of any main_grad a backend made)."""
-    flats = []
-    for run in buckets(params, bucket_bytes, element_size=4):  # FP32 main_grads
+    from the values of any main_grad a backend made); and each buffer's parameters."""
+    flats, runs = [], buckets(params, bucket_bytes, element_size=4)  # FP32 main_grads
+    for run in runs:
         flat = torch.zeros(sum(p.numel() for p in run), dtype=torch.float32, device=run[0].device)
         offset = 0
         for param in run:
@@ -177,7 +193,7 @@ def _main_grad_buffers(params: list[nn.Parameter], bucket_bytes: int) -> list[to
             param.main_grad = view
             offset += param.numel()
         flats.append(flat)
-    return flats
+    return flats, runs
 
 
 def _holding(named: dict[str, nn.Parameter]) -> nn.Module:

@@ -84,3 +84,37 @@ def test_ddp_over_one_rank_trains_exactly_as_one_process(one_rank_mesh, fp8_weig
     assert reduced > 0 and reduced % STEPS == 0, f"{reduced} all-reduces over {STEPS} steps: one round per step"
     assert alone[-1] < alone[0], alone
     assert replicated == alone, (replicated, alone)
+
+
+def test_te_weights_report_their_fused_gradients_so_every_bucket_is_averaged_during_the_backward(one_rank_mesh):
+    """TE's fused wgrad GEMM writes main_grad outside autograd; with grad_added_to_main_grad set (Megatron's protocol)
+    it hands autograd a placeholder, whose hook marks the weight ready: every bucket's all-reduce starts before the
+    backward ends, and no placeholder is left as a .grad."""
+    torch.manual_seed(0)
+    plan = make_plan(load_description("tiny"), PolicyConfig(recipe="delayed", backend="te", small_gemm_filter="off",
+                                                            fuse_norm=True, fuse_mlp=True))
+    model = assemble(Llama(load_model_config("tiny")).cuda(), plan,
+                     backend_options={"te": {"fuse_wgrad_accumulation": True}})
+    masters = MasterWeights(model, data_parallel=one_rank_mesh, bucket_bytes=2**20)
+    assert len(masters.buffers) > 2
+    events, all_reduce, finish = [], dist.all_reduce, masters._average.finish
+    masters._average.finish = lambda: (events.append("backward end"), finish())[1]
+    dist.all_reduce = lambda *args, **kwargs: (events.append("start"), all_reduce(*args, **kwargs))[1]
+    try:
+        batch = torch.randint(0, 256, (2, SEQ + 1), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = Llama.loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+    finally:
+        dist.all_reduce = all_reduce
+    assert events == ["start"] * len(masters.buffers) + ["backward end"]
+    assert all(p.grad is None for p in masters.params)
+    assert all(p.main_grad.any() for p in masters.params if p.ndim == 2), "every weight got its gradient"
+
+
+@pytest.mark.parametrize("local_amax", [False, True])
+def test_local_amax_turns_off_the_delayed_recipes_amax_reduction(local_amax):
+    plan = make_plan(load_description("tiny"), PolicyConfig(recipe="delayed", backend="te", small_gemm_filter="off"))
+    model = assemble(Llama(load_model_config("tiny")).cuda(), plan, backend_options={"te": {"local_amax": local_amax}})
+    recipes = [m.autocast_recipe for m in model.modules() if getattr(m, "autocast_recipe", None) is not None]
+    assert recipes and {recipe.reduce_amax for recipe in recipes} == {not local_amax}
