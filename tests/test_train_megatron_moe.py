@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 import torch
 
+import megatron_cpu
+
 from fp8stack.config import from_overrides
 from fp8stack.megatron import plan_from_megatron_args
 from fp8stack.models import Llama
@@ -32,18 +34,15 @@ def moe_cfg(*flags: str, model: str = "tiny-moe"):
 
 @pytest.fixture
 def megatron_moe_on_cpu(monkeypatch, cpu_megatron):
-    """megatron's router moves its weight, and RoPE its frequencies, to torch.cuda.current_device(): let that be
-    the CPU (a shim on torch; megatron's own code runs unchanged)."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    """megatron's MoE layers on the CPU: megatron_cpu.megatron_moe_on_cpu's shims on torch (the CUDA device and
+    streams megatron's router, RoPE and alltoall dispatcher ask for); megatron's own code runs unchanged."""
+    megatron_cpu.megatron_moe_on_cpu(monkeypatch)
 
 
 def build(cfg, seed: int = 0):
     """The GPTModel megatron_model.build makes, on megatron's local spec, from the plain Llama drawn for `seed`."""
     shape = model_config(cfg)
     config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
-    # The alltoall dispatcher makes a CUDA stream when built; with one expert-parallel rank both dispatchers only
-    # permute the tokens, so the CPU runs allgather's.
-    config.moe_token_dispatcher_type = "allgather"
     plan = megatron_model.build_plan(config, cfg, shape, arch=90)
     llama = build_model(from_overrides({"training.seed": seed}, cfg), torch.device("cpu"))
     return megatron_model.gpt_model(config, plan, llama, use_te=False), llama
@@ -143,7 +142,6 @@ def test_megatrons_moe_trains_and_moves_the_expert_bias(megatron_moe_on_cpu):
     shape = model_config(cfg)
     sigmoid = dataclasses.replace(shape, moe=dataclasses.replace(shape.moe, score_func="sigmoid", route_norm=True))
     config = megatron_model.transformer_config(cfg, sigmoid, "hybrid")
-    config.moe_token_dispatcher_type = "allgather"  # as build() does on a CPU
     plain = Llama(sigmoid)
     plain.init_weights(seed=0)
     plan = megatron_model.build_plan(config, cfg, sigmoid, arch=90)
@@ -191,7 +189,6 @@ def test_moe_checkpoints_resume_the_model_expert_bias_and_adamw_exactly(tmp_path
 
     def drawn(seed):
         config = megatron_model.transformer_config(cfg, small, "hybrid")
-        config.moe_token_dispatcher_type = "allgather"
         plain = Llama(small)
         plain.init_weights(seed=seed)
         return megatron_model.gpt_model(config, megatron_model.build_plan(config, cfg, small, arch=90), plain,
