@@ -3,11 +3,15 @@ torch or a CUDA allocation of megatron's buffers, megatron's own model code runs
 spawned gloo ranks (which inherit no fixture), given a pytest MonkeyPatch."""
 
 import contextlib
+import dataclasses
 import functools
 import operator
 
 import pytest
 import torch
+
+from fp8stack.config import JobConfig
+from fp8stack.models import Llama, LlamaConfig
 
 
 def megatron_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,3 +61,32 @@ def megatron_moe_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         return all_to_all_single(output, input, *listed, *args, **kwargs)
 
     monkeypatch.setattr(torch.distributed, "all_to_all_single", with_listed_splits)
+
+
+def causal_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A GPTModel's mean next-token loss of one batch, given the causal mask megatron's default would make on
+    CUDA."""
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).expand_as(tokens)
+    causal = torch.ones(seq, seq).triu(1).bool()[None, None]
+    return model(tokens, positions, causal, labels=targets).mean()
+
+
+def small_deepseek(shape: LlamaConfig) -> LlamaConfig:
+    """deepseek-moe-small's layout and routing (layer 0 dense, sigmoid scores renormalised over the top k, the expert
+    bias, a shared expert) at a size CPU tests train in seconds: 3 layers of width 256, 8 experts, top 4."""
+    return dataclasses.replace(shape, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=512, n_layers=3,
+                               moe=dataclasses.replace(shape.moe, num_experts=8, top_k=4, expert_ffn_dim=128,
+                                                       shared_ffn_dim=128))
+
+
+def drawn_gpt(cfg: JobConfig, shape: LlamaConfig, seed: int) -> torch.nn.Module:
+    """The GPTModel of `shape` on megatron's local spec holding this rank's shards of the plain Llama drawn for
+    `seed`, as megatron_model.build makes it (megatron's parallel state must be initialised)."""
+    from fp8stack.train import megatron_model
+
+    config = megatron_model.transformer_config(cfg, shape, "hybrid")
+    plain = Llama(shape)
+    plain.init_weights(seed=seed)
+    return megatron_model.gpt_model(config, megatron_model.build_plan(config, cfg, shape, arch=90), plain,
+                                    use_te=False)
