@@ -24,6 +24,7 @@ from gloo_ranks import on_gloo_ranks
 from fp8stack.config import from_overrides
 from fp8stack.train import checkpoint, megatron_model
 from fp8stack.train.command import job_from_flags
+from fp8stack.train.comm_stats import CollectiveCounter
 from fp8stack.train.loop import _adamw
 from fp8stack.train.model import model_config
 
@@ -85,17 +86,26 @@ def trained(rank: int, expert_parallel: int, folder: str) -> dict:
         optimizer = _adamw(built.model, job(expert_parallel))
         tokens = torch.randint(0, 512, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         tokens = tokens.chunk(dist.get_world_size())[rank]
-        losses, norms = map(list, zip(*(step(built, optimizer, tokens) for _ in range(STEPS - 1))))
+        with CollectiveCounter(STEPS - 2) as counter:
+            losses, norms = map(list, zip(*(counted(counter, step(built, optimizer, tokens))
+                                            for _ in range(STEPS - 1))))
         resumed = resumed_beside(built, optimizer, tokens, folder) if expert_parallel > 1 else None
         last_loss, last_norm = step(built, optimizer, tokens)
         experts = megatron_model.local_experts(megatron_cpu.small_deepseek(model_config(job(expert_parallel))))
         layer = built.gpt.decoder.layers[1].mlp
         return {"losses": [*losses, last_loss], "norms": [*norms, last_norm], "resumed": resumed,
+                "collectives": counter.result,
                 "expert_bias": [layer.mlp.router.expert_bias.clone() for layer in built.gpt.decoder.layers[1:]],
                 "experts": {expert: layer.experts.local_experts[local].linear_fc1.weight.detach().clone()
                             for local, expert in enumerate(experts)}}
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def counted(counter: CollectiveCounter, result):
+    """`result` of a step, the step counted as done."""
+    counter.step_done()
+    return result
 
 
 def resumed_beside(built, optimizer, tokens: torch.Tensor, folder: str) -> dict:
@@ -146,6 +156,16 @@ def test_split_experts_train_as_all_experts_on_every_rank(runs):
     assert sorted(split["experts"]) == [0, 1, 2, 3] and sorted(whole["experts"]) == list(range(8))
     for expert, weight in split["experts"].items():
         torch.testing.assert_close(weight, whole["experts"][expert], rtol=RTOL, atol=WEIGHT_ATOL)
+
+
+def test_split_experts_exchange_their_tokens_by_all_to_all(runs):
+    """Per step and MoE layer (2 of them), three all-to-alls forward (tokens to the experts' ranks, their routing
+    weights, the expert outputs back) and their three gradients backward, in the activations' dtype (FP32 on a
+    CPU); none with every expert on every rank."""
+    split, whole = runs[2]["collectives"], runs[1]["collectives"]
+    assert split.steps == whole.steps == STEPS - 2
+    assert split.counts["all_to_all"] == 2 * 6 and "all_to_all" not in whole.counts
+    assert set(split.all_to_all_bytes_by_dtype) == {"float"} and split.bytes["all_to_all"] > 0
 
 
 def test_split_experts_resume_from_a_checkpoint_bit_identically(runs):
