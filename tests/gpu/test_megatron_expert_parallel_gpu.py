@@ -5,13 +5,11 @@ its all-to-alls carry BF16 tokens (no FP8 dispatch), and a run resumed from its 
 uninterrupted one bit for bit. The CPU twin, on megatron's local spec over gloo: tests/test_megatron_expert_parallel_
 gloo.py. Run with `pytest -m gpu tests/gpu/test_megatron_expert_parallel_gpu.py` on a machine with two GPUs."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from gpu_ranks import as_rank, free_ports
 from gpu_skips import require_te, te_mark
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -57,22 +55,6 @@ def tiny_moe(recipe: str, expert_parallel: int, overrides: dict | None = None) -
                            **SETTINGS, **(overrides or {})})
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _as_rank(rank: int, port: int) -> None:
-    """This process as torchrun starts rank `rank` of 2 (a fresh rendezvous on `port`)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-
-
 def _train(cfg: JobConfig):
     result = train(cfg)
     FP8GlobalStateManager.reset()  # the next run starts as a new process would
@@ -83,7 +65,7 @@ def _split_rank(rank: int, ports: list[int], recipe: str, out: str) -> None:
     """Rank `rank` at EP=2: which experts its TEGroupedMLPs hold (against the plain Llama's), then the run."""
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    _as_rank(rank, ports[0])
+    as_rank(rank, SPLIT, ports[0])
     cfg = tiny_moe(recipe, SPLIT)
     with session(cfg) as run:
         gpt = run.model.module
@@ -94,7 +76,7 @@ def _split_rank(rank: int, ports: list[int], recipe: str, out: str) -> None:
             and torch.equal(getattr(e.linear_fc2, f"weight{j}"), block.moe.experts.w2[4 * rank + j])
             for e, block in zip(experts, plain.layers[1:]) for j in range(4))
     FP8GlobalStateManager.reset()
-    _as_rank(rank, ports[1])
+    as_rank(rank, SPLIT, ports[1])
     result = _train(cfg)
     torch.save({"held": held, "losses": result.losses, "grad_norms": result.grad_norms,
                 "collectives": result.collectives}, f"{out}{rank}")
@@ -105,7 +87,7 @@ def test_split_experts_start_as_all_experts_on_one_gpu(recipe, tmp_path):
     """Each rank's TEGroupedMLPs hold its four of the plain Llama's experts; the first step's loss and gradient norm
     are one GPU's with every expert, the later losses close; EP=2 dispatches BF16 tokens by all-to-all, EP=1 none."""
     whole = _train(tiny_moe(recipe, 1))
-    mp.spawn(_split_rank, args=(_free_ports(2), recipe, str(tmp_path / "rank")), nprocs=2, join=True)
+    mp.spawn(_split_rank, args=(free_ports(2), recipe, str(tmp_path / "rank")), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}", weights_only=False) for rank in (0, 1)]
     assert all(found["held"] for found in ranks)
     split = ranks[0]
@@ -122,9 +104,9 @@ def test_split_experts_start_as_all_experts_on_one_gpu(recipe, tmp_path):
 def _resumed_rank(rank: int, ports: list[int], folder: str, out: str) -> None:
     """Rank `rank` at EP=2: the full run saving every MIDDLE steps, then the run resumed from step MIDDLE."""
     cfg = tiny_moe("delayed", SPLIT, {"checkpoint.dir": folder, "checkpoint.interval": MIDDLE})
-    _as_rank(rank, ports[0])
+    as_rank(rank, SPLIT, ports[0])
     full = _train(cfg)
-    _as_rank(rank, ports[1])
+    as_rank(rank, SPLIT, ports[1])
     resumed = _train(from_overrides({"checkpoint.resume": str(checkpoint.checkpoint_path(folder, MIDDLE)),
                                      "checkpoint.trust": True}, cfg))
     torch.save({"full": (full.losses, full.grad_norms), "resumed": (resumed.losses, resumed.grad_norms),
@@ -136,7 +118,7 @@ def test_split_experts_resume_from_a_checkpoint_bit_identically(tmp_path):
     them) and the FP8 scaling state of its own GroupedLinears in its rank file; the run resumed from the middle
     checkpoint repeats the uninterrupted losses and gradient norms exactly."""
     folder = tmp_path / "ckpt"
-    mp.spawn(_resumed_rank, args=(_free_ports(2), str(folder), str(tmp_path / "rank")), nprocs=2, join=True)
+    mp.spawn(_resumed_rank, args=(free_ports(2), str(folder), str(tmp_path / "rank")), nprocs=2, join=True)
     for rank in (0, 1):
         found = torch.load(tmp_path / f"rank{rank}", weights_only=False)
         (full_losses, full_norms), (losses, norms) = found["full"], found["resumed"]
