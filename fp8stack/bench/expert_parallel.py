@@ -4,8 +4,8 @@ parallelism on the Megatron path) against all experts on one GPU.
     python -m fp8stack.bench.expert_parallel [--model deepseek-moe-small] [--steps 100] [--fp8-recipe blockwise]
 
 Arms: BF16 and FP8 (--fp8-recipe, the recipe the plan runs megatron's grouped experts in: blockwise by default,
-DeepSeek-V3's, which scales each token's 128-wide tiles apart so splitting the batch changes no scale; delayed
-takes an amax history instead). Each is trained by launch/train.sh at EP=1 on one GPU and at EP=2 on two
+DeepSeek-V3's, whose forward scales each token's 128-wide tiles on their own, so the first step's loss does not
+depend on which rank computes which token; delayed scales each tensor from an amax history instead). Each is trained by launch/train.sh at EP=1 on one GPU and at EP=2 on two
 (--expert-model-parallel-size 2: two data-parallel ranks, each holding half the routed experts, the alltoall
 dispatcher sending every token to its expert's rank and back), from the same seed, weights and batches with the same
 global batch (MODELS). The EP=1 runs train side by side, one per GPU; the EP=2 runs one after another.
