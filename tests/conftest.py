@@ -1,15 +1,12 @@
 """Fixtures shared by test modules."""
 
-import contextlib
-import functools
-import operator
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fp8stack.train.loop import cpu_fp8_gemms
+from megatron_cpu import megatron_on_cpu
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -50,13 +47,5 @@ def model_parallel(tmp_path_factory):
 def cpu_megatron(monkeypatch, model_parallel):
     """Two test-only shims that let megatron's GPTModel run on CPU, nothing else of megatron replaced:
     GlobalMemoryBuffer.get_tensor allocates on CPU (megatron asks torch.cuda.current_device()), and the
-    CUDA RNG tracker's fork is a no-op (there is no CUDA RNG state to fork)."""
-    from megatron.core import tensor_parallel
-    from megatron.core.utils import GlobalMemoryBuffer
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(functools.reduce(operator.mul, tensor_shape, 1), dtype=dtype).view(*tensor_shape)
-
-    monkeypatch.setattr(GlobalMemoryBuffer, "get_tensor", get_tensor)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    monkeypatch.setattr(tracker, "fork", lambda *args, **kwargs: contextlib.nullcontext())
+    CUDA RNG tracker's fork is a no-op (there is no CUDA RNG state to fork): megatron_cpu.megatron_on_cpu."""
+    megatron_on_cpu(monkeypatch)

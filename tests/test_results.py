@@ -57,6 +57,16 @@ def test_pages_read_every_figure_from_the_evidence_and_name_the_gpu(tmp_path):
     assert "120" not in results  # the superseded run is indexed, not a headline
 
 
+def test_the_index_describes_an_expert_parallel_run(tmp_path):
+    profiles = _profiles(tmp_path)
+    _run(profiles, "runs", "2026-01-04-expert-parallel-h100", "expert-parallel-h100.json",
+         {"date": "2026-01-04T00:00:00+00:00", "environment": {"device": GPU}, "model": "deepseek-moe-small",
+          "recipes": ["bf16", "blockwise"], "passed": True})
+    index = pages(profiles)[profiles / "INDEX.md"]
+    assert "deepseek-moe-small with its experts split over 2 GPUs vs all on 1 (bf16, blockwise): all checks passed" \
+        in index
+
+
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
     profiles = _profiles(tmp_path)
     assert main(["--profiles", str(profiles), "--check"]) == 1

@@ -1,13 +1,16 @@
-"""The Megatron path's MoE models on a CPU (megatron's local spec: SequentialMLP experts, through the conftest shims
-and the router's CUDA device read as the CPU): the description's MoE shape and routing in megatron's
+"""The Megatron path's MoE models on a CPU (megatron's local spec: SequentialMLP experts, the alltoall dispatcher,
+through megatron_cpu's shims on torch's CUDA calls): the description's MoE shape and routing in megatron's
 TransformerConfig, the plain MoE's weights computing the plain MoE's function, a few training steps with the expert
-bias moving, checkpoints resuming bit-exactly, the plan's grouped expert decisions, and the options refused.
-FP8 grouped GEMMs (TE GroupedLinear) train on GPUs: tests/gpu/test_megatron_moe_gpu.py."""
+bias moving, checkpoints resuming bit-exactly (and only at the expert-parallel degree they were saved at), the plan's
+grouped expert decisions, and the options refused. FP8 grouped GEMMs (TE GroupedLinear) train on GPUs:
+tests/gpu/test_megatron_moe_gpu.py; experts split over two ranks: tests/test_megatron_expert_parallel_gloo.py."""
 
 import dataclasses
 
 import pytest
 import torch
+
+import megatron_cpu
 
 from fp8stack.config import from_overrides
 from fp8stack.megatron import plan_from_megatron_args
@@ -32,18 +35,15 @@ def moe_cfg(*flags: str, model: str = "tiny-moe"):
 
 @pytest.fixture
 def megatron_moe_on_cpu(monkeypatch, cpu_megatron):
-    """megatron's router moves its weight, and RoPE its frequencies, to torch.cuda.current_device(): let that be
-    the CPU (a shim on torch; megatron's own code runs unchanged)."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    """megatron's MoE layers on the CPU: megatron_cpu.megatron_moe_on_cpu's shims on torch (the CUDA device and
+    streams megatron's router, RoPE and alltoall dispatcher ask for); megatron's own code runs unchanged."""
+    megatron_cpu.megatron_moe_on_cpu(monkeypatch)
 
 
 def build(cfg, seed: int = 0):
     """The GPTModel megatron_model.build makes, on megatron's local spec, from the plain Llama drawn for `seed`."""
     shape = model_config(cfg)
     config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
-    # The alltoall dispatcher makes a CUDA stream when built; with one expert-parallel rank both dispatchers only
-    # permute the tokens, so the CPU runs allgather's.
-    config.moe_token_dispatcher_type = "allgather"
     plan = megatron_model.build_plan(config, cfg, shape, arch=90)
     llama = build_model(from_overrides({"training.seed": seed}, cfg), torch.device("cpu"))
     return megatron_model.gpt_model(config, plan, llama, use_te=False), llama
@@ -52,12 +52,6 @@ def build(cfg, seed: int = 0):
 def batch(vocab_size: int, seed: int = 0):
     tokens = torch.randint(0, vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(seed))
     return tokens, tokens.roll(-1, 1)
-
-
-def megatron_loss(model, tokens, targets):
-    positions = torch.arange(SEQ).expand_as(tokens)
-    causal = torch.ones(SEQ, SEQ).triu(1).bool()[None, None]  # megatron's default mask is made on CUDA
-    return model(tokens, positions, causal, labels=targets).mean()
 
 
 def test_the_descriptions_moe_shape_and_routing_map_onto_megatrons_config():
@@ -143,7 +137,6 @@ def test_megatrons_moe_trains_and_moves_the_expert_bias(megatron_moe_on_cpu):
     shape = model_config(cfg)
     sigmoid = dataclasses.replace(shape, moe=dataclasses.replace(shape.moe, score_func="sigmoid", route_norm=True))
     config = megatron_model.transformer_config(cfg, sigmoid, "hybrid")
-    config.moe_token_dispatcher_type = "allgather"  # as build() does on a CPU
     plain = Llama(sigmoid)
     plain.init_weights(seed=0)
     plan = megatron_model.build_plan(config, cfg, sigmoid, arch=90)
@@ -158,7 +151,7 @@ def test_megatrons_moe_trains_and_moves_the_expert_bias(megatron_moe_on_cpu):
     tokens, targets = batch(shape.vocab_size)
     losses = []
     for step in range(6):
-        loss = megatron_loss(gpt, tokens, targets)
+        loss = megatron_cpu.causal_loss(gpt, tokens, targets)
         loss.backward()
         counts = [r.local_tokens_per_expert.clone() for r in routers]
         assert all(int(c.sum()) == tokens.numel() * shape.moe.top_k for c in counts)
@@ -184,23 +177,11 @@ def test_moe_checkpoints_resume_the_model_expert_bias_and_adamw_exactly(tmp_path
 
     cfg = moe_cfg(model="deepseek-moe-small")
     cfg = from_overrides({"training.seq_len": SEQ}, cfg)
-    shape = model_config(cfg)
-    small = dataclasses.replace(shape, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=512, n_layers=3,
-                                moe=dataclasses.replace(shape.moe, num_experts=8, top_k=4, expert_ffn_dim=128,
-                                                        shared_ffn_dim=128))
-
-    def drawn(seed):
-        config = megatron_model.transformer_config(cfg, small, "hybrid")
-        config.moe_token_dispatcher_type = "allgather"
-        plain = Llama(small)
-        plain.init_weights(seed=seed)
-        return megatron_model.gpt_model(config, megatron_model.build_plan(config, cfg, small, arch=90), plain,
-                                        use_te=False)
-
-    model = drawn(0)
+    small = megatron_cpu.small_deepseek(model_config(cfg))
+    model = megatron_cpu.drawn_gpt(cfg, small, seed=0)
     optimizer = _adamw(model, cfg)
     tokens, targets = batch(small.vocab_size)
-    megatron_loss(model, tokens, targets).backward()
+    megatron_cpu.causal_loss(model, tokens, targets).backward()
     optimizer.step()
     for layer in model.decoder.layers[1:]:  # as a balancing step leaves it
         layer.mlp.router.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)) * 1e-3)
@@ -212,7 +193,7 @@ def test_moe_checkpoints_resume_the_model_expert_bias_and_adamw_exactly(tmp_path
     assert experts and tensors[experts[0]]["size"][-2:] == [2 * 128, 256], (experts, tensors.get(experts[0]))
     assert any(key.endswith("router.expert_bias") for key in tensors), sorted(tensors)
 
-    other = drawn(1)
+    other = megatron_cpu.drawn_gpt(cfg, small, seed=1)
     fresh = _adamw(other, cfg)
     checkpoint.load(path, other, fresh, torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 1.0),
                     layout=MegatronTensors(other, fresh))
@@ -225,10 +206,10 @@ def test_moe_checkpoints_resume_the_model_expert_bias_and_adamw_exactly(tmp_path
     next_losses = []
     for net, opt in ((model, optimizer), (other, fresh)):
         opt.zero_grad(set_to_none=True)
-        megatron_loss(net, tokens, targets).backward()
+        megatron_cpu.causal_loss(net, tokens, targets).backward()
         opt.step()
         with torch.no_grad():
-            next_losses.append(megatron_loss(net, tokens, targets).item())
+            next_losses.append(megatron_cpu.causal_loss(net, tokens, targets).item())
     assert next_losses[0] == next_losses[1]
 
 
@@ -253,12 +234,20 @@ def test_the_plan_of_megatrons_moe_lists_the_grouped_experts():
         assert plan.decision("decoder.layers.1.mlp.router").recipe == "bf16"
 
 
-@pytest.mark.parametrize("flags, names", [
-    (["--tensor-model-parallel-size", "2"], "expert and tensor parallelism of MoE layers are not wired"),
-    (["--use-distributed-optimizer"], "keeps tiny-moe's experts in a second optimizer"),
-    (["--param-dtype", "bf16", "--dtype", "bf16"], "keeps tiny-moe's experts in a second optimizer"),
+@pytest.mark.parametrize("flags, processes, names", [
+    (["--tensor-model-parallel-size", "2"], 2, "tensor parallelism of MoE layers is not wired): drop "
+                                               "--tensor-model-parallel-size and split the experts with "
+                                               "--expert-model-parallel-size"),
+    (["--use-distributed-optimizer"], 1, "keeps tiny-moe's experts in a second optimizer"),
+    (["--param-dtype", "bf16", "--dtype", "bf16"], 1, "keeps tiny-moe's experts in a second optimizer"),
+    (["--expert-model-parallel-size", "2"], 1, "parallelism.expert_parallel=2 must divide the 1 data-parallel "
+                                               "rank(s) (1 processes / tensor_parallel 1): launch a multiple of 2"),
+    (["--expert-model-parallel-size", "2"], 3, "must divide the 3 data-parallel rank(s)"),
+    (["--expert-model-parallel-size", "3"], 3, "parallelism.expert_parallel=3 must divide tiny-moe's 8 routed "
+                                               "experts (each rank holds as many): pick a divisor of 8"),
 ])
-def test_moe_options_the_megatron_path_cannot_honour_are_refused(flags, names, capsys):
+def test_moe_options_the_megatron_path_cannot_honour_are_refused(flags, processes, names, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(processes))  # refused before any process group is set up
     assert train_main(["--model-impl", "megatron", "--model", "tiny-moe", *flags]) == 2
     error = capsys.readouterr().err
     assert error.startswith("fp8stack train: error: ") and names in error, error
@@ -285,3 +274,20 @@ def test_extra_states_of_every_gemm_stay_in_the_rank_files(key, extra):
     from fp8stack.train.megatron_checkpoint import is_extra_state
 
     assert is_extra_state(key) is extra
+
+
+def test_a_checkpoint_resumes_only_at_the_expert_parallel_degree_it_was_saved_at(tmp_path, monkeypatch, capsys):
+    """The same processes split the experts differently: refused before any model is built (each rank's file holds
+    the FP8 scaling state of its own experts' GEMMs), naming the degree it was saved at."""
+    import json
+
+    from fp8stack.train.loop import resolve_job
+    from fp8stack.train.preflight import run_settings
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = ["--model-impl", "megatron", "--model", "tiny-moe", "--device", "cpu", "--eval-iters", "0"]
+    saved = resolve_job(job_from_flags([*flags, "--expert-model-parallel-size", "2"]))
+    (tmp_path / checkpoint.RUN_FILE).write_text(json.dumps(run_settings(saved, model_config(saved), 2)))
+    assert train_main([*flags, "--load", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "was saved under other settings (parallelism.expert_parallel: 2 -> 1)" in error, error

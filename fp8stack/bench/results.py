@@ -30,7 +30,7 @@ PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 KINDS = ("ab", "profile", "backends", "gpu-tests", "multigpu", "loss-band", "targets", "te-gemms",
          "experts-breakdown", "megatron", "runtime", "own-model", "example-megatron", "data-parallel", "peers",
-         "scaling")
+         "scaling", "expert-parallel")
 """Evidence kinds, by the start of the tool's file name; anything else is a probe."""
 
 HEADLINE_RUN = "2026-11-25-ab-llama-1b-like-h200"
@@ -169,6 +169,10 @@ def describe(run: Run) -> str:
         outcome = "all checks passed" if record.get("passed") else "not all checks passed"
         return (f"{record['model']} BF16 and {record['recipe']} on {record['nproc']} GPUs and one "
                 f"({', '.join(record['runs'])}): {outcome}")
+    if kind == "expert-parallel":
+        outcome = "all checks passed" if record.get("passed") else "not all checks passed"
+        return (f"{record.get('model')} with its experts split over 2 GPUs vs all on 1 "
+                f"({', '.join(record.get('recipes', []))}): {outcome}")
     if kind == "peers":
         return (f"peers at {record['shape']['model']}: " +
                 " · ".join(arm["arm"] for arm in record["arms"] if arm.get("status") == "ok"))

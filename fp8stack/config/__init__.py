@@ -4,11 +4,11 @@ from fp8stack.config.flags import (add_config_arguments, add_section_arguments, 
                                    job_from_args, load_config, parse_args, preset_names, to_dict)
 from fp8stack.config.job import (ActivationCheckpointConfig, CheckpointConfig, ConfigError, DataConfig,
                                  DeepGemmConfig, JobConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelismConfig, TEConfig,
-                                 TorchaoConfig, TrainingConfig, check_data_parallel_levers, check_optimizer_moments,
-                                 recompute_blocks)
+                                 TorchaoConfig, TrainingConfig, check_data_parallel_levers, check_expert_parallel,
+                                 check_optimizer_moments, recompute_blocks)
 
 __all__ = ["ActivationCheckpointConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DeepGemmConfig", "JobConfig",
            "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig", "TEConfig", "TorchaoConfig",
            "TrainingConfig", "add_config_arguments", "add_section_arguments", "check_data_parallel_levers",
-           "check_optimizer_moments", "from_dict", "from_overrides", "job_from_args", "load_config", "parse_args", "preset_names",
+           "check_expert_parallel", "check_optimizer_moments", "from_dict", "from_overrides", "job_from_args", "load_config", "parse_args", "preset_names",
            "recompute_blocks", "to_dict"]

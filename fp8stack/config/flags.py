@@ -86,6 +86,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "optimizer.grad_clip": ("--clip-grad",),
     "optimizer.distributed": ("--use-distributed-optimizer",),
     "parallelism.tensor_parallel": ("--tensor-model-parallel-size",),
+    "parallelism.expert_parallel": ("--expert-model-parallel-size",),
     "parallelism.data_parallel": ("--data-parallel",),
     "parallelism.data_parallel_one_rank": ("--data-parallel-one-rank", "--parallelism.fsdp-one-rank",
                                            "--fsdp-one-rank"),

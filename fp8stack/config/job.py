@@ -247,10 +247,16 @@ class OptimizerConfig:
 
 @dataclass
 class ParallelismConfig:
-    """How the processes split the model: tensor parallelism, the rest data-parallel (FSDP2 or DDP)."""
+    """How the processes split the model: tensor parallelism, the rest data-parallel (FSDP2 or DDP), an MoE model's
+    experts split over data-parallel ranks on the Megatron path."""
 
     tensor_parallel: int = 1
     """Tensor-parallel degree; the remaining ranks are data-parallel, sharding parameters with FSDP2 (a 2-D mesh)."""
+    expert_parallel: int = 1
+    """Expert-parallel degree of an MoE model on the Megatron path (megatron-core's expert model parallelism): each
+    group of this many data-parallel ranks splits the routed experts between them, and the alltoall dispatcher sends
+    each token to the rank holding its expert and back (in the activations' dtype: BF16). Must divide the
+    data-parallel ranks (processes / tensor_parallel) and the model's routed experts."""
     data_parallel: str = "fsdp"
     """The plain model's data-parallel wrapper. fsdp: FSDP2 shards parameters, gradients and optimizer state over the
     ranks, for models that do not fit one GPU; ddp: one replica per GPU whose FP32 gradient buffers are averaged once
@@ -266,6 +272,7 @@ class ParallelismConfig:
 
     def validate(self) -> None:
         _at_least("parallelism.tensor_parallel", self.tensor_parallel, 1)
+        _at_least("parallelism.expert_parallel", self.expert_parallel, 1)
         _choose("parallelism.data_parallel", self.data_parallel, DATA_PARALLEL)
         if self.fsdp_reshard_after_forward is not None and self.data_parallel != "fsdp":
             raise ConfigError(f"parallelism.fsdp_reshard_after_forward is FSDP2's, and data_parallel is "
@@ -419,6 +426,10 @@ class JobConfig:
         check_optimizer_moments(self, None if self.training.device == "auto" else self.training.device)
         if self.model.impl == "megatron":
             _check_megatron(self)
+        elif self.parallelism.expert_parallel > 1:
+            raise ConfigError("parallelism.expert_parallel splits megatron-core's MoE layers over ranks; the plain "
+                              "path's MoE has no expert parallelism: add --model.impl megatron (with tiny-moe or "
+                              "deepseek-moe-small) or drop --expert-model-parallel-size")
         elif self.optimizer.distributed:
             raise ConfigError("optimizer.distributed is megatron-core's distributed optimizer, for --model-impl "
                               "megatron; the plain path shards optimizer state with FSDP2: drop "
@@ -506,6 +517,10 @@ def _check_megatron(job: JobConfig) -> None:
                           "one of those or use --model.impl torch")
     if job.model.name in MEGATRON_MOE_MODELS:
         _check_megatron_moe(job)
+    elif job.parallelism.expert_parallel > 1:
+        raise ConfigError(f"parallelism.expert_parallel={job.parallelism.expert_parallel} splits routed experts over "
+                          f"ranks, and {job.model.name} is dense: drop --expert-model-parallel-size or pick an MoE "
+                          f"model ({', '.join(MEGATRON_MOE_MODELS)})")
     recipe = job.precision.recipe
     if is_fp8(recipe) and recipe not in MEGATRON_RECIPES:
         raise ConfigError(f"recipe {recipe!r} is a torchao recipe; megatron-core runs FP8 through TransformerEngine: "
@@ -522,13 +537,27 @@ def _check_megatron_moe(job: JobConfig) -> None:
     """What the Megatron path does not do for an MoE model yet; each refusal names the fix."""
     name = job.model.name
     if job.parallelism.tensor_parallel > 1:
-        raise ConfigError(f"--model.impl megatron builds {name} with its experts on every rank (expert and tensor "
-                          "parallelism of MoE layers are not wired): drop --tensor-model-parallel-size, or use "
-                          "--model.impl torch")
+        raise ConfigError(f"--model.impl megatron does not split {name}'s layers by tensor parallelism (tensor "
+                          "parallelism of MoE layers is not wired): drop --tensor-model-parallel-size and split the "
+                          "experts with --expert-model-parallel-size, or use --model.impl torch")
     if job.optimizer.distributed or job.training.param_dtype == "bf16":
         raise ConfigError(f"megatron's optimizer (--use-distributed-optimizer, or --param-dtype bf16) keeps {name}'s "
                           "experts in a second optimizer that the trainer's learning-rate schedule does not drive: "
                           "drop those options (FP32 parameters, the trainer's AdamW), or use --model.impl torch")
+
+
+def check_expert_parallel(job: JobConfig, routed_experts: int, world_size: int) -> None:
+    """parallelism.expert_parallel divides the run's data-parallel ranks (megatron groups them into expert-parallel
+    groups) and the model's routed experts (each rank holds the same number), now that both are known."""
+    ep, tp = job.parallelism.expert_parallel, job.parallelism.tensor_parallel
+    if (world_size // tp) % ep:
+        raise ConfigError(f"parallelism.expert_parallel={ep} must divide the {world_size // tp} data-parallel rank(s) "
+                          f"({world_size} processes / tensor_parallel {tp}): launch a multiple of {ep * tp} processes "
+                          "or change --expert-model-parallel-size")
+    if routed_experts % ep:
+        raise ConfigError(f"parallelism.expert_parallel={ep} must divide {job.model.name}'s {routed_experts} routed "
+                          f"experts (each rank holds as many): pick a divisor of {routed_experts} for "
+                          "--expert-model-parallel-size")
 
 
 def recompute_blocks(spec: str | None) -> list[int] | str | None:

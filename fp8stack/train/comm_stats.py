@@ -11,6 +11,9 @@ the caller asked for it, independent of how the backend moves it.
 Bytes are the unsharded tensor's size: the output of an all-gather, the input of a reduce-scatter
 (the first two arguments of both are (output, input)). A ring moves (world - 1) / world of that
 through each rank's links in each direction, so ratios of these bytes are ratios of wire traffic.
+An all-to-all's bytes are its input's, what the rank sends, its share for itself included: an MoE
+layer's dispatch of its tokens to the experts' ranks, their return, and both again in the backward,
+by element type (tokens in the activations' dtype, routing weights in theirs).
 FSDP2 all-gathers a group whose parameters have mixed dtypes (FP8 weights, BF16 norms) as one uint8
 buffer: its element count is then its byte count, which the dtype table below accounts for.
 
@@ -37,12 +40,16 @@ KINDS = {
     "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "c10d::allreduce_": "all_reduce",
     "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::alltoall_base_": "all_to_all",
+    "c10d::alltoall_": "all_to_all_list",
 }
 """c10d operator -> the collective it runs; other c10d operators are counted under their own name. all_gather_list is
 all_gather's list form (torch.distributed.all_gather into a list, and all_gather_object, which checkpoint planning
-issues): the profiler leaves its tensor lists without a dtype, so it is counted apart, without bytes."""
-UNSHARDED_ARG = {"all_gather": 0, "reduce_scatter": 1}
-"""Kind -> which argument (output 0, input 1) is the unsharded tensor whose bytes are reported."""
+issues): the profiler leaves its tensor lists without a dtype, so it is counted apart, without bytes; so is
+all_to_all_list, all_to_all's list form (all_to_all_single is all_to_all)."""
+COUNTED_ARG = {"all_gather": 0, "reduce_scatter": 1, "all_to_all": 1}
+"""Kind -> which argument (output 0, input 1) holds the bytes reported: the unsharded tensor of an all-gather or a
+reduce-scatter, what a rank sends to an all-to-all."""
 ITEM_BYTES = {"double": 8, "long int": 8, "float": 4, "int": 4, "c10::BFloat16": 2, "c10::Half": 2, "short int": 2,
               "unsigned char": 1, "signed char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
               "c10::Float8_e4m3fnuz": 1, "c10::Float8_e5m2fnuz": 1, "c10::Float8_e8m0fnu": 1}
@@ -62,13 +69,16 @@ class Collectives:
     counts: dict[str, float] = field(default_factory=dict)
     """Kind (all_gather, reduce_scatter, all_reduce, or a c10d operator name) -> calls per step."""
     bytes: dict[str, float] = field(default_factory=dict)
-    """all_gather / reduce_scatter -> bytes of the unsharded tensors per step."""
+    """all_gather / reduce_scatter -> bytes of the unsharded tensors per step; all_to_all -> bytes sent per step."""
     all_gather_bytes_by_group: dict[str, float] = field(default_factory=dict)
     """FSDP parameter group (module name, or 'root') -> all-gather bytes per step."""
     all_gather_dtypes: list[str] = field(default_factory=list)
     """Element types the all-gathers moved (the profiler's names)."""
     all_reduces_in_all_gather: float = 0.0
     """All-reduces issued inside FSDP all-gathers per step: torchao's per-weight FP8 scale reductions."""
+    all_to_all_bytes_by_dtype: dict[str, float] = field(default_factory=dict)
+    """Element type (the profiler's name) -> all-to-all bytes sent per step: in which precision an MoE layer's
+    dispatch moves its tokens and routing weights."""
 
 
 class CollectiveCounter:
@@ -120,24 +130,27 @@ def summarize(events: list[dict], steps: int) -> Collectives:
     ops = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("c10d::")]
     gathers = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith(FSDP_ALL_GATHER)
                and not e["name"].startswith(FSDP_ALL_GATHER + "_")]  # not FSDP::all_gather_copy_out
-    counts, sizes, by_group, dtypes, in_gather = Counter(), Counter(), Counter(), set(), 0
+    counts, sizes, by_group, dtypes, in_gather, to_all = Counter(), Counter(), Counter(), set(), 0, Counter()
     for op in ops:
         kind = KINDS.get(op["name"], op["name"])
         counts[kind] += 1
         enclosing = next((g for g in gathers if _inside(op, g)), None)
         if kind == "all_reduce" and enclosing is not None:
             in_gather += 1
-        if kind in UNSHARDED_ARG:
-            size, dtype = _tensor_bytes(op, UNSHARDED_ARG[kind])
+        if kind in COUNTED_ARG:
+            size, dtype = _tensor_bytes(op, COUNTED_ARG[kind])
             sizes[kind] += size
             if kind == "all_gather":
                 dtypes.add(dtype)
                 by_group[_group(enclosing) if enclosing is not None else "outside FSDP"] += size
+            if kind == "all_to_all":
+                to_all[dtype] += size
     per_step = max(steps, 1)
     return Collectives(steps=steps, counts={k: v / per_step for k, v in sorted(counts.items())},
                        bytes={k: v / per_step for k, v in sorted(sizes.items())},
                        all_gather_bytes_by_group={k: v / per_step for k, v in sorted(by_group.items())},
-                       all_gather_dtypes=sorted(dtypes), all_reduces_in_all_gather=in_gather / per_step)
+                       all_gather_dtypes=sorted(dtypes), all_reduces_in_all_gather=in_gather / per_step,
+                       all_to_all_bytes_by_dtype={k: v / per_step for k, v in sorted(to_all.items())})
 
 
 def _inside(inner: dict, outer: dict) -> bool:

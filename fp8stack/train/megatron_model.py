@@ -14,6 +14,13 @@ AdamW with the distributed optimizer (optimizer.distributed) or BF16 parameters.
 finalize_model_grads duties are done here: the gradients of sequence-parallel norm weights are summed over the TP
 group, and the gradient norm counts each TP-replicated parameter once; with it, finalize_model_grads and the
 optimizer's own norm and clipping run.
+
+An MoE model's routed experts may be split over data-parallel ranks (parallelism.expert_parallel, megatron's expert
+model parallelism): each rank copies its own experts from the plain Llama and routes its own tokens over all
+experts, the alltoall dispatcher sending each token to its expert's rank and back. Megatron's DDP reduces the expert
+weights' gradients over the ranks holding the same experts only, scaled by 1 / data-parallel ranks like the others;
+the gradient norm adds every rank's experts once; the expert bias moves by the token counts summed over all
+data-parallel ranks, so the same global batch gives the same update at any expert-parallel degree.
 """
 
 import logging
@@ -38,8 +45,8 @@ log = logging.getLogger(__name__)
 
 
 def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | None):
-    """megatron's TransformerConfig for the plain Llama `shape` (dense or MoE) under cfg's FP8 and tensor-parallel
-    options."""
+    """megatron's TransformerConfig for the plain Llama `shape` (dense or MoE) under cfg's FP8, tensor- and
+    expert-parallel options."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     tp, bf16 = cfg.parallelism.tensor_parallel, cfg.training.param_dtype == "bf16"
@@ -56,6 +63,7 @@ def transformer_config(cfg: JobConfig, shape: LlamaConfig, fp8_format: str | Non
             params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, use_cpu_initialization=True,
             perform_initialization=False,
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+            expert_model_parallel_size=cfg.parallelism.expert_parallel,
             **({"fp8": fp8_format, "fp8_recipe": cfg.precision.recipe} if fp8 else {}),
             **moe_fields(shape, fp8),
             fp8_margin=cfg.te.delayed_margin,
@@ -168,20 +176,22 @@ def input_in_weight_dtype(router, args: tuple) -> tuple | None:
 def load_llama_weights(model, llama: Llama) -> None:
     """Copy the plain `llama`'s weights into megatron's GPTModel `model`, this rank's shard of each: the
     tensor-parallel ones (megatron's tensor_model_parallel attribute) split as megatron's CPU init splits
-    them (partition_dim, and partition_stride pieces per rank: fc1 holds [gate_r; up_r]), the rest whole.
+    them (partition_dim, and partition_stride pieces per rank: fc1 holds [gate_r; up_r]), the routed experts of this
+    expert-parallel rank (local_experts), the rest whole.
     Names cover megatron's TE spec (input norms inside linear_qkv / linear_fc1) and its local spec."""
     from megatron.core import parallel_state
 
-    full = megatron_layout(llama)
+    experts = local_experts(llama.config)
+    full = megatron_layout(llama, experts)
     names = [name for name, _ in model.named_parameters()]
     unknown = [name for name in names if name not in full]
     # Whole sizes, not counts: megatron holds each expert's weights apart, the plain MoE all experts in one.
     mapped = sum(full[name].numel() for name in names if name in full)
-    plain = sum(p.numel() for p in llama.parameters())
-    if unknown or mapped != plain:
+    held = sum(p.numel() for p in llama.parameters()) - other_ranks_expert_elements(llama, experts)
+    if unknown or mapped != held:
         raise ValueError(f"load_llama_weights: the GPTModel's parameters ({mapped} elements whole) do not map one to "
-                         f"one onto the plain Llama's {plain} (no source for {unknown}): build it with "
-                         "transformer_config (no biases, untied output, RMSNorm) from the Llama's shape")
+                         f"one onto the {held} of the plain Llama's this rank holds (no source for {unknown}): build "
+                         "it with transformer_config (no biases, untied output, RMSNorm) from the Llama's shape")
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -196,8 +206,29 @@ def load_llama_weights(model, llama: Llama) -> None:
             param.copy_(weight)
 
 
-def megatron_layout(llama: Llama) -> dict[str, torch.Tensor]:
-    """`llama`'s full (unsharded) weights under the names and layouts of megatron's GPTModel, both specs'."""
+def local_experts(shape: LlamaConfig) -> range:
+    """The routed experts this expert-parallel rank holds (megatron's MoELayer: a contiguous range, local expert i
+    being global expert ep_rank x local + i): all of them at one expert-parallel rank, none for a dense model."""
+    from megatron.core import parallel_state
+
+    if shape.moe is None:
+        return range(0)
+    local = shape.moe.num_experts // parallel_state.get_expert_model_parallel_world_size()
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    return range(first, first + local)
+
+
+def other_ranks_expert_elements(llama: Llama, experts: range) -> int:
+    """Elements of the routed experts outside `experts`, over every MoE layer: what other expert-parallel ranks
+    hold."""
+    layers = [block.moe for i, block in enumerate(llama.layers) if llama.config.is_moe_layer(i)]
+    per_expert = sum(moe.experts.w13[0].numel() + moe.experts.w2[0].numel() for moe in layers)
+    return per_expert * (llama.config.moe.num_experts - len(experts)) if layers else 0
+
+
+def megatron_layout(llama: Llama, experts: range) -> dict[str, torch.Tensor]:
+    """`llama`'s full (unsharded) weights under the names and layouts of megatron's GPTModel, both specs'; of the
+    routed experts only `experts`, numbered from 0 as the rank holding them numbers its local experts."""
     shape = llama.config
     if not shape.fused_projections:
         raise ValueError("megatron_layout maps Llamas with fused projections (wqkv, w13) only")
@@ -213,7 +244,7 @@ def megatron_layout(llama: Llama) -> dict[str, torch.Tensor]:
             f"{layer}.self_attention.linear_proj.weight": block.attention.wo.weight,
             f"{layer}.pre_mlp_layernorm.weight": ffn_norm,
         })
-        full.update(moe_layout(block.moe, f"{layer}.mlp") if shape.is_moe_layer(i) else {
+        full.update(moe_layout(block.moe, f"{layer}.mlp", experts) if shape.is_moe_layer(i) else {
             f"{layer}.mlp.linear_fc1.layer_norm_weight": ffn_norm,
             # [w1 (gate); w3 (up)]: megatron's GLU applies the activation to the first half as well.
             f"{layer}.mlp.linear_fc1.weight": block.feed_forward.w13.weight,
@@ -222,15 +253,16 @@ def megatron_layout(llama: Llama) -> dict[str, torch.Tensor]:
     return full
 
 
-def moe_layout(moe, mlp: str) -> dict[str, torch.Tensor]:
-    """The plain MoE's weights under megatron's MoELayer names `mlp`.*: the router, each expert's fc1 ([gate; up],
-    as the plain w13 stacks them) and fc2 under TEGroupedMLP's names (linear_fc1.weight{j}) and SequentialMLP's
-    (local_experts.{j}.linear_fc1.weight), and the shared expert."""
+def moe_layout(moe, mlp: str, experts: range) -> dict[str, torch.Tensor]:
+    """The plain MoE's weights under megatron's MoELayer names `mlp`.*: the router (whole: every rank routes to every
+    expert), the routed experts `experts`, each one's fc1 ([gate; up], as the plain w13 stacks them) and
+    fc2 under TEGroupedMLP's names (linear_fc1.weight{j}) and SequentialMLP's (local_experts.{j}.linear_fc1.weight),
+    j counting the rank's local experts from 0, and the shared expert (whole)."""
     full = {f"{mlp}.router.weight": moe.router.gate.weight}
-    for j in range(moe.config.num_experts):
+    for j, expert in enumerate(experts):
         for gemm, weights in (("linear_fc1", moe.experts.w13), ("linear_fc2", moe.experts.w2)):
-            full[f"{mlp}.experts.{gemm}.weight{j}"] = weights[j]
-            full[f"{mlp}.experts.local_experts.{j}.{gemm}.weight"] = weights[j]
+            full[f"{mlp}.experts.{gemm}.weight{j}"] = weights[expert]
+            full[f"{mlp}.experts.local_experts.{j}.{gemm}.weight"] = weights[expert]
     if moe.shared_experts is not None:
         full[f"{mlp}.shared_experts.linear_fc1.weight"] = moe.shared_experts.w13.weight
         full[f"{mlp}.shared_experts.linear_fc2.weight"] = moe.shared_experts.w2.weight
@@ -255,23 +287,37 @@ def qkv_layout(wqkv: torch.Tensor, shape: LlamaConfig) -> torch.Tensor:
     return torch.cat(per_group, dim=1).reshape(wqkv.shape)
 
 
-def finish_grads(params: list[torch.nn.Parameter], max_norm: float, tp_group) -> torch.Tensor:
+def finish_grads(params: list[torch.nn.Parameter], max_norm: float, tp_group, expert_group=None) -> torch.Tensor:
     """After backward: sum the sequence-parallel norm weights' gradients over the TP group (each rank saw
     its part of the sequence), then the global FP32 gradient norm (each TP-replicated parameter counted
-    once), clipping to max_norm if > 0. Returns the norm as a device tensor (no host sync)."""
+    once; the expert-parallel weights, which megatron marks allreduce=False, of every rank of expert_group, each
+    holding its own experts), clipping to max_norm if > 0. Returns the norm as a device tensor (no host sync)."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     params = [p for p in params if p.grad is not None]
     for p in params:
         if getattr(p, "sequence_parallel", False):
             dist.all_reduce(p.grad, group=tp_group)
-    counted = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p)]
-    squared = torch.nn.utils.get_total_norm(counted).square() if counted else torch.zeros((), device=params[0].device)
+    experts = [p.grad for p in params if not getattr(p, "allreduce", True)]
+    counted = [p.grad for p in params if getattr(p, "allreduce", True) and param_is_not_tensor_parallel_duplicate(p)]
+    squared = squared_norm(counted, params[0].device)
     dist.all_reduce(squared, group=tp_group)
+    if experts:
+        if expert_group is None:
+            raise ValueError("finish_grads: the parameters include expert-parallel weights: pass megatron's expert "
+                             "tensor-and-model-parallel group as expert_group")
+        expert_squared = squared_norm(experts, params[0].device)
+        dist.all_reduce(expert_squared, group=expert_group)
+        squared = squared + expert_squared
     norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared FP32 2-norm of `grads` together (0 for none)."""
+    return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=device)
 
 
 class ReadyGradsOptimizer:
@@ -320,6 +366,9 @@ class MegatronModel:
     """Tokens per sequence."""
     tp_group: object
     """megatron's tensor-parallel process group."""
+    expert_group: object = None
+    """megatron's expert tensor-and-model-parallel group (the ranks that hold each routed expert once between them)
+    when the experts are split over ranks (parallelism.expert_parallel > 1); None otherwise."""
     main_grads: bool = False
     """The model is megatron's DistributedDataParallel (with_main_grads): gradients land in param.main_grad."""
     optimizer: ReadyGradsOptimizer | None = None
@@ -350,7 +399,7 @@ class MegatronModel:
             for p in params:
                 p.grad = p.main_grad
         self.update_expert_bias()
-        return finish_grads(params, max_norm, self.tp_group)
+        return finish_grads(params, max_norm, self.tp_group, self.expert_group)
 
     def update_expert_bias(self) -> None:
         """finalize_model_grads' step for routers with an expert bias, which it runs itself under megatron's
@@ -394,9 +443,10 @@ def with_main_grads(model: torch.nn.Module, config, fuse_wgrad: bool, distribute
     fused_weight_gradient_mlp_cuda; so the model is built without it, the TE modules are switched on here, and the
     head's gradient is added into its buffer by DDP's hook."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
     if fuse_wgrad:
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
         linears = [m for m in model.modules()
                    if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "fuse_wgrad_accumulation")]
         if not linears:
@@ -442,7 +492,7 @@ def precision_aware(moments: str) -> dict:
 @contextmanager
 def build(cfg: JobConfig, env) -> Iterator[MegatronModel]:
     """Megatron's parallel state over the trainer's processes (TP groups of consecutive ranks, the rest
-    data-parallel), then the model on env.device; the state (and a one-rank process group made for it) is torn down
+    data-parallel, in expert-parallel groups of consecutive data-parallel ranks), then the model on env.device; the state (and a one-rank process group made for it) is torn down
     on exit."""
     if env.device.type != "cuda":
         raise ConfigError("the Megatron model needs CUDA: megatron-core's GPTModel allocates its buffers, RoPE "
@@ -460,7 +510,8 @@ def build(cfg: JobConfig, env) -> Iterator[MegatronModel]:
     if made_group:  # a single process without torchrun: megatron still needs a (one-rank) group
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=env.device)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallelism.tensor_parallel)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallelism.tensor_parallel,
+                                                 expert_model_parallel_size=cfg.parallelism.expert_parallel)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed, te_rng_tracker=te_usable())
         # The plain Llama as --model-impl torch draws it (cfg.training.seed, on env.device: CUDA's generator).
         model = gpt = gpt_model(config, plan, build_model(cfg, env.device)).to(env.device)
@@ -477,7 +528,9 @@ def build(cfg: JobConfig, env) -> Iterator[MegatronModel]:
         if main_grads:
             model = with_main_grads(model, config, fuse_wgrad, distributed)
         yield MegatronModel(model=model, gpt=gpt, plan=plan, seq_len=shape.seq_len,
-                            tp_group=parallel_state.get_tensor_model_parallel_group(), main_grads=main_grads,
+                            tp_group=parallel_state.get_tensor_model_parallel_group(),
+                            expert_group=(parallel_state.get_expert_tensor_and_model_parallel_group()
+                                          if cfg.parallelism.expert_parallel > 1 else None), main_grads=main_grads,
                             optimizer=megatron_optimizer(model, cfg) if megatrons else None)
     finally:
         parallel_state.destroy_model_parallel()

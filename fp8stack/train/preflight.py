@@ -21,8 +21,8 @@ from fp8stack.train.data import load_split
 
 RUN_SETTINGS = ("model.name", "model.impl", "model.factory", "model.fused_projections", "precision.recipe",
                 "precision.fp8_format", "precision.backend", "training.param_dtype", "parallelism.tensor_parallel",
-                "training.micro_batch", "training.global_batch", "training.seed", "data.source", "data.max_bytes",
-                "data.factory")
+                "parallelism.expert_parallel", "training.micro_batch", "training.global_batch", "training.seed",
+                "data.source", "data.max_bytes", "data.factory")
 """Fields a resumed run must share with the run that saved the checkpoint (with the sequence length, the number of
 processes and the plan)."""
 

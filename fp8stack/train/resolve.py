@@ -8,7 +8,8 @@ from dataclasses import replace
 import torch
 
 from fp8stack.backends import deepgemm
-from fp8stack.config import ConfigError, JobConfig, check_data_parallel_levers, check_optimizer_moments
+from fp8stack.config import (ConfigError, JobConfig, check_data_parallel_levers, check_expert_parallel,
+                             check_optimizer_moments)
 from fp8stack.models import LlamaConfig
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train.defaults import batch_defaults
@@ -38,6 +39,8 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
     plain = job.model.impl == "torch"
     if plain:  # now that the process count is known
         check_data_parallel_levers(job, sharded=data_parallel_wrapped(job, world_size))
+    if job.parallelism.expert_parallel > 1:  # an MoE model on the Megatron path (JobConfig.validate)
+        check_expert_parallel(job, shape.moe.num_experts, world_size)
     default_micro_batch, default_global_batch = batch_defaults(shape, world_size // job.parallelism.tensor_parallel)
     micro_batch = training.micro_batch or default_micro_batch
     global_batch = training.global_batch

@@ -7,13 +7,11 @@ layout resume bit-identically, with DDP, the distributed optimizer, the fused wg
 delayed-scaling state; on two GPUs at TP=2 and at DP=2 too.
 Run with `pytest -m gpu tests/gpu/test_train_megatron_gpu.py`."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from gpu_ranks import as_rank, free_ports
 from gpu_skips import require_te
 
 pytestmark = pytest.mark.gpu
@@ -194,23 +192,12 @@ def test_megatron_checkpoints_resume_bit_identically(settings, tmp_path):
     assert resumed.lrs == full.lrs[MIDDLE:]
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _two_gpu_rank(rank: int, ports: list[int], settings: dict, folder: str, out: str) -> None:
     """Rank `rank` of 2, as torchrun would start it: the full run, then the resumed one (each its own rendezvous)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ["MASTER_PORT"] = str(ports[0])
+    as_rank(rank, 2, ports[0])
     cfg = megatron_tensorwise({**RESUMABLE, **settings, "checkpoint.dir": folder, "checkpoint.interval": MIDDLE})
     full = _train(cfg)
-    os.environ["MASTER_PORT"] = str(ports[1])
+    as_rank(rank, 2, ports[1])
     resumed = _train(from_overrides({"checkpoint.resume": str(checkpoint.checkpoint_path(folder, MIDDLE)),
                                      "checkpoint.trust": True}, cfg))
     torch.save({"full": (full.losses, full.grad_norms), "resumed": (resumed.losses, resumed.grad_norms),
@@ -228,7 +215,7 @@ def test_two_gpu_megatron_checkpoints_resume_bit_identically(settings, tmp_path)
     distributed optimizer's shards really split): each rank saves its shards at their global offsets, and the run resumed from the middle
     checkpoint repeats the uninterrupted losses exactly (NCCL reduces in a fixed order between the same two GPUs)."""
     folder = tmp_path / "ckpt"
-    mp.spawn(_two_gpu_rank, args=(_free_ports(2), settings, str(folder), str(tmp_path / "rank")), nprocs=2,
+    mp.spawn(_two_gpu_rank, args=(free_ports(2), settings, str(folder), str(tmp_path / "rank")), nprocs=2,
              join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}", weights_only=False) for rank in (0, 1)]
     for found in ranks:
