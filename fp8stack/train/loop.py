@@ -341,7 +341,7 @@ def train(cfg: JobConfig) -> TrainResult:
                                           f"{cfg.training.steps}: {kept}", signal_number, result)
         result.collectives = asdict(comms.result) if comms.result else None
         if device.type == "cuda":
-            result.resident_mem_gib = torch.cuda.memory_allocated(device) / 2**30
+            result.resident_mem_gib = env.max(torch.cuda.memory_allocated(device) / 2**30, device)
         if run.compressor and result.losses:
             result.activation_bytes_saved_per_step = run.compressor.bytes_saved / len(result.losses)
 
@@ -350,7 +350,7 @@ def train(cfg: JobConfig) -> TrainResult:
         if cfg.training.eval_batches:
             result.val_loss = _validate(run.loss_fn, cfg, seq_len, env, run.autocast)
         if device.type == "cuda":
-            result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
+            result.peak_mem_gib = env.max(torch.cuda.max_memory_allocated(device) / 2**30, device)
         result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
         return result
 
@@ -644,6 +644,14 @@ class _Distributed:
             dist.all_reduce(value)
             value /= self.world_size
         return float(value)
+
+    def max(self, value: float, device: torch.device) -> float:
+        """The largest of a number over all ranks (a rank's memory: the ranks of one run need not hold the same)."""
+        if self.world_size > 1:
+            largest = torch.tensor(value, dtype=torch.float64, device=device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            value = largest.item()
+        return value
 
 
 class _Logger:
