@@ -109,9 +109,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> dict:
     if args.mesh is not None and not isinstance(model, FSDPModule):
-        raise SystemExit(f"{sys.argv[0]}: error: {args.ranks} processes would each train their own copy of an unsharded "
-                         "model: run this script as one process (fp8stack's multi-GPU training: python -m "
-                         "fp8stack.train under torchrun)")
+        print(f"{sys.argv[0]}: error: {args.ranks} processes would each train their own copy of an unsharded model: "
+              "run this script as one process (fp8stack's multi-GPU training: python -m fp8stack.train under torchrun)",
+              file=sys.stderr)
+        raise SystemExit(2)
     loss_fn = torch.compile(cross_entropy) if args.compile else cross_entropy
     params = [p for group in optimizer.param_groups for p in group["params"]]
     schedule = torch.optim.lr_scheduler.LambdaLR(

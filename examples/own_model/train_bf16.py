@@ -3,9 +3,11 @@ several processes, sharded by FSDP2 as torchtitan shards it (loop.parallelize)."
 
 import torch
 
-from loop import build_model, parallelize, parse_args, train
+import loop
+from loop import build_model, parse_args, train
 
 args = parse_args()
-model = parallelize(build_model(args), args)
+model = build_model(args)
+model = loop.parallelize(model, args)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=args.fused)
 train(model, optimizer, args)
