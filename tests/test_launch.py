@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.train.command import job_from_flags
+from fp8stack.train.launch import NO_MULTICAST_ENV
 from fp8stack.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,11 +90,12 @@ def test_train_sh_ddp_with_bf16_parameters_matches_one_process(tmp_path):
             assert abs(a - b) <= DDP_LOSS_RTOL * abs(a), f"{what}, step {step}: 1 process {a:.6f} vs DDP {b:.6f}"
 
 
-def test_launch_env_keeps_nvlink_multicast_off():
+def test_launch_env_keeps_nvlink_multicast_off_as_the_tools_children_do():
     shown = subprocess.run(["bash", "-c", "source launch/env.sh && env"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.splitlines()
-    for setting in ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1"):
-        assert setting in shown
+    assert set(NO_MULTICAST_ENV) == {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"}
+    for name, value in NO_MULTICAST_ENV.items():
+        assert f"{name}={value}" in shown
 
 
 def test_ab_sh_passes_its_flags_through():

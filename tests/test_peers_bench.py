@@ -1,13 +1,20 @@
 """fp8stack.bench.peers on a CPU: every stack builds the same model, each peer's command is read by its own loop's
 parser as the bench means it (examples/megatron's new flags and their refusals, examples/own_model's warm-up),
 fp8stack's arms carry no lever, the judging and the table from synthetic records, the refusals before any arm, and
-one run of the arms a CPU can run (the others recorded as skipped with the reason). The arms on a GPU: the lead runs
-`python -m fp8stack.bench.peers` on an H200."""
+one run of the arms a CPU can run (the others recorded as skipped with the reason).
+
+With --nproc 2: every command under torchrun with the batch split per rank, the children's environment, the refusals;
+on 2 gloo CPU processes the torchtitan FSDP2 path (BF16) and fp8stack's bf16 arms run through the bench, and the
+tensorwise FSDP2 wiring is checked without its FP8 all-gather (gloo cannot move float8 tensors: the all-gather itself
+runs on GPUs only, tests/gpu/test_peers_gpu.py). The arms on GPUs: the lead runs `python -m fp8stack.bench.peers`
+(with --nproc 2 on two) on H200s."""
 
 import importlib.util
 import json
 import math
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,22 +22,29 @@ import torch
 
 from fp8stack.bench import peers
 from fp8stack.bench.peers import ARMS, Shape
+from fp8stack.bench.results import Run, describe
 from fp8stack.config import JobConfig, to_dict
 from fp8stack.evidence import run_folder
 from fp8stack.models import load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train.command import job_from_flags
+from fp8stack.train.launch import NO_MULTICAST_ENV
+
+from gloo_ranks import on_gloo_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "megatron"))
 sys.path.insert(0, str(REPO / "examples" / "own_model"))
 import loop  # noqa: E402  (examples/own_model: the torchtitan-recipe loop)
 import train as megatron_train  # noqa: E402  (examples/megatron/train.py)
+import train_torchao  # noqa: E402  (examples/own_model: torchao by hand, torchtitan's float8 converter)
 from model import SIZES  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 LLAMA = Shape("llama-1b-like", micro_batch=2, global_batch=16, steps=20)
+LLAMA_ON_2 = Shape("llama-1b-like", micro_batch=2, global_batch=16, steps=20, nproc=2)
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
 def flags_of(argv: list[str], script: str) -> list[str]:
@@ -65,7 +79,9 @@ def test_megatron_arms_are_read_by_the_example_as_megatrons_own_layers_with_pret
     assert (args.fp8_format, args.fp8_recipe if args.fp8_format else "bf16") == \
         (None if arm.recipe == "bf16" else "hybrid", arm.recipe)
     assert args.fp8_param_gather == args.use_distributed_optimizer == (name == "megatron-delayed-param-gather")
+    assert not args.overlap_grad_reduce and not args.overlap_param_gather  # one rank: nothing to overlap
     assert args.result_json == tmp_path / "r.json"
+    assert argv[:2] == [sys.executable, str(peers.MEGATRON_EXAMPLE)]  # one plain process, as before --nproc
 
 
 @pytest.mark.parametrize("cuda", [True, False])
@@ -84,9 +100,10 @@ def test_torchtitan_arms_are_read_by_the_loop_as_the_recipe(name, cuda, tmp_path
         assert args.recipe == "tensorwise"
 
 
+@pytest.mark.parametrize("shape", [LLAMA, LLAMA_ON_2], ids=["1 process", "2 ranks"])
 @pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "fp8stack"])
-def test_fp8stack_arms_change_nothing_but_the_recipe_batch_and_length(name, tmp_path):
-    argv = peers.command(ARMS[name], LLAMA, tmp_path / "r.json", cuda=True)
+def test_fp8stack_arms_change_nothing_but_the_recipe_batch_length_and_wrapper(name, shape, tmp_path):
+    argv = peers.command(ARMS[name], shape, tmp_path / "r.json", cuda=True)
     flags = flags_of(argv, "fp8stack.train")
     result = flags.index("--result-json")
     job = job_from_flags(flags[:result] + flags[result + 2:])
@@ -94,9 +111,12 @@ def test_fp8stack_arms_change_nothing_but_the_recipe_batch_and_length(name, tmp_
     changed = {(section, key) for section in defaults for key in defaults[section]
                if ours[section][key] != defaults[section][key]}
     recipe = {("precision", "recipe")} if ARMS[name].recipe != JobConfig().precision.recipe else set()
+    ddp = {("parallelism", "data_parallel")} if name.endswith("-ddp") else set()
     assert changed == {("model", "name"), ("training", "micro_batch"), ("training", "global_batch"),
-                       ("training", "steps"), ("training", "eval_batches"), ("logging", "progress")} | recipe
-    assert (job.precision.recipe, job.training.global_batch, job.training.eval_batches) == (ARMS[name].recipe, 16, 0)
+                       ("training", "steps"), ("training", "eval_batches"), ("logging", "progress")} | recipe | ddp
+    assert (job.precision.recipe, job.training.global_batch, job.training.micro_batch, job.training.eval_batches) == \
+        (ARMS[name].recipe, 16, 2, 0)  # the global batch over all ranks, the micro-batch per rank
+    assert job.parallelism.data_parallel == ("ddp" if name.endswith("-ddp") else "fsdp")
 
 
 # --- the examples' new flags ------------------------------------------------------------------------------------
@@ -109,6 +129,8 @@ def test_fp8stack_arms_change_nothing_but_the_recipe_batch_and_length(name, tmp_
     (["--micro-batch-size", "2", "--global-batch-size", "3"], "--global-batch-size 3: give a positive multiple"),
     (["--layer-spec", "local"], "invalid choice: 'local'"),
     (["--result-json", "/proc/peers.json"], "--result-json /proc/peers.json"),
+    (["--overlap-param-gather"], "add --use-distributed-optimizer --overlap-grad-reduce"),
+    (["--overlap-param-gather", "--use-distributed-optimizer"], "add --overlap-grad-reduce"),
 ])
 def test_megatron_example_refuses_its_new_flags_misused_before_any_compute(flags, message, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the refusal must come before the machine check
@@ -128,6 +150,115 @@ def test_megatron_example_accumulates_the_global_batch_over_micro_batches_and_ra
     assert exit_.value.code == 2
     assert "not a multiple of --micro-batch-size 2 x 3 data-parallel ranks" in capsys.readouterr().err
     assert megatron_train.microbatches_per_step(megatron_train.parse_args([]), 4) == 1
+
+
+# --- --nproc: every arm a torchrun job ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(ARMS))
+def test_on_two_ranks_every_arm_is_a_torchrun_job_of_the_same_command(name, tmp_path):
+    one = peers.command(ARMS[name], LLAMA, tmp_path / "r.json", cuda=True)
+    two = peers.command(ARMS[name], LLAMA_ON_2, tmp_path / "r.json", cuda=True)
+    assert two[:len(TORCHRUN_2)] == TORCHRUN_2 and "torch.distributed.run" not in one
+    assert two[len(TORCHRUN_2)] == one[1]  # the same script or `-m`, after torchrun instead of the interpreter
+    changed = {flag for flag in set(two[len(TORCHRUN_2):]) ^ set(one[1:]) if flag.startswith("--")}
+    assert changed <= {"--overlap-grad-reduce", "--overlap-param-gather"}  # megatron's; the rest differ in values
+
+
+@pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "megatron"])
+def test_megatron_arms_on_two_ranks_split_the_global_batch_and_overlap_as_megatrons_llama_recipes(name, tmp_path):
+    argv = peers.command(ARMS[name], LLAMA_ON_2, tmp_path / "r.json", cuda=True)
+    args = megatron_train.parse_args(flags_of(argv, str(peers.MEGATRON_EXAMPLE)))
+    assert (args.micro_batch_size, args.global_batch_size) == (2, 16)
+    assert megatron_train.microbatches_per_step(args, 2) == 4  # 16 sequences = 2 ranks x 4 micro-batches x 2
+    assert args.overlap_grad_reduce
+    assert args.overlap_param_gather == args.use_distributed_optimizer == (name == "megatron-delayed-param-gather")
+
+
+@pytest.mark.parametrize("name", ["torchtitan-bf16", "torchtitan-tensorwise"])
+def test_torchtitan_arms_on_two_ranks_accumulate_their_share_of_the_global_batch(name, tmp_path, monkeypatch):
+    argv = peers.command(ARMS[name], LLAMA_ON_2, tmp_path / "r.json", cuda=True)
+    monkeypatch.setattr(sys, "argv", argv[len(TORCHRUN_2):])
+    args = loop.parse_args()  # no torchrun around this process: one rank, no process group
+    assert (args.micro_batch, args.accumulation, args.ranks, args.mesh) == (2, 4, 1, None)
+
+
+def test_the_loop_refuses_several_ranks_training_an_unsharded_model_before_any_step(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_fp8stack.py", "--steps", "1", "--seq-len", "16", "--no-compile"])
+    args = loop.parse_args()
+    args.ranks, args.mesh = 2, object()  # what torchrun's two processes give; this script never shards
+    model = loop.build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters())
+    monkeypatch.setattr(loop, "text_batches", lambda args: pytest.fail("a step ran"))
+    with pytest.raises(SystemExit) as exit_:
+        loop.train(model, optimizer, args)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "train_fp8stack.py: error: 2 processes would each train their own copy of an unsharded model: run this script "
+        "as one process (fp8stack's multi-GPU training: python -m fp8stack.train under torchrun)")
+
+
+def test_children_run_with_nvlink_multicast_off_whatever_the_callers_environment(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    names = list(NO_MULTICAST_ENV)
+    done = peers.run_child([sys.executable, "-c", f"import os; print(*(os.environ[n] for n in {names!r}))"], 60)
+    assert done.returncode == 0 and done.stdout.split() == [NO_MULTICAST_ENV[n] for n in names]
+
+
+def test_the_ddp_arms_run_by_default_only_on_several_ranks():
+    one, two = peers.parse_args([]).arms, peers.parse_args(["--nproc", "2"]).arms
+    assert two == list(ARMS)
+    assert [name for name in two if name not in one] == ["fp8stack-delayed-ddp", "fp8stack-bf16-ddp"]
+
+
+def test_a_run_on_several_gpus_is_named_by_their_count(monkeypatch):
+    monkeypatch.setattr(peers, "device_slug", lambda: "h200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert peers.evidence_stem(peers.parse_args(["--nproc", "2"])) == "peers-llama-1b-like-2gpu-h200"
+    assert peers.evidence_stem(peers.parse_args([])) == "peers-llama-1b-like-h200"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peers.evidence_stem(peers.parse_args(["--nproc", "2", "--label", "x"])) == "peers-llama-1b-like-x-2proc-h200"
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_arm(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(peers, "run_arm", lambda *a, **k: pytest.fail("an arm ran"))
+    with pytest.raises(SystemExit) as exit_:
+        peers.main(["--nproc", "2", "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"{peers.PROG}: error: --nproc 2: this machine has 1 GPU(s): give at most 1"
+
+
+def test_tensorwise_fsdp2_is_skipped_on_cpu_processes_with_the_reason():
+    tensorwise = ARMS["torchtitan-tensorwise"]
+    reason = peers.skip_reason(tensorwise, 2, cuda=False, te_installed=False)
+    assert "gloo (the CPU backend) cannot move float8 tensors" in reason
+    assert peers.skip_reason(tensorwise, 1, cuda=False, te_installed=False) is None  # one process gathers nothing
+    assert peers.skip_reason(tensorwise, 2, cuda=True, te_installed=False) is None
+
+
+def fake_loop(tokens_per_step: int):
+    """A stand-in for an arm's child process: writes a result of `tokens_per_step` where --result-json says."""
+    def run_child(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        Path(argv[-1]).write_text(json.dumps({"losses": [5.0] * 5, "step_ms": [100.0] * 5,
+                                              "tokens_per_step": tokens_per_step, "peak_mem_gib": 9.0}))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+    return run_child
+
+
+def test_tokens_per_gpu_are_the_jobs_over_the_ranks_and_a_loop_miscounting_the_batch_fails_its_arm(monkeypatch):
+    global_tokens = 16 * 4096
+    monkeypatch.setattr(peers, "run_child", fake_loop(global_tokens))
+    measured = peers.run_arm(ARMS["torchtitan-bf16"], LLAMA_ON_2, 60, cuda=True, te_installed=True)
+    assert measured["status"] == "ok" and measured["tokens_per_s"] == pytest.approx(global_tokens / 0.1)
+    assert measured["tokens_per_s_per_gpu"] == pytest.approx(global_tokens / 0.1 / 2)
+    monkeypatch.setattr(peers, "run_child", fake_loop(global_tokens // 2))  # one rank's share, not the job's
+    miscounted = peers.run_arm(ARMS["torchtitan-bf16"], LLAMA_ON_2, 60, cuda=True, te_installed=True)
+    assert miscounted["status"] == "failed"
+    assert miscounted["error"] == ("the loop counted 32768 tokens per step, not the global batch's 65536: it splits or "
+                                   "counts the batch wrongly")
 
 
 def test_megatron_example_reports_each_micro_batchs_loss_undivided():
@@ -152,7 +283,8 @@ def test_own_model_loop_warms_the_learning_rate_up_linearly(monkeypatch):
 def arm(name: str, tokens_per_s: float | None = None, peak: float | None = None, status: str = "ok") -> dict:
     record = {"arm": name, "stack": ARMS[name].stack, "recipe": ARMS[name].recipe, "status": status}
     if status == "ok":
-        record.update(tokens_per_s=tokens_per_s, spread=0.01, peak_mem_gib=peak, final_loss=5.0,
+        record.update(tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s, spread=0.01, peak_mem_gib=peak,
+                      final_loss=5.0,
                       resident_mem_gib=peak - 4.0 if peak else None)
     return record
 
@@ -209,12 +341,26 @@ def test_the_table_shows_every_arm_the_ratios_and_the_verdicts():
     arms = TODAY + [arm("torchtitan-tensorwise", status="failed")]
     arms[-1]["error"] = "Traceback ...\nRuntimeError: out of memory"
     text = peers.render(peers.record_of(LLAMA, arms, ["fp8stack-bf16"]))
-    assert "| fp8stack | fp8stack-delayed | 132,792 | 1.0% | 25.91 | 21.91 | 1.423 | 5.0000 | ok |" in text
+    assert "| fp8stack | fp8stack-delayed | 132,792 | 132,792 | 1.0% | 25.91 | 21.91 | 1.423 | 5.0000 | ok |" in text
     assert "| megatron | megatron-delayed-param-gather | 115,820 |" in text
     assert "failed: Traceback ... RuntimeError: out of memory" in text
     assert "| 1.147x | >= 1.20x | NO |" in text
     assert "| 25.910 | <= 21.51 GiB | NO |" in text
     assert "Not run yet: fp8stack-bf16." in text
+    assert "20 steps per arm, each arm a fresh process;" in text
+
+
+def test_the_table_of_two_ranks_says_so_and_shows_the_tokens_per_gpu():
+    arms = [{**a, "tokens_per_s_per_gpu": a["tokens_per_s"] / 2} for a in TODAY]
+    record = peers.record_of(LLAMA_ON_2, arms, [])
+    text = peers.render(record)
+    assert "micro-batch 2 per rank, global batch 16, 20 steps per arm, each arm one torchrun job of 2 processes, one " \
+           "per GPU (peak and resident memory: the largest of any rank's)" in text
+    assert "| fp8stack | fp8stack-delayed | 132,792 | 66,396 | 1.0% |" in text
+    assert record["shape"]["nproc"] == 2 and record["child_env"] == NO_MULTICAST_ENV
+    run = Run(Path("profiles/runs/2026-11-28-peers-llama-1b-like-2gpu-h200"),
+              {"peers-llama-1b-like-2gpu-h200.json": record})
+    assert describe(run).startswith("peers at llama-1b-like on 2 GPUs: megatron-bf16 · ")
 
 
 # --- the command line -------------------------------------------------------------------------------------------
@@ -223,8 +369,13 @@ def test_the_table_shows_every_arm_the_ratios_and_the_verdicts():
     (["--arms", "megatron-delayed,nemo-delayed"], "--arms nemo-delayed: choose from megatron-delayed"),
     (["--arms", ","], "--arms (none): choose from"),
     (["--steps", "4"], "--steps 4: give at least 5"),
-    (["--global-batch", "3"], "--global-batch 3 --micro-batch 2: give positive numbers"),
-    (["--micro-batch", "0"], "--micro-batch 0: give positive numbers"),
+    (["--global-batch", "3"], "--global-batch 3 --micro-batch 2 --nproc 1: give positive numbers"),
+    (["--micro-batch", "0"], "--micro-batch 0 --nproc 1: give positive numbers"),
+    (["--nproc", "3"], "--global-batch 16 --micro-batch 2 --nproc 3: give positive numbers, the global batch a "
+                       "multiple of micro-batch x nproc (6)"),
+    (["--nproc", "0"], "--nproc 0: give 1 or more GPUs"),
+    (["--arms", "fp8stack-delayed,fp8stack-delayed-ddp"], "--arms fp8stack-delayed-ddp: a data-parallel wrapper over "
+                                                          "one process is the arm without it: add --nproc 2 or more"),
     (["--timeout", "0"], "--timeout 0.0: give a positive number"),
     (["--model", "llama3-8b"], "invalid choice: 'llama3-8b'"),
 ])
@@ -381,3 +532,113 @@ def test_plot_only_refuses_measuring_flags_and_a_missing_matplotlib(tmp_path, ca
     assert capsys.readouterr().err.strip() == (f"{peers.PROG}: error: matplotlib is not installed: pip install "
                                                "'fp8stack[plot]' to draw the figure")
     assert not source.with_suffix(".png").exists()
+
+
+# --- --nproc 2 on two gloo CPU processes ------------------------------------------------------------------------
+
+TWO_CPU_RANKS = Shape("tiny", micro_batch=1, global_batch=4, steps=5, nproc=2)
+"""Each rank accumulates 2 micro-batches of 1 sequence per step."""
+
+
+@pytest.mark.slow
+def test_the_torchtitan_fsdp2_path_trains_on_two_gloo_ranks_as_one_process_does(tmp_path, monkeypatch):
+    two = peers.run_arm(ARMS["torchtitan-bf16"], TWO_CPU_RANKS, 120, cuda=False, te_installed=False)
+    assert two["status"] == "ok", two.get("error")
+    assert two["command"][:len(TORCHRUN_2)] == TORCHRUN_2
+    assert two["tokens_per_s_per_gpu"] == pytest.approx(two["tokens_per_s"] / 2)
+    assert two["losses"][-1] < 0.8 * two["losses"][0]
+    # The first step on one process (BF16 autocast is slow on a CPU): the same global batch, each micro-batch of 2 rows
+    # being the two ranks' rows, so the same loss but for BF16 rounding.
+    argv = peers.command(ARMS["torchtitan-bf16"], Shape("tiny", 2, 4, 5), tmp_path / "one.json", cuda=False)
+    monkeypatch.setattr(sys, "argv", [*argv[1:], "--steps", "1"])
+    args = loop.parse_args()
+    model = loop.parallelize(loop.build_model(args), args)
+    one = loop.train(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1), args)
+    assert two["losses"][0] == pytest.approx(one["losses"][0], rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp8stack-bf16", "fp8stack-bf16-ddp"])
+def test_fp8stacks_bf16_arms_train_on_two_gloo_ranks(name):
+    measured = peers.run_arm(ARMS[name], TWO_CPU_RANKS, 120, cuda=False, te_installed=False)
+    assert measured["status"] == "ok", measured.get("error")
+    assert measured["command"][:len(TORCHRUN_2)] == TORCHRUN_2
+    assert len(measured["losses"]) == 5 and all(map(math.isfinite, measured["losses"]))
+
+
+def tensorwise_fsdp2_wiring(rank: int, world: int) -> dict:
+    """train_torchao.build on `world` gloo ranks: what is sharded and how, and the scales the optimizer step's hook
+    precomputed against finfo.max over each weight's amax across the ranks. No forward: it would all-gather FP8."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    sys.argv = ["train_torchao.py", "--model", "tiny", "--recipe", "tensorwise", "--no-compile"]
+    args = loop.parse_args()
+    args.rank, args.ranks, args.mesh = rank, world, init_device_mesh("cpu", (world,))  # what torchrun's env gives
+    model, optimizer = train_torchao.build(args)
+    fp8 = {fqn: module for fqn, module in model.named_modules() if isinstance(module, Float8Linear)}
+    units = {"root": model, "embedding": model.tok_embeddings, "block": model.layers["0"], "head": model.output}
+    states = {name: fully_shard.state(module) for name, module in units.items()}
+    before = [m.weight._local_tensor._precomputed_scale for m in fp8.values()]
+    optimizer.step()  # no gradients: only its post-step hook does anything
+    amaxes = torch.stack([m.weight._local_tensor._tensor.abs().max() for m in fp8.values()])
+    torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
+    return {"fp8": sorted(fp8),
+            "linears": sorted(fqn for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)),
+            "gathered_in_fp8": all(isinstance(m.weight, DTensor) and isinstance(m.weight.to_local(),
+                                                                                 WeightWithDynamicFloat8CastTensor)
+                                   for m in fp8.values()),
+            "sharded": {name: isinstance(module, FSDPModule) for name, module in units.items()},
+            "policies": {name: state._mp_policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                        reduce_dtype=torch.float32)
+                         for name, state in states.items()},
+            "reshard_after_forward": {name: state._fsdp_param_group._reshard_after_forward
+                                      for name, state in states.items() if name != "root"},
+            "scales_before": before,
+            "scales": [float(m.weight._local_tensor._precomputed_scale) for m in fp8.values()],
+            "expected": (torch.finfo(torch.float8_e4m3fn).max / amaxes.double()).float().tolist()}
+
+
+@pytest.mark.slow
+def test_tensorwise_fsdp2_gathers_weights_in_fp8_and_precomputes_their_scales_after_each_step(tmp_path):
+    wiring = on_gloo_ranks(tensorwise_fsdp2_wiring, 2, tmp_path)
+    assert wiring["fp8"] == [fqn for fqn in wiring["linears"] if fqn != "output"]  # filter_fqns ["output"]
+    assert wiring["gathered_in_fp8"]
+    assert wiring["sharded"] == dict.fromkeys(("root", "embedding", "block", "head"), True)
+    assert all(wiring["policies"].values())
+    assert wiring["reshard_after_forward"] == {"embedding": True, "block": True, "head": False}
+    assert wiring["scales_before"] == [None] * len(wiring["fp8"])
+    assert wiring["scales"] == pytest.approx(wiring["expected"], rel=1e-6)
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_timed_out_torchrun_job_leaves_no_worker_behind_and_a_failed_rank_says_why(tmp_path):
+    from fp8stack.train.launch import launcher
+
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import os, sys, time\n"
+                       "open(f'{sys.argv[1]}{os.environ[\"RANK\"]}', 'w').write(str(os.getpid()))\n"
+                       "time.sleep(600)\n")
+    began = time.perf_counter()
+    assert peers.run_child([*launcher(2), str(sleeper), str(tmp_path / "pid")], timeout=15) is None
+    assert time.perf_counter() - began < 15 + peers.TERMINATE_GRACE_S
+    workers = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
+    assert not any(map(alive, workers))
+    failing = tmp_path / "fail.py"
+    failing.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 cannot go on')\n")
+    done = peers.run_child([*launcher(2), str(failing)], timeout=120)
+    said = peers.failure_text(done.stderr)
+    assert done.returncode != 0 and "ValueError: rank 1 cannot go on" in said
+    assert said.splitlines()[-1].startswith("torchrun: rank") and "exitcode: 1" in said
+    assert peers.TORCHRUN_FAILURE not in said

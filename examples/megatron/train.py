@@ -9,7 +9,9 @@ megatron's DistributedDataParallel (FP32 gradient buffers), get_megatron_optimiz
 weights, gradient clipping), OptimizerParamScheduler (linear warm-up, cosine decay), and each step through
 get_forward_backward_func() with finalize_model_grads. The flags are pretrain_gpt's names for the same
 things. Tokens are bytes (ids 0..255) of the standard library's sources (fp8stack.train.data.TextData);
-data-parallel ranks take their slices of one global batch. Needs CUDA and TransformerEngine.
+data-parallel ranks take their slices of one global batch. Under torchrun each step's loss is averaged over the
+data-parallel ranks (as pretrain does for its log), the memory figures are the largest of any rank's, and rank 0
+prints and writes the result. Needs CUDA and TransformerEngine.
 
 --layer-spec megatron builds the decoder layers from megatron's own get_gpt_layer_with_transformer_engine_spec
 instead of fp8stack's block_spec: the model Megatron-LM's gpt_builder makes, which fp8stack.bench.peers measures
@@ -88,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--use-distributed-optimizer", action="store_true",
                        help="megatron's distributed optimizer (FP32 masters and moments sharded over data-parallel "
                             "ranks)")
+    train.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="reduce the gradients in buckets during the backward instead of after it (megatron's DDP)")
+    train.add_argument("--overlap-param-gather", action="store_true",
+                       help="all-gather the distributed optimizer's updated parameters during the next forward; needs "
+                            "--use-distributed-optimizer and --overlap-grad-reduce")
     train.add_argument("--train-iters", type=int, default=50)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--min-lr", type=float, default=1e-4)
@@ -120,6 +127,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if missing:
             parser.error(f"--fp8-param-gather casts FP8 weights from the distributed optimizer's shards of megatron's "
                          f"own layers: add {' '.join(missing)}")
+    if args.overlap_param_gather:
+        missing = [flag for flag, given in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                            ("--overlap-grad-reduce", args.overlap_grad_reduce)) if not given]
+        if missing:
+            parser.error(f"--overlap-param-gather overlaps the distributed optimizer's all-gather as megatron does: "
+                         f"add {' '.join(missing)}")
     if args.clip_grad <= 0:
         parser.error(f"--clip-grad {args.clip_grad}: give a positive norm (the run reports the gradient norm the "
                      "clipping computes)")
@@ -222,12 +235,15 @@ def build(args, config):
     gpt = build_gpt_model(args, config, use_te=True, spec=layer_spec(args)).cuda()
     layers = [type(layer).__name__ for layer in gpt.decoder.layers]
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer,
-                                        fp8_param_gather=args.fp8_param_gather)
+                                        fp8_param_gather=args.fp8_param_gather,
+                                        overlap_grad_reduce=args.overlap_grad_reduce,
+                                        overlap_param_gather=args.overlap_param_gather)
     model = DistributedDataParallel(config, ddp, module=Float16Module(config, gpt))
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad, bf16=True,
-                        params_dtype=torch.bfloat16, use_distributed_optimizer=args.use_distributed_optimizer),
+                        params_dtype=torch.bfloat16, use_distributed_optimizer=args.use_distributed_optimizer,
+                        overlap_param_gather=args.overlap_param_gather),
         [model])
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
@@ -255,12 +271,15 @@ def loss_func(output_tensor):
 
 
 def train(args, model, optimizer, scheduler, data, microbatches: int = 1) -> dict:
-    """args.train_iters steps of megatron's schedule, `microbatches` micro-batches each; losses (this rank's, the mean
-    over a step's micro-batches), gradient norms, step times (each ends on the host reading the step's loss),
-    tokens/s."""
+    """args.train_iters steps of megatron's schedule, `microbatches` micro-batches each; losses (the mean over a step's
+    micro-batches and the data-parallel ranks), gradient norms, step times (each ends on the host reading the step's
+    loss), tokens/s, and the largest peak and resident memory of any rank."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward = get_forward_backward_func()
+    ranks = parallel_state.get_data_parallel_group()
+    printing = torch.distributed.get_rank() == 0
     losses, grad_norms, step_ms, began = [], [], [], None
     for step in range(args.train_iters):
         if step == TIMING_WARMUP:
@@ -276,10 +295,12 @@ def train(args, model, optimizer, scheduler, data, microbatches: int = 1) -> dic
         if not updated:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (non-finite gradients)")
         scheduler.step(increment=1)
-        losses.append(torch.stack([r["lm loss"] for r in reported]).mean().item())
+        step_loss = torch.stack([r["lm loss"] for r in reported]).mean()
+        torch.distributed.all_reduce(step_loss, group=ranks)
+        losses.append(step_loss.item() / torch.distributed.get_world_size(ranks))
         step_ms.append((time.perf_counter() - step_began) * 1000)
         grad_norms.append(float(grad_norm))
-        if step % LOSS_EVERY == 0 or step == args.train_iters - 1:
+        if printing and (step % LOSS_EVERY == 0 or step == args.train_iters - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}  grad norm {grad_norms[-1]:.3f}  "
                   f"lr {optimizer.param_groups[0]['lr']:.2e}", flush=True)
     torch.cuda.synchronize()
@@ -288,9 +309,16 @@ def train(args, model, optimizer, scheduler, data, microbatches: int = 1) -> dic
         // args.tensor_model_parallel_size
     return {"losses": losses, "grad_norms": grad_norms, "step_ms": step_ms, "tokens_per_step": tokens_per_step,
             "tokens_per_s": timed * tokens_per_step / (time.perf_counter() - began) if timed > 0 else None,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+            "peak_mem_gib": largest_over_ranks(torch.cuda.max_memory_allocated() / 2 ** 30),
             # what stays allocated between steps: parameters, optimizer state, gradient buffers, weight caches
-            "resident_mem_gib": torch.cuda.memory_allocated() / 2 ** 30}
+            "resident_mem_gib": largest_over_ranks(torch.cuda.memory_allocated() / 2 ** 30)}
+
+
+def largest_over_ranks(value: float) -> float:
+    """The largest of a number over all ranks (a rank's memory: the ranks need not hold the same)."""
+    largest = torch.tensor(value, dtype=torch.float64, device="cuda")
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+    return largest.item()
 
 
 def report(args, plan, layers: list[str], result: dict, patch_report) -> tuple[dict, str]:

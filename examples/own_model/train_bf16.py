@@ -1,13 +1,13 @@
-"""Before: the user's model and loop in BF16 (FP32 parameters under autocast), each block compiled."""
+"""Before: the user's model and loop in BF16 (FP32 parameters under autocast), each block compiled; under torchrun with
+several processes, sharded by FSDP2 as torchtitan shards it (loop.parallelize)."""
 
 import torch
 
+import loop
 from loop import build_model, parse_args, train
 
 args = parse_args()
 model = build_model(args)
-if args.compile:
-    for block in model.layers.values():
-        block.compile()
+model = loop.parallelize(model, args)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=args.fused)
 train(model, optimizer, args)

@@ -33,10 +33,7 @@ from fp8stack.config.flags import add_megatron_recompute_arguments, run_command
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
                                    fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
-
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off in every arm (as launch/env.sh does): on a shared multi-GPU host a
-program using it can take the host's GPUs out of service for everyone."""
+from fp8stack.train.launch import NO_MULTICAST_ENV, launcher
 
 
 @dataclass
@@ -498,8 +495,7 @@ class _RunningArm:
         stem = (name or cfg.precision.recipe).replace(" ", "_")  # the bf16 repeat runs bf16's config under its own name
         self.config_path, self.result_path = (scratch / f"{stem}.{kind}.json" for kind in ("config", "result"))
         self.config_path.write_text(json.dumps(to_dict(cfg)))
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-        command = [sys.executable, *launcher, "-m", "fp8stack", "train", "--config", str(self.config_path),
+        command = [*launcher(nproc), "-m", "fp8stack", "train", "--config", str(self.config_path),
                    "--result-json", str(self.result_path)]
         env = {**os.environ, **NO_MULTICAST_ENV, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: arms side by side never block on it

@@ -1,10 +1,11 @@
 """fp8stack's default arms beside its peers at the same model, batch and sequence: Megatron-core + TransformerEngine as
-pretrain_gpt runs it, and torchtitan's single-GPU recipe with torchao. Every arm is a fresh child process of this one,
-run one after another; one table of tokens/s, peak memory and FP8/BF16 per stack, and fp8stack's fastest FP8 arm over
-the best peer's.
+pretrain_gpt runs it, and torchtitan's recipe with torchao. Every arm is a fresh child process of this one (with
+--nproc N, a torchrun job of N processes, one per GPU), run one after another; one table of tokens/s, peak memory and
+FP8/BF16 per stack, and fp8stack's fastest FP8 arm over the best peer's.
 
     python -m fp8stack.bench.peers                      # every arm at llama-1b-like, 20 steps each
     python -m fp8stack.bench.peers --arms megatron-delayed,torchtitan-tensorwise,fp8stack-delayed
+    python -m fp8stack.bench.peers --nproc 2 --arms megatron-delayed-param-gather,torchtitan-tensorwise,fp8stack-delayed
 
 Each peer is built as its users build it, with every speed feature its users get by default or its recipe names:
 - megatron: examples/megatron/train.py --layer-spec megatron. A GPTModel from megatron's own
@@ -18,43 +19,63 @@ Each peer is built as its users build it, with every speed feature its users get
   to build without it). pretrain_gpt's NaN check of the gradients is left off: it only adds work. fp8stack's patches
   are applied by the example; none touches the layers megatron's spec builds (the SwiGLU one is LayerNormMLP's, the
   others refuse --no-fp8-wgrad or change recompute, neither used here). Arms: bf16, delayed, blockwise, and delayed
-  with --fp8-param-gather and the distributed optimizer (FP8 weights cast from the FP32 shards).
-- torchtitan: examples/own_model (torchtitan's Llama layout: wq/wk/wv, w1/w2/w3, SDPA, complex RoPE). FP32
-  parameters under BF16 autocast (torchtitan without FSDP), each block compiled and the loss compiled (torchtitan's
-  compile components model and loss), fused AdamW (torchtitan's default implementation), linear LR warm-up; the FP8
-  arm converts with torchao's Float8LinearConfig.from_recipe_name("tensorwise") and convert_to_float8_training,
-  the output head filtered out, as torchtitan's float8 converter with filter_fqns ["output"] does (its other filter,
-  dims not multiples of 16, leaves every other linear of these models in FP8). Arms: bf16, tensorwise.
+  with --fp8-param-gather and the distributed optimizer (FP8 weights cast from the FP32 shards). On N GPUs: megatron's
+  DDP over the N ranks, each taking its slice of every global batch (global / (micro x N) micro-batches each), with
+  the overlap Megatron-LM's Llama-3 recipes turn on: --overlap-grad-reduce, and with the distributed optimizer (its
+  FP32 masters and moments sharded over the ranks) --overlap-param-gather.
+- torchtitan: examples/own_model (torchtitan's Llama layout: wq/wk/wv, w1/w2/w3, SDPA, complex RoPE), each block
+  compiled and the loss compiled (torchtitan's compile components model and loss), fused AdamW (torchtitan's default
+  implementation), linear LR warm-up; the FP8 arm converts with torchao's Float8LinearConfig.from_recipe_name
+  ("tensorwise") and convert_to_float8_training, the output head filtered out, as torchtitan's float8 converter with
+  filter_fqns ["output"] does (its other filter, dims not multiples of 16, leaves every other linear of these models
+  in FP8). On one GPU: FP32 parameters under BF16 autocast (torchtitan without FSDP). On N GPUs torchtitan's FSDP2
+  recipe, apply_fsdp at its defaults (loop.parallelize): the embedding and each block fully_shard-ed and resharded
+  after their forward, the final norm and head one unit kept gathered, then the root, all under
+  MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): FP32 parameters sharded (AdamW's masters), gathered in
+  BF16, no autocast, gradients reduce-scattered in FP32 after every micro-batch (torchtitan never skips the sync while
+  accumulating) and averaged by FSDP (torchtitan sums the loss over the global batch's tokens with FSDP's division
+  off: the same gradient, every batch here having as many tokens); each rank reads its rows of every global batch.
+  The FP8 arm then casts the sharded weights to FP8 before their all-gather and computes every weight's scale in one
+  all-reduce after each optimizer step: torchtitan's enable_fsdp_float8_all_gather and
+  precompute_float8_dynamic_scale_for_fsdp, off in its configuration's defaults and the two options its float8
+  guide's tensorwise FSDP command turns on. Arms: bf16, tensorwise.
 - fp8stack: `python -m fp8stack.train` with the recipe and the batch only, every lever at the configuration's
-  defaults. Arms: bf16, delayed, blockwise.
+  defaults (on N GPUs its default data-parallel wrapper, FSDP2). Arms: bf16, delayed, blockwise; with --nproc 2 or
+  more also bf16-ddp and delayed-ddp, which add --parallelism.data-parallel ddp: the one-GPU fast path replicated.
 
 Every arm: the shape of fp8stack.models.load_model_config(--model) (vocabulary included: 32000 at llama-1b-like, of
-which the byte tokens use ids 0..255), --micro-batch sequences per pass and --global-batch per optimizer step, FP32
-master weights and FP32 Adam moments, fp8stack's default peak LR and warm-up for the model and run length
-(fp8stack.models.training_defaults; megatron also decays to its min LR, the torchtitan loop holds the peak), byte
-tokens of the standard library's sources (fp8stack's TextData for megatron and fp8stack, examples/own_model's random
-windows of the same files for torchtitan). tokens/s: tokens per step over the median of the steady-state step times
-(fp8stack.train.timing.steady_state), each loop timing a step up to its host read of the step's loss; peak memory:
-torch.cuda.max_memory_allocated of the arm's process; resident memory: torch.cuda.memory_allocated after its last
-step (what it holds between steps: parameters, masters, optimizer state, gradient buffers, weight caches; the peak less
-this is the step's activations and workspaces); final loss: the mean of the last 10% of steps.
+which the byte tokens use ids 0..255), --micro-batch sequences per pass of each rank and --global-batch per optimizer
+step over all ranks, FP32 master weights and FP32 Adam moments, fp8stack's default peak LR and warm-up for the model
+and run length (fp8stack.models.training_defaults; megatron also decays to its min LR, the torchtitan loop holds the
+peak), byte tokens of the standard library's sources (fp8stack's TextData for megatron and fp8stack,
+examples/own_model's random windows of the same files for torchtitan), NVLink multicast off in its environment
+(fp8stack.train.launch.NO_MULTICAST_ENV, as launch/env.sh). tokens/s: tokens per step over all ranks over the median
+of the steady-state step times (fp8stack.train.timing.steady_state), each loop timing a step up to its host read of
+the step's loss, and that over N per GPU; a loop whose tokens per step are not the global batch's fails the arm.
+Peak memory: torch.cuda.max_memory_allocated, the largest of any rank's; resident memory: torch.cuda.memory_allocated
+after the last step, likewise (what a rank holds between steps: parameters, masters, optimizer state, gradient
+buffers, weight caches; the peak less this is the step's activations and workspaces); final loss: the mean of the
+last 10% of steps, each step's loss averaged over the ranks.
 
 Arms a machine cannot run are recorded as skipped with the reason, never run: megatron's need CUDA and
-TransformerEngine, and so do fp8stack's delayed and blockwise (its default plan runs them on TE). Without CUDA the
+TransformerEngine, and so do fp8stack's delayed and blockwise (its default plan runs them on TE); on CPU processes
+(gloo), torchtitan's tensorwise arm with --nproc 2 or more (gloo cannot move its FP8 all-gather). Without CUDA the
 torchtitan arms run uncompiled (compiling takes a CPU a minute per arm; fp8stack's default compiles on CUDA only):
-such a run checks the plumbing and measures nothing.
+such a run checks the plumbing and measures nothing. An arm past --timeout gets SIGTERM, which torchrun passes on to
+its workers, and SIGKILL a minute later.
 
 Targets, judged as checks: fp8stack's fastest FP8 arm at >= 1.20x the best peer FP8 arm's tokens/s, and its peak
-memory at most the lowest peer FP8 peak. The evidence (profiles/runs/<date>-peers-<model>-<device>/: JSON, Markdown
-and, with matplotlib, a figure of tokens/s, memory and loss per arm) is rewritten after every arm, so a run cut short
-keeps what it measured; `--plot-only <run folder>/<stem>.json` draws the figure of a run measured before it existed.
-Exit status: 0 when every chosen arm ran or was skipped with its reason (a target not met is evidence, not a failure),
-1 when an arm failed, 2 on bad input (before any arm).
+memory at most the lowest peer FP8 peak. The evidence (profiles/runs/<date>-peers-<model>[-<N>gpu]-<device>/: JSON
+with --nproc and every arm's exact command, Markdown and, with matplotlib, a figure of tokens/s, memory and loss per
+arm) is rewritten after every arm, so a run cut short keeps what it measured; `--plot-only <run folder>/<stem>.json`
+draws the figure of a run measured before it existed. Exit status: 0 when every chosen arm ran or was skipped with
+its reason (a target not met is evidence, not a failure), 1 when an arm failed, 2 on bad input (before any arm).
 """
 
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -74,6 +95,7 @@ from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, mark
 from fp8stack.models import load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan.recipes import BF16, is_fp8
+from fp8stack.train.launch import NO_MULTICAST_ENV, launcher
 from fp8stack.train.timing import relative_spread, steady_state
 
 PROG = "python -m fp8stack.bench.peers"
@@ -83,8 +105,8 @@ OWN_MODEL_EXAMPLE = REPO / "examples" / "own_model"
 
 STACKS = {
     "megatron": "Megatron-core + TE as pretrain_gpt runs it (no apex)",
-    "torchtitan": "torchtitan's single-GPU recipe with torchao",
-    "fp8stack": "fp8stack train, default configuration",
+    "torchtitan": "torchtitan's recipe with torchao (FSDP2 on several GPUs)",
+    "fp8stack": "fp8stack train, default configuration (FSDP2 on several GPUs; the -ddp arms DDP)",
 }
 """Stack -> how the table names it, in the table's order."""
 PEERS = ("megatron", "torchtitan")
@@ -101,6 +123,8 @@ MEGATRON_FUSIONS = ("--bias-swiglu-fusion", "--rope-fusion", "--bias-dropout-fus
 """The fusions pretrain_gpt turns on unless told otherwise, by the example's flags."""
 MEGATRON_FP8_FORMAT = "hybrid"
 """Megatron's usual --fp8-format: E4M3 forward, E5M2 gradients."""
+DDP = ("--parallelism.data-parallel", "ddp")
+"""fp8stack's DDP: the one-GPU fast path replicated (its default data-parallel wrapper is FSDP2)."""
 SPEED_TARGET = 1.20
 """fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s: the least ratio that meets the target."""
 MIN_STEPS = 5
@@ -121,6 +145,9 @@ class Arm:
     """Flags beyond the recipe, in the stack's own words (fp8stack's arms have none: its defaults)."""
     needs_te: bool = False
     """Runs only where CUDA and TransformerEngine are (skipped with the reason elsewhere)."""
+    needs_ranks: bool = False
+    """Runs only with --nproc 2 or more: on one process the data-parallel wrapper it names does not apply, and it would
+    be its stack's arm without the flag."""
 
     @property
     def fp8(self) -> bool:
@@ -131,11 +158,13 @@ ARMS = {arm.name: arm for arm in (
     Arm("megatron-delayed", "megatron", "delayed", needs_te=True),
     Arm("torchtitan-tensorwise", "torchtitan", "tensorwise"),
     Arm("fp8stack-delayed", "fp8stack", "delayed", needs_te=True),
+    Arm("fp8stack-delayed-ddp", "fp8stack", "delayed", DDP, needs_te=True, needs_ranks=True),
     Arm("megatron-delayed-param-gather", "megatron", "delayed", ("--fp8-param-gather", "--use-distributed-optimizer"),
         needs_te=True),
     Arm("fp8stack-blockwise", "fp8stack", "blockwise", needs_te=True),
     Arm("megatron-blockwise", "megatron", "blockwise", needs_te=True),
     Arm("fp8stack-bf16", "fp8stack", BF16),
+    Arm("fp8stack-bf16-ddp", "fp8stack", BF16, DDP, needs_ranks=True),
     Arm("megatron-bf16", "megatron", BF16, needs_te=True),
     Arm("torchtitan-bf16", "torchtitan", BF16),
 )}
@@ -150,65 +179,96 @@ class Shape:
     model: str
     """A name of MODELS."""
     micro_batch: int
-    """Sequences per forward/backward pass."""
+    """Sequences per forward/backward pass of one rank."""
     global_batch: int
-    """Sequences per optimizer step (global_batch / micro_batch micro-batches accumulated)."""
+    """Sequences per optimizer step over all ranks (each rank accumulates global / (micro x nproc) micro-batches)."""
     steps: int
     """Optimizer steps."""
+    nproc: int = 1
+    """Processes each arm runs on, one per GPU, under torchrun; 1: one plain process."""
 
     @property
     def accumulation(self) -> int:
-        return self.global_batch // self.micro_batch
+        """Micro-batches each rank accumulates per optimizer step."""
+        return self.global_batch // (self.micro_batch * self.nproc)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all ranks."""
+        return self.global_batch * load_model_config(self.model).seq_len
 
 
 def command(arm: Arm, shape: Shape, result: Path, cuda: bool) -> list[str]:
-    """The arm's command line; its loop writes losses, step_ms, tokens_per_step and peak_mem_gib to `result`."""
+    """The arm's command line, under torchrun with several processes; its loop writes losses, step_ms,
+    tokens_per_step and peak_mem_gib to `result`."""
     build = {"megatron": megatron_command, "torchtitan": torchtitan_command, "fp8stack": fp8stack_command}[arm.stack]
-    return [str(part) for part in build(arm, shape, cuda)] + ["--result-json", str(result)]
+    return [*launcher(shape.nproc), *(str(part) for part in build(arm, shape, cuda)), "--result-json", str(result)]
 
 
 def megatron_command(arm: Arm, shape: Shape, cuda: bool) -> list:
     config = load_model_config(shape.model)
     schedule = training_defaults(config, shape.steps)
     fp8 = ["--fp8-format", MEGATRON_FP8_FORMAT, "--fp8-recipe", arm.recipe] if arm.fp8 else []
-    return [sys.executable, MEGATRON_EXAMPLE, "--layer-spec", "megatron", "--num-layers", config.n_layers,
+    return [MEGATRON_EXAMPLE, "--layer-spec", "megatron", "--num-layers", config.n_layers,
             "--hidden-size", config.dim, "--ffn-hidden-size", config.ffn_dim,
             "--num-attention-heads", config.n_heads, "--num-query-groups", config.n_kv_heads,
             "--seq-length", config.seq_len, "--vocab-size", config.vocab_size,
             "--rotary-base", int(config.rope_theta), "--micro-batch-size", shape.micro_batch,
             "--global-batch-size", shape.global_batch, "--train-iters", shape.steps, "--lr", schedule.lr,
-            "--min-lr", schedule.min_lr, "--lr-warmup-iters", schedule.warmup, *MEGATRON_FUSIONS, *fp8, *arm.flags]
+            "--min-lr", schedule.min_lr, "--lr-warmup-iters", schedule.warmup, *MEGATRON_FUSIONS, *fp8, *arm.flags,
+            *megatron_overlap(arm, shape.nproc)]
+
+
+def megatron_overlap(arm: Arm, nproc: int) -> list[str]:
+    """With several ranks, the overlap Megatron-LM's Llama-3 recipes turn on (examples/llama/
+    train_llama3_8b_h100_fp8.sh): the gradient reduction with the backward and, with the distributed optimizer, the
+    parameter all-gather with the next forward. One rank has nothing to overlap."""
+    if nproc == 1:
+        return []
+    return ["--overlap-grad-reduce", *(["--overlap-param-gather"] if "--use-distributed-optimizer" in arm.flags else [])]
 
 
 def torchtitan_command(arm: Arm, shape: Shape, cuda: bool) -> list:
     config = load_model_config(shape.model)
     schedule = training_defaults(config, shape.steps)
     script, recipe = ("train_torchao.py", ["--recipe", arm.recipe]) if arm.fp8 else ("train_bf16.py", [])
-    return [sys.executable, OWN_MODEL_EXAMPLE / script, "--model", shape.model, *recipe,
+    return [OWN_MODEL_EXAMPLE / script, "--model", shape.model, *recipe,
             "--micro-batch", shape.micro_batch, "--accumulation", shape.accumulation, "--seq-len", config.seq_len,
             "--steps", shape.steps, "--lr", schedule.lr, "--warmup", schedule.warmup,
             "--compile" if cuda else "--no-compile", *arm.flags]
 
 
 def fp8stack_command(arm: Arm, shape: Shape, cuda: bool) -> list:
-    return [sys.executable, "-m", "fp8stack.train", "--model", shape.model, "--fp8-recipe", arm.recipe,
+    return ["-m", "fp8stack.train", "--model", shape.model, "--fp8-recipe", arm.recipe,
             "--micro-batch-size", shape.micro_batch, "--global-batch-size", shape.global_batch,
             "--train-iters", shape.steps, "--eval-iters", 0, "--no-progress", *arm.flags]
 
 
-def skip_reason(arm: Arm, cuda: bool, te_installed: bool) -> str | None:
+def skip_reason(arm: Arm, nproc: int, cuda: bool, te_installed: bool) -> str | None:
     """Why this machine cannot run the arm, or None."""
     if arm.needs_te and not (cuda and te_installed):
         what = "megatron-core's TE layers" if arm.stack == "megatron" else f"fp8stack's default plan runs {arm.recipe} on TE"
         return f"needs a CUDA GPU with TransformerEngine ({what})"
+    if arm.stack == "torchtitan" and arm.fp8 and nproc > 1 and not cuda:
+        return ("needs CUDA GPUs: FSDP2 all-gathers torchao's tensorwise weights in FP8, and gloo (the CPU backend) "
+                "cannot move float8 tensors")
     return None
 
 
+ERROR_CHARS = 3000
+"""The end of a failed arm's output kept in the evidence."""
+TERMINATE_GRACE_S = 60.0
+"""Seconds a timed-out arm has between SIGTERM and SIGKILL: torchrun passes SIGTERM on to its workers and kills them
+after 30 s."""
+TORCHRUN_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+"""What torchrun's own traceback ends with when a worker failed."""
+
+
 def run_arm(arm: Arm, shape: Shape, timeout: float, cuda: bool, te_installed: bool) -> dict:
-    """The arm in a fresh child process: its tokens/s, step spread, peak memory and losses; or why it was skipped
-    or failed."""
+    """The arm in a fresh child process (a torchrun job with several): its tokens/s, step spread, peak memory and
+    losses; or why it was skipped or failed."""
     record = {"arm": arm.name, "stack": arm.stack, "recipe": arm.recipe}
-    reason = skip_reason(arm, cuda, te_installed)
+    reason = skip_reason(arm, shape.nproc, cuda, te_installed)
     if reason:
         return {**record, "status": "skipped", "reason": reason}
     with tempfile.TemporaryDirectory() as folder:
@@ -216,21 +276,56 @@ def run_arm(arm: Arm, shape: Shape, timeout: float, cuda: bool, te_installed: bo
         argv = command(arm, shape, result, cuda)
         record["command"] = argv
         began = time.perf_counter()
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        except subprocess.TimeoutExpired:
+        done = run_child(argv, timeout)
+        if done is None:
             return {**record, "status": "failed", "error": f"timed out after {timeout:.0f} s: raise --timeout"}
         record["wall_s"] = round(time.perf_counter() - began, 1)
         if done.returncode or not result.is_file():
-            return {**record, "status": "failed", "error": (done.stderr or done.stdout)[-3000:]}
+            return {**record, "status": "failed", "error": failure_text(done.stderr or done.stdout)}
         measured = json.loads(result.read_text())
-    return {**record, "status": "ok", **measurements(measured)}
+    if measured["tokens_per_step"] != shape.tokens_per_step:
+        return {**record, "status": "failed", "error": f"the loop counted {measured['tokens_per_step']} tokens per "
+                f"step, not the global batch's {shape.tokens_per_step}: it splits or counts the batch wrongly"}
+    return {**record, "status": "ok", **measurements(measured, shape.nproc)}
 
 
-def measurements(measured: dict) -> dict:
-    """What the table reads from a loop's result: tokens/s from the median steady-state step, spread, peak, loss."""
+def run_child(argv: list[str], timeout: float) -> subprocess.CompletedProcess | None:
+    """Run argv from the repository root with NVLink multicast off; None when it ran past `timeout`. A timed-out
+    child gets SIGTERM first: torchrun's workers run in sessions of their own, so killing torchrun alone would leave
+    them holding the GPUs."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                          env={**os.environ, **NO_MULTICAST_ENV}) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            try:
+                child.communicate(timeout=TERMINATE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+            return None
+    return subprocess.CompletedProcess(argv, child.returncode, out, err)
+
+
+def failure_text(output: str) -> str:
+    """The end of a failed arm's output. Under torchrun: what the ranks said before torchrun's own traceback, then the
+    failed ranks and exit codes of its summary (the error itself is in the former)."""
+    summary = output.find(TORCHRUN_FAILURE)
+    if summary < 0:
+        return output[-ERROR_CHARS:]
+    ranks_said = output[:max(output.rfind("Traceback (most recent call last)", 0, summary), 0)]
+    failed = [" ".join(line.split()) for line in output[summary:].splitlines()
+              if line.strip().startswith(("rank ", "exitcode "))]
+    return (ranks_said[-ERROR_CHARS:] + "\ntorchrun: " + "; ".join(failed)).strip()
+
+
+def measurements(measured: dict, nproc: int) -> dict:
+    """What the table reads from a loop's result: tokens/s (the whole job's, and per GPU) from the median
+    steady-state step, spread, peak, loss."""
     steady = steady_state(measured["step_ms"])
-    return {"tokens_per_s": measured["tokens_per_step"] / statistics.median(steady) * 1000,
+    tokens_per_s = measured["tokens_per_step"] / statistics.median(steady) * 1000
+    return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / nproc,
             "spread": relative_spread(steady), "peak_mem_gib": measured.get("peak_mem_gib"),
             "resident_mem_gib": measured.get("resident_mem_gib"),
             "final_loss": final_loss(measured["losses"]), "losses": measured["losses"],
@@ -293,15 +388,19 @@ def render(record: dict) -> str:
     for a in arms:
         within = (a["tokens_per_s"] / bf16_speed[a["stack"]] if a["status"] == "ok" and is_fp8(a["recipe"])
                   and a["stack"] in bf16_speed else None)
-        rows.append([a["stack"], a["arm"], _number(a.get("tokens_per_s"), ",.0f"), _number(a.get("spread"), ".1%"),
-                     _number(a.get("peak_mem_gib"), ".2f"), _number(a.get("resident_mem_gib"), ".2f"), _number(within, ".3f"), _number(a.get("final_loss"), ".4f"),
-                     _status(a)])
+        rows.append([a["stack"], a["arm"], _number(a.get("tokens_per_s"), ",.0f"),
+                     _number(a.get("tokens_per_s_per_gpu"), ",.0f"), _number(a.get("spread"), ".1%"),
+                     _number(a.get("peak_mem_gib"), ".2f"), _number(a.get("resident_mem_gib"), ".2f"),
+                     _number(within, ".3f"), _number(a.get("final_loss"), ".4f"), _status(a)])
     shape = record["shape"]
-    head = (f"{shape['model']}, micro-batch {shape['micro_batch']}, global batch {shape['global_batch']}, "
-            f"{shape['steps']} steps per arm, each arm a fresh process; tokens/s from the median of the steady-state "
-            "step times. Stacks: " + "; ".join(f"{key}: {what}" for key, what in STACKS.items()) + ".\n\n")
-    table = markdown_table(["stack", "arm", "tokens/s", "step spread (IQR)", "peak GiB", "resident GiB", "FP8/BF16 in its stack",
-                            "final loss", "status"], rows)
+    nproc = shape.get("nproc", 1)
+    ranks = (f", each arm one torchrun job of {nproc} processes, one per GPU (peak and resident memory: the largest of "
+             "any rank's)" if nproc > 1 else ", each arm a fresh process")
+    head = (f"{shape['model']}, micro-batch {shape['micro_batch']} per rank, global batch {shape['global_batch']}, "
+            f"{shape['steps']} steps per arm{ranks}; tokens/s from the median of the steady-state step times. "
+            "Stacks: " + "; ".join(f"{key}: {what}" for key, what in STACKS.items()) + ".\n\n")
+    table = markdown_table(["stack", "arm", "tokens/s", "tokens/s per GPU", "step spread (IQR)", "peak GiB",
+                            "resident GiB", "FP8/BF16 in its stack", "final loss", "status"], rows)
     summary = markdown_table(["stack", "BF16 arm", "fastest FP8 arm", "FP8/BF16"],
                              [[s["stack"], s["bf16"] or "-", s["fp8"] or "-", _number(s["fp8_over_bf16"], ".3f")]
                               for s in record["stacks"]])
@@ -345,7 +444,9 @@ def figure(record: dict):
 def figure_title(record: dict) -> str:
     """The shape and device measured, each check's value against its target, and the arms not run yet."""
     shape, device = record["shape"], (record.get("environment") or {}).get("device", "an unrecorded device")
-    lines = [f"peers at {shape['model']} on {device}: micro-batch {shape['micro_batch']}, global batch "
+    nproc = shape.get("nproc", 1)
+    gpus = f"{nproc} x {device}" if nproc > 1 else device
+    lines = [f"peers at {shape['model']} on {gpus}: micro-batch {shape['micro_batch']} per rank, global batch "
              f"{shape['global_batch']}, {shape['steps']} steps per arm"]
     for check in record.get("checks", []):
         value = "-" if check["value"] is None else (f"{check['value']:.3f}x" if check["check"] == "speed"
@@ -454,9 +555,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODELS, default="llama-1b-like")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per arm")
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward pass")
-    parser.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward pass of one rank")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step over all ranks")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="GPUs each arm runs on, one torchrun process per GPU (1: one plain process)")
+    parser.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)} (default: all; the -ddp arms "
+                                                     "with --nproc 2 or more)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one arm may take")
     parser.add_argument("--out-dir", type=Path, default=REPO / "profiles",
                         help="evidence folder; the run goes in its runs/<date>-<name>/ (default: profiles)")
@@ -467,28 +571,49 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.plot_only:
         refuse_flags_beside_plot_only(parser, args)
         return args
-    args.arms = [name.strip() for name in args.arms.split(",") if name.strip()]
-    unknown = [name for name in args.arms if name not in ARMS]
-    if unknown or not args.arms:
-        parser.error(f"--arms {','.join(unknown) or '(none)'}: choose from {', '.join(ARMS)}")
+    if args.nproc < 1:
+        parser.error(f"--nproc {args.nproc}: give 1 or more GPUs")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+    if gpus is not None and args.nproc > gpus:
+        parser.error(f"--nproc {args.nproc}: this machine has {gpus} GPU(s): give at most {gpus}")
+    args.arms = chosen_arms(parser, args.arms, args.nproc)
     if args.steps < MIN_STEPS:
         parser.error(f"--steps {args.steps}: give at least {MIN_STEPS} (the first 2 warm up and 3 are timed)")
-    if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % args.micro_batch:
-        parser.error(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch}: give positive numbers, "
-                     "the global batch a multiple of the micro-batch")
+    per_pass = args.micro_batch * args.nproc
+    if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % per_pass:
+        parser.error(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch} --nproc {args.nproc}: give "
+                     f"positive numbers, the global batch a multiple of micro-batch x nproc ({per_pass})")
     if args.timeout <= 0:
         parser.error(f"--timeout {args.timeout}: give a positive number of seconds")
     return args
 
 
+def chosen_arms(parser: argparse.ArgumentParser, names: str | None, nproc: int) -> list[str]:
+    """--arms as a list (None: every arm this --nproc runs); an unknown name or an arm that needs more ranks exits 2."""
+    if names is None:
+        return [name for name, arm in ARMS.items() if nproc > 1 or not arm.needs_ranks]
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in ARMS]
+    if unknown or not chosen:
+        parser.error(f"--arms {','.join(unknown) or '(none)'}: choose from {', '.join(ARMS)}")
+    one_rank = [name for name in chosen if ARMS[name].needs_ranks and nproc == 1]
+    if one_rank:
+        parser.error(f"--arms {','.join(one_rank)}: a data-parallel wrapper over one process is the arm without it: "
+                     "add --nproc 2 or more, or drop it")
+    return chosen
+
+
 def evidence_stem(args: argparse.Namespace) -> str:
-    return "-".join(filter(None, ("peers", args.model, args.label, device_slug())))
+    """peers-<model>[-<label>][-<N>gpu]-<device>: a run on several GPUs never takes a one-GPU run's name."""
+    ranks = f"{args.nproc}{'gpu' if torch.cuda.is_available() else 'proc'}" if args.nproc > 1 else None
+    return "-".join(filter(None, ("peers", args.model, args.label, ranks, device_slug())))
 
 
 def record_of(shape: Shape, arms: list[dict], pending: list[str]) -> dict:
     return {"shape": {"model": shape.model, "micro_batch": shape.micro_batch, "global_batch": shape.global_batch,
-                      "steps": shape.steps}, "stacks_described": STACKS, "arms": arms,
-            "stacks": stack_summary(arms), "checks": judge(arms), "pending": pending}
+                      "steps": shape.steps, "nproc": shape.nproc}, "child_env": NO_MULTICAST_ENV,
+            "stacks_described": STACKS, "arms": arms, "stacks": stack_summary(arms), "checks": judge(arms),
+            "pending": pending}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -497,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plot_only(PROG, args.plot_only, is_peers_record, figure)
     stem = evidence_stem(args)
     claim_or_exit(PROG, stem, args.out_dir, args.force)
-    shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps)
+    shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps, args.nproc)
     cuda, te_installed = torch.cuda.is_available(), importlib.util.find_spec("transformer_engine") is not None
     arms: list[dict] = []
     for index, name in enumerate(args.arms):
@@ -514,7 +639,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def progress_line(arm: dict) -> str:
     if arm["status"] != "ok":
         return _status(arm)
-    return (f"{arm['tokens_per_s']:,.0f} tokens/s, peak {_number(arm['peak_mem_gib'], '.2f')} GiB, final loss "
+    return (f"{arm['tokens_per_s']:,.0f} tokens/s ({arm['tokens_per_s_per_gpu']:,.0f} per GPU), peak "
+            f"{_number(arm['peak_mem_gib'], '.2f')} GiB, final loss "
             f"{arm['final_loss']:.4f}, {arm['wall_s']:.0f} s")
 
 

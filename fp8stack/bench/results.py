@@ -174,7 +174,8 @@ def describe(run: Run) -> str:
         return (f"{record.get('model')} with its experts split over 2 GPUs vs all on 1 "
                 f"({', '.join(record.get('recipes', []))}): {outcome}")
     if kind == "peers":
-        return (f"peers at {record['shape']['model']}: " +
+        nproc = record["shape"].get("nproc", 1)
+        return (f"peers at {record['shape']['model']}{f' on {nproc} GPUs' if nproc > 1 else ''}: " +
                 " · ".join(arm["arm"] for arm in record["arms"] if arm.get("status") == "ok"))
     if kind == "loss-band":
         return f"loss band: {record['bf16_band']['runs']} BF16 runs, {len(record['fp8_runs'])} FP8 runs placed"

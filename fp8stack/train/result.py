@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TrainResult:
-    """What one run measured (rank 0's view; losses are averaged over data-parallel ranks)."""
+    """What one run measured (rank 0's view; losses are averaged over data-parallel ranks, memory is the largest of
+    any rank's)."""
 
     config: dict
     """The resolved JobConfig, as plain data (fp8stack.config.to_dict)."""

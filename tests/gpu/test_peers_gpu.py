@@ -1,16 +1,22 @@
 """The megatron peer of fp8stack.bench.peers on a GPU at tiny shapes: examples/megatron/train.py with megatron's own TE
 layer spec, pretrain_gpt's fusions and two micro-batches per step trains (BF16, and delayed with FP8 weights gathered
-from the distributed optimizer) and writes the result the bench reads; then the bench runs one arm per stack.
-Run with `pytest -m gpu tests/gpu/test_peers_gpu.py`."""
+from the distributed optimizer) and writes the result the bench reads; then the bench runs one arm per stack, and with
+2 GPUs every arm as a torchrun job of 2 processes (megatron's DDP with overlap, torchtitan's FSDP2 with the FP8
+all-gather and precomputed scales gloo cannot run, fp8stack's FSDP2 and DDP). Run with
+`pytest -m gpu tests/gpu/test_peers_gpu.py`."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu_skips import require_te
+
+from fp8stack.bench.peers import ARMS
 
 pytestmark = pytest.mark.gpu
 
@@ -54,5 +60,25 @@ def test_the_bench_measures_one_arm_per_stack(tmp_path):
     assert [a["arm"] for a in record["arms"]] == arms.split(",")
     for arm in record["arms"]:
         assert arm["status"] == "ok" and arm["tokens_per_s"] > 0 and arm["peak_mem_gib"] > arm["resident_mem_gib"] > 0
+    speed, memory = record["checks"]
+    assert speed["met"] is not None and memory["met"] is not None
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: --nproc 2 runs each arm on 2 processes")
+def test_the_bench_runs_every_arm_on_two_gpus(tmp_path):
+    command = [sys.executable, "-m", "fp8stack.bench.peers", "--nproc", "2", "--model", "tiny", "--micro-batch", "4",
+               "--global-batch", "16", "--steps", "8", "--out-dir", str(tmp_path)]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [evidence] = (tmp_path / "runs").glob("*/peers-tiny-2gpu-*.json")
+    record = json.loads(evidence.read_text())
+    assert record["shape"]["nproc"] == 2 and [a["arm"] for a in record["arms"]] == list(ARMS)
+    for arm in record["arms"]:
+        assert arm["status"] == "ok", f"{arm['arm']}: {arm.get('error') or arm.get('reason')}"
+        assert arm["command"][1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        assert arm["tokens_per_s_per_gpu"] == pytest.approx(arm["tokens_per_s"] / 2)
+        assert arm["peak_mem_gib"] > arm["resident_mem_gib"] > 0
+        assert len(arm["losses"]) == 8 and all(map(math.isfinite, arm["losses"]))
+        assert arm["losses"][-1] < arm["losses"][0], f"{arm['arm']} did not train: {arm['losses']}"
     speed, memory = record["checks"]
     assert speed["met"] is not None and memory["met"] is not None
