@@ -322,9 +322,10 @@ def test_fp8_weight_cache_follows_micro_batches_and_the_configuration():
     assert not cached(2, "--no-te.cache-fp8-weights")
 
 
-def test_delayed_amaxes_stay_local_where_replicas_hold_whole_weights_and_are_reduced_under_fsdp2():
-    """te.local_amax None: local in one process and under DDP (no all-reduce per module and pass), reduced over the
-    ranks under FSDP2; asked for, as asked."""
+def test_delayed_amaxes_stay_local_where_ranks_quantize_whole_weights_and_are_reduced_for_sharded_fp8_weights():
+    """te.local_amax None: local in one process, under DDP and under FSDP2 with BF16 parameters (each rank quantizes
+    whole weights: no all-reduce per module and pass), reduced over the ranks for FP8 weights under FSDP2 (their
+    shards share one scale); asked for, as asked."""
     from fp8stack.train.loop import _backend_options, build_plan
     from fp8stack.train.model import build_model
 
@@ -334,7 +335,9 @@ def test_delayed_amaxes_stay_local_where_replicas_hold_whole_weights_and_are_red
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
         return _backend_options(cfg, plan, 1, fully_sharded=fully_sharded)["te"]["local_amax"]
 
-    assert local(False) and not local(True)
+    fp8_weights = ("--param-dtype", "fp8", "--dtype", "bf16")
+    assert local(False) and local(True) and local(False, *fp8_weights)
+    assert not local(True, *fp8_weights)
     assert not local(False, "--no-te.local-amax") and local(True, "--te.local-amax")
 
 

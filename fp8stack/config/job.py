@@ -96,9 +96,9 @@ class TEConfig:
     local_amax: bool | None = None
     """Delayed scaling: each process keeps its own amaxes and scales (Megatron's --tp-only-amax-red without tensor
     parallelism) instead of TE all-reducing every module's amaxes over the ranks at each forward and backward. None:
-    local wherever the plain path's replicas hold whole weights (one process, DDP), reduced under FSDP2 (FP8 weight
-    shards all-gather under one scale). llama-1b-like under DDP on 2 GPUs ran 192 such all-reduces a step, against
-    21 of BF16's."""
+    local on the plain path, where each rank quantizes whole weights (DDP's replicas, FSDP2's gathered BF16 copies),
+    except for FP8 weights under FSDP2 (param_dtype fp8), whose shards all-gather under one scale. llama-1b-like
+    under DDP on 2 GPUs ran 192 such all-reduces a step, against 21 of BF16's."""
 
     def validate(self) -> None:
         _at_least("te.delayed_margin", self.delayed_margin, 0)
