@@ -135,3 +135,18 @@ def test_the_evidence_index_describes_a_scaling_run(tmp_path):
     assert run.kind == "scaling"
     assert describe(run) == ("llama-1b-like BF16 and delayed on 2 GPUs and one (" + ", ".join(RECORDS) +
                              "): not all checks passed")
+
+
+def test_flags_after_the_double_dash_reach_every_run(tmp_path, monkeypatch):
+    seen = {}
+
+    def record(workdir, planned, nproc, common, gpus):
+        seen["common"] = common
+        return {scaling.run_name(*run): RECORDS[scaling.run_name(*run)] for run in planned}
+
+    monkeypatch.setattr(scaling, "run_all", record)
+    scaling.main(["--nproc", "2", "--wrappers", "fsdp", "--out-dir", str(tmp_path), "--",
+                  "--activation-checkpoint.layers", "all", "--micro-batch-size", "1"])
+    assert seen["common"][-4:] == ["--activation-checkpoint.layers", "all", "--micro-batch-size", "1"]
+    job = job_from_flags(seen["common"][seen["common"].index("--train-iters"):])
+    assert (job.activation_checkpoint.layers, job.training.micro_batch) == ("all", 1)

@@ -2,7 +2,9 @@
 same runs on one GPU.
 
     python -m fp8stack.bench.scaling --nproc 2 [--model llama-1b-like] [--recipe delayed] [--steps 40]
-                                     [--wrappers ddp,fsdp,fsdp_fp8_params]
+                                     [--wrappers ddp,fsdp,fsdp_fp8_params] [-- <flags of every run>]
+    python -m fp8stack.bench.scaling --nproc 2 --model llama3-8b --wrappers fsdp_gather_once \
+        -- --activation-checkpoint.layers all --micro-batch-size 1
 
 Every run is a launch/train.sh run of the same model, recipe and seed with the configuration's defaults otherwise
 (the measured fast path: BF16 parameters with FP32 masters, TE's fused weight-gradient accumulation and FP8 weight
@@ -224,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipe", default="delayed", help="the FP8 recipe set against BF16")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="passed to every run (default: auto)")
     parser.add_argument("--out-dir", default="profiles", help="evidence folder")
+    parser.add_argument("train_flags", nargs="*", metavar="-- FLAGS",
+                        help="after --: fp8stack train flags every run takes (a model that needs recompute, say)")
     add_force_option(parser)
     add_plot_only_option(parser)
     args = parser.parse_args(argv)
@@ -242,11 +246,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = f"scaling-{args.model}-{args.nproc}gpu-{device_slug()}"
     claim_or_exit(PROG, name, args.out_dir, args.force)
     common = ["--model", args.model, "--train-iters", str(args.steps), "--eval-iters", "0", "--log-interval", "10",
-              "--profile-collectives", str(PROFILED_STEPS), *(("--device", args.device) if args.device else ())]
+              "--profile-collectives", str(PROFILED_STEPS), *(("--device", args.device) if args.device else ()),
+              *args.train_flags]
     planned = runs(wrappers, args.recipe)
     with tempfile.TemporaryDirectory(prefix="fp8stack-scaling-") as scratch:
         records = run_all(Path(scratch), planned, args.nproc, common, _gpu_count())
-    payload = {"model": args.model, "recipe": args.recipe, "steps": args.steps, "nproc": args.nproc, "runs": records,
+    payload = {"model": args.model, "recipe": args.recipe, "steps": args.steps, "nproc": args.nproc,
+               "train_flags": args.train_flags, "runs": records,
                "targets": {"ratio_tolerance": RATIO_TOLERANCE, "all_gather_ratio": ALL_GATHER_RATIO},
                **judge(records, planned, args.recipe, args.nproc, args.steps)}
     payload["passed"] = all(payload["checks"].values())
