@@ -31,6 +31,7 @@ from pathlib import Path
 from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, LR, LR_WARMUP, compare_losses,
                                      launch, loss_checks, run_record, start, wait)
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.plan.recipes import BF16, is_fp8
 
 PROG = "python -m fp8stack.bench.expert_parallel"
 
@@ -84,7 +85,7 @@ def run_expert_parallel(workdir: Path, model: str, fp8_recipe: str, steps: int, 
     """Train the BF16 and FP8 arms at EP=1 and EP=2 through launch/train.sh and judge them."""
     import torch
 
-    recipes = ("bf16", fp8_recipe)
+    recipes = (BF16, fp8_recipe)
     base = {"model": model, **asdict(MODELS[model]), "recipes": list(recipes), "steps": steps, "seed": seed,
             "lr": LR, "lr_warmup": warmup(steps), "profiled_steps": PROFILED_STEPS, "fp8_dispatch": FP8_DISPATCH,
             "tolerances": {"loss_rtol": LOSS_RTOL, "first_loss_rtol": FIRST_LOSS_RTOL,
@@ -120,8 +121,8 @@ def judge(runs: dict[tuple[str, int], dict], recipes: Sequence[str], steps: int)
         kept["tokens_per_s_ratio"] = split["tokens_per_s"] / one["tokens_per_s"]
         fp8_gemms = split["plan_summary"]["fp8_gemms"]
         checks[f"{recipe}: EP={EXPERT_PARALLEL} ran on {EXPERT_PARALLEL} ranks with "
-               f"{'no ' if recipe == 'bf16' else ''}FP8 GEMMs"] = (
-            split["world_size"] == EXPERT_PARALLEL and (fp8_gemms > 0) == (recipe != "bf16"))
+               f"{'' if is_fp8(recipe) else 'no '}FP8 GEMMs"] = (
+            split["world_size"] == EXPERT_PARALLEL and (fp8_gemms > 0) == is_fp8(recipe))
         checks[f"{recipe}: EP=1 issues no all-to-all"] = all_to_all(one)["calls_per_step"] == 0
         checks[f"{recipe}: EP={EXPERT_PARALLEL} dispatches its tokens in BF16 (no FP8 dispatch)"] = (
             dispatch["calls_per_step"] > 0 and BF16_ELEMENT in dispatch["bytes_by_dtype"]
