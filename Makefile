@@ -24,8 +24,12 @@ venv: $(VENV)/.installed-test
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/fp8stack ab --model tiny --out-dir runs/demo-$$(date -u +%Y%m%d-%H%M%S)
 
+# Two pytest-xdist workers (one per core of CI's 2-core machine), each test file on one worker (its module fixtures
+# are computed once, and test_launch's fixed rendezvous ports never meet); tests/conftest.py gives each worker one
+# thread. pytest still exits 5 when no test ran. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-gpu: $(VENV)/.installed-test
 	$(PY) -m pytest -m gpu

@@ -1,7 +1,17 @@
 """Fixtures shared by test modules."""
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs pytest-xdist workers, one per core: each process, the worker and every rank or arm it starts,
+    # computes on one thread. Two workers with torch's default of one thread per core (and their children with as
+    # many again) oversubscribe the cores and ran slower than one worker (tests/test_ab.py, test_train.py,
+    # test_master_weights.py, test_launch.py on 2 cores: 251 s serial, 226 s on 2 workers, 177 s one thread each).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -1,7 +1,9 @@
 """The A/B harness: verdict rules on synthetic numbers, and a real two-arm run on the CPU."""
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -42,6 +44,45 @@ def _arms(*flags: str, recipes: tuple[str, ...] = ("bf16", "delayed"), te_runs: 
     args = _ab_args(*flags)
     ab = ab_config(args)
     return arm_configs(ab, base_job(args, ab), list(recipes), te_runs)
+
+
+TWO_ARMS = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
+            "--device", "cpu", "--recompute-modules", "mlp"]
+"""The CPU A/B that the module fixtures below run one after another and side by side: the same arms, so the same
+losses."""
+
+
+def _run_ab(out_dir: Path, *flags: str) -> str:
+    """`fp8stack ab` with these flags into out_dir (it must succeed); what it printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main([*flags, "--out-dir", str(out_dir)]) == 0
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def one_after_another(tmp_path_factory) -> tuple[Path, str]:
+    """TWO_ARMS with no --gpus: bf16, tensorwise and the bf16 repeat one after another (folder, what it printed)."""
+    out_dir = tmp_path_factory.mktemp("one-after-another")
+    return out_dir, _run_ab(out_dir, *TWO_ARMS)
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory) -> Path:
+    """TWO_ARMS on --gpus 0,1,2 with 3 bf16 runs: bf16, tensorwise and the first repeat at once, the second repeat
+    when a GPU is free (on a CPU the list only sets CUDA_VISIBLE_DEVICES)."""
+    out_dir = tmp_path_factory.mktemp("side-by-side")
+    _run_ab(out_dir, *TWO_ARMS, "--gpus", "0,1,2", "--baseline-runs", "3")
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def bf16_parameters_on_gpu_1(tmp_path_factory) -> Path:
+    """bf16 and tensorwise with BF16 parameters (--param-dtypes bf16), each arm a fresh process on GPU 1 (--gpus 1)."""
+    out_dir = tmp_path_factory.mktemp("bf16-params")
+    _run_ab(out_dir, "--model", "tiny", "--recipes", "tensorwise", "--steps", "2", "--micro-batch", "2", "--seq-len",
+            "64", "--device", "cpu", "--dtype", "bf16", "--baseline-runs", "1", "--param-dtypes", "bf16", "--gpus", "1")
+    return out_dir
 
 
 def test_ship_needs_speed_beyond_noise_and_loss_within_tolerance():
@@ -213,10 +254,8 @@ def test_second_bf16_run_sets_the_noise():
     assert records[1] == {"run": "bf16 (repeat 2)", "error": "out of memory"}
 
 
-def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
-    code = main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2",
-                 "--seq-len", "64", "--device", "cpu", "--recompute-modules", "mlp", "--out-dir", str(tmp_path)])
-    assert code == 0
+def test_two_arm_ab_on_cpu_writes_the_evidence(one_after_another):
+    tmp_path, printed = one_after_another
     record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
     checkpointed = [record["runs"][arm]["config"]["activation_checkpoint"] for arm in ("bf16", "tensorwise")]
     assert [(c["layers"], c["modules"]) for c in checkpointed] == [("all", ["mlp"]), ("all", ["mlp"])]
@@ -242,28 +281,24 @@ def test_two_arm_ab_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert repeat["run"] == REPEAT_ARM and repeat["rel_loss_gap"] == 0.0  # same seed and data, deterministic CPU
     assert repeat["run_to_run_noise"] >= 0
     assert _evidence(tmp_path, "ab-tiny-cpu.md").read_text().count("| tensorwise |") == 1
-    assert "| tensorwise |" in capsys.readouterr().out
+    assert "| tensorwise |" in printed
 
 
-def test_arms_side_by_side_train_as_one_after_another(tmp_path):
+def test_arms_side_by_side_train_as_one_after_another(one_after_another, side_by_side, bf16_parameters_on_gpu_1):
     """--gpus runs the arms at once, one per GPU (on a CPU the list only sets CUDA_VISIBLE_DEVICES): the same
-    losses as arms run one after another, with the arms' processes running at the same time."""
-    common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "6", "--micro-batch", "2", "--seq-len", "64",
-              "--device", "cpu", "--baseline-runs", "1"]
-    assert main([*common, "--out-dir", str(tmp_path / "one-by-one")]) == 0
-    assert main([*common, "--gpus", "0,1", "--out-dir", str(tmp_path / "side-by-side")]) == 0
-    apart, together = (json.loads(_evidence(tmp_path / d, "ab-tiny-cpu.json").read_text())
-                       for d in ("one-by-one", "side-by-side"))
-    assert together["gpus"] == ["0", "1"] and apart["gpus"] is None
+    losses as arms run one after another, with the arms' processes running at the same time; one GPU runs them one
+    after another there. The A/Bs are the module's fixtures, which other tests read too."""
+    apart, together = (json.loads(_evidence(d, "ab-tiny-cpu.json").read_text())
+                       for d in (one_after_another[0], side_by_side))
+    assert together["gpus"] == ["0", "1", "2"] and apart["gpus"] is None
     assert [a["loss_curve"] for a in together["arms"]] == [a["loss_curve"] for a in apart["arms"]]
     (start_a, end_a), (start_b, end_b) = (arm["ran_between"] for arm in apart["arms"])
     assert end_a <= start_b, "one after another: the second arm starts after the first"
     (start_a, end_a), (start_b, end_b) = (arm["ran_between"] for arm in together["arms"])
     assert start_b < end_a and start_a < end_b, "side by side: the arms run at the same time"
-    assert "arms side by side on GPUs 0,1" in _evidence(tmp_path / "side-by-side", "ab-tiny-cpu.md").read_text()
-    assert main([*common, "--gpus", "1", "--out-dir", str(tmp_path / "one-gpu")]) == 0
-    assert "each arm a fresh process (on GPU 1);" in _evidence(tmp_path / "one-gpu", "ab-tiny-cpu.md").read_text()
-    assert main([*common, "--gpus", "0,1", "--nproc", "2", "--out-dir", str(tmp_path)]) == 2
+    assert "arms side by side on GPUs 0,1,2" in _evidence(side_by_side, "ab-tiny-cpu.md").read_text()
+    assert "each arm a fresh process (on GPU 1);" in _evidence(bf16_parameters_on_gpu_1, "ab-tiny-cpu.md").read_text()
+    assert main([*TWO_ARMS, "--gpus", "0,1", "--nproc", "2", "--out-dir", "unused"]) == 2
 
 
 @pytest.mark.slow
@@ -281,11 +316,9 @@ def test_arms_run_on_nproc_processes_under_the_data_parallel_wrapper_asked(tmp_p
         assert run["config"]["training"]["param_dtype"] == "bf16"
 
 
-def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
+def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(side_by_side):
     """With a GPU to spare, the second bf16 run starts with the arms instead of after them."""
-    main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
-          "--device", "cpu", "--gpus", "0,1,2", "--baseline-runs", "3", "--out-dir", str(tmp_path)])
-    record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
+    record = json.loads(_evidence(side_by_side, "ab-tiny-cpu.json").read_text())
     assert record["complete"] and [r["run"] for r in record["baseline_repeats"]] == [REPEAT_ARM, "bf16 (repeat 2)"]
     (start_bf16, end_bf16), _ = (arm["ran_between"] for arm in record["arms"])
     for repeat in record["baseline_repeats"]:
@@ -294,7 +327,7 @@ def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(tmp_path):
     start_repeat, end_repeat = record["baseline_repeats"][0]["ran_between"]
     assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the first repeat ran alongside the first bf16 run"
     assert record["baseline_repeats"][1]["ran_between"][0] >= end_bf16, "the second repeat waited for a free GPU"
-    assert "bf16 run-to-run over 3 runs" in _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
+    assert "bf16 run-to-run over 3 runs" in _evidence(side_by_side, "ab-tiny-cpu.md").read_text()
 
 
 def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
@@ -364,7 +397,8 @@ def test_blockwise_runs_once_per_gemm_library(capsys):
     assert "unknown cutlass in --param-dtypes/--blockwise-gemms" in capsys.readouterr().err
 
 
-def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_reference(tmp_path, capsys):
+def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_reference(bf16_parameters_on_gpu_1,
+                                                                                      capsys):
     """--param-dtypes fp32,bf16: each arm with FP32 parameters and with BF16 ones (FP32 masters), the latter named
     '<arm>, bf16 params'; a BF16 configuration either way, so the faster BF16 run is the reference."""
     configs = _arms("--model", "tiny", "--steps", "4", "--backend", "te", "--fastest-bf16", "--param-dtypes",
@@ -383,14 +417,12 @@ def test_every_arm_runs_once_per_param_dtype_and_bf16_parameters_can_be_the_refe
     assert main(["--param-dtypes", "fp16", "--out-dir", "unused"]) == 2
     assert "unknown fp16 in --param-dtypes/--blockwise-gemms/--attention: use fp32, bf16, fp8" in (
         capsys.readouterr().err)
-    common = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "2", "--micro-batch", "2", "--seq-len", "64",
-              "--device", "cpu", "--dtype", "bf16", "--baseline-runs", "1", "--out-dir", str(tmp_path)]
-    assert main([*common, "--param-dtypes", "bf16"]) == 0
-    record = json.loads(_evidence(tmp_path, "ab-tiny-cpu.json").read_text())
+    record = json.loads(_evidence(bf16_parameters_on_gpu_1, "ab-tiny-cpu.json").read_text())
     assert [a["recipe"] for a in record["arms"]] == ["bf16, bf16 params", "tensorwise, bf16 params"]
     assert record["arms"][0]["verdict"] == "baseline" and record["arms"][1]["rel_loss_gap"] is not None
     assert record["train_config"]["ab"]["param_dtypes"] == ["bf16"]
-    assert "keep BF16 parameters with FP32 masters" in _evidence(tmp_path, "ab-tiny-cpu.md").read_text()
+    markdown = _evidence(bf16_parameters_on_gpu_1, "ab-tiny-cpu.md").read_text()
+    assert "keep BF16 parameters with FP32 masters" in markdown
 
 
 def test_fp8_parameters_are_an_arm_of_each_fp8_recipe_only():
