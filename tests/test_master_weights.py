@@ -104,35 +104,30 @@ def test_fp8_parameters_need_every_fp8_layer_on_te(settings, why):
         from_overrides({"training.param_dtype": "fp8", "training.dtype": "fp32"})
 
 
-def test_under_ddp_each_bucket_is_averaged_as_soon_as_its_gradients_are_final_not_at_the_backwards_end():
+def test_under_ddp_each_bucket_is_averaged_as_soon_as_its_gradients_are_final_not_at_the_backwards_end(mesh):
     """MasterWeights(model, data_parallel=...) starts a bucket's all-reduce from the hook of its last parameter's
     gradient, during the backward of the step's last micro-batch; the backward's end only waits. Micro-batches
-    under no_sync start none. One gloo rank: the collectives run, the order of calls is what is checked."""
+    under no_sync start none. One gloo rank (conftest's mesh): the collectives run, the order of calls is what is
+    checked."""
     import torch.distributed as dist
     from torch import nn
 
     from fp8stack.precision import MasterWeights
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    masters = MasterWeights(model, data_parallel=mesh, bucket_bytes=16 * 16 * 4 + 16 * 4)
+    assert len(masters.buffers) == 4  # a bucket per layer (weight and bias)
+    events, all_reduce, finish = [], dist.all_reduce, masters._average.finish
+    masters._average.finish = lambda: (events.append(("backward end",)), finish())[1]
+    dist.all_reduce = lambda buffer, **kwargs: (events.append(("start", buffer.numel())),
+                                                 all_reduce(buffer, **kwargs))[1]
     try:
-        model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
-        masters = MasterWeights(model, data_parallel=dist.group.WORLD, bucket_bytes=16 * 16 * 4 + 16 * 4)
-        assert len(masters.buffers) == 4  # a bucket per layer (weight and bias)
-        events, started = [], dist.all_reduce
-        dist_all_reduce = lambda buffer, **kwargs: (events.append(("start", buffer.numel())),  # noqa: E731
-                                                    started(buffer, **kwargs))[1]
-        finish = masters._average.finish
-        masters._average.finish = lambda: (events.append(("backward end",)), finish())[1]
-        original, dist.all_reduce = dist.all_reduce, dist_all_reduce
-        try:
-            x = torch.randn(8, 16)
-            with masters.no_sync():
-                model(x.bfloat16()).float().sum().backward()
-            assert events == [], "accumulation micro-batches average nothing"
+        x = torch.randn(8, 16)
+        with masters.no_sync():
             model(x.bfloat16()).float().sum().backward()
-        finally:
-            dist.all_reduce = original
-        assert events == [("start", 16 * 16 + 16)] * 4 + [("backward end",)]
-        assert all(p.grad is None for p in masters.params)
+        assert events == [], "accumulation micro-batches average nothing"
+        model(x.bfloat16()).float().sum().backward()
     finally:
-        dist.destroy_process_group()
+        dist.all_reduce = all_reduce
+    assert events == [("start", 16 * 16 + 16)] * 4 + [("backward end",)]
+    assert all(p.grad is None for p in masters.params)
