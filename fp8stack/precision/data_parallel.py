@@ -97,15 +97,15 @@ class AtBackwardEnd:
 
 
 def average(buffers: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Average each FP32 buffer over `group` in place: divided first, then summed (gloo has no AVG), all buckets in
-    flight at once."""
-    ranks = dist.get_world_size(group)
-    handles = []
-    for buffer in buffers:
-        buffer.div_(ranks)
-        handles.append(dist.all_reduce(buffer, group=group, async_op=True))
-    for handle in handles:
+    """Average each FP32 buffer over `group` in place, all buckets in flight at once."""
+    for handle in [start_average(buffer, group) for buffer in buffers]:
         handle.wait()
+
+
+def start_average(buffer: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start averaging `buffer` over `group` in place: divided first, then summed (gloo has no AVG)."""
+    buffer.div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True)
 
 
 class OverlappedAverage:
@@ -145,9 +145,7 @@ class OverlappedAverage:
         self._ready, self._handles = None, {}
 
     def _start(self, index: int) -> None:
-        buffer = self.buffers[index]
-        buffer.div_(dist.get_world_size(self.group))  # then summed: gloo has no AVG
-        self._handles[index] = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self._handles[index] = start_average(self.buffers[index], self.group)
 
 
 def buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
