@@ -120,3 +120,13 @@ def test_keep_other_parts_takes_the_parts_not_rerun_from_the_same_environments_e
     path.write_text(json.dumps({"environment": {**environment(), "torch": "0.0"}, "fsdp": {}}))
     with pytest.raises(SystemExit, match="rerun every part"):
         earlier_parts(["tp"], str(tmp_path))
+
+
+def test_an_unknown_restart_path_is_refused_in_one_line_before_any_run(capsys):
+    from fp8stack.bench.multigpu import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--parts", "restart", "--restart-paths", "fast,zero"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --restart-paths 'fast,zero': name some of fast,fsdp_fp8_all_gather")

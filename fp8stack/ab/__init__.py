@@ -5,8 +5,8 @@ run: the command (options, arms in fresh processes, evidence after every arm); v
 judged against bf16; plot: the evidence's figure.
 """
 
-from fp8stack.ab.run import AbConfig, add_ab_parser, arm_configs, comma_separated, main, run_ab
+from fp8stack.ab.run import AbConfig, add_ab_parser, arm_configs, chosen_names, comma_separated, main, run_ab
 from fp8stack.ab.verdicts import GPU_LOSS_TOLERANCE, LAST_FRACTION, final_loss
 
-__all__ = ["GPU_LOSS_TOLERANCE", "LAST_FRACTION", "AbConfig", "add_ab_parser", "arm_configs", "comma_separated",
-           "final_loss", "main", "run_ab"]
+__all__ = ["GPU_LOSS_TOLERANCE", "LAST_FRACTION", "AbConfig", "add_ab_parser", "arm_configs", "chosen_names",
+           "comma_separated", "final_loss", "main", "run_ab"]

@@ -93,6 +93,15 @@ def comma_separated(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+def chosen_names(parser: argparse.ArgumentParser, option: str, text: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    """The names `option` lists (comma_separated), or parser.error naming the allowed ones when it lists none or an
+    unknown one."""
+    names = comma_separated(text)
+    if not names or set(names) - set(allowed):
+        parser.error(f"{option} {text!r}: name some of {','.join(allowed)}")
+    return names
+
+
 def blockwise_arm(library: str) -> str:
     """The A/B arm of recipe blockwise with its GEMMs on `library`: 'blockwise' on TE's own (cuBLAS)."""
     return "blockwise" if library == "te" else f"blockwise on {library}"

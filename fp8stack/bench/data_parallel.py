@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp8stack.ab import comma_separated
+from fp8stack.ab import chosen_names
 from fp8stack.ab.plot import pyplot, relative_gap
 from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, loss_panel, note_unmeasured,
                                   plot_only, refuse_flags_beside_plot_only, write_plot)
@@ -247,10 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot_only:
         refuse_flags_beside_plot_only(parser, args)
         return plot_only(PROG, args.plot_only, is_data_parallel_record, figure)
-    arms = comma_separated(args.arms)
-    unknown = sorted(set(arms) - set(ARMS))
-    if not arms or unknown:
-        parser.error(f"--arms {args.arms!r}: name some of {','.join(ARMS)}")
+    arms = chosen_names(parser, "--arms", args.arms, list(ARMS))
     name = f"data-parallel-{device_slug()}"
     claim_or_exit(PROG, name, args.out_dir, args.force)
     common = ["--model", args.model, "--fp8-recipe", args.recipe, "--eval-iters", "0", "--log-interval", "10",

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp8stack.ab import comma_separated
+from fp8stack.ab import chosen_names, comma_separated
 from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, LOSS_STEPS, LR, LR_WARMUP,
                                      compare_losses, final_mean, launch, loss_checks, run_record, start, wait)
 from fp8stack.bench.multigpu_tp import run_tp
@@ -371,9 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--parts is empty: name some of {','.join(PARTS)}")
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}: use a subset of {','.join(PARTS)}")
-    restart_paths = comma_separated(args.restart_paths)
-    if "restart" in parts and (not restart_paths or set(restart_paths) - set(RESTART_PATHS)):
-        parser.error(f"--restart-paths {args.restart_paths!r}: name some of {','.join(RESTART_PATHS)}")
+    restart_paths = (chosen_names(parser, "--restart-paths", args.restart_paths, list(RESTART_PATHS))
+                     if "restart" in parts else ())
     extra = ("--device", args.device) if args.device else ()
 
     import torch

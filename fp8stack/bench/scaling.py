@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp8stack.ab import comma_separated
+from fp8stack.ab import chosen_names
 from fp8stack.ab.plot import pyplot
 from fp8stack.bench.data_parallel import block_all_gather_bytes
 from fp8stack.bench.launches import launch, run_record, start, wait
@@ -234,10 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot_only:
         refuse_flags_beside_plot_only(parser, args)
         return plot_only(PROG, args.plot_only, is_scaling_record, figure)
-    wrappers = comma_separated(args.wrappers)
-    unknown = sorted(set(wrappers) - set(WRAPPERS))
-    if not wrappers or unknown:
-        parser.error(f"--wrappers {args.wrappers!r}: name some of {','.join(WRAPPERS)}")
+    wrappers = chosen_names(parser, "--wrappers", args.wrappers, list(WRAPPERS))
     if args.nproc < 2:
         parser.error(f"--nproc {args.nproc}: the wrapped runs need at least 2 GPUs (one GPU's wrappers: "
                      "python -m fp8stack.bench.data_parallel)")
