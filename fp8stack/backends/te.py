@@ -312,9 +312,9 @@ class TEBackend(Backend):
         if any(getattr(module, "main_grad_weights", ()) for module in model.modules()):
             raise NotImplementedError(FUSED_WGRAD_UNDER_FULLY_SHARD)
         if self.local_amax and self.fp8_weights:
-            raise NotImplementedError("te local_amax keeps each process's delayed-scaling scales its own, and fully_shard "
-                                      "all-gathers each FP8 weight's shards under one scale: drop local_amax (TE then "
-                                      "reduces the amaxes over the ranks) or fp8_weights")
+            raise NotImplementedError("te local_amax keeps each process's delayed-scaling scales its own, and "
+                                      "fully_shard all-gathers each FP8 weight's shards under one scale: drop "
+                                      "local_amax (TE then reduces the amaxes over the ranks) or fp8_weights")
         cached = [module for module in model.modules() if getattr(module, "cached_weights", ())]
         for module in cached:
             module.cached_weights = ()

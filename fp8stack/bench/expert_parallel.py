@@ -5,12 +5,12 @@ parallelism on the Megatron path) against all experts on one GPU.
 
 Arms: BF16 and FP8 (--fp8-recipe, the recipe the plan runs megatron's grouped experts in: blockwise by default,
 DeepSeek-V3's, whose forward scales each token's 128-wide tiles on their own, so the first step's loss does not
-depend on which rank computes which token; delayed scales each tensor from an amax history instead). Each is trained by launch/train.sh at EP=1 on one GPU and at EP=2 on two
-(--expert-model-parallel-size 2: two data-parallel ranks, each holding half the routed experts, the alltoall
-dispatcher sending every token to its expert's rank and back), from the same seed, weights and batches with the same
-global batch (MODELS). The EP=1 runs train side by side, one per GPU; the EP=2 runs one after another.
+depend on which rank computes which token; delayed scales each tensor from an amax history instead). Each is
+trained by launch/train.sh at EP=1 on one GPU and at EP=2 on two (--expert-model-parallel-size 2: two data-parallel
+ranks, each holding half the routed experts, the alltoall dispatcher sending every token to its expert's rank and
+back), from the same seed, weights and batches with the same global batch (MODELS). The EP=1 runs train side by side, one per GPU; the EP=2 runs one after another.
 
-Per run: tokens/s (global), peak memory (rank 0), losses, and the collectives of PROFILED_STEPS steps
+Per run: tokens/s (global), peak memory (the fullest GPU's), losses, and the collectives of PROFILED_STEPS steps
 (fp8stack.train.comm_stats): the all-to-all bytes each rank sends per step, by element type. FP8 dispatch is not
 provided (issue 37), so an FP8 arm's tokens travel in BF16 too, and its dispatch bytes over the BF16 arm's are
 reported (a little above 1: FP8 pads each expert's tokens to a multiple of 16). Checks per arm: both runs took every

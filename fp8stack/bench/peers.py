@@ -225,7 +225,8 @@ def megatron_overlap(arm: Arm, nproc: int) -> list[str]:
     parameter all-gather with the next forward. One rank has nothing to overlap."""
     if nproc == 1:
         return []
-    return ["--overlap-grad-reduce", *(["--overlap-param-gather"] if "--use-distributed-optimizer" in arm.flags else [])]
+    gather = ["--overlap-param-gather"] if "--use-distributed-optimizer" in arm.flags else []
+    return ["--overlap-grad-reduce", *gather]
 
 
 def torchtitan_command(arm: Arm, shape: Shape, cuda: bool) -> list:

@@ -104,7 +104,7 @@ def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: S
 def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str, nproc: int, steps: int) -> dict:
     """Per wrapper: FP8/BF16 against one GPU's, per-GPU tokens/s and scaling efficiency; the all-gather ratio."""
     checks = {f"{name} ran {steps} steps": len(records[name].get("losses", ())) == steps
-              for name in map(lambda run: run_name(*run), planned)}
+              for name in (run_name(*run) for run in planned)}
     tokens = {name: record["tokens_per_s"] for name, record in records.items() if "tokens_per_s" in record}
     figures: dict = {"per_gpu_tokens_per_s": {name: value / (1 if name.startswith(ONE_GPU) else nproc)
                                               for name, value in tokens.items()}}
@@ -154,14 +154,15 @@ def render(payload: dict) -> str:
                             "all-reduces per step", "last loss"], rows)
     ratios = markdown_table(["wrapper", "FP8/BF16 tokens/s"], [[wrapper, f"{ratio:.3f}x"] for wrapper, ratio in
                                                                  figures.get("fp8_over_bf16", {}).items()])
-    gathers = "".join(f"{wrapper}'s all-gather bytes over the blocks, FP8 weights vs {FP8_ONLY[wrapper]}'s BF16 copies: "
-                      f"{ratio:.3f}x.\n\n" for wrapper, ratio in
+    gathers = "".join(f"{wrapper}'s all-gather bytes over the blocks, FP8 weights vs {FP8_ONLY[wrapper]}'s BF16 "
+                      f"copies: {ratio:.3f}x.\n\n" for wrapper, ratio in
                       figures.get("all_gather_bytes_fp8_over_bf16_blocks", {}).items())
     checks = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in payload["checks"].items())
     commands = "\n".join(record["command"] for record in payload["runs"].values())
     return (f"BF16 and {payload['recipe']} on {nproc} GPUs under each data-parallel wrapper and on one GPU: "
             f"{payload['model']}, {payload['steps']} steps per run, each rank training the one-GPU run's micro-batches "
-            f"(weak scaling).\n\n{table}\n\n{ratios}\n\n{gathers}## Checks\n\n{checks}\n\n## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
+            f"(weak scaling).\n\n{table}\n\n{ratios}\n\n{gathers}## Checks\n\n{checks}\n\n"
+            f"## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
 
 
 def _gib(value: float | None) -> str:

@@ -387,9 +387,9 @@ def _micro_batches(cfg: JobConfig, dp_size: int) -> int:
 def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int, fully_sharded: bool) -> dict[str, dict] | None:
     """Constructor options for the plan's TE backend: fuse_wgrad_accumulation (te.gradient_accumulation_fusion, as
     resolved), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE), local_amax (te.local_amax; None:
-    unless FP8 weights are fully_sharded) and, with te.cache_fp8_weights and more than one micro-batch per step, FP8 weights cast
-    once per step and cached (TE's is_first_microbatch; with one micro-batch the cache would only hold memory;
-    weights held in FP8 need no cast)."""
+    unless FP8 weights are fully_sharded) and, with te.cache_fp8_weights and more than one micro-batch per step, FP8
+    weights cast once per step and cached (TE's is_first_microbatch; with one micro-batch the cache would only hold
+    memory; weights held in FP8 need no cast)."""
     if cfg.te.gradient_accumulation_fusion and not plan.for_backend("te"):
         raise ConfigError(f"te.gradient_accumulation_fusion accumulates the TE linears' weight gradients in FP32, but "
                           f"the plan for recipe {cfg.precision.recipe!r} has no TE layers: use --backend te, or drop "
@@ -406,7 +406,8 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int, fully_shard
     cache = cfg.te.cache_fp8_weights and micro_batches > 1 and not fp8_weights
     options = {"fp8_weights": fp8_weights, "cache_fp8_weights": cache,
                "delayed_margin": cfg.te.delayed_margin, "fuse_wgrad_accumulation": cfg.te.gradient_accumulation_fusion,
-               "local_amax": cfg.te.local_amax if cfg.te.local_amax is not None else not (fully_sharded and fp8_weights),
+               "local_amax": (cfg.te.local_amax if cfg.te.local_amax is not None
+                              else not (fully_sharded and fp8_weights)),
                **({"blockwise_gemms": cfg.te.blockwise_gemms} if cfg.te.blockwise_gemms != "te" else {})}
     return {"te": options} if plan.for_backend("te") else None
 

@@ -492,8 +492,8 @@ def precision_aware(moments: str) -> dict:
 @contextmanager
 def build(cfg: JobConfig, env) -> Iterator[MegatronModel]:
     """Megatron's parallel state over the trainer's processes (TP groups of consecutive ranks, the rest
-    data-parallel, in expert-parallel groups of consecutive data-parallel ranks), then the model on env.device; the state (and a one-rank process group made for it) is torn down
-    on exit."""
+    data-parallel, in expert-parallel groups of consecutive data-parallel ranks), then the model on env.device; the
+    state (and a one-rank process group made for it) is torn down on exit."""
     if env.device.type != "cuda":
         raise ConfigError("the Megatron model needs CUDA: megatron-core's GPTModel allocates its buffers, RoPE "
                           "and RNG on torch.cuda, and runs FP8 through TransformerEngine. Run it on a GPU, or "
