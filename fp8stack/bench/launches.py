@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fp8stack.train.launch import stop
 from fp8stack.train.timing import relative_spread, steady_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +54,7 @@ class Run:
     command: str
     """The exact shell line, runnable from the repository root."""
     returncode: int | None
-    """Exit status (None: killed after RUN_TIMEOUT_S)."""
+    """Exit status (None: stopped after RUN_TIMEOUT_S)."""
     wall_s: float
     """Seconds from start to exit."""
     result: dict | None
@@ -99,12 +100,12 @@ def start(name: str, workdir: Path, nproc: int, flags: Sequence[str], env: dict 
 
 
 def wait(started: Started) -> Run:
-    """Wait for a started run (killed once its timeout from the start has passed) and read what it wrote."""
+    """Wait for a started run (stopped once its timeout from the start has passed: launch.stop) and read what it
+    wrote."""
     try:
         returncode = started.process.wait(timeout=max(1.0, started.timeout - (time.perf_counter() - started.began)))
     except subprocess.TimeoutExpired:
-        started.process.kill()
-        started.process.wait()
+        stop(started.process)
         returncode = None
     wall = time.perf_counter() - started.began
     result_path, jsonl = started.out / "result.json", started.out / "log" / "train.jsonl"

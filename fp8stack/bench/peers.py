@@ -95,7 +95,7 @@ from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, mark
 from fp8stack.models import load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan.recipes import BF16, is_fp8
-from fp8stack.train.launch import NO_MULTICAST_ENV, launcher
+from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, stop
 from fp8stack.train.timing import relative_spread, steady_state
 
 PROG = "python -m fp8stack.bench.peers"
@@ -258,9 +258,6 @@ def skip_reason(arm: Arm, nproc: int, cuda: bool, te_installed: bool) -> str | N
 
 ERROR_CHARS = 3000
 """The end of a failed arm's output kept in the evidence."""
-TERMINATE_GRACE_S = 60.0
-"""Seconds a timed-out arm has between SIGTERM and SIGKILL: torchrun passes SIGTERM on to its workers and kills them
-after 30 s."""
 TORCHRUN_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 """What torchrun's own traceback ends with when a worker failed."""
 
@@ -299,12 +296,7 @@ def run_child(argv: list[str], timeout: float) -> subprocess.CompletedProcess | 
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            child.terminate()
-            try:
-                child.communicate(timeout=TERMINATE_GRACE_S)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.communicate()
+            stop(child)
             return None
     return subprocess.CompletedProcess(argv, child.returncode, out, err)
 

@@ -1,6 +1,7 @@
 """How the tools start training processes on this node: the interpreter, under torchrun for several processes, and
 the environment every child gets (what launch/env.sh exports for the shell launchers). Pure Python: no torch import."""
 
+import subprocess
 import sys
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -14,3 +15,19 @@ def launcher(nproc: int) -> list[str]:
     `-m module` and its arguments follow."""
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     return [sys.executable, *torchrun]
+
+
+TERMINATE_GRACE_S = 60.0
+"""Seconds a child stopped by stop() has between SIGTERM and SIGKILL: torchrun passes SIGTERM on to its workers and
+kills them after 30 s."""
+
+
+def stop(child: subprocess.Popen) -> None:
+    """End a child that overran its time: SIGTERM first, SIGKILL after TERMINATE_GRACE_S. torchrun's workers run in
+    sessions of their own, so a SIGKILL of torchrun alone would leave them holding the GPUs."""
+    child.terminate()
+    try:
+        child.communicate(timeout=TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
