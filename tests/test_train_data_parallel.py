@@ -1,7 +1,8 @@
 """The trainer on two gloo ranks under each data-parallel wrapper, against one process on the same global batch:
 DDP with BF16 parameters and FP32 masters (fp8stack.precision.MasterWeights averaging its main_grads) and with FP32
 parameters (DataParallelGradients averaging their .grad), FSDP2 with BF16 parameters (its mixed-precision policy over
-sharded FP32 masters), a DDP checkpoint saved on 2 ranks and resumed on 2 ranks, and the levers that once refused more
+sharded FP32 masters), a DDP checkpoint saved on 2 ranks and resumed on 2 ranks (under DDP, and under FSDP2; an FSDP2
+checkpoint under DDP), and the levers that once refused more
 than one process now taken (or refused only for what a CPU lacks).
 
 Every run accumulates 2 micro-batches per rank per step (4 in one process), so the gradients are averaged across
@@ -85,6 +86,7 @@ def _ranks(rank: int, world: int, init_file: str, folder: str) -> None:
                        "ddp_resumed": train(from_overrides({**RUN, "parallelism.data_parallel": "ddp",
                                                             "checkpoint.dir": checkpoints,
                                                             "checkpoint.resume": f"{checkpoints}/step-00000002"}))}
+            results.update(_resumed_under_the_other_wrapper(checkpoints, f"{folder}/fsdp_checkpoints"))
             refused = {}
             for lever, (settings, _) in LEVER_REFUSALS.items():
                 try:
@@ -99,6 +101,18 @@ def _ranks(rank: int, world: int, init_file: str, folder: str) -> None:
                         "refused": refused}, f"{folder}/out.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _resumed_under_the_other_wrapper(ddp_checkpoints: str, fsdp_checkpoints: str) -> dict:
+    """The DDP run's step-2 checkpoint resumed under FSDP2, and an FSDP2 run's under DDP (each in a new folder)."""
+    fsdp = {**RUN, "parallelism.data_parallel": "fsdp"}
+    fsdp_saving = train(from_overrides({**fsdp, "checkpoint.dir": fsdp_checkpoints, "checkpoint.interval": 2}))
+    return {"fsdp_saving": fsdp_saving,
+            "fsdp_resumed_from_ddp": train(from_overrides({**fsdp, "checkpoint.dir": f"{ddp_checkpoints}-fsdp",
+                                                           "checkpoint.resume": f"{ddp_checkpoints}/step-00000002"})),
+            "ddp_resumed_from_fsdp": train(from_overrides({**RUN, "parallelism.data_parallel": "ddp",
+                                                           "checkpoint.dir": f"{fsdp_checkpoints}-ddp",
+                                                           "checkpoint.resume": f"{fsdp_checkpoints}/step-00000002"}))}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +190,19 @@ def test_ddp_checkpoint_saved_on_two_ranks_resumes_on_two_ranks_bit_identically(
     # Profiled steps that save: DCP's planning gathers objects (all_gather's list form, counted apart, no bytes).
     assert saving[5]["counts"]["all_gather_list"] > 0 and "all_gather" not in saving[5]["bytes"]
     assert resumed[4] == 2 and resumed[0] == saving[0][2:]  # exact equality
+
+
+@pytest.mark.parametrize("saved, resumed", [("ddp_saving", "fsdp_resumed_from_ddp"),
+                                             ("fsdp_saving", "ddp_resumed_from_fsdp")])
+def test_a_checkpoint_resumes_under_the_other_data_parallel_wrapper(two_ranks, saved, resumed):
+    """The data-parallel wrapper is not a run setting: DCP reshards the FP32 masters and their moments between
+    DDP's replicas and FSDP2's shards, so the resumed steps are the saving run's up to the wrappers' rounding (the
+    2-rank tolerance: FSDP2 reduce-scatters in another order and casts its BF16 copies from shards)."""
+    saving, resuming = two_ranks["results"][saved], two_ranks["results"][resumed]
+    assert saving[3]["parallelism"]["data_parallel"] != resuming[3]["parallelism"]["data_parallel"]
+    assert resuming[4] == 2 and len(resuming[0]) == RUN["training.steps"] - 2
+    for step, (a, b) in enumerate(zip(saving[0][2:], resuming[0]), start=2):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), f"{resumed} step {step}: saved run {a:.6f}, resumed {b:.6f}"
 
 
 def test_levers_that_refused_more_than_one_process_now_refuse_only_what_a_cpu_lacks(two_ranks):
