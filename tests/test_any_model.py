@@ -19,7 +19,8 @@ REFUSED = {
     "hybrid-mamba-moe": "block 'mamba' (ssm_scan: mixer.scan) cannot be built yet",
 }
 """Descriptions fp8stack plans but cannot build, and what the refusal names."""
-BUILT = ("tiny", "tiny-moe", "llama-1b-like", "llama-70b-layers", "llama3-8b", "deepseek-moe-small")
+BUILT = ("tiny", "tiny-moe", "llama-1b-like", "llama-70b-layers", "llama3-8b", "llama3-8b-16-layers",
+         "deepseek-moe-small")
 """Descriptions fp8stack builds."""
 
 # The named shapes as the LlamaConfig factories wrote them before they read their YAML files.
@@ -81,6 +82,15 @@ def test_llama3_8b_is_an_8b_model():
     shape, params = shape_and_parameters("llama3-8b")
     assert shape == (4096, 32, 32, 8, 14336, 128256, 8192)
     assert 8.0e9 < params < 8.1e9  # Meta's Llama 3 8B: 8.03B parameters
+
+
+def test_llama3_8b_16_layers_is_llama3_8b_at_half_its_depth_and_its_replica_fits_one_h200():
+    shape, params = shape_and_parameters("llama3-8b-16-layers")
+    full, _ = shape_and_parameters("llama3-8b")
+    assert shape == (*full[:1], 16, *full[2:])
+    # BF16 parameters, FP32 masters, main_grads and AdamW moments (18 bytes each) within an H200's 141 GB, with room
+    # for activations (llama3-8b's 8.03 B parameters take 145 GB).
+    assert 4.5e9 < params < 4.6e9 and params * 18 < 85e9
 
 
 def test_llama_70b_layers_has_llama3_70b_layer_widths_and_fits_one_h200_with_fp32_masters():

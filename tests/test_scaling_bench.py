@@ -5,6 +5,7 @@ fp8stack.bench.multigpu, whose 2-rank runs tests/test_multigpu_cpu.py starts on 
 
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_the_figure_shows_per_gpu_tokens_and_each_wrappers_ratio_against_the_one
 
 
 def test_a_run_writes_json_markdown_and_figure_and_fails_on_a_failed_check(tmp_path, monkeypatch):
-    monkeypatch.setattr(scaling, "run_all", lambda workdir, planned, nproc, common, gpus: {
+    monkeypatch.setattr(scaling, "run_all", lambda workdir, planned, nproc, common, gpus, models: {
         scaling.run_name(*run): RECORDS[scaling.run_name(*run)] for run in planned})
     code = scaling.main(["--nproc", "2", "--steps", str(STEPS), "--out-dir", str(tmp_path)])
     folder = run_folder("scaling-llama-1b-like-2gpu-cpu", tmp_path)
@@ -140,7 +141,7 @@ def test_the_evidence_index_describes_a_scaling_run(tmp_path):
 def test_flags_after_the_double_dash_reach_every_run(tmp_path, monkeypatch):
     seen = {}
 
-    def record(workdir, planned, nproc, common, gpus):
+    def record(workdir, planned, nproc, common, gpus, models):
         seen["common"] = common
         return {scaling.run_name(*run): RECORDS[scaling.run_name(*run)] for run in planned}
 
@@ -148,5 +149,33 @@ def test_flags_after_the_double_dash_reach_every_run(tmp_path, monkeypatch):
     scaling.main(["--nproc", "2", "--wrappers", "fsdp", "--out-dir", str(tmp_path), "--",
                   "--activation-checkpoint.layers", "all", "--micro-batch-size", "1"])
     assert seen["common"][-4:] == ["--activation-checkpoint.layers", "all", "--micro-batch-size", "1"]
-    job = job_from_flags(seen["common"][seen["common"].index("--train-iters"):])
+    job = job_from_flags(seen["common"])
     assert (job.activation_checkpoint.layers, job.training.micro_batch) == ("all", 1)
+
+
+def test_a_model_too_big_for_one_gpu_is_set_against_fewer_layers_of_it_on_one_gpu(tmp_path, monkeypatch):
+    """--one-gpu-model: the one-GPU pair trains that model, the wrapped runs --model; the FP8/BF16 ratio is still
+    judged against the one-GPU pair's, but no scaling efficiency compares tokens/s of two models."""
+    launched = {}
+
+    def started(name, workdir, nproc, flags, env=None):
+        launched[name] = flags
+        return SimpleNamespace(name=name)
+
+    monkeypatch.setattr(scaling, "launch", started)
+    monkeypatch.setattr(scaling, "start", started)
+    monkeypatch.setattr(scaling, "wait", lambda run: run)
+    monkeypatch.setattr(scaling, "run_record", lambda run: RECORDS[run.name])
+    planned = scaling.runs(["fsdp"], "delayed")
+    scaling.run_all(tmp_path, planned, 2, ["--train-iters", "6"], 2, {scaling.ONE_GPU: "llama3-8b-16-layers",
+                                                                       None: "llama3-8b"})
+    models = {name: job_from_flags(flags).model.name for name, flags in launched.items()}
+    assert models == {"one_gpu/bf16": "llama3-8b-16-layers", "one_gpu/delayed": "llama3-8b-16-layers",
+                      "fsdp/bf16": "llama3-8b", "fsdp/delayed": "llama3-8b"}
+    records = {name: RECORDS[name] for name in models}
+    result = scaling.judge(records, planned, "delayed", 2, STEPS, same_model=False)
+    assert result["figures"]["scaling_efficiency"] == {}
+    assert f"fsdp: FP8/BF16 {225 / 170:.3f} within 0.03 of one GPU's {132 / 93:.3f}" in result["checks"]
+    text = scaling.render({"model": "llama3-8b", "one_gpu_model": "llama3-8b-16-layers", "recipe": "delayed",
+                           "steps": STEPS, "nproc": 2, "runs": records, **result})
+    assert "The one-GPU runs trained llama3-8b-16-layers, the same blocks at fewer layers" in text

@@ -3,15 +3,17 @@ same runs on one GPU.
 
     python -m fp8stack.bench.scaling --nproc 2 [--model llama-1b-like] [--recipe delayed] [--steps 40]
                                      [--wrappers ddp,fsdp,fsdp_fp8_params] [-- <flags of every run>]
-    python -m fp8stack.bench.scaling --nproc 2 --model llama3-8b --wrappers fsdp_gather_once \
-        -- --activation-checkpoint.layers all --micro-batch-size 1
+    python -m fp8stack.bench.scaling --nproc 2 --model llama3-8b --one-gpu-model llama3-8b-16-layers \
+        --wrappers fsdp_gather_once -- --activation-checkpoint.layers all --micro-batch-size 1
 
 Every run is a launch/train.sh run of the same model, recipe and seed with the configuration's defaults otherwise
 (the measured fast path: BF16 parameters with FP32 masters, TE's fused weight-gradient accumulation and FP8 weight
 cache where the wrapper keeps them, compile, cuDNN attention). Each rank trains the one-GPU run's micro-batch and
 accumulation (weak scaling: the global batch grows with N), so a rank's compute is the one-GPU run's and what differs
 is what the wrapper adds. Runs:
-- one_gpu: NPROC=1, unwrapped, BF16 and the recipe, side by side (one per GPU when there are two);
+- one_gpu: NPROC=1, unwrapped, BF16 and the recipe, side by side (one per GPU when there are two); a model whose
+  replica does not fit one GPU is set against --one-gpu-model, the same blocks at fewer layers (its FP8/BF16 is the
+  reference; scaling efficiency, which compares tokens/s, is then not computed);
 - each wrapper at NPROC=N, BF16 and the recipe, one after another:
   ddp (--parallelism.data-parallel ddp: a replica per GPU, FP32 main_grads averaged once per step),
   fsdp (FSDP2: sharded FP32 masters, BF16 all-gathered copies, FP32 reduce-scatter),
@@ -79,12 +81,13 @@ def run_name(wrapper: str, recipe: str) -> str:
     return f"{wrapper}/{recipe}"
 
 
-def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: Sequence[str],
-            gpus: int) -> dict[str, dict]:
+def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: Sequence[str], gpus: int,
+            models: dict[str, str]) -> dict[str, dict]:
     """The one-GPU runs side by side when there are GPUs for both (else one after another), then the N-GPU runs one
-    after another (their step times are compared)."""
+    after another (their step times are compared). models: ONE_GPU's model and the wrapped runs' (key None)."""
     def flags(wrapper: str, recipe: str) -> list[str]:
-        return [*common, "--fp8-recipe", recipe, *WRAPPERS.get(wrapper, [])]
+        model = models[ONE_GPU if wrapper == ONE_GPU else None]
+        return ["--model", model, *common, "--fp8-recipe", recipe, *WRAPPERS.get(wrapper, [])]
 
     singles = [run for run in planned if run[0] == ONE_GPU]
     records = {}
@@ -101,8 +104,10 @@ def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: S
     return records
 
 
-def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str, nproc: int, steps: int) -> dict:
-    """Per wrapper: FP8/BF16 against one GPU's, per-GPU tokens/s and scaling efficiency; the all-gather ratio."""
+def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str, nproc: int, steps: int,
+          same_model: bool = True) -> dict:
+    """Per wrapper: FP8/BF16 against one GPU's, per-GPU tokens/s and scaling efficiency (same_model: the one-GPU
+    runs trained the wrapped runs' model, not fewer layers of it); the all-gather ratio."""
     checks = {f"{name} ran {steps} steps": len(records[name].get("losses", ())) == steps
               for name in (run_name(*run) for run in planned)}
     tokens = {name: record["tokens_per_s"] for name, record in records.items() if "tokens_per_s" in record}
@@ -111,7 +116,7 @@ def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str,
     one = {r: tokens.get(run_name(ONE_GPU, r)) for r in (BF16, recipe)}
     figures["scaling_efficiency"] = {name: value / (nproc * one[name.split("/")[1]])
                                      for name, value in tokens.items()
-                                     if not name.startswith(ONE_GPU) and one[name.split("/")[1]]}
+                                     if same_model and not name.startswith(ONE_GPU) and one[name.split("/")[1]]}
     ratios = {wrapper: tokens[run_name(wrapper, recipe)] / tokens[run_name(FP8_ONLY.get(wrapper, wrapper), BF16)]
               for wrapper in dict.fromkeys(w for w, _ in planned)
               if run_name(wrapper, recipe) in tokens and run_name(FP8_ONLY.get(wrapper, wrapper), BF16) in tokens}
@@ -159,9 +164,12 @@ def render(payload: dict) -> str:
                       figures.get("all_gather_bytes_fp8_over_bf16_blocks", {}).items())
     checks = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in payload["checks"].items())
     commands = "\n".join(record["command"] for record in payload["runs"].values())
+    reference = payload.get("one_gpu_model")
+    reference = (f" The one-GPU runs trained {reference}, the same blocks at fewer layers (its replica fits one GPU): "
+                 "their FP8/BF16 is the reference, and no scaling efficiency is computed." if reference else "")
     return (f"BF16 and {payload['recipe']} on {nproc} GPUs under each data-parallel wrapper and on one GPU: "
             f"{payload['model']}, {payload['steps']} steps per run, each rank training the one-GPU run's micro-batches "
-            f"(weak scaling).\n\n{table}\n\n{ratios}\n\n{gathers}## Checks\n\n{checks}\n\n"
+            f"(weak scaling).{reference}\n\n{table}\n\n{ratios}\n\n{gathers}## Checks\n\n{checks}\n\n"
             f"## Launch commands (from the repository root)\n\n```\n{commands}\n```\n")
 
 
@@ -224,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated subset of {','.join(WRAPPERS)}")
     parser.add_argument("--steps", type=int, default=40, help="steps per run")
     parser.add_argument("--model", default="llama-1b-like")
+    parser.add_argument("--one-gpu-model", help="the one-GPU runs' model where --model's replica does not fit one "
+                        "GPU: the same blocks at fewer layers (default: --model)")
     parser.add_argument("--recipe", default="delayed", help="the FP8 recipe set against BF16")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="passed to every run (default: auto)")
     parser.add_argument("--out-dir", default="profiles", help="evidence folder")
@@ -243,16 +253,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--recipe bf16: name the FP8 recipe set against BF16 (delayed, tensorwise, blockwise, ...)")
     name = f"scaling-{args.model}-{args.nproc}gpu-{device_slug()}"
     claim_or_exit(PROG, name, args.out_dir, args.force)
-    common = ["--model", args.model, "--train-iters", str(args.steps), "--eval-iters", "0", "--log-interval", "10",
+    common = ["--train-iters", str(args.steps), "--eval-iters", "0", "--log-interval", "10",
               "--profile-collectives", str(PROFILED_STEPS), *(("--device", args.device) if args.device else ()),
               *args.train_flags]
     planned = runs(wrappers, args.recipe)
     with tempfile.TemporaryDirectory(prefix="fp8stack-scaling-") as scratch:
-        records = run_all(Path(scratch), planned, args.nproc, common, _gpu_count())
-    payload = {"model": args.model, "recipe": args.recipe, "steps": args.steps, "nproc": args.nproc,
-               "train_flags": args.train_flags, "runs": records,
+        records = run_all(Path(scratch), planned, args.nproc, common, _gpu_count(),
+                          {ONE_GPU: args.one_gpu_model or args.model, None: args.model})
+    payload = {"model": args.model, "one_gpu_model": args.one_gpu_model, "recipe": args.recipe, "steps": args.steps,
+               "nproc": args.nproc, "train_flags": args.train_flags, "runs": records,
                "targets": {"ratio_tolerance": RATIO_TOLERANCE, "all_gather_ratio": ALL_GATHER_RATIO},
-               **judge(records, planned, args.recipe, args.nproc, args.steps)}
+               **judge(records, planned, args.recipe, args.nproc, args.steps, args.one_gpu_model is None)}
     payload["passed"] = all(payload["checks"].values())
     text = render(payload)
     print(text, flush=True)
