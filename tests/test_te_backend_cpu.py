@@ -97,6 +97,11 @@ def test_get_backend_passes_options():
     assert isinstance(backend, TEBackend) and backend.delayed_margin == 2 and backend.name == "te"
     assert TEBackend().cache_fp8_weights, "cast once per step: safe by default, recast after any optimizer step"
     assert TEBackend().fuse_wgrad_accumulation is None, "auto: on where it can be"
+    # A user's own DDP loop gets per-process amaxes (no all-reduce per module and pass) without asking; weights held
+    # in FP8 keep TE's reduction, as fully_shard may gather their shards under one scale.
+    assert TEBackend().keeps_amax_local and not TEBackend(fp8_weights=True).keeps_amax_local
+    assert not TEBackend(local_amax=False).keeps_amax_local
+    assert TEBackend(local_amax=True, fp8_weights=True).keeps_amax_local
 
 
 def test_experts_split_across_backends_are_refused_before_looking_for_te():

@@ -122,14 +122,21 @@ class TEBackend(Backend):
     high-precision copy, and no cast in forward. For a trainer whose optimizer steps FP32 masters (take_master_values
     gives their initial values) and copies them into these weights after each step, which quantizes them
     (fp8stack.precision.MasterWeights). Dense linears, LayerNormLinear and LayerNormMLP; not GroupedLinear experts."""
-    local_amax: bool = False
+    local_amax: bool | None = None
     """Delayed scaling: each process keeps its own amaxes and scales (TE DelayedScaling reduce_amax=False, what
     Megatron's --tp-only-amax-red does without tensor parallelism). Otherwise TE all-reduces the amaxes over all
     processes at the end of every module's forward and backward: a collective per module and pass, which holds the
-    ranks in step. Replicas (DDP) hold whole weights and need no common scale; weights held in FP8 and sharded by
-    fully_shard do (each all-gathered weight carries one scale), so before_fully_shard refuses the two together."""
+    ranks in step. Replicas (DDP) and BF16 weights gathered by fully_shard quantize whole weights and need no common scale; weights
+    held in FP8 and sharded by fully_shard do (each all-gathered weight carries one scale), so before_fully_shard
+    refuses the two together. None: local unless fp8_weights (keeps_amax_local)."""
 
     name: ClassVar[str] = "te"
+
+    @property
+    def keeps_amax_local(self) -> bool:
+        """local_amax as resolved: None keeps amaxes per process unless the weights are held in FP8, whose shards may
+        be all-gathered under one scale (the backend cannot know whether fully_shard will follow)."""
+        return self.local_amax if self.local_amax is not None else not self.fp8_weights
 
     @classmethod
     def prepare_process(cls) -> None:
@@ -180,7 +187,7 @@ class TEBackend(Backend):
         # of the linears sharing its recipe (wqkv's, right after it).
         attention_recipes = {d.recipe for d in cores}
         te_recipes = {name: te_recipe(name, plan.fp8_format, self.delayed_margin, fp8_dpa=name in attention_recipes,
-                                      reduce_amax=not self.local_amax) for name in recipes}
+                                      reduce_amax=not self.keeps_amax_local) for name in recipes}
         wgrad_fusion, wgrad_note = self._wgrad_fusion(model, decisions)
         options = {"cache_weights": self.cache_fp8_weights and not self.fp8_weights,
                    "fuse_wgrad_accumulation": wgrad_fusion, **({"fp8_weights": True} if self.fp8_weights else {})}
@@ -233,7 +240,7 @@ class TEBackend(Backend):
                          f"'{DELAYED_AMAX_COMPUTE_ALGO}' (megatron-core defaults), margin {self.delayed_margin}, so "
                          "one FP8 autocast per module updates each scale once per step, as one model-wide autocast "
                          "would" + ("; amaxes kept per process (local_amax: no all-reduce per module and pass)"
-                                    if self.local_amax else ""))
+                                    if self.keeps_amax_local else ""))
         cached = sum(1 for _, m, _ in built if getattr(m, "cached_weights", ()))
         if cached:
             notes.append(f"cache_fp8_weights: {cached} module(s) cast their weights to FP8 once per optimizer step and "
@@ -311,7 +318,7 @@ class TEBackend(Backend):
         full-size weights alive after fully_shard replaced them."""
         if any(getattr(module, "main_grad_weights", ()) for module in model.modules()):
             raise NotImplementedError(FUSED_WGRAD_UNDER_FULLY_SHARD)
-        if self.local_amax and self.fp8_weights:
+        if self.keeps_amax_local and self.fp8_weights:
             raise NotImplementedError("te local_amax keeps each process's delayed-scaling scales its own, and "
                                       "fully_shard all-gathers each FP8 weight's shards under one scale: drop "
                                       "local_amax (TE then reduces the amaxes over the ranks) or fp8_weights")
