@@ -482,6 +482,24 @@ def test_master_weights_hand_the_blockwise_experts_their_main_grads():
         assert rel_err(weight.main_grad, expected) < 1e-6
 
 
+def test_master_weights_take_the_main_grads_the_blockwise_experts_wrote():
+    """Under MasterWeights the blockwise experts' wgrad GEMMs write the main_grads and hand autograd no gradient, for
+    which autograd still runs the master weights' accumulation hook: it adds nothing and the step goes on."""
+    from fp8stack.precision import MasterWeights
+
+    model, plan = _tiny_moe_and_plan()
+    backend = GroupedFP8Backend(kernels="torch")
+    backend.convert(model, [plan.decision("layers.1.moe.experts.w13"), plan.decision("layers.1.moe.experts.w2")], plan)
+    moe = model.layers[1].moe
+    moe.experts.blockwise_kernels = BLOCKWISE_KERNELS["torch"]()  # the GPU kernels' contract, in FP32 on CPU
+    MasterWeights(moe)
+    backend.hand_over_main_grads(moe)  # what MasterWeights asks of an assembled model's backends
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(torch.randn(2, 16, 256)).float().square().mean().backward()
+    for weight in (moe.experts.w13, moe.experts.w2, moe.router.gate.weight):
+        assert weight.grad is None and weight.main_grad.abs().sum() > 0
+
+
 def test_blockwise_keeps_dtypes_and_follows_autocast():
     x, w, offsets = _problem([128, 128], n=128, k=128)
     x = x.bfloat16().requires_grad_(True)

@@ -152,9 +152,13 @@ class MasterWeights(SteppedMasters):
             self._average.finish()
 
     def _into_main_grad(self, param: torch.Tensor) -> None:
-        """Add a micro-batch's BF16 gradient into the FP32 main_grad, then drop it."""
+        """Add a micro-batch's BF16 gradient into the FP32 main_grad, then drop it. None: a module's GEMM added it
+        into the main_grad itself and handed autograd no gradient (a backend's hand_over_main_grads turned that on),
+        and autograd still runs this hook, so the parameter is reported ready all the same."""
         grad = param.grad
-        if grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
+        if grad is None:
+            pass
+        elif grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
             param.main_grad.index_add_(0, grad._indices()[0], grad._values().to(param.main_grad.dtype))
         else:
             param.main_grad.add_(grad)
