@@ -367,11 +367,9 @@ class RowwiseGroupedMM(torch.autograd.Function):
 
 class Float8GroupedExperts(GroupedExperts):
     """GroupedExperts whose planned GEMMs run in FP8; the same Parameter objects as the module it replaces.
-    A GEMM with no recipe (the plan keeps it BF16) runs GroupedExperts' torch._grouped_mm."""
-
-    wgrad_into_main_grad: bool = False
-    """The blockwise wgrad GEMMs add into their weights' FP32 main_grad (set once master weights own those buffers:
-    GroupedFP8Backend.hand_over_main_grads)."""
+    A GEMM with no recipe (the plan keeps it BF16) runs GroupedExperts' torch._grouped_mm. With
+    wgrad_into_main_grad (GroupedFP8Backend.hand_over_main_grads) the blockwise and BF16 wgrad GEMMs add into their
+    weights' FP32 main_grad; the rowwise recipes' still return their weight gradients."""
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         recipe = self.recipes.get("w13" if weight is self.w13 else "w2")
@@ -431,7 +429,8 @@ class GroupedFP8Backend(Backend):
 
     def hand_over_main_grads(self, model: nn.Module) -> None:
         """Master weights give every weight an FP32 main_grad: the blockwise experts' wgrad GEMMs add into it
-        themselves from now on (DeepGEMM's K-grouped kernel accumulates in place; torch's adds per expert)."""
+        themselves from now on (DeepGEMM's K-grouped kernel accumulates in place; torch's adds per expert), and so do
+        the BF16 GEMMs of a converted module."""
         for module in model.modules():
             if isinstance(module, Float8GroupedExperts):
                 module.wgrad_into_main_grad = True

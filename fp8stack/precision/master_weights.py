@@ -9,8 +9,8 @@ With FP32 parameters under autocast, every forward casts each weight to BF16 aga
 BF16, so forwards read them as they are; AdamW steps FP32 copies (the masters), and the BF16 parameters are
 copied from them once per step. Each micro-batch's gradient lands in an FP32 main_grad per parameter: TE's
 fused weight-gradient GEMMs (fuse_wgrad_accumulation) and grouped_fp8's blockwise expert wgrad GEMMs write into it
-themselves, every other parameter's BF16 gradient is added into it by a hook as soon as autograd has it (no BF16
-accumulation across micro-batches).
+themselves (so do the BF16 grouped experts' wgrad GEMMs), every other parameter's BF16 gradient is added into it by
+a hook as soon as autograd has it (no BF16 accumulation across micro-batches).
 Embeddings hand that hook sparse gradients (nn.Embedding.sparse), so only the rows a micro-batch looked up are added
 instead of a dense table-sized gradient. The masters' .grad are those main_grads, so clipping and AdamW read FP32
 gradients.

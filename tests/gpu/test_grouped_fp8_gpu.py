@@ -167,6 +167,38 @@ def test_rowwise_aligned_path_equals_the_gather_path(high_precision_wgrad):
     assert (aligned[0][rows:] == 0).all() and (aligned[1][rows:] == 0).all()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_grouped_experts_add_weight_gradients_into_main_grad(compiled):
+    """The BF16 experts' fused wgrad (wgrad_into_main_grad, the bf16 backend's hand-over under master weights) on
+    torch._grouped_mm's CUDA kernels, eager and compiled by inductor as the trainer compiles its blocks: two
+    micro-batches in the FP32 main_grads, within a BF16 rounding of autograd's gradients summed in FP32; no .grad."""
+    from fp8stack.models import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(512, 256, 4).to(DEVICE)
+    experts.init_weights(0.02)
+    experts = experts.bfloat16()
+    offsets = offsets_of([128, 0, 256, 64])
+    x = torch.randn(448 + 24, 512, device=DEVICE, dtype=torch.bfloat16)  # 24 rows past the last group
+    grads = [torch.randn(x.shape[0], 512, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    expected = [torch.zeros(w.shape, device=DEVICE) for w in (experts.w13, experts.w2)]
+    for grad_y in grads:
+        experts(x, offsets).backward(grad_y)
+        for total, weight in zip(expected, (experts.w13, experts.w2)):
+            total += weight.grad.float()
+        experts.zero_grad(set_to_none=True)
+    for weight in (experts.w13, experts.w2):
+        weight.main_grad = torch.zeros(weight.shape, device=DEVICE)
+    experts.wgrad_into_main_grad = True
+    forward = torch.compile(experts, fullgraph=True) if compiled else experts
+    for grad_y in grads:
+        forward(x.clone().requires_grad_(True), offsets).backward(grad_y)
+    for total, weight in zip(expected, (experts.w13, experts.w2)):
+        assert weight.grad is None
+        assert rel_err(weight.main_grad, total) < 1e-2
+        assert (weight.main_grad[1] == 0).all()
+
+
 @pytest.mark.parametrize("k", [384, 640, 896, 1152])
 def test_torch_blockwise_scaled_mm_when_k_blocks_are_not_a_multiple_of_4(k):
     """One GEMM straight through the native kernel, K/128 = 3, 5, 7, 9."""
