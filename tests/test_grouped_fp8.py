@@ -19,9 +19,9 @@ from fp8stack.backends.blockwise import (BLOCK, FP8_MAX, Fp8Tensor, dequantize_1
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices
-from fp8stack.backends.grouped import (BlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
-                                       RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels,
-                                       TokenGroupPadding, rhs_block_scale)
+from fp8stack.backends.grouped import (AlignedTokenGroups, BlockwiseGroupedMM, Float8GroupedExperts,
+                                       GroupedFP8Backend, RowwiseGroupedMM, TorchBlockwiseKernels,
+                                       TorchRowwiseKernels, TokenGroupPadding, rhs_block_scale, token_groups)
 from fp8stack.backends import fp8_quant
 from fp8stack.backends.fp8_quant import quantize_rowwise, quantize_token_groups
 from fp8stack.models.llama import Llama
@@ -247,32 +247,122 @@ def test_token_group_padding_without_host_sync():
     assert padding.counts == (4, 0, 8)  # read on the host once, on first use
 
 
-def test_aligned_groups_need_no_room_for_padding():
-    """Groups already starting on the alignment (GroupedExperts' contract under MoE) keep their rows: the buffer is
-    the tokens rounded up to the alignment, not T + E * (alignment - 1), and holds the same rows."""
+def test_aligned_groups_are_read_where_they_are():
+    """Groups already starting on the alignment (GroupedExperts' contract under MoE) move no row: the buffer is the
+    tokens with zero rows appended up to the alignment, not T + E * (alignment - 1) rows gathered into place, and
+    unpadding zeroes the tokens past the last group as the gather does."""
     x = torch.arange(1.0, 15.0).unsqueeze(1)  # 14 rows: groups 4, 0, 8, then 2 rows past the groups
     general = TokenGroupPadding.build(offsets_of([4, 0, 8]), num_tokens=14, alignment=4)
-    aligned = TokenGroupPadding.build(offsets_of([4, 0, 8]), num_tokens=14, alignment=4, aligned=True)
-    assert (general.rows, aligned.rows) == (24, 16)  # 14 + 3 * 3 and 14, rounded up to 4
+    aligned = token_groups(offsets_of([4, 0, 8]), num_tokens=14, alignment=4, aligned=True)
+    assert isinstance(aligned, AlignedTokenGroups) and not hasattr(aligned, "source")
     assert torch.equal(aligned.offsets, general.offsets) and aligned.counts == general.counts == (4, 0, 8)
-    assert torch.equal(aligned.pad(x), general.pad(x)[:16])
-    assert aligned.pad(x)[:12].squeeze(1).tolist() == list(range(1, 13)) and (aligned.pad(x)[12:] == 0).all()
-    assert torch.equal(aligned.unpad(aligned.pad(x)), general.unpad(general.pad(x)))
+    buffer = fp8_quant.pad_rows(x, 4)
+    assert (general.rows, buffer.shape[0]) == (24, 16)  # 14 + 3 * 3 and 14, rounded up to 4
+    assert torch.equal(buffer[:12], general.pad(x)[:12]) and (buffer[14:] == 0).all()
+    assert torch.equal(aligned.unpad(buffer), general.unpad(general.pad(x)))
+    assert aligned.unpad(buffer).squeeze(1).tolist() == [*range(1, 13), 0, 0]
+    assert torch.equal(fp8_quant.pad_rows(x[:12], 4), x[:12])  # whole tiles already: nothing appended
+
+
+def _blockwise_paths(x, w, offsets, kernels, grad_y, main_grad=None):
+    """(y, x.grad, w.grad or main_grad) of the gather path and of the aligned path, from fresh leaves of x and w
+    (each requiring a gradient as x and w do)."""
+    outs = []
+    for aligned in (False, True):
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w)]
+        into = None if main_grad is None else main_grad.clone()
+        y = BlockwiseGroupedMM.apply(*leaves, offsets, BLOCKWISE_KERNELS[kernels](), aligned, into)
+        y.backward(grad_y)
+        outs.append((y.detach(), leaves[0].grad, leaves[1].grad if into is None else into))
+    return outs
 
 
 @pytest.mark.parametrize("kernels", list(BLOCKWISE_KERNELS))
-def test_blockwise_on_aligned_groups_equals_the_general_padding(kernels):
-    x, w, offsets = _problem([128, 0, 256, 128], extra_rows=3 * 127)  # MoE's static room, unused
-    x.requires_grad_(True)
-    w.requires_grad_(True)
+@pytest.mark.parametrize("extra_rows", [3 * 127, 128], ids=["rows-unaligned", "rows-aligned"])
+@pytest.mark.parametrize("trained", ["both", "x", "w", "main_grad"])
+def test_blockwise_on_aligned_groups_equals_the_general_padding(kernels, extra_rows, trained):
+    """The aligned path gives the gather path's outputs and gradients bit for bit, an empty expert included, and
+    tokens past the last group get zero output and zero input gradient whatever x and grad_y hold there."""
+    counts = [128, 0, 256, 128]
+    x, w, offsets = _problem(counts, extra_rows=extra_rows)  # MoE's static room, unused (T = 893 or 640)
+    x.requires_grad_(trained != "w")
+    w.requires_grad_(trained != "x")
+    grad_y = torch.randn(x.shape[0], w.shape[1])  # nonzero past the groups too
+    main_grad = torch.full(w.shape, 0.5) if trained == "main_grad" else None
+    general, aligned = _blockwise_paths(x, w, offsets, kernels, grad_y, main_grad)
+    rows = sum(counts)
+    for before, after in zip(general, aligned):
+        assert (before is None) == (after is None)
+        if before is not None:
+            assert torch.equal(before, after)
+    y, grad_x, _ = aligned
+    assert y.shape == (x.shape[0], w.shape[1]) and (y[rows:] == 0).all() and y[:rows].abs().sum() > 0
+    if grad_x is not None:
+        assert (grad_x[rows:] == 0).all() and grad_x[:rows].abs().sum() > 0
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("trained", ["both", "x", "w"])
+def test_rowwise_on_aligned_groups_equals_the_general_padding(recipe, trained):
+    counts = [32, 0, 48, 64]  # 16-aligned, an empty expert
+    x, w, offsets = _problem(counts, n=128, k=256, extra_rows=3 * 15 + 2)
+    x.requires_grad_(trained != "w")
+    w.requires_grad_(trained != "x")
+    grad_y = torch.randn(x.shape[0], 128)
     outs = []
     for aligned in (False, True):
-        y = BlockwiseGroupedMM.apply(x, w, offsets, BLOCKWISE_KERNELS[kernels](), aligned)
-        y.backward(torch.ones_like(y))
-        outs.append((y.detach(), x.grad.clone(), w.grad.clone()))
-        x.grad = w.grad = None
-    for general, aligned in zip(*outs):
-        assert torch.equal(general, aligned)
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w)]
+        kernels = TorchRowwiseKernels(ContractScaledGroupedMM())
+        y = RowwiseGroupedMM.apply(*leaves, offsets, kernels, recipe == "rowwise_gw_hp", aligned)
+        y.backward(grad_y)
+        outs.append((y.detach(), leaves[0].grad, leaves[1].grad))
+    for before, after in zip(*outs):
+        assert (before is None) == (after is None)
+        if before is not None:
+            assert torch.equal(before, after)
+    rows = sum(counts)
+    y, grad_x, _ = outs[1]
+    assert (y[rows:] == 0).all() and (grad_x is None or (grad_x[rows:] == 0).all())
+
+
+def _counting_gathers(monkeypatch) -> list[int]:
+    """Count the row gathers of the padding path (every gathering quantizer and unpadding goes through it)."""
+    calls = []
+    real = fp8_quant.gather_rows
+    monkeypatch.setattr(fp8_quant, "gather_rows", lambda x, source: calls.append(1) or real(x, source))
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "rowwise_gw_hp"])
+def test_aligned_groups_run_no_row_gather(recipe, monkeypatch):
+    """Forward and backward on aligned groups gather no row; the same call on the padding path gathers (the count
+    would show a gather the aligned path ran)."""
+    gathers = _counting_gathers(monkeypatch)
+    x, w, offsets = _problem([128, 0, 256, 128], n=128, k=256, extra_rows=5)
+    for aligned in (True, False):
+        leaves = (x.clone().requires_grad_(True), w.clone().requires_grad_(True))
+        if recipe == "blockwise":
+            y = BlockwiseGroupedMM.apply(*leaves, offsets, BLOCKWISE_KERNELS["deepgemm"](), aligned)
+        else:
+            y = RowwiseGroupedMM.apply(*leaves, offsets, TorchRowwiseKernels(ContractScaledGroupedMM()),
+                                       recipe == "rowwise_gw_hp", aligned)
+        y.backward(torch.randn_like(y))
+        assert (len(gathers) == 0) == aligned, f"aligned={aligned}: {len(gathers)} gathers"
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_converted_experts_under_moe_hand_their_aligned_groups_to_the_fast_path(recipe, monkeypatch):
+    """The MoE pads each expert's group to the converted experts' group_alignment, so their FP8 GEMMs take the
+    aligned path: a training step's forward and backward gather no row."""
+    model, plan = _tiny_moe_and_plan(recipe=recipe, fp8_format="e4m3")
+    GroupedFP8Backend(kernels="torch").convert(model, [plan.decision("layers.1.moe.experts.w13"),
+                                                       plan.decision("layers.1.moe.experts.w2")], plan)
+    moe = model.layers[1].moe
+    moe.experts.blockwise_kernels = BLOCKWISE_KERNELS["torch"]()  # the GPU kernels' contracts, in FP32 on CPU
+    moe.experts.rowwise_kernels = TorchRowwiseKernels(ContractScaledGroupedMM())
+    gathers = _counting_gathers(monkeypatch)
+    moe(torch.randn(2, 16, 256)).square().mean().backward()
+    assert gathers == [] and moe.experts.w13.grad.abs().sum() > 0
 
 
 def test_rhs_block_scale_pads_k_blocks_to_a_multiple_of_four():
@@ -390,6 +480,24 @@ def test_master_weights_hand_the_blockwise_experts_their_main_grads():
     for weight, expected in zip(weights, autograd_grads):
         assert weight.grad is None
         assert rel_err(weight.main_grad, expected) < 1e-6
+
+
+def test_master_weights_take_the_main_grads_the_blockwise_experts_wrote():
+    """Under MasterWeights the blockwise experts' wgrad GEMMs write the main_grads and hand autograd no gradient, for
+    which autograd still runs the master weights' accumulation hook: it adds nothing and the step goes on."""
+    from fp8stack.precision import MasterWeights
+
+    model, plan = _tiny_moe_and_plan()
+    backend = GroupedFP8Backend(kernels="torch")
+    backend.convert(model, [plan.decision("layers.1.moe.experts.w13"), plan.decision("layers.1.moe.experts.w2")], plan)
+    moe = model.layers[1].moe
+    moe.experts.blockwise_kernels = BLOCKWISE_KERNELS["torch"]()  # the GPU kernels' contract, in FP32 on CPU
+    MasterWeights(moe)
+    backend.hand_over_main_grads(moe)  # what MasterWeights asks of an assembled model's backends
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(torch.randn(2, 16, 256)).float().square().mean().backward()
+    for weight in (moe.experts.w13, moe.experts.w2, moe.router.gate.weight):
+        assert weight.grad is None and weight.main_grad.abs().sum() > 0
 
 
 def test_blockwise_keeps_dtypes_and_follows_autocast():
@@ -676,3 +784,21 @@ def test_compiled_quantizers_equal_eager_bit_for_bit_without_recompiling(tmp_pat
     assert transposed.data.is_contiguous() and torch.equal(transposed.scale, direct.scale)
     assert torch.equal(transposed.data.view(torch.uint8), direct.data.view(torch.uint8))
     assert not {"fxgraph", "aotautograd"} & {path.name for path in tmp_path.iterdir()}
+
+
+def test_compiled_aligned_group_quantizers_equal_eager_whatever_the_row_count():
+    """The aligned path appends its zero rows inside the compiled quantizer: bit for bit the eager result, from one
+    graph for row counts that need rows appended and for those that need none."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    offsets = offsets_of([128, 0, 128])
+    cases = [(fp8_quant.pad_quantize_both_1x128, lambda x: (x, BLOCK)),
+             (fp8_quant.pad_quantize_rowwise_and_groups, lambda x: (x, offsets, 16)),
+             (fp8_quant.zero_rows_past_groups, lambda x: (x, offsets))]
+    for fn, args_of in cases:
+        graphs = counters["stats"]["unique_graphs"]
+        for rows in (384, 300):
+            x = (torch.randn(rows, 256) * torch.logspace(-3, 3, 256)).bfloat16()
+            assert _bits(fn.compiled(*args_of(x))) == _bits(fn.eager(*args_of(x))), (fn.__name__, rows)
+        assert counters["stats"]["unique_graphs"] - graphs == 1, fn.__name__

@@ -55,6 +55,44 @@ def test_micro_batch_gradients_add_up_in_fp32():
     assert any(not torch.equal(b, b.to(torch.bfloat16).float()) for b in both)
 
 
+def test_the_bf16_arms_grouped_experts_add_their_weight_gradients_into_main_grad():
+    """The BF16 arm of an MoE (recipe bf16, BF16 parameters): master weights hand the grouped experts their main_grads
+    (the bf16 backend's hand_over_main_grads), and their weight-gradient GEMMs add into them in the backward, as the
+    FP8 arms' grouped experts do. Autograd gets no expert weight gradient (which the hook added before), two
+    micro-batches sum in FP32, and the main_grads are those the hook gave."""
+    from fp8stack.models import GroupedExperts
+
+    with session(from_overrides({**FAST, "model.name": "tiny-moe", "precision.recipe": "bf16",
+                                 "training.param_dtype": "bf16", "training.steps": 1})) as run:
+        experts = [m for m in run.model.modules() if isinstance(m, GroupedExperts)]
+        assert experts and all(m.wgrad_into_main_grad for m in experts)
+        handed = []  # per expert weight and backward: whether autograd got a gradient for it
+        for weight in (w for m in experts for w in (m.w13, m.w2)):
+            weight.register_hook(lambda grad: handed.append(grad is not None))
+        tokens, targets = next(iter(run.data))
+        halves = list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
+
+        def gradients(batches) -> list[torch.Tensor]:
+            for param in run.masters.params:
+                param.main_grad.zero_()
+            for tokens, targets in batches:
+                with run.autocast():
+                    run.loss_fn(tokens, targets).backward()
+            return [param.main_grad.clone() for param in run.masters.params]
+
+        first, second, both = gradients(halves[:1]), gradients(halves[1:]), gradients(halves)
+        assert handed and not any(handed), "the fused experts hand autograd no weight gradient"
+        handed.clear()
+        for module in experts:
+            module.wgrad_into_main_grad = False
+        hooked = gradients(halves)
+        assert handed == [True] * 2 * 2 * len(experts), "unfused, each expert weight's gradient went through autograd"
+    assert all(torch.equal(b, f + s) for b, f, s in zip(both, first, second, strict=True))
+    assert all(torch.equal(fused, unfused) for fused, unfused in zip(both, hooked, strict=True))
+    names = [name for name, _ in run.model.named_parameters()]
+    assert any(".experts.w13" in name and g.abs().sum() > 0 for name, g in zip(names, both, strict=True))
+
+
 def test_bf16_parameters_compute_what_fp32_ones_under_autocast_do():
     """Without FP8, autocast's per-forward BF16 casts of FP32 parameters are the BF16 parameters, and both paths add
     BF16 weight gradients in FP32 (the embedding's rows too): the runs agree to FP32 summation order."""

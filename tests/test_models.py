@@ -246,3 +246,59 @@ def test_experts_without_tokens():
     assert moe.experts.w13.grad[:2].abs().sum() > 0
     assert moe.experts.w13.grad[2:].abs().sum() == 0 and moe.experts.w2.grad[2:].abs().sum() == 0
     assert moe(x[:, :0]).shape == (1, 0, 32)
+
+
+def _bf16_experts_and_rows() -> tuple[GroupedExperts, torch.Tensor, torch.Tensor]:
+    """BF16 experts (as master weights leave them), 36 rows: groups of 8, 0, 16, 8, then 4 rows past the last."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(32, 48, 4)
+    experts.init_weights(0.02)
+    return experts.bfloat16(), torch.randn(36, 32, dtype=torch.bfloat16), torch.tensor([8, 8, 24, 32]).int()
+
+
+def _accumulate_into_main_grads(experts, forward, x, offsets, grads) -> list[torch.Tensor]:
+    """Zeroed FP32 main_grads, wgrad_into_main_grad on, one backward of forward (experts, or experts compiled) per
+    gradient in `grads`; the input gradients."""
+    for weight in (experts.w13, experts.w2):
+        weight.main_grad = torch.zeros(weight.shape)
+    experts.wgrad_into_main_grad = True
+    input_grads = []
+    for grad in grads:
+        leaf = x.clone().requires_grad_(True)
+        forward(leaf, offsets).backward(grad)
+        input_grads.append(leaf.grad)
+    return input_grads
+
+
+def test_grouped_experts_add_their_weight_gradients_into_main_grad():
+    """With wgrad_into_main_grad (set by the bf16 backend under master weights) two micro-batches' weight gradients
+    land in the FP32 main_grads: the FP32 sum of autograd's BF16 gradients bit for bit, an empty expert's zero; the
+    weights get no .grad (nothing for a hook to add) and the input gradients are autograd's."""
+    experts, x, offsets = _bf16_experts_and_rows()
+    grads = [torch.randn(36, 32, dtype=torch.bfloat16) for _ in range(2)]
+    weight_grads, input_grads = [], []
+    for grad in grads:
+        leaf = x.clone().requires_grad_(True)
+        experts(leaf, offsets).backward(grad)
+        weight_grads.append([experts.w13.grad.float(), experts.w2.grad.float()])
+        input_grads.append(leaf.grad)
+        experts.zero_grad(set_to_none=True)
+    fused_input_grads = _accumulate_into_main_grads(experts, experts, x, offsets, grads)
+    assert experts.w13.grad is None and experts.w2.grad is None
+    for index, weight in enumerate((experts.w13, experts.w2)):
+        assert torch.equal(weight.main_grad, weight_grads[0][index] + weight_grads[1][index])
+        assert (weight.main_grad[1] == 0).all() and weight.main_grad.abs().sum() > 0
+    for fused, autograd in zip(fused_input_grads, input_grads):
+        assert torch.equal(fused[:32], autograd[:32])  # rows past the last group are unspecified
+
+
+def test_main_grad_accumulation_survives_torch_compile():
+    """The trainer compiles each block on CUDA: traced whole (fullgraph), the backward's in-place add into the main_grad
+    still lands, as in eager."""
+    experts, x, offsets = _bf16_experts_and_rows()
+    grads = [torch.randn(36, 32, dtype=torch.bfloat16) for _ in range(2)]
+    _accumulate_into_main_grads(experts, experts, x, offsets, grads)
+    eager = [experts.w13.main_grad.clone(), experts.w2.main_grad.clone()]
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    _accumulate_into_main_grads(experts, compiled, x, offsets, grads)
+    assert torch.equal(experts.w13.main_grad, eager[0]) and torch.equal(experts.w2.main_grad, eager[1])

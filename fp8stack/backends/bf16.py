@@ -9,6 +9,7 @@ from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
 from fp8stack.backends.base import Backend, ConversionRecord
+from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan
 from fp8stack.plan.recipes import BF16
 
@@ -29,6 +30,14 @@ class BF16Backend(Backend):
         modules = dict(model.named_modules())
         runs = {d.fqn: _runner(model, modules, d) for d in decisions}
         return model, ConversionRecord(self.name, runs, BF16)
+
+    def hand_over_main_grads(self, model: nn.Module) -> None:
+        """Master weights give every weight an FP32 main_grad: grouped experts' BF16 weight-gradient GEMMs add into
+        it inside their backward from now on (GroupedExperts.wgrad_into_main_grad), as Megatron's TEGroupedMLP and
+        grouped_fp8's blockwise GEMMs do, so that a BF16 baseline pays no hook per expert weight and micro-batch."""
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                module.wgrad_into_main_grad = True
 
 
 def _runner(model: nn.Module, modules: dict[str, nn.Module], d: Decision) -> str:

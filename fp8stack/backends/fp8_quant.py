@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from fp8stack.backends.blockwise import Fp8Tensor, cast_to_fp8, decode_scale, quantize_1x128, quantize_128x128
 
@@ -82,6 +83,40 @@ def gather_quantize_both_1x128(x: torch.Tensor, source: torch.Tensor) -> tuple[F
     """Both 1x128 forms of the padded x from one read: gather_quantize_rows_1x128 and gather_quantize_cols_1x128."""
     padded = gather_rows(x, source)
     return quantize_1x128(padded), quantize_1x128(padded.t())
+
+
+def pad_rows(x: torch.Tensor, alignment: int) -> torch.Tensor:
+    """x [T, C] with zero rows appended up to a multiple of `alignment`: the token buffer of groups that already
+    start where the GEMMs need them, whose row count the GEMMs still need aligned. Inside a fused quantizer the
+    zeros are a masked load of x, not a copy."""
+    return F.pad(x, (0, 0, 0, -x.shape[0] % alignment))
+
+
+@fused()
+def pad_quantize_rows_1x128(x: torch.Tensor, alignment: int) -> Fp8Tensor:
+    """quantize_1x128(pad_rows(x, alignment)): gather_quantize_rows_1x128 for groups that are aligned already."""
+    return quantize_1x128(pad_rows(x, alignment))
+
+
+@fused()
+def pad_quantize_cols_1x128(x: torch.Tensor, alignment: int) -> Fp8Tensor:
+    """quantize_1x128(pad_rows(x, alignment).t()): gather_quantize_cols_1x128 for groups that are aligned already."""
+    return quantize_1x128(pad_rows(x, alignment).t())
+
+
+@fused()
+def pad_quantize_both_1x128(x: torch.Tensor, alignment: int) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """Both 1x128 forms of pad_rows(x, alignment) from one read: gather_quantize_both_1x128 for aligned groups."""
+    padded = pad_rows(x, alignment)
+    return quantize_1x128(padded), quantize_1x128(padded.t())
+
+
+@fused()
+def zero_rows_past_groups(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y [T, C] with the rows from offsets[-1] on zeroed (a GEMM wrote nothing, or anything, there): a pointwise
+    select that reads y once, where an unpadding gather reads it row by row through an index."""
+    rows = torch.arange(y.shape[0], device=y.device)
+    return torch.where((rows < offsets[-1]).unsqueeze(1), y, 0)
 
 
 @fused(dynamic_dims=())
@@ -166,6 +201,26 @@ def gather_quantize_rowwise_and_groups(x: torch.Tensor, source: torch.Tensor,
 @fused()
 def gather_quantize_token_groups(x: torch.Tensor, source: torch.Tensor, offsets: torch.Tensor) -> Fp8Tensor:
     return quantize_token_groups_aligned(gather_rows(x, source), offsets)
+
+
+@fused()
+def pad_quantize_rowwise(x: torch.Tensor, alignment: int) -> Fp8Tensor:
+    """quantize_rowwise(pad_rows(x, alignment)): gather_quantize_rowwise for groups that are aligned already."""
+    return quantize_rowwise(pad_rows(x, alignment))
+
+
+@fused()
+def pad_quantize_rowwise_and_groups(x: torch.Tensor, offsets: torch.Tensor,
+                                    alignment: int) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """gather_quantize_rowwise_and_groups for groups that are aligned already: x padded by pad_rows, not gathered.
+    The rows past offsets[-1] land in quantize_token_groups_aligned's dropped bucket."""
+    padded = pad_rows(x, alignment)
+    return quantize_rowwise(padded), quantize_token_groups_aligned(padded, offsets)
+
+
+@fused()
+def pad_quantize_token_groups(x: torch.Tensor, offsets: torch.Tensor, alignment: int) -> Fp8Tensor:
+    return quantize_token_groups_aligned(pad_rows(x, alignment), offsets)
 
 
 @fused()

@@ -15,12 +15,14 @@ fused by inductor on CUDA (fp8_quant.py), which may read the input twice (amax k
 eager quantizer costs ~7 FP32 passes of its input instead):
 - forward: w -> FP8 + scales once (2ENK + ENK), saved for dgrad; x -> 1x128 along K and, when w needs a
   gradient, along T transposed, from one read (2TK + 2TK), the transposed copy saved for wgrad instead of
-  x (TK bytes of FP8, not 2TK of BF16). Rowwise gathers x into its 16-aligned groups inside the same kernel.
+  x (TK bytes of FP8, not 2TK of BF16). Groups the caller aligned (GroupedExperts under MoE) are read where they
+  are; others are gathered into aligned groups inside the same kernel (an index load per row, far slower).
 - backward: grad -> along N and along T transposed from one read (2TN + 2TN); blockwise dgrad transposes
   the saved FP8 weight (2ENK); rowwise re-quantizes w per K column (2ENK + ENK).
 - GEMMs: FP8 operands (1 byte/element) and BF16 outputs; blockwise per-expert slices copy the output
-  once (2 x 2TN) and wgrad operands once (T(N + K)).
-- host syncs: none in the rowwise recipes. Blockwise pads groups on the GPU (TokenGroupPadding) and DeepGEMM's
+  once (2 x 2TN) and wgrad operands once (T(N + K)). y and grad_x pass once more (2 x 2TN, 2 x 2TK): a select
+  zeroing the rows past the last group (aligned groups), or the gather that unpads them.
+- host syncs: none in the rowwise recipes. Blockwise pads groups (if any) on the GPU and DeepGEMM's
   forward labels rows with their experts on the GPU (a capturable forward); its K-grouped wgrad takes the group
   sizes as a Python list, read once in the backward. The torch blockwise kernels slice per expert on the host, so
   they read the group sizes once per forward (reused by the backward): torch's grouped FP8 GEMM takes rowwise and
@@ -40,7 +42,7 @@ from torch import nn
 from fp8stack.backends import deepgemm, fp8_quant
 from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, swap_module
 from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts, new_or_into
-from fp8stack.backends.fp8_quant import TOKEN_CHUNK, gather_rows
+from fp8stack.backends.fp8_quant import TOKEN_CHUNK
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError
 
@@ -88,7 +90,7 @@ class TorchBlockwiseKernels:
     def __init__(self, scaled_mm=F.scaled_mm):
         self.scaled_mm = scaled_mm
 
-    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding") -> torch.Tensor:
+    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding | AlignedTokenGroups") -> torch.Tensor:
         """Row group e of a [R, K] (1x128 scales) times b[e]^T, b [E, N, K] (128x128 scales) -> [R, N] BF16."""
         out = a.data.new_zeros(a.data.shape[0], b.data.shape[1], dtype=torch.bfloat16)
         start = 0
@@ -102,7 +104,7 @@ class TorchBlockwiseKernels:
             start += count
         return out
 
-    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding",
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding | AlignedTokenGroups",
                   into: torch.Tensor | None = None) -> torch.Tensor:
         """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32;
         into: an FP32 [E, M, N] the products are added to (and returned) instead of a new zeroed one."""
@@ -144,7 +146,8 @@ class TorchRowwiseKernels:
 class TokenGroupPadding:
     """Token groups moved to start on multiples of an alignment, without a host sync: the padded
     buffer has the static size T + E * (alignment - 1) rows, rounded up to the alignment; padding rows are zero.
-    Both directions are row gathers (`gather_rows`), so they fuse into the quantizer or cast that consumes them."""
+    Both directions are row gathers (`gather_rows`), fused into the quantizer or cast that consumes them.
+    Each operand method returns x's buffer in the form a GEMM reads; AlignedTokenGroups offers the same methods."""
 
     offsets: torch.Tensor
     """int32 [E] end row of each padded group."""
@@ -156,11 +159,7 @@ class TokenGroupPadding:
     """Buffer rows."""
 
     @classmethod
-    def build(cls, offsets: torch.Tensor, num_tokens: int, alignment: int,
-              aligned: bool = False) -> "TokenGroupPadding":
-        """aligned: the caller's groups already start on multiples of `alignment` (GroupedExperts' contract when
-        its group_alignment is one), so no group moves and the buffer needs no room for padding: T rows, rounded
-        up to the alignment, instead of T + E * (alignment - 1)."""
+    def build(cls, offsets: torch.Tensor, num_tokens: int, alignment: int) -> "TokenGroupPadding":
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
         padded_counts = (counts + alignment - 1) // alignment * alignment
         padded_ends = padded_counts.cumsum(0)
@@ -169,24 +168,96 @@ class TokenGroupPadding:
         inside = group < offsets.numel()
         shift = ((padded_ends - padded_counts) - (offsets - counts))[group.clamp(max=offsets.numel() - 1)]
         # The GEMMs also need the buffer's row count (a stride when transposed) aligned.
-        room = 0 if aligned else offsets.numel() * (alignment - 1)
-        rows = -(-(num_tokens + room) // alignment) * alignment
+        rows = -(-(num_tokens + offsets.numel() * (alignment - 1)) // alignment) * alignment
         dest = torch.where(inside, tokens + shift, rows)  # tokens past the groups go to a scratch row
         source = torch.full((rows + 1,), -1, dtype=torch.long, device=offsets.device).index_copy_(0, dest, tokens)
         return cls(padded_ends.to(offsets.dtype), source[:rows], torch.where(inside, dest, -1), rows)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, C] -> [rows, C]."""
-        return gather_rows(x, self.source)
+        """[T, C] -> [rows, C]: the buffer in BF16 (or x's dtype), for a GEMM that reads it unquantized."""
+        return fp8_quant.gather_rows_fused(x, self.source)
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
-        return gather_rows(y, self.unpad_source)
+        return fp8_quant.gather_rows_fused(y, self.unpad_source)
+
+    def quantize_rows_1x128(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.gather_quantize_rows_1x128(x, self.source)
+
+    def quantize_cols_1x128(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.gather_quantize_cols_1x128(x, self.source)
+
+    def quantize_both_1x128(self, x: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+        return fp8_quant.gather_quantize_both_1x128(x, self.source)
+
+    def quantize_rowwise(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.gather_quantize_rowwise(x, self.source)
+
+    def quantize_rowwise_and_groups(self, x: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+        return fp8_quant.gather_quantize_rowwise_and_groups(x, self.source, self.offsets)
+
+    def quantize_token_groups(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.gather_quantize_token_groups(x, self.source, self.offsets)
 
     @functools.cached_property
     def counts(self) -> tuple[int, ...]:
         """Rows per padded group, read on the host on first use (a device sync) and kept for the backward."""
         return tuple(group_counts(self.offsets))
+
+
+@dataclass(frozen=True)
+class AlignedTokenGroups:
+    """Token groups that already start on multiples of the kernels' row alignment (GroupedExperts' contract when its
+    group_alignment is a multiple of it): no row moves. The buffer is x itself, with zero rows appended up to a
+    multiple of the alignment inside the quantizer that reads it (a masked load, no copy); no GEMM reads the rows
+    past the last group, and the outputs' such rows are zeroed by a pointwise select. TokenGroupPadding's index
+    gathers, which this skips, ran at ~450 GB/s on an H200. Same operand methods as TokenGroupPadding."""
+
+    offsets: torch.Tensor
+    """int32 [E] end row of each group (each a multiple of alignment)."""
+    num_tokens: int
+    """T, the rows of x."""
+    alignment: int
+    """What the buffer's row count is rounded up to (the GEMMs need it aligned: a stride when transposed)."""
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x, contiguous: a GEMM reading it unquantized takes the groups where they are, whatever the row count."""
+        return x.contiguous()
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
+        return fp8_quant.zero_rows_past_groups(y[:self.num_tokens], self.offsets)
+
+    def quantize_rows_1x128(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.pad_quantize_rows_1x128(x, self.alignment)
+
+    def quantize_cols_1x128(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.pad_quantize_cols_1x128(x, self.alignment)
+
+    def quantize_both_1x128(self, x: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+        return fp8_quant.pad_quantize_both_1x128(x, self.alignment)
+
+    def quantize_rowwise(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.pad_quantize_rowwise(x, self.alignment)
+
+    def quantize_rowwise_and_groups(self, x: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+        return fp8_quant.pad_quantize_rowwise_and_groups(x, self.offsets, self.alignment)
+
+    def quantize_token_groups(self, x: torch.Tensor) -> Fp8Tensor:
+        return fp8_quant.pad_quantize_token_groups(x, self.offsets, self.alignment)
+
+    @functools.cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Rows per group, read on the host on first use (a device sync) and kept for the backward."""
+        return tuple(group_counts(self.offsets))
+
+
+def token_groups(offsets: torch.Tensor, num_tokens: int, alignment: int,
+                 aligned: bool) -> TokenGroupPadding | AlignedTokenGroups:
+    """The GEMMs' view of x's token groups: as they are when the caller aligned them (`aligned`), else padded."""
+    if aligned:
+        return AlignedTokenGroups(offsets, num_tokens, alignment)
+    return TokenGroupPadding.build(offsets, num_tokens, alignment)
 
 
 def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -197,109 +268,108 @@ def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Te
 
 class BlockwiseGroupedMM(torch.autograd.Function):
     """y = x @ w[e]^T per expert row group, with forward, dgrad and wgrad block-scaled FP8 GEMMs.
-    Groups are padded to the kernels' row alignment on the GPU (a static row count), the padding gathered
-    inside each quantizer; each operand is quantized once, whole (1x128 tiles never cross an aligned group).
-    Whether the group sizes are read on the host is the kernels' affair (their capturable flags).
+    aligned: the caller's groups start on multiples of the kernels' row alignment, so the GEMMs read x and the
+    gradient where they are (AlignedTokenGroups); otherwise the groups are padded on the GPU (a static row count),
+    the padding gathered inside each quantizer (TokenGroupPadding). Each operand is quantized once, whole (1x128
+    tiles never cross an aligned group). Whether the group sizes are read on the host is the kernels' affair (their
+    capturable flags).
     main_grad: the weight's FP32 gradient buffer, which the wgrad GEMM adds into in place (no weight gradient is
     returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch)."""
 
     @staticmethod
     def forward(ctx, x, weight, offsets, kernels, aligned=False, main_grad=None):
-        padding = TokenGroupPadding.build(offsets, x.shape[0], kernels.row_alignment, aligned)
+        groups = token_groups(offsets, x.shape[0], kernels.row_alignment, aligned)
         weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
         if ctx.needs_input_grad[1]:
             # The wgrad operand x^T (1x128 tiles along the tokens) comes from the same read of x.
-            x_fp8, x_t = fp8_quant.gather_quantize_both_1x128(x, padding.source)
+            x_fp8, x_t = groups.quantize_both_1x128(x)
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale, x_t.data, x_t.scale)
         else:
-            x_fp8 = fp8_quant.gather_quantize_rows_1x128(x, padding.source)
+            x_fp8 = groups.quantize_rows_1x128(x)
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale)
-        y = kernels.m_grouped(x_fp8, weight_fp8, padding)
-        ctx.padding, ctx.kernels, ctx.main_grad = padding, kernels, main_grad
+        y = kernels.m_grouped(x_fp8, weight_fp8, groups)
+        ctx.groups, ctx.kernels, ctx.main_grad = groups, kernels, main_grad
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
-        return fp8_quant.gather_rows_fused(y, padding.unpad_source).to(_activation_dtype(x))
+        return groups.unpad(y).to(_activation_dtype(x))
 
     @staticmethod
     def backward(ctx, grad_y):
         weight_data, weight_scale, *x_t = ctx.saved_tensors
-        padding, kernels = ctx.padding, ctx.kernels
+        groups, kernels = ctx.groups, ctx.kernels
         need_x, need_w = ctx.needs_input_grad[:2]
         if need_x and need_w:
-            grad_fp8, grad_t = fp8_quant.gather_quantize_both_1x128(grad_y, padding.source)
+            grad_fp8, grad_t = groups.quantize_both_1x128(grad_y)
         elif need_x:
-            grad_fp8 = fp8_quant.gather_quantize_rows_1x128(grad_y, padding.source)
+            grad_fp8 = groups.quantize_rows_1x128(grad_y)
         elif need_w:
-            grad_t = fp8_quant.gather_quantize_cols_1x128(grad_y, padding.source)
+            grad_t = groups.quantize_cols_1x128(grad_y)
         grad_x = grad_w = None
         if need_x:
             weight_t = fp8_quant.transpose_blocks(Fp8Tensor(weight_data, weight_scale))  # the forward's, transposed
-            grad_x = kernels.m_grouped(grad_fp8, weight_t, padding)
-            grad_x = fp8_quant.gather_rows_fused(grad_x, padding.unpad_source).to(ctx.x_dtype)
+            grad_x = groups.unpad(kernels.m_grouped(grad_fp8, weight_t, groups)).to(ctx.x_dtype)
         if need_w and ctx.main_grad is not None:
-            kernels.k_grouped(grad_t, Fp8Tensor(*x_t), padding, into=ctx.main_grad)
+            kernels.k_grouped(grad_t, Fp8Tensor(*x_t), groups, into=ctx.main_grad)
         elif need_w:
-            grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), padding).to(ctx.weight_dtype)
+            grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), groups).to(ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None
 
 
 class RowwiseGroupedMM(torch.autograd.Function):
     """y = x @ w[e]^T per expert row group with rowwise-scaled FP8 grouped GEMMs; wgrad optionally in BF16.
-    Token groups are padded to 16 rows for every GEMM, as torch's FP8 grouped GEMM is used and tested;
-    the padding is a row gather fused into each quantizer, and nothing syncs with the host."""
+    Token groups start on multiples of 16 rows for every GEMM, as torch's FP8 grouped GEMM is used and tested:
+    where they are when the caller aligned them (`aligned`), else padded by a row gather fused into each quantizer;
+    nothing syncs with the host."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, kernels, high_precision_wgrad):
-        padding = TokenGroupPadding.build(offsets, x.shape[0], RECIPE_ALIGNMENT["rowwise"])
+    def forward(ctx, x, weight, offsets, kernels, high_precision_wgrad, aligned=False):
+        groups = token_groups(offsets, x.shape[0], RECIPE_ALIGNMENT["rowwise"], aligned)
         if ctx.needs_input_grad[1] and not high_precision_wgrad:
             # The wgrad operand (x^T scaled per token group and column) from the same read of x, saved
             # in FP8 instead of x.
-            x_fp8, x_groups = fp8_quant.gather_quantize_rowwise_and_groups(x, padding.source, padding.offsets)
+            x_fp8, x_groups = groups.quantize_rowwise_and_groups(x)
             saved = (x_groups.data, x_groups.scale)
         else:
-            x_fp8 = fp8_quant.gather_quantize_rowwise(x, padding.source)
+            x_fp8 = groups.quantize_rowwise(x)
             saved = (x,) if ctx.needs_input_grad[1] else ()
-        y = kernels.m_grouped(x_fp8, fp8_quant.quantize_rowwise_weight(weight), padding.offsets)
+        y = kernels.m_grouped(x_fp8, fp8_quant.quantize_rowwise_weight(weight), groups.offsets)
         ctx.save_for_backward(weight, offsets, *saved)
-        ctx.padding, ctx.kernels, ctx.x_dtype = padding, kernels, x.dtype
+        ctx.groups, ctx.kernels, ctx.x_dtype = groups, kernels, x.dtype
         ctx.high_precision_wgrad = high_precision_wgrad
-        return fp8_quant.gather_rows_fused(y, padding.unpad_source).to(_activation_dtype(x))
+        return groups.unpad(y).to(_activation_dtype(x))
 
     @staticmethod
     def backward(ctx, grad_y):
         weight, offsets, *saved = ctx.saved_tensors
-        padding, kernels, high_precision = ctx.padding, ctx.kernels, ctx.high_precision_wgrad
+        groups, kernels, high_precision = ctx.groups, ctx.kernels, ctx.high_precision_wgrad
         need_x, need_w = ctx.needs_input_grad[:2]
         fp8_wgrad = need_w and not high_precision
         if need_x and fp8_wgrad:
-            grad_fp8, grad_groups = fp8_quant.gather_quantize_rowwise_and_groups(grad_y, padding.source,
-                                                                                 padding.offsets)
+            grad_fp8, grad_groups = groups.quantize_rowwise_and_groups(grad_y)
         elif need_x:
-            grad_fp8 = fp8_quant.gather_quantize_rowwise(grad_y, padding.source)
+            grad_fp8 = groups.quantize_rowwise(grad_y)
         elif fp8_wgrad:
-            grad_groups = fp8_quant.gather_quantize_token_groups(grad_y, padding.source, padding.offsets)
+            grad_groups = groups.quantize_token_groups(grad_y)
         grad_x = grad_w = None
         if need_x:
             # dgrad reduces over N: w^T [E, K, N] scaled per row.
-            grad_x = kernels.m_grouped(grad_fp8, fp8_quant.quantize_rowwise_transposed(weight), padding.offsets)
-            grad_x = fp8_quant.gather_rows_fused(grad_x, padding.unpad_source).to(ctx.x_dtype)
+            grad_x = kernels.m_grouped(grad_fp8, fp8_quant.quantize_rowwise_transposed(weight), groups.offsets)
+            grad_x = groups.unpad(grad_x).to(ctx.x_dtype)
         if need_w:
             if high_precision:
-                grad_padded = fp8_quant.gather_rows_fused(grad_y.to(torch.bfloat16), padding.source)
-                x_padded = fp8_quant.gather_rows_fused(saved[0].to(torch.bfloat16), padding.source)
-                grad_w = torch._grouped_mm(grad_padded.t(), x_padded, offs=padding.offsets)
+                grad_padded = groups.pad(grad_y.to(torch.bfloat16))
+                x_padded = groups.pad(saved[0].to(torch.bfloat16))
+                grad_w = torch._grouped_mm(grad_padded.t(), x_padded, offs=groups.offsets)
             else:
-                grad_w = kernels.k_grouped(grad_groups, Fp8Tensor(*saved), padding.offsets)
+                grad_w = kernels.k_grouped(grad_groups, Fp8Tensor(*saved), groups.offsets)
             grad_w = _zero_empty_experts(grad_w, offsets).to(weight.dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class Float8GroupedExperts(GroupedExperts):
     """GroupedExperts whose planned GEMMs run in FP8; the same Parameter objects as the module it replaces.
-    A GEMM with no recipe (the plan keeps it BF16) runs GroupedExperts' torch._grouped_mm."""
-
-    wgrad_into_main_grad: bool = False
-    """The blockwise wgrad GEMMs add into their weights' FP32 main_grad (set once master weights own those buffers:
-    GroupedFP8Backend.hand_over_main_grads)."""
+    A GEMM with no recipe (the plan keeps it BF16) runs GroupedExperts' torch._grouped_mm. With
+    wgrad_into_main_grad (GroupedFP8Backend.hand_over_main_grads) the blockwise and BF16 wgrad GEMMs add into their
+    weights' FP32 main_grad; the rowwise recipes' still return their weight gradients."""
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         recipe = self.recipes.get("w13" if weight is self.w13 else "w2")
@@ -309,7 +379,8 @@ class Float8GroupedExperts(GroupedExperts):
             aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
             main_grad = weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
             return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned, main_grad)
-        return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp")
+        aligned = self.group_alignment % RECIPE_ALIGNMENT[recipe] == 0
+        return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp", aligned)
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipes: dict[str, str], blockwise_kernels,
@@ -358,7 +429,8 @@ class GroupedFP8Backend(Backend):
 
     def hand_over_main_grads(self, model: nn.Module) -> None:
         """Master weights give every weight an FP32 main_grad: the blockwise experts' wgrad GEMMs add into it
-        themselves from now on (DeepGEMM's K-grouped kernel accumulates in place; torch's adds per expert)."""
+        themselves from now on (DeepGEMM's K-grouped kernel accumulates in place; torch's adds per expert), and so do
+        the BF16 GEMMs of a converted module."""
         for module in model.modules():
             if isinstance(module, Float8GroupedExperts):
                 module.wgrad_into_main_grad = True

@@ -154,6 +154,10 @@ class GroupedExperts(nn.Module):
     """Rows per expert group are padded to a multiple of this. The weight-gradient GEMM groups
     along the token dim, so group starts must be 16-byte aligned: 8 BF16 rows (as torchtitan pads).
     FP8 subclasses raise it (16 for FP8 rows, 128 for block-scaled kernels)."""
+    wgrad_into_main_grad: bool = False
+    """The weight-gradient GEMMs add into their weights' FP32 main_grad inside the backward, and autograd gets no
+    weight gradient: no BF16 gradient kept until a hook adds it (set by a backend's hand_over_main_grads once
+    master weights own those buffers, as Megatron's TEGroupedMLP accumulates into main_grad)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
@@ -172,15 +176,38 @@ class GroupedExperts(nn.Module):
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Row group g of x times weight[g]^T (weight in nn.Linear layout [E, N, K])."""
+        main_grad = weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
         # _grouped_mm is not on autocast's op lists: cast as autocast does for a matmul.
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
+        if main_grad is not None:
+            return GroupedMMIntoMainGrad.apply(x, weight, offsets, main_grad)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w13, std=0.02)
         nn.init.trunc_normal_(self.w2, std=init_std)
+
+
+class GroupedMMIntoMainGrad(torch.autograd.Function):
+    """torch._grouped_mm(x, weight^T) per row group, whose backward adds the weight gradient into `main_grad` (the
+    weight's FP32 buffer) in place and returns none. torch._grouped_mm writes its input dtype only (no FP32 output for
+    BF16 operands), so the BF16 product is added right away: one add, as the hook's, but the BF16 gradient is freed
+    at once instead of passing through the parameter's .grad to a hook."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, main_grad):
+        ctx.save_for_backward(x, weight, offsets)
+        ctx.main_grad = main_grad
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, offsets = ctx.saved_tensors
+        grad_x = torch._grouped_mm(grad_y, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        ctx.main_grad.add_(torch._grouped_mm(grad_y.t(), x, offs=offsets))
+        return grad_x, None, None, None
 
 
 @dataclass(frozen=True)

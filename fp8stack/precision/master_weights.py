@@ -9,8 +9,8 @@ With FP32 parameters under autocast, every forward casts each weight to BF16 aga
 BF16, so forwards read them as they are; AdamW steps FP32 copies (the masters), and the BF16 parameters are
 copied from them once per step. Each micro-batch's gradient lands in an FP32 main_grad per parameter: TE's
 fused weight-gradient GEMMs (fuse_wgrad_accumulation) and grouped_fp8's blockwise expert wgrad GEMMs write into it
-themselves, every other parameter's BF16 gradient is added into it by a hook as soon as autograd has it (no BF16
-accumulation across micro-batches).
+themselves (so do the BF16 grouped experts' wgrad GEMMs), every other parameter's BF16 gradient is added into it by
+a hook as soon as autograd has it (no BF16 accumulation across micro-batches).
 Embeddings hand that hook sparse gradients (nn.Embedding.sparse), so only the rows a micro-batch looked up are added
 instead of a dense table-sized gradient. The masters' .grad are those main_grads, so clipping and AdamW read FP32
 gradients.
@@ -152,9 +152,13 @@ class MasterWeights(SteppedMasters):
             self._average.finish()
 
     def _into_main_grad(self, param: torch.Tensor) -> None:
-        """Add a micro-batch's BF16 gradient into the FP32 main_grad, then drop it."""
+        """Add a micro-batch's BF16 gradient into the FP32 main_grad, then drop it. None: a module's GEMM added it
+        into the main_grad itself and handed autograd no gradient (a backend's hand_over_main_grads turned that on),
+        and autograd still runs this hook, so the parameter is reported ready all the same."""
         grad = param.grad
-        if grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
+        if grad is None:
+            pass
+        elif grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
             param.main_grad.index_add_(0, grad._indices()[0], grad._values().to(param.main_grad.dtype))
         else:
             param.main_grad.add_(grad)

@@ -109,6 +109,96 @@ def test_blockwise_wgrad_adds_into_main_grad_as_autograd_would(kernels):
     assert (main_grad[UNEVEN.index(0)] == 0.5).all()
 
 
+def _both_paths(apply, x, w, grad_y):
+    """(y, x.grad, w.grad) of apply(x, w, aligned) for aligned False (the gathers) and True (no row moves)."""
+    outs = []
+    for aligned in (False, True):
+        leaves = (x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True))
+        y = apply(*leaves, aligned)
+        y.backward(grad_y)
+        outs.append((y.detach(), leaves[0].grad, leaves[1].grad))
+    return outs
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
+@pytest.mark.parametrize("extra_rows", [0, 3 * 127 + 5], ids=["rows-aligned", "rows-unaligned"])
+def test_blockwise_aligned_path_equals_the_gather_path(kernels, extra_rows):
+    """On the real kernels and the compiled quantizers, groups the caller aligned (an empty expert among them) give
+    what the padding path gives: torch's per-expert GEMMs bit for bit; DeepGEMM tunes its tiles by the row count,
+    which differs (T rounded up against T + E x 127), so within one BF16 rounding. Tokens past the last group get
+    zero output and zero gradient whatever x and grad_y hold there."""
+    torch.manual_seed(0)
+    counts = [256, 0, 384, 128]
+    offsets = offsets_of(counts)
+    x = torch.randn(sum(counts) + extra_rows, 1024, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(len(counts), 384, 1024, device=DEVICE) * 0.05
+    grad_y = torch.randn(x.shape[0], 384, device=DEVICE, dtype=torch.bfloat16)
+
+    def apply(a, b, aligned):
+        return BlockwiseGroupedMM.apply(a, b, offsets, KERNELS[kernels](), aligned)
+
+    general, aligned = _both_paths(apply, x, w, grad_y)
+    for before, after in zip(general, aligned):
+        if kernels == "torch":
+            assert torch.equal(before, after)
+        else:
+            assert rel_err(after, before) < 4e-3
+    rows = sum(counts)
+    assert (aligned[0][rows:] == 0).all() and (aligned[1][rows:] == 0).all()
+    assert (aligned[2][counts.index(0)] == 0).all()
+
+
+@pytest.mark.parametrize("high_precision_wgrad", [False, True], ids=["rowwise", "rowwise_gw_hp"])
+def test_rowwise_aligned_path_equals_the_gather_path(high_precision_wgrad):
+    torch.manual_seed(0)
+    counts = [32, 0, 48, 64]
+    offsets = offsets_of(counts)
+    x = torch.randn(sum(counts) + 3 * 15 + 2, 512, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(len(counts), 256, 512, device=DEVICE) * 0.05
+    grad_y = torch.randn(x.shape[0], 256, device=DEVICE, dtype=torch.bfloat16)
+
+    def apply(a, b, aligned):
+        return RowwiseGroupedMM.apply(a, b, offsets, TorchRowwiseKernels(), high_precision_wgrad, aligned)
+
+    general, aligned = _both_paths(apply, x, w, grad_y)
+    for before, after in zip(general, aligned):
+        assert rel_err(after, before) < 4e-3
+    rows = sum(counts)
+    assert (aligned[0][rows:] == 0).all() and (aligned[1][rows:] == 0).all()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_grouped_experts_add_weight_gradients_into_main_grad(compiled):
+    """The BF16 experts' fused wgrad (wgrad_into_main_grad, the bf16 backend's hand-over under master weights) on
+    torch._grouped_mm's CUDA kernels, eager and compiled by inductor as the trainer compiles its blocks: two
+    micro-batches in the FP32 main_grads, within a BF16 rounding of autograd's gradients summed in FP32; no .grad."""
+    from fp8stack.models import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(512, 256, 4).to(DEVICE)
+    experts.init_weights(0.02)
+    experts = experts.bfloat16()
+    offsets = offsets_of([128, 0, 256, 64])
+    x = torch.randn(448 + 24, 512, device=DEVICE, dtype=torch.bfloat16)  # 24 rows past the last group
+    grads = [torch.randn(x.shape[0], 512, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    expected = [torch.zeros(w.shape, device=DEVICE) for w in (experts.w13, experts.w2)]
+    for grad_y in grads:
+        experts(x, offsets).backward(grad_y)
+        for total, weight in zip(expected, (experts.w13, experts.w2)):
+            total += weight.grad.float()
+        experts.zero_grad(set_to_none=True)
+    for weight in (experts.w13, experts.w2):
+        weight.main_grad = torch.zeros(weight.shape, device=DEVICE)
+    experts.wgrad_into_main_grad = True
+    forward = torch.compile(experts, fullgraph=True) if compiled else experts
+    for grad_y in grads:
+        forward(x.clone().requires_grad_(True), offsets).backward(grad_y)
+    for total, weight in zip(expected, (experts.w13, experts.w2)):
+        assert weight.grad is None
+        assert rel_err(weight.main_grad, total) < 1e-2
+        assert (weight.main_grad[1] == 0).all()
+
+
 @pytest.mark.parametrize("k", [384, 640, 896, 1152])
 def test_torch_blockwise_scaled_mm_when_k_blocks_are_not_a_multiple_of_4(k):
     """One GEMM straight through the native kernel, K/128 = 3, 5, 7, 9."""
@@ -188,9 +278,12 @@ def test_fused_quantizers_match_the_eager_references_on_cuda():
         -3, 3, 1024, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(4, 384, 640, device=DEVICE)
     padding = TokenGroupPadding.build(offsets_of([20, 0, 45, 64]), num_tokens=200, alignment=16)
+    aligned = offsets_of([32, 0, 48, 64])
     cases = [(fp8_quant.quantize_both_1x128, (x,)), (fp8_quant.quantize_blocks_128x128, (w,)),
              (fp8_quant.quantize_rowwise_transposed, (w,)),
-             (fp8_quant.gather_quantize_rowwise_and_groups, (x[:200], padding.source, padding.offsets))]
+             (fp8_quant.gather_quantize_rowwise_and_groups, (x[:200], padding.source, padding.offsets)),
+             (fp8_quant.pad_quantize_both_1x128, (x[:200], 128)),
+             (fp8_quant.pad_quantize_rowwise_and_groups, (x[:200], aligned, 16))]
     for fn, args in cases:
         fast, eager = fn(*args), fn.eager(*args)
         pairs = zip(fast, eager) if isinstance(fast[0], tuple) else [(fast, eager)]
