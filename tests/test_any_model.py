@@ -19,7 +19,8 @@ REFUSED = {
     "hybrid-mamba-moe": "block 'mamba' (ssm_scan: mixer.scan) cannot be built yet",
 }
 """Descriptions fp8stack plans but cannot build, and what the refusal names."""
-BUILT = ("tiny", "tiny-moe", "llama-1b-like", "llama-70b-layers", "llama3-8b", "deepseek-moe-small")
+BUILT = ("tiny", "tiny-moe", "llama-1b-like", "llama-70b-layers", "llama3-8b", "deepseek-moe-small",
+         "deepseek-moe-medium")
 """Descriptions fp8stack builds."""
 
 # The named shapes as the LlamaConfig factories wrote them before they read their YAML files.

@@ -548,8 +548,24 @@ def _expert_choice(c: Component, cfg: PolicyConfig, model: ModelDescription) -> 
 
 
 def _expert_gemm(c: Component, model: ModelDescription) -> ExpertGemm:
-    """An expert component as the measured table is read for it: its tokens per expert are one sequence's."""
-    return ExpertGemm(c.experts, c.n, c.k, max(1, round(model.seq_len * c.active / c.experts)))
+    """An expert component as the measured table is read for it: its tokens per expert are one sequence's, its role
+    in the SwiGLU block the one its layer's other expert GEMM gives."""
+    return ExpertGemm(c.experts, c.n, c.k, max(1, round(model.seq_len * c.active / c.experts)),
+                      role=_expert_role(c, model))
+
+
+def _expert_role(c: Component, model: ModelDescription) -> str:
+    """'w13' or 'w2' for an expert GEMM whose layer holds its partner over the same experts (w13 [2F, D] and w2 [D,
+    F]), '' for one without. Read alone, a square w2 ([D, D] where F = D) would also fit a w13 of another block (F =
+    D / 2), and the two GEMMs of one block, measured as one, could be planned from two blocks' measurements."""
+    for other in model.components:
+        if other.kind != "expert" or other.layer != c.layer or other.fqn == c.fqn or other.experts != c.experts:
+            continue
+        if c.k == other.n and c.n == 2 * other.k:
+            return "w13"
+        if c.n == other.k and other.n == 2 * c.k:
+            return "w2"
+    return ""
 
 
 def _asked_expert_path(cfg: PolicyConfig, recipe: Recipe, dense: str, timed: list, gemm: ExpertGemm) -> ExpertChoice:
