@@ -120,7 +120,9 @@ class PolicyConfig:
     """The output head (BF16 by rule) runs as a TE module without FP8 beside the plan's TE linears, so TE's fused
     weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad, and the final
     norm can fold into it. None: wherever the dense linears run on TE and the model's head may be replaced
-    (ModelDescription.head_replaceable)."""
+    (ModelDescription.head_replaceable); the trainer turns it off where FSDP2 gathers FP32 weights for BF16
+    activations, as TE under fully_shard keeps no weight for a non-FP8 module's backward
+    (fp8stack.train.resolve.head_on_te)."""
     fuse_norm: bool = True
     """A norm whose output only linears read runs inside them as one TE LayerNormLinear (several linears merged into
     one GEMM, their output split back) when they share one TE recipe: one kernel normalizes and casts to FP8."""
