@@ -20,7 +20,7 @@ REFUSED = {
 }
 """Descriptions fp8stack plans but cannot build, and what the refusal names."""
 BUILT = ("tiny", "tiny-moe", "llama-1b-like", "llama-70b-layers", "llama3-8b", "llama3-8b-16-layers",
-         "deepseek-moe-small")
+         "deepseek-moe-small", "deepseek-moe-medium")
 """Descriptions fp8stack builds."""
 
 # The named shapes as the LlamaConfig factories wrote them before they read their YAML files.

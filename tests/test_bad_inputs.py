@@ -154,7 +154,7 @@ TRAIN_BAD = [
      "the plain path's MoE has no expert parallelism: add --model.impl megatron"),
     (["--model-impl", "megatron", "--expert-model-parallel-size", "2"],
      "parallelism.expert_parallel=2 splits routed experts over ranks, and tiny is dense: drop "
-     "--expert-model-parallel-size or pick an MoE model (tiny-moe, deepseek-moe-small)"),
+     "--expert-model-parallel-size or pick an MoE model (tiny-moe, deepseek-moe-small, deepseek-moe-medium)"),
     (["--parallelism.expert-parallel", "0"], "parallelism.expert_parallel must be at least 1, got 0"),
     (["--optimizer.moments", "bf16"], "optimizer.moments bf16 needs TransformerEngine's FusedAdam on a GPU, and this "
                                       "run is on a CPU: run on a GPU, or drop --optimizer.moments bf16"),

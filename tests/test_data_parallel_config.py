@@ -74,10 +74,40 @@ def test_fused_wgrad_under_fsdp_is_refused_naming_te_and_the_fix():
     ({"te.local_amax": True, "training.param_dtype": "fp8"}, 2,
      "te.local_amax keeps each rank's delayed-scaling scales its own, and FSDP2 all-gathers each FP8 weight's shards "
      "under one scale: drop --te.local-amax or --param-dtype fp8"),
+    ({"training.param_dtype": "fp32", "precision.recipe": "delayed", "precision.backend": "te",
+      "precision.head_on_te": True}, 2,
+     "precision.head_on_te puts the output head on a TE module without FP8, and FSDP2 here all-gathers FP32 weights "
+     r"\(training.param_dtype fp32\) for BF16 activations: .* Use --param-dtype bf16 \(FSDP2 then gathers BF16\) or "
+     "drop --head-on-te"),
+    ({"training.param_dtype": "fp32", "precision.recipe": "bf16", "precision.backend": "te"}, 2,
+     "precision.recipe bf16 with backend te puts every linear on a TE module without FP8.* or use --backend auto"),
 ])
 def test_what_no_wrapper_serves_is_refused_naming_the_fix(settings, world_size, message):
     with pytest.raises(ConfigError, match=message):
         resolve(from_overrides({**CPU_BF16, **settings}), _tiny(), world_size or 4)
+
+
+@pytest.mark.parametrize(("settings", "world_size", "head_on_te"), [
+    ({}, 2, False),  # FSDP2 gathers FP32 weights for BF16 activations
+    ({"parallelism.data_parallel_one_rank": True}, 1, False),
+    ({"training.param_dtype": "bf16"}, 2, None),  # FSDP2 gathers BF16: TE keeps the head's weight as gathered
+    ({"training.dtype": "fp32"}, 2, None),  # FP32 activations: TE casts nothing
+    ({"parallelism.data_parallel": "ddp"}, 2, None),
+    ({}, 1, None),  # one process, nothing wraps it
+])
+def test_the_head_leaves_te_where_fsdp2_gathers_fp32_weights_for_bf16_activations(settings, world_size, head_on_te):
+    """TE under fully_shard saves no copy of a weight for the backward and rebuilds it with the module's FP8
+    quantizer, which the head on TE (a module without FP8) lacks: auto puts the head off TE there (resolve.head_on_te),
+    and the plan then keeps it a BF16 linear."""
+    from fp8stack.plan import load_description, make_plan
+
+    delayed_on_te = {**CPU_BF16, "training.param_dtype": "fp32", "precision.recipe": "delayed",
+                     "precision.backend": "te"}
+    resolved = resolve(from_overrides({**delayed_on_te, **settings}), _tiny(), world_size)
+    assert resolved.precision.head_on_te is head_on_te
+    head = make_plan(load_description("tiny"), resolved.precision).decision("output")
+    assert head.backend == ("bf16" if head_on_te is False else "te") and head.recipe == "bf16"
+    assert resolve(resolved, _tiny(), world_size) == resolved
 
 
 def test_bf16_parameters_under_tensor_and_fsdp_parallelism_are_fsdp_mixed_precision():
@@ -132,6 +162,8 @@ def test_megatrons_model_runs_megatrons_ddp_not_the_plain_wrappers_and_fuses_wgr
     (["--gradient-accumulation-fusion", "--fsdp-one-rank"], "pass --parallelism.data-parallel ddp"),
     (["--data-parallel", "ddp", "--fsdp-float8-all-gather", "--fp8-recipe", "tensorwise"], "DDP shards none"),
     (["--te.local-amax", "--param-dtype", "fp8", "--fsdp-one-rank"], "drop --te.local-amax or --param-dtype fp8"),
+    (["--head-on-te", "--fp8-recipe", "delayed", "--backend", "te", "--param-dtype", "fp32", "--dtype", "bf16",
+      "--fsdp-one-rank"], "Use --param-dtype bf16 (FSDP2 then gathers BF16) or drop --head-on-te"),
 ])
 def test_refusals_exit_2_in_one_line(flags, message, capsys):
     assert train_main([*flags, "--device", "cpu", "--no-progress"]) == 2

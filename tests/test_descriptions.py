@@ -7,13 +7,13 @@ import pytest
 import yaml
 
 from fp8stack.plan import PlanError, PolicyConfig, description_from_dict, load_description, load_recipe_file, make_plan
-from fp8stack.plan.description import CONFIGS_DIR
+from fp8stack.plan.description import CONFIGS_DIR, Routing
 
 MODEL_FILES = sorted((CONFIGS_DIR / "models").glob("*.yaml"))
 RECIPE_FILES = sorted((CONFIGS_DIR / "recipes").glob("*.yaml"))
 HIGH_PRECISION_KINDS = ("embedding", "head", "router", "norm", "attn_core", "ssm_scan")
 RECIPE_TARGETS = {"moe-only-fp8": {"deepseek-v3-like-moe", "hybrid-mamba-moe", "tiny-moe",
-                                   "deepseek-moe-small"},
+                                   "deepseek-moe-small", "deepseek-moe-medium"},
                   "torchao-rowwise-gw-hp-dense": {"hybrid-mamba-moe"}}
 """The models a recipe file's overrides are written for (every model where not listed): on the others an
 override matches no component, which make_plan refuses."""
@@ -82,6 +82,38 @@ def test_deepseek_v3_plan_under_the_default_blockwise_policy():
     assert plan.decision("layers.3.attention.wkv_a").reason.startswith("n=576 is not divisible by 128")
     assert {plan.decision(f).backend for f in ("tok_embeddings", "norm")} == {"bf16"}
     assert (plan.decision("output").backend, plan.decision("output").recipe) == ("te", "bf16")  # head_on_te
+
+
+def test_deepseek_moe_medium_shapes_are_its_header_s():
+    """Hidden 4096, 32 heads over 8 KV groups, layer 0 dense, then 16 experts top-4 of SwiGLU 4096 with one shared
+    expert as wide, sigmoid routing renormalised; every expert and dense dim a multiple of 128 (FP8 block scales)."""
+    model = load_description("deepseek-moe-medium")
+    assert (model.num_layers, model.seq_len) == (6, 4096)
+    blocks = {c.layer: c.block for c in model.components if c.layer is not None}
+    assert [blocks[i] for i in range(6)] == ["dense"] + ["moe"] * 5
+    layer = shapes(model, 1)
+    assert layer["attention.wqkv"] == ((32 + 2 * 8) * 128, 4096)
+    assert (layer["moe.experts.w13"], layer["moe.experts.w2"]) == ((2 * 4096, 4096), (4096, 4096))
+    assert (layer["moe.shared_experts.w13"], layer["moe.router.gate"]) == ((2 * 4096, 4096), (16, 4096))
+    assert shapes(model, 0)["feed_forward.w13"] == (2 * 14336, 4096)
+    assert {(c.experts, c.active) for c in model.components if c.kind == "expert"} == {(16, 4)}
+    assert all(d % 128 == 0 for c in model.components if c.kind in ("linear", "expert") for d in (c.n, c.k))
+    assert model.router == Routing(score_func="sigmoid", route_norm=True)
+
+
+def test_deepseek_moe_medium_runs_most_of_its_gemm_flops_in_fp8_with_its_experts_on_te():
+    """The header's Amdahl bound rests on the plan's FP8 share f of the weight GEMMs: 92.8% with the experts on TE
+    (all but the head and the routers), 37.4% with expert_backend auto, whose table has no measurement at this
+    shape and reads the nearest (deepseek-moe-small's, slower than BF16 on every path)."""
+    from fp8stack.profile import amdahl_bound, fp8_matmul_share
+
+    model = load_description("deepseek-moe-medium")
+    on_te = make_plan(model, PolicyConfig(recipe="blockwise", expert_backend="te"))
+    assert fp8_matmul_share(on_te) == pytest.approx(0.928, abs=1e-3)
+    assert {d.fqn for d in on_te.decisions if d.component.kind in ("linear", "expert") and d.recipe == "bf16"} == set()
+    assert amdahl_bound(0.677, fp8_matmul_share(on_te), 2.0) > 1.35  # at the header's estimated GEMM share
+    auto = make_plan(model, PolicyConfig(recipe="blockwise"))
+    assert fp8_matmul_share(auto) == pytest.approx(0.374, abs=1e-3)
 
 
 def test_hybrid_layout_and_its_one_unaligned_dim():
@@ -187,7 +219,6 @@ def test_rope_theta_is_read_and_optional():
 
 def test_router_scoring_is_read_and_reaches_the_built_moe():
     from fp8stack.models.from_description import load_model_config
-    from fp8stack.plan.description import Routing
 
     assert load_description("deepseek-moe-small").router == Routing(score_func="sigmoid", route_norm=True)
     assert load_description("tiny-moe").router is None

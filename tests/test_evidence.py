@@ -209,6 +209,16 @@ def test_grouped_only_times_the_expert_blocks_of_the_named_models_and_no_linear(
         bench.DENSE_VARIANTS)  # without the flag: its six linear shapes too
 
 
+def test_the_bench_measures_deepseek_moe_medium_s_expert_block_by_its_name():
+    """`--shapes deepseek-moe-medium --tokens 4096` times its block as one GPU holds it at micro-batch 1: all 16
+    experts of 4096 -> 4096, 4096 tokens x top-4 / 16 = 1024 each, the shape the plan reads for it."""
+    args = bench.parse_args(["--shapes", "deepseek-moe-medium", "--tokens", "4096", "--grouped-only"])
+    shapes = {shape["source"]: shape for shape, *_ in bench.grouped_runs(args)}
+    assert shapes["deepseek-moe-medium"] == {"source": "deepseek-moe-medium", "experts": 16, "model_experts": 16,
+                                             "top_k": 4, "dim": 4096, "hidden": 4096, "tokens_per_expert": 1024}
+    assert set(shapes) == {"deepseek-moe-medium", "issue-7"} and bench.dense_runs(args) == []
+
+
 def test_speedups_compare_like_with_like_and_failures_stay_visible():
     results = [{"n": 1, "recipe": "bf16", "compiled": False, "median_ms": 2.0},
                {"n": 1, "recipe": "rowwise", "compiled": False, "median_ms": 1.0},

@@ -162,6 +162,17 @@ def test_elsewhere_the_nearest_measured_shape_counts_and_the_reason_says_so():
                     "[4096, 2048] with 1024 tokens each per sequence: measure this model (fp8stack ab)")
 
 
+def test_a_gemm_whose_role_is_known_is_read_as_that_role_only():
+    """deepseek-moe-medium's square w2 [4096, 4096] (F = D) would also read as the w13 of a block of hidden 2048,
+    TARGET's; told it is a w2, it reads as its own block (16 experts of 4096 -> 4096), as its w13 does, and both
+    take the nearest shape to that block."""
+    unknown, w2 = ExpertGemm(16, 4096, 4096, 1024), ExpertGemm(16, 4096, 4096, 1024, role="w2")
+    w13 = ExpertGemm(16, 2 * 4096, 4096, 1024, role="w13")
+    assert measured(90, "blockwise", "te", unknown, TWO_SHAPES).shape == TARGET
+    assert measured(90, "blockwise", "te", w2, TWO_SHAPES).shape == SMALL
+    assert measured(90, "blockwise", "te", w13, TWO_SHAPES).shape == SMALL
+
+
 def moe_model(experts: int, dim: int, hidden: int, active: int) -> ModelDescription:
     """A description with one MoE layer of these experts beside a dense linear large enough that the plan has FP8
     either way."""
@@ -223,6 +234,55 @@ def test_evidence_at_deepseek_moe_small_s_shape_decides_its_plan(tmp_path, monke
     for d in experts:
         assert "te/blockwise measured 0.474x BF16 at 32 experts of 2048 -> 1536 with 1024 tokens each" in d.reason
         assert "pass expert_backend=grouped_fp8 to run them in FP8 anyway" in d.reason and "nearest" not in d.reason
+
+
+MEDIUM = {"source": "deepseek-moe-medium", "experts": 16, "model_experts": 16, "top_k": 4, "dim": 4096,
+          "hidden": 4096, "tokens_per_expert": 1024, "gemm": "experts"}
+"""deepseek-moe-medium's expert block as `python -m fp8stack.bench.backends --shapes deepseek-moe-medium --tokens 4096
+--grouped-only` records it (16 experts of 4096 -> 4096, 4096 tokens x top-4 / 16 = 1024 each)."""
+
+
+def medium_experts(table: dict) -> list:
+    """deepseek-moe-medium's expert decisions under the default blockwise policy, reading `table`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expert_speeds, "load_table", lambda: table)
+        plan = make_plan(load_description("deepseek-moe-medium"), PolicyConfig(recipe="blockwise"))
+    return [d for d in plan.decisions if d.component.kind == "expert"]
+
+
+def test_without_evidence_at_deepseek_moe_medium_s_shape_its_plan_reads_the_nearest_and_says_so():
+    """The packaged table without any measurement at this model's expert block: each expert GEMM is planned from
+    the nearest measured shape, w13 and w2 from the same one, and the reason names it and asks for a measurement."""
+    block = {"experts": 16, "dim": 4096, "hidden": 4096}
+    table = json.loads(TABLE_PATH.read_text())
+    for paths in table["archs"].values():
+        for key in paths:
+            paths[key] = [m for m in paths[key] if {k: m["shape"][k] for k in block} != block]
+    experts = medium_experts(table)
+    assert len(experts) == 2 * 5
+    assert len({(d.backend, d.recipe) for d in experts}) == 1  # one block, one measurement
+    nearest = {d.reason.split("; ")[-1].split(" is the nearest shape")[0] for d in experts}
+    assert len(nearest) == 1 and "experts of" in nearest.pop()
+    for d in experts:
+        gemm = "[8192, 4096]" if d.fqn.endswith("w13") else "[4096, 4096]"
+        assert d.reason.endswith(f"is the nearest shape measured to this GEMM's 16 experts of {gemm} with 1024 tokens "
+                                 "each per sequence: measure this model (fp8stack ab)"), d.reason
+
+
+def test_evidence_at_deepseek_moe_medium_s_shape_decides_its_plan(tmp_path):
+    """Once its block is measured (here with made-up speeds: TE's blockwise path faster than BF16, grouped_fp8's
+    slower), the plan takes the fastest path for both expert GEMMs at their own shape, without a nearest-shape note."""
+    evidence = tmp_path / "backends-medium-h200.json"
+    evidence.write_text(json.dumps({"date": "2026-11-29T00:00:00", "environment": {
+        "device": "NVIDIA H200", "compute_capability": "9.0"}, "grouped": [
+        {**MEDIUM, "backend": "te", "recipe": "blockwise", "options": {}, "speedup_vs_bf16": 1.3},
+        {**MEDIUM, "backend": "grouped_fp8", "recipe": "blockwise", "options": {"kernels": "deepgemm"},
+         "speedup_vs_bf16": 0.8}]}))
+    experts = medium_experts(expert_table.build_table([evidence]))
+    assert {(d.backend, d.recipe) for d in experts} == {("te", "blockwise")}
+    for d in experts:
+        assert "measured 1.3x BF16 at 16 experts of 4096 -> 4096 with 1024 tokens each on NVIDIA H200" in d.reason
+        assert d.reason.endswith("; grouped_fp8: 0.8x"), d.reason
 
 
 # --- the plan's choice, from the packaged table -------------------------------------------------------------

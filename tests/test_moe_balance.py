@@ -231,26 +231,47 @@ def test_deepseek_moe_small_fits_one_h200_with_fp32_masters_and_adam():
     assert len(moe_layers(model)) == 7
 
 
+def test_deepseek_moe_medium_fits_one_h200_with_fp32_masters_and_adam():
+    """Its header's arithmetic: 4.97 B parameters at 18 bytes each (as above) are 83.3 GiB resident; micro-batch 2
+    in FP8 adds ~12 GiB of activations (~6 GiB a sequence) and ~9 GiB of FP8 weight copies, ~105 GiB of the H200's
+    139 GiB. Counted from the parameters, not measured."""
+    config = load_model_config("deepseek-moe-medium")
+    assert config.moe.score_func == "sigmoid" and config.moe.expert_bias_rate == 1e-3
+    with torch.device("meta"):
+        model = Llama(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert 4.96e9 < parameters < 4.98e9
+    resident_gib = 18 * parameters / 2**30
+    assert resident_gib == pytest.approx(83.3, abs=0.05)
+    assert resident_gib + 2 * 6 + 9 < 139 - 30
+    assert len(moe_layers(model)) == 5
+
+
+DEEPSEEK_MOES = ("deepseek-moe-small", "deepseek-moe-medium")
+"""The DeepSeek-style MoE models sized for one H200."""
+
+
+@pytest.mark.parametrize("model", DEEPSEEK_MOES)
 @pytest.mark.parametrize("command", ["train", "ab", "profile"])
-def test_deepseek_moe_small_is_refused_only_for_want_of_a_gpu(command, capsys):
+def test_the_deepseek_moes_are_refused_only_for_want_of_a_gpu(command, model, capsys):
     """Without CUDA every command says so in one line and nothing else: the model itself is accepted."""
     from fp8stack.cli import main as cli_main
 
-    assert cli_main([command, "--model", "deepseek-moe-small", "--device", "cuda"]) == 2
+    assert cli_main([command, "--model", model, "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"fp8stack {command}: error: training.device cuda requested but torch sees no CUDA GPU: pass "
                        "--device cpu")
 
 
-def test_deepseek_moe_small_passes_preflight_and_gets_its_width_s_schedule():
+@pytest.mark.parametrize("model, width", zip(DEEPSEEK_MOES, (2048, 4096)))
+def test_the_deepseek_moes_pass_preflight_and_get_their_width_s_schedule(model, width):
     from fp8stack.train.loop import resolve_job
     from fp8stack.train.model import model_shape
     from fp8stack.train.preflight import preflight
 
-    cfg = resolve_job(from_overrides({"model.name": "deepseek-moe-small", "training.device": "cpu",
-                                      "training.steps": 2000}))
+    cfg = resolve_job(from_overrides({"model.name": model, "training.device": "cpu", "training.steps": 2000}))
     assert preflight(cfg, model_shape(cfg)) is None
-    assert cfg.optimizer.lr == pytest.approx(6e-4 * 768 / 2048) and cfg.optimizer.warmup == 200
+    assert cfg.optimizer.lr == pytest.approx(6e-4 * 768 / width) and cfg.optimizer.warmup == 200
 
 
 def test_ab_flags_an_arm_whose_routing_leaves_the_bf16_runs_range():

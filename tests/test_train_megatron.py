@@ -93,8 +93,8 @@ def test_fp8_dot_product_attention_reaches_megatrons_config_and_the_plan():
     (["--no-te.cache-fp8-weights"], "does not take te.cache_fp8_weights false"),
     (["--te.local-amax"], "does not take te.local_amax (the plain path's TE scaling state"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
-    (["--model", "llama3-8b"], "builds tiny, llama-1b-like, llama-70b-layers, tiny-moe, deepseek-moe-small, not "
-                               "'llama3-8b'"),
+    (["--model", "llama3-8b"], "builds tiny, llama-1b-like, llama-70b-layers, tiny-moe, deepseek-moe-small, "
+                               "deepseek-moe-medium, not 'llama3-8b'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),
     (["--backend", "torchao"], "--backend te"),
     (["--small-gemm-filter", "rowwise"], "precision.small_gemm_filter='rowwise'"),

@@ -13,6 +13,7 @@ import torch
 import megatron_cpu
 
 from fp8stack.config import from_overrides
+from fp8stack.config.job import MEGATRON_MOE_MODELS
 from fp8stack.megatron import plan_from_megatron_args
 from fp8stack.models import Llama
 from fp8stack.train import checkpoint, megatron_model
@@ -234,6 +235,45 @@ def test_the_plan_of_megatrons_moe_lists_the_grouped_experts():
         assert plan.decision("decoder.layers.1.mlp.router").recipe == "bf16"
 
 
+def test_deepseek_moe_medium_maps_onto_megatrons_config_and_plans_its_experts_on_te():
+    """Its full shape in megatron's TransformerConfig (16 experts top-4 of width 4096, a shared expert as wide, layer
+    0 dense with SwiGLU 14336, 32 heads over 8 KV groups, sigmoid scores with the expert bias) and in the plan
+    megatron's FP8 flags give: each MoE layer's fc1 and fc2 grouped over the 16 experts on TE GroupedLinear."""
+    cfg = moe_cfg(model="deepseek-moe-medium")
+    shape = model_config(cfg)
+    config = megatron_model.transformer_config(cfg, shape, "hybrid")
+    assert (config.hidden_size, config.num_attention_heads, config.num_query_groups) == (4096, 32, 8)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size,
+            config.moe_shared_expert_intermediate_size, config.ffn_hidden_size) == (16, 4, 4096, 4096, 14336)
+    assert config.moe_layer_freq == [0] + [1] * 5
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    plan = plan_from_megatron_args(config, vocab_size=shape.vocab_size, seq_len=shape.seq_len, fp8="e4m3",
+                                   fp8_recipe="blockwise", name=cfg.model.name)
+    experts = [d for d in plan.decisions if d.component.kind == "expert"]
+    assert len(experts) == 2 * 5 and {(d.backend, d.recipe) for d in experts} == {("te", "blockwise")}
+    fc1, fc2 = (plan.decision(f"decoder.layers.1.mlp.experts.linear_fc{i}").component for i in (1, 2))
+    assert ((fc1.n, fc1.k), (fc2.n, fc2.k), (fc1.experts, fc1.active)) == ((2 * 4096, 4096), (4096, 4096), (16, 4))
+
+
+def test_deepseek_moe_medium_builds_as_megatrons_moe_computing_the_plain_moes_function(megatron_moe_on_cpu):
+    """Its layout and routing at a CPU width (256; 16 experts top-4, sigmoid scores renormalised, a shared expert,
+    layer 0 dense): megatron's GPTModel holding the plain Llama's weights computes the plain Llama's function."""
+    cfg = from_overrides({"training.seq_len": SEQ}, moe_cfg(model="deepseek-moe-medium"))
+    shape = model_config(cfg)
+    small = dataclasses.replace(shape, dim=256, n_heads=8, n_kv_heads=2, ffn_dim=512, vocab_size=512,
+                                moe=dataclasses.replace(shape.moe, expert_ffn_dim=256, shared_ffn_dim=256))
+    megatron = megatron_cpu.drawn_gpt(cfg, small, seed=0)
+    plain = Llama(small)
+    plain.init_weights(seed=0)
+    assert [type(layer.mlp).__name__ for layer in megatron.decoder.layers] == ["MLP"] + ["MoELayer"] * 5
+    assert all(layer.mlp.router.expert_bias is not None for layer in megatron.decoder.layers[1:])
+    assert sum(p.numel() for p in megatron.parameters()) == sum(p.numel() for p in plain.parameters())
+    tokens, _ = batch(small.vocab_size)
+    positions = torch.arange(SEQ).expand_as(tokens)
+    causal = torch.ones(SEQ, SEQ).triu(1).bool()[None, None]
+    torch.testing.assert_close(megatron(tokens, positions, causal), plain(tokens), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("flags, processes, names", [
     (["--tensor-model-parallel-size", "2"], 2, "tensor parallelism of MoE layers is not wired): drop "
                                                "--tensor-model-parallel-size and split the experts with "
@@ -255,7 +295,7 @@ def test_moe_options_the_megatron_path_cannot_honour_are_refused(flags, processe
 
 
 def test_the_moe_models_are_accepted_on_the_megatron_path():
-    for name in ("tiny-moe", "deepseek-moe-small"):
+    for name in MEGATRON_MOE_MODELS:
         cfg = moe_cfg("--fp8-recipe", "blockwise", model=name)
         assert (cfg.model.impl, cfg.model.name) == ("megatron", name)
 

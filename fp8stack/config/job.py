@@ -428,8 +428,8 @@ class JobConfig:
             _check_megatron(self)
         elif self.parallelism.expert_parallel > 1:
             raise ConfigError("parallelism.expert_parallel splits megatron-core's MoE layers over ranks; the plain "
-                              "path's MoE has no expert parallelism: add --model.impl megatron (with tiny-moe or "
-                              "deepseek-moe-small) or drop --expert-model-parallel-size")
+                              "path's MoE has no expert parallelism: add --model.impl megatron (with an MoE model: "
+                              f"{', '.join(MEGATRON_MOE_MODELS)}) or drop --expert-model-parallel-size")
         elif self.optimizer.distributed:
             raise ConfigError("optimizer.distributed is megatron-core's distributed optimizer, for --model-impl "
                               "megatron; the plain path shards optimizer state with FSDP2: drop "
@@ -477,7 +477,7 @@ def check_optimizer_moments(job: JobConfig, device: str | None) -> None:
                           "--use-distributed-optimizer, or use --param-dtype fp32 (the trainer's AdamW)")
 
 
-MEGATRON_MOE_MODELS = ("tiny-moe", "deepseek-moe-small")
+MEGATRON_MOE_MODELS = ("tiny-moe", "deepseek-moe-small", "deepseek-moe-medium")
 """MoE models the Megatron path builds: megatron's MoE layers (routed experts as grouped GEMMs, a shared expert)."""
 MEGATRON_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", *MEGATRON_MOE_MODELS)
 """Models the Megatron path builds."""

@@ -49,12 +49,15 @@ class ExpertGemm:
     """Input features."""
     tokens_per_expert: int
     """Rows each expert gets from one sequence (seq_len x top-k / experts): breaks ties between measured shapes."""
+    role: str = ""
+    """'w13' or 'w2' where known (the block's other GEMM tells which), '' where not: the GEMM is then read both ways."""
 
     def distance(self, shape: ExpertShape) -> tuple[int, float]:
         """How far a measured block is from this GEMM's: first how many of (experts, dim, hidden) differ, reading
-        the GEMM as w13 or as w2 (whichever is nearer), then how far apart the tokens per expert are in log scale.
-        (0, ...) is this GEMM's own shape."""
-        readings = ((self.k, self.n / 2), (self.n, self.k))  # (dim, hidden) if it is w13, if it is w2
+        the GEMM as its role's (as w13 or as w2, whichever is nearer, where the role is unknown), then how far apart
+        the tokens per expert are in log scale. (0, ...) is this GEMM's own shape."""
+        as_role = {"w13": (self.k, self.n / 2), "w2": (self.n, self.k)}  # (dim, hidden) if it is w13, if it is w2
+        readings = [as_role[self.role]] if self.role else as_role.values()
         differ = min((self.experts != shape.experts) + (dim != shape.dim) + (hidden != shape.hidden)
                      for dim, hidden in readings)
         return differ, abs(math.log(self.tokens_per_expert / shape.tokens_per_expert))

@@ -120,7 +120,9 @@ class PolicyConfig:
     """The output head (BF16 by rule) runs as a TE module without FP8 beside the plan's TE linears, so TE's fused
     weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad, and the final
     norm can fold into it. None: wherever the dense linears run on TE and the model's head may be replaced
-    (ModelDescription.head_replaceable)."""
+    (ModelDescription.head_replaceable); the trainer turns it off where FSDP2 gathers FP32 weights for BF16
+    activations, as TE under fully_shard keeps no weight for a non-FP8 module's backward
+    (fp8stack.train.resolve.head_on_te)."""
     fuse_norm: bool = True
     """A norm whose output only linears read runs inside them as one TE LayerNormLinear (several linears merged into
     one GEMM, their output split back) when they share one TE recipe: one kernel normalizes and casts to FP8."""
@@ -548,8 +550,24 @@ def _expert_choice(c: Component, cfg: PolicyConfig, model: ModelDescription) -> 
 
 
 def _expert_gemm(c: Component, model: ModelDescription) -> ExpertGemm:
-    """An expert component as the measured table is read for it: its tokens per expert are one sequence's."""
-    return ExpertGemm(c.experts, c.n, c.k, max(1, round(model.seq_len * c.active / c.experts)))
+    """An expert component as the measured table is read for it: its tokens per expert are one sequence's, its role
+    in the SwiGLU block the one its layer's other expert GEMM gives."""
+    return ExpertGemm(c.experts, c.n, c.k, max(1, round(model.seq_len * c.active / c.experts)),
+                      role=_expert_role(c, model))
+
+
+def _expert_role(c: Component, model: ModelDescription) -> str:
+    """'w13' or 'w2' for an expert GEMM whose layer holds its partner over the same experts (w13 [2F, D] and w2 [D,
+    F]), '' for one without. Read alone, a square w2 ([D, D] where F = D) would also fit a w13 of another block (F =
+    D / 2), and the two GEMMs of one block, measured as one, could be planned from two blocks' measurements."""
+    for other in model.components:
+        if other.kind != "expert" or other.layer != c.layer or other.fqn == c.fqn or other.experts != c.experts:
+            continue
+        if c.k == other.n and c.n == 2 * other.k:
+            return "w13"
+        if c.n == other.k and other.n == 2 * c.k:
+            return "w2"
+    return ""
 
 
 def _asked_expert_path(cfg: PolicyConfig, recipe: Recipe, dense: str, timed: list, gemm: ExpertGemm) -> ExpertChoice:

@@ -5,6 +5,7 @@ from dataclasses import replace
 import torch
 
 from fp8stack.config import ConfigError, JobConfig
+from fp8stack.config.job import MEGATRON_MOE_MODELS
 from fp8stack.models import Llama, LlamaConfig, load_model_config
 from fp8stack.train import user_code
 
@@ -15,7 +16,8 @@ def model_config(cfg: JobConfig) -> LlamaConfig:
     if cfg.model.expert_bias_rate is not None:
         if config.moe is None:
             raise ConfigError(f"model.expert_bias_rate balances the experts of an MoE model, and {cfg.model.name} is "
-                              "dense: drop --model.expert-bias-rate or pick an MoE model (tiny-moe, deepseek-moe-small)")
+                              "dense: drop --model.expert-bias-rate or pick an MoE model "
+                              f"({', '.join(MEGATRON_MOE_MODELS)})")
         config = replace(config, moe=replace(config.moe, bias_update_rate=cfg.model.expert_bias_rate))
     return replace(config, seq_len=cfg.training.seq_len) if cfg.training.seq_len is not None else config
 

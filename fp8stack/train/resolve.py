@@ -8,10 +8,11 @@ from dataclasses import replace
 import torch
 
 from fp8stack.backends import deepgemm
-from fp8stack.config import (ConfigError, JobConfig, check_data_parallel_levers, check_expert_parallel,
-                             check_optimizer_moments)
+from fp8stack.config import (ConfigError, JobConfig, TrainingConfig, check_data_parallel_levers,
+                             check_expert_parallel, check_optimizer_moments)
 from fp8stack.models import LlamaConfig
 from fp8stack.models.training_defaults import training_defaults
+from fp8stack.plan.recipes import BF16
 from fp8stack.train.defaults import batch_defaults
 
 CPU_ARCH = 90
@@ -64,8 +65,32 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
                             else defaults.warmup, min_lr=optimizer.min_lr if optimizer.min_lr is not None else lr / 10)
     precision = replace(precision, arch=arch,
                         small_gemm_filter="off" if not on_gpu and precision.small_gemm_filter == "auto"
-                        else precision.small_gemm_filter)
+                        else precision.small_gemm_filter,
+                        head_on_te=head_on_te(job, training, world_size))
     return replace(job, training=training, optimizer=optimizer, precision=precision)
+
+
+def head_on_te(job: JobConfig, training: TrainingConfig, world_size: int) -> bool | None:
+    """precision.head_on_te for this run: as asked (None: the plan's auto), or off where FSDP2 gathers FP32 weights
+    (training.param_dtype fp32) for BF16 activations. There a TE module without FP8 casts its weight to BF16 at each
+    forward, and TE (2.20) under fully_shard saves no weight copy for the backward, rebuilding it there with the
+    module's FP8 quantizer, which a module without FP8 lacks: its dgrad GEMM gets no weight ("GEMM requested the
+    columnwise representation, but it is unavailable"). A whole BF16 model on TE modules (recipe bf16 with backend
+    te), or the head asked onto TE, is refused there."""
+    fp32_gathered = (job.model.impl == "torch" and fsdp_wrapped(job, world_size) and training.param_dtype == "fp32"
+                     and training.dtype == "bf16")
+    precision = job.precision
+    if not fp32_gathered:
+        return precision.head_on_te
+    if precision.head_on_te:
+        unsaved, fix = "precision.head_on_te puts the output head on a TE module", "drop --head-on-te"
+    elif precision.recipe == BF16 and precision.backend == "te":
+        unsaved, fix = "precision.recipe bf16 with backend te puts every linear on a TE module", "use --backend auto"
+    else:
+        return False
+    raise ConfigError(f"{unsaved} without FP8, and FSDP2 here all-gathers FP32 weights (training.param_dtype fp32) "
+                      "for BF16 activations: TE under fully_shard keeps no BF16 copy of such a weight for the "
+                      f"backward, whose GEMM then fails. Use --param-dtype bf16 (FSDP2 then gathers BF16) or {fix}")
 
 
 def wgrad_fusion(job: JobConfig, plan_has_te_layers: bool, world_size: int) -> bool:

@@ -100,6 +100,8 @@ def _step_peak(settings: dict) -> tuple[int, int]:
 def test_resume_restores_bf16_moments_bit_for_bit(layout, tmp_path):
     settings = {**SETTINGS, **({"training.param_dtype": "bf16"} if layout == "bf16-masters" else FSDP)}
     full = _train({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.interval": MIDDLE})
+    if layout == "fsdp":  # FP32 weights gathered for BF16 activations: the head off TE (resolve.head_on_te)
+        assert full.config["precision"]["head_on_te"] is False
     middle = checkpoint.checkpoint_path(tmp_path, MIDDLE)
     resumed = _train({**settings, "checkpoint.dir": str(tmp_path), "checkpoint.resume": str(middle),
                       "checkpoint.trust": True})

@@ -2,15 +2,18 @@
 and 4 over two NCCL ranks in TEGroupedMLP, each rank holding the plain Llama's experts 4r..4r+3; its first step
 computes the loss and gradient norm of the same model on one GPU with every expert (EP=1, the same global batch),
 its all-to-alls carry BF16 tokens (no FP8 dispatch), and a run resumed from its middle checkpoint repeats the
-uninterrupted one bit for bit. The CPU twin, on megatron's local spec over gloo: tests/test_megatron_expert_parallel_
-gloo.py. Run with `pytest -m gpu tests/gpu/test_megatron_expert_parallel_gpu.py` on a machine with two GPUs."""
+uninterrupted one bit for bit. Every EP=2 case runs in one launch of two ranks (split_runs), each test reading its
+own. The CPU twin, on megatron's local spec over gloo: tests/test_megatron_expert_parallel_gloo.py. Run with
+`pytest -m gpu tests/gpu/test_megatron_expert_parallel_gpu.py` on a machine with two GPUs."""
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from gpu_ranks import as_rank, free_ports
-from gpu_skips import require_te, te_mark
+from gpu_skips import require_te, te_mark, te_runs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
@@ -61,7 +64,7 @@ def _train(cfg: JobConfig):
     return result
 
 
-def _split_rank(rank: int, ports: list[int], recipe: str, out: str) -> None:
+def _split_case(rank: int, ports: list[int], recipe: str, out: str) -> None:
     """Rank `rank` at EP=2: which experts its TEGroupedMLPs hold (against the plain Llama's), then the run."""
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
@@ -79,16 +82,46 @@ def _split_rank(rank: int, ports: list[int], recipe: str, out: str) -> None:
     as_rank(rank, SPLIT, ports[1])
     result = _train(cfg)
     torch.save({"held": held, "losses": result.losses, "grad_norms": result.grad_norms,
-                "collectives": result.collectives}, f"{out}{rank}")
+                "collectives": result.collectives}, out)
+
+
+def _resume_case(rank: int, ports: list[int], folder: str, out: str) -> None:
+    """Rank `rank` at EP=2: the full run saving every MIDDLE steps, then the run resumed from step MIDDLE."""
+    cfg = tiny_moe("delayed", SPLIT, {"checkpoint.dir": folder, "checkpoint.interval": MIDDLE})
+    as_rank(rank, SPLIT, ports[0])
+    full = _train(cfg)
+    as_rank(rank, SPLIT, ports[1])
+    resumed = _train(from_overrides({"checkpoint.resume": str(checkpoint.checkpoint_path(folder, MIDDLE)),
+                                     "checkpoint.trust": True}, cfg))
+    torch.save({"full": (full.losses, full.grad_norms), "resumed": (resumed.losses, resumed.grad_norms),
+                "first_step": resumed.first_step}, out)
+
+
+def _rank(rank: int, ports: list[int], recipes: list[str], folder: str) -> None:
+    """Rank `rank` of the one launch: each recipe's split case, then the resume case, each run meeting the other rank
+    on a port of its own."""
+    for i, recipe in enumerate(recipes):
+        _split_case(rank, ports[2 * i:2 * i + 2], recipe, f"{folder}/{recipe}-rank{rank}")
+    _resume_case(rank, ports[-2:], f"{folder}/ckpt", f"{folder}/resume-rank{rank}")
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory) -> Path:
+    """The folder where one launch of two ranks left every EP=2 case's results: a launch imports torch, TE and
+    megatron anew in each rank, the slowest part of these tests, so the cases share one. A rank's error fails every
+    test of the module, naming it."""
+    folder = tmp_path_factory.mktemp("expert-parallel")
+    recipes = [recipe for recipe in ("bf16", "blockwise") if recipe == "bf16" or te_runs([recipe])[0]]
+    mp.spawn(_rank, args=(free_ports(2 * len(recipes) + 2), recipes, str(folder)), nprocs=2, join=True)
+    return folder
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_split_experts_start_as_all_experts_on_one_gpu(recipe, tmp_path):
+def test_split_experts_start_as_all_experts_on_one_gpu(recipe, split_runs):
     """Each rank's TEGroupedMLPs hold its four of the plain Llama's experts; the first step's loss and gradient norm
     are one GPU's with every expert, the later losses close; EP=2 dispatches BF16 tokens by all-to-all, EP=1 none."""
     whole = _train(tiny_moe(recipe, 1))
-    mp.spawn(_split_rank, args=(free_ports(2), recipe, str(tmp_path / "rank")), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{rank}", weights_only=False) for rank in (0, 1)]
+    ranks = [torch.load(split_runs / f"{recipe}-rank{rank}", weights_only=False) for rank in (0, 1)]
     assert all(found["held"] for found in ranks)
     split = ranks[0]
     assert split["losses"] == ranks[1]["losses"]  # averaged over the ranks: the same on both
@@ -101,26 +134,12 @@ def test_split_experts_start_as_all_experts_on_one_gpu(recipe, tmp_path):
     assert not any("Float8" in element for element in sent["all_to_all_bytes_by_dtype"])
 
 
-def _resumed_rank(rank: int, ports: list[int], folder: str, out: str) -> None:
-    """Rank `rank` at EP=2: the full run saving every MIDDLE steps, then the run resumed from step MIDDLE."""
-    cfg = tiny_moe("delayed", SPLIT, {"checkpoint.dir": folder, "checkpoint.interval": MIDDLE})
-    as_rank(rank, SPLIT, ports[0])
-    full = _train(cfg)
-    as_rank(rank, SPLIT, ports[1])
-    resumed = _train(from_overrides({"checkpoint.resume": str(checkpoint.checkpoint_path(folder, MIDDLE)),
-                                     "checkpoint.trust": True}, cfg))
-    torch.save({"full": (full.losses, full.grad_norms), "resumed": (resumed.losses, resumed.grad_norms),
-                "first_step": resumed.first_step}, f"{out}{rank}")
-
-
-def test_split_experts_resume_from_a_checkpoint_bit_identically(tmp_path):
+def test_split_experts_resume_from_a_checkpoint_bit_identically(split_runs):
     """Delayed scaling at EP=2: each rank saves its experts at their global index (and AdamW's moments beside
     them) and the FP8 scaling state of its own GroupedLinears in its rank file; the run resumed from the middle
     checkpoint repeats the uninterrupted losses and gradient norms exactly."""
-    folder = tmp_path / "ckpt"
-    mp.spawn(_resumed_rank, args=(free_ports(2), str(folder), str(tmp_path / "rank")), nprocs=2, join=True)
     for rank in (0, 1):
-        found = torch.load(tmp_path / f"rank{rank}", weights_only=False)
+        found = torch.load(split_runs / f"resume-rank{rank}", weights_only=False)
         (full_losses, full_norms), (losses, norms) = found["full"], found["resumed"]
         assert found["first_step"] == MIDDLE
         assert losses == full_losses[MIDDLE:] and norms == full_norms[MIDDLE:]
