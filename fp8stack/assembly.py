@@ -394,7 +394,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     mp_policy = mp_policy or _DEFAULT_MP_POLICY
     for backend, record in zip(state.backends, state.conversions, strict=True):
         try:
-            record.notes += backend.before_fully_shard(model)
+            record.notes += backend.before_fully_shard(model, mp_policy.param_dtype)
         except NotImplementedError as refused:
             raise OrderingError(str(refused)) from None
     by_id = {pid: value for backend in state.backends for pid, value in backend.take_master_values(model).items()}

@@ -100,9 +100,10 @@ class Backend:
         fully_shard), naming the fix; None when it can. Asked before anything is converted."""
         return None
 
-    def before_fully_shard(self, model: nn.Module) -> list[str]:
+    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None) -> list[str]:
         """Make the modules it converted in `model` ready for fully_shard, which replaces their parameters by sharded
-        ones; returns notes for its conversion record. Raises NotImplementedError (the reason and the fix) for what
+        ones and all-gathers them in gathered_dtype (FSDP2's mixed-precision param_dtype; None: each parameter's
+        own); returns notes for its conversion record. Raises NotImplementedError (the reason and the fix) for what
         cannot run sharded."""
         return []
 

@@ -310,14 +310,23 @@ class TEBackend(Backend):
             return FUSED_WGRAD_UNDER_FULLY_SHARD
         return None
 
-    def before_fully_shard(self, model: nn.Module) -> list[str]:
-        """Refuse modules accumulating weight gradients into main_grad (FUSED_WGRAD_UNDER_FULLY_SHARD), and switch
+    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None) -> list[str]:
+        """Refuse modules accumulating weight gradients into main_grad (FUSED_WGRAD_UNDER_FULLY_SHARD) and modules
+        without FP8 whose weights would be gathered in FP32 (_unsaved_under_fully_shard), and switch
         the FP8 weight cache off. Under FSDP2, TE skips its own FP8 weight workspace (a module in an FSDP2 tree casts
         the all-gathered weight at every forward and again in backward, so that no full-size FP8 copy stays
         resident): is_first_microbatch would save no cast, and the cache's key would keep each module's pre-shard,
         full-size weights alive after fully_shard replaced them."""
         if any(getattr(module, "main_grad_weights", ()) for module in model.modules()):
             raise NotImplementedError(FUSED_WGRAD_UNDER_FULLY_SHARD)
+        unsaved = _unsaved_under_fully_shard(model, gathered_dtype)
+        if unsaved:
+            raise NotImplementedError(
+                f"{unsaved} runs on a TE module without FP8 whose weight fully_shard would all-gather in FP32: TE "
+                "under fully_shard keeps no copy of such a weight cast for BF16 compute and rebuilds it in the "
+                "backward with an FP8 quantizer this module lacks, so its input-gradient GEMM fails. Gather in BF16 "
+                "(MixedPrecisionPolicy(param_dtype=torch.bfloat16), the default) or keep it off TE "
+                "(PolicyConfig(head_on_te=False) for the head)")
         if self.keeps_amax_local and self.fp8_weights:
             raise NotImplementedError("te local_amax keeps each process's delayed-scaling scales its own, and "
                                       "fully_shard all-gathers each FP8 weight's shards under one scale: drop "
@@ -404,6 +413,18 @@ def _fusion_swaps(model: nn.Module, fusion: Fusion, recipe, options: dict, share
         keys = [(f"{owner}.{name}", [Part(f"{fqn}.{name}", 0, m.out_features) for fqn, m in modules.items()])
                 for name in ("weight", "bias") if getattr(group[0], name) is not None]
     return swaps, keys + [(f"{owner}.layer_norm_{name}", parts) for name, parts in norm_parts]
+
+
+def _unsaved_under_fully_shard(model: nn.Module, gathered_dtype: torch.dtype | None) -> str | None:
+    """The first TE module without FP8 (autocast_recipe None: a bf16 decision on te, e.g. the head with head_on_te)
+    whose weights fully_shard would all-gather in FP32, by name; None when there is none. TE 2.20 under fully_shard
+    saves no weight for the backward and re-casts it there with the module's FP8 quantizer, which exists only with
+    FP8; a BF16-gathered weight needs no cast and is saved as it is."""
+    for name, module in model.named_modules():
+        if getattr(module, "autocast_recipe", True) is None and any(
+                (gathered_dtype or p.dtype) == torch.float32 for p in module.parameters(recurse=False)):
+            return name
+    return None
 
 
 def _routed_to(library) -> str:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from fp8stack import OrderingError, PolicyConfig, assemble, load_description, make_plan
@@ -236,6 +236,21 @@ def test_fused_wgrad_accumulation_under_fully_shard_is_refused_naming_te(mesh):
     converted = apply_fp8(model, plan, backend_options={"te": {"fuse_wgrad_accumulation": True}})
     with pytest.raises(OrderingError, match=te_reason):
         apply_fsdp(converted, mesh)
+    assert not any(isinstance(m, FSDPModule) for m in converted.modules()), "refused before any module was sharded"
+
+
+def test_a_te_head_without_fp8_gathered_in_fp32_is_refused_before_sharding(mesh):
+    """TE under fully_shard re-casts a weight for the backward with the module's FP8 quantizer, which the head on TE
+    (no FP8) lacks: gathered in FP32 for BF16 compute, its dgrad GEMM would fail mid-step ("columnwise representation
+    unavailable"), so fully_shard is refused before any module is sharded; gathered in BF16 it trains."""
+    with torch.device("cuda"):
+        model = Llama(load_model_config("tiny"))
+    plan = make_plan(load_description("tiny"), POLICY)
+    assert any(d.component.kind == "head" and d.backend == "te" for d in plan.decisions), "the head runs on TE"
+    converted = apply_fp8(model, plan, backend_options={"te": {"fuse_wgrad_accumulation": False}})
+    with pytest.raises(OrderingError, match="output runs on a TE module without FP8 whose weight fully_shard would "
+                                            "all-gather in FP32"):
+        apply_fsdp(converted, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     assert not any(isinstance(m, FSDPModule) for m in converted.modules()), "refused before any module was sharded"
 
 
