@@ -32,6 +32,16 @@ def test_the_optimizer_steps_fp32_masters_and_the_model_holds_their_bf16_copies(
             assert master.grad is param.main_grad
 
 
+def main_grads(run, batches) -> list[torch.Tensor]:
+    """The masters' main_grads after a backward per (tokens, targets) of `batches`, from zero."""
+    for param in run.masters.params:
+        param.main_grad.zero_()
+    for tokens, targets in batches:
+        with run.autocast():
+            run.loss_fn(tokens, targets).backward()
+    return [param.main_grad.clone() for param in run.masters.params]
+
+
 def test_micro_batch_gradients_add_up_in_fp32():
     """Each micro-batch's BF16 gradient is added into the FP32 main_grad as it arrives: two micro-batches
     leave the FP32 sum of their gradients, where BF16 accumulation would round each partial sum to BF16."""
@@ -40,15 +50,7 @@ def test_micro_batch_gradients_add_up_in_fp32():
         tokens, targets = next(iter(run.data))
         halves = list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
 
-        def gradients(batches) -> list[torch.Tensor]:
-            for param in run.masters.params:
-                param.main_grad.zero_()
-            for tokens, targets in batches:
-                with run.autocast():
-                    run.loss_fn(tokens, targets).backward()
-            return [param.main_grad.clone() for param in run.masters.params]
-
-        first, second, both = gradients(halves[:1]), gradients(halves[1:]), gradients(halves)
+        first, second, both = main_grads(run, halves[:1]), main_grads(run, halves[1:]), main_grads(run, halves)
     assert all(p.dtype == torch.float32 for p in both)
     assert all(torch.equal(b, f + s) for b, f, s in zip(both, first, second, strict=True))
     # the check can fail: an FP32 sum of two BF16 gradients is not BF16 in general
@@ -72,20 +74,12 @@ def test_the_bf16_arms_grouped_experts_add_their_weight_gradients_into_main_grad
         tokens, targets = next(iter(run.data))
         halves = list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
 
-        def gradients(batches) -> list[torch.Tensor]:
-            for param in run.masters.params:
-                param.main_grad.zero_()
-            for tokens, targets in batches:
-                with run.autocast():
-                    run.loss_fn(tokens, targets).backward()
-            return [param.main_grad.clone() for param in run.masters.params]
-
-        first, second, both = gradients(halves[:1]), gradients(halves[1:]), gradients(halves)
+        first, second, both = main_grads(run, halves[:1]), main_grads(run, halves[1:]), main_grads(run, halves)
         assert handed and not any(handed), "the fused experts hand autograd no weight gradient"
         handed.clear()
         for module in experts:
             module.wgrad_into_main_grad = False
-        hooked = gradients(halves)
+        hooked = main_grads(run, halves)
         assert handed == [True] * 2 * 2 * len(experts), "unfused, each expert weight's gradient went through autograd"
     assert all(torch.equal(b, f + s) for b, f, s in zip(both, first, second, strict=True))
     assert all(torch.equal(fused, unfused) for fused, unfused in zip(both, hooked, strict=True))
