@@ -116,6 +116,26 @@ def test_train_py_config_and_provider_agree_on_cpu(cpu_megatron):
     assert model.vocab_size == train.VOCAB and model.position_embedding_type == "rope"
 
 
+def test_train_py_builds_llama3s_vocabulary_rope_base_and_untied_head_and_recomputes_every_layer(cpu_megatron):
+    """llama3-8b-16-layers' flags as fp8stack.bench.peers passes them, at a CPU width (2 layers of 256: two heads of
+    Llama 3's 128, one KV group), with megatron's full recompute of every layer."""
+    args = train.parse_args(["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "896",
+                             "--num-attention-heads", "2", "--num-query-groups", "1", "--seq-length", "8192",
+                             "--vocab-size", "128256", "--rotary-base", "500000", "--recompute-granularity", "full",
+                             "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    config = train.transformer_config(args)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == \
+        ("full", "uniform", 1)
+    config.use_cpu_initialization = True  # the example builds on the GPU; here megatron allocates on the CPU
+    model = provider.build_gpt_model(args, config, use_te=False)
+    assert model.embedding.word_embeddings.weight.shape == model.output_layer.weight.shape == (128256, 256)
+    assert not model.share_embeddings_and_output_weights and model.max_sequence_length == 8192
+    frequencies = 1 / 500000 ** (torch.arange(0, 128, 2).float() / 128)
+    torch.testing.assert_close(model.rotary_pos_emb.inv_freq.float(), frequencies)
+    plain = train.transformer_config(train.parse_args([]))
+    assert (plain.recompute_granularity, plain.recompute_method, plain.recompute_num_layers) == (None, None, None)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lr-warmup-iters", "50", "--train-iters", "50"], "leaves no step after the warm-up"),
     (["--clip-grad", "0"], "--clip-grad 0.0: give a positive norm"),

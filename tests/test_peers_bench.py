@@ -19,15 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from fp8stack.bench import peers
 from fp8stack.bench.peers import ARMS, Shape
 from fp8stack.bench.results import Run, describe
 from fp8stack.config import JobConfig, to_dict
 from fp8stack.evidence import run_folder
-from fp8stack.models import load_model_config
+from fp8stack.models import Llama, load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train.command import job_from_flags
+from fp8stack.train.model import model_config
 from fp8stack.train.launch import NO_MULTICAST_ENV, TERMINATE_GRACE_S
 
 from gloo_ranks import on_gloo_ranks
@@ -38,12 +40,14 @@ sys.path.insert(0, str(REPO / "examples" / "own_model"))
 import loop  # noqa: E402  (examples/own_model: the torchtitan-recipe loop)
 import train as megatron_train  # noqa: E402  (examples/megatron/train.py)
 import train_torchao  # noqa: E402  (examples/own_model: torchao by hand, torchtitan's float8 converter)
-from model import SIZES  # noqa: E402
+from model import SIZES, Transformer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 LLAMA = Shape("llama-1b-like", micro_batch=2, global_batch=16, steps=20)
 LLAMA_ON_2 = Shape("llama-1b-like", micro_batch=2, global_batch=16, steps=20, nproc=2)
+LLAMA3_8B_16 = Shape("llama3-8b-16-layers", micro_batch=1, global_batch=8, steps=10)
+RECOMPUTING = Shape("llama3-8b-16-layers", micro_batch=1, global_batch=8, steps=10, recompute="full")
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
@@ -61,6 +65,28 @@ def test_the_torchtitan_layout_model_has_fp8stacks_shape(model):
             theirs.max_seq_len, theirs.rope_theta, theirs.norm_eps) == \
         (ours.dim, ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.ffn_dim, ours.vocab_size, ours.seq_len,
          ours.rope_theta, ours.norm_eps)
+
+
+@pytest.mark.parametrize("model", peers.MODELS)
+def test_the_torchtitan_layout_model_has_as_many_parameters_as_fp8stacks(model):
+    with torch.device("meta"):
+        theirs, ours = Transformer(SIZES[model]), Llama(load_model_config(model))
+    assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters())
+
+
+def test_the_torchtitan_layout_model_builds_llama3_8b_at_16_layers_on_the_meta_device():
+    """Llama-3-8B's projections (32 query heads and 8 KV heads of 128, SwiGLU 14336), its 128256-token embedding and
+    untied head, RoPE at base 500000 over 8192 positions, 16 blocks: 4.54 B parameters."""
+    with torch.device("meta"):
+        model = Transformer(SIZES["llama3-8b-16-layers"])
+    block = model.layers["0"]
+    linears = (block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo, block.feed_forward.w1,
+               block.feed_forward.w3, block.feed_forward.w2, model.tok_embeddings, model.output)
+    assert [tuple(linear.weight.shape) for linear in linears] == [
+        (4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336),
+        (128256, 4096), (128256, 4096)]
+    assert len(model.layers) == 16 and model.args.rope_theta == 500000 and model.freqs_cis.shape == (8192, 64)
+    assert 4.54e9 < sum(p.numel() for p in model.parameters()) < 4.55e9
 
 
 @pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "megatron"])
@@ -119,6 +145,93 @@ def test_fp8stack_arms_change_nothing_but_the_recipe_batch_length_and_wrapper(na
     assert job.parallelism.data_parallel == ("ddp" if name.endswith("-ddp") else "fsdp")
 
 
+def test_every_stack_reads_llama3_8b_16_layers_at_its_shape_batch_and_rope_base(tmp_path, monkeypatch):
+    """One sequence of 8192 per pass and 8 per step, 16 layers of Llama-3-8B, its vocabulary and RoPE base, in each
+    stack's own flags."""
+    argv = peers.command(ARMS["megatron-delayed"], LLAMA3_8B_16, tmp_path / "r.json", cuda=True)
+    megatron = megatron_train.parse_args(flags_of(argv, str(peers.MEGATRON_EXAMPLE)))
+    assert (megatron.num_layers, megatron.hidden_size, megatron.ffn_hidden_size, megatron.num_attention_heads,
+            megatron.num_query_groups, megatron.seq_length, megatron.padded_vocab_size, megatron.rotary_base) == \
+        (16, 4096, 14336, 32, 8, 8192, 128256, 500000)
+    assert megatron.untie_embeddings_and_output_weights and megatron.position_embedding_type == "rope"
+    assert (megatron.micro_batch_size, megatron.global_batch_size) == (1, 8)
+    assert megatron_train.microbatches_per_step(megatron, 1) == 8
+
+    monkeypatch.setattr(sys, "argv", peers.command(ARMS["torchtitan-tensorwise"], LLAMA3_8B_16, tmp_path / "r.json",
+                                                   cuda=True)[1:])
+    titan = loop.parse_args()
+    assert (titan.model, titan.micro_batch, titan.accumulation, titan.seq_len) == ("llama3-8b-16-layers", 1, 8, 8192)
+
+    flags = flags_of(peers.command(ARMS["fp8stack-delayed"], LLAMA3_8B_16, tmp_path / "r.json", cuda=True),
+                     "fp8stack.train")
+    job = job_from_flags(flags[:flags.index("--result-json")])
+    shape = model_config(job)
+    assert (job.training.micro_batch, job.training.global_batch) == (1, 8)
+    assert (shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads, shape.seq_len,
+            shape.vocab_size, shape.rope_theta) == (16, 4096, 14336, 32, 8, 8192, 128256, 500000)
+    assert LLAMA3_8B_16.tokens_per_step == 8 * 8192
+
+
+@pytest.mark.parametrize("name", list(ARMS))
+def test_full_recompute_reaches_every_arm_in_its_stacks_own_flags_and_nothing_else_changes(name, tmp_path,
+                                                                                         monkeypatch):
+    arm = ARMS[name]
+    plain = peers.command(arm, LLAMA3_8B_16, tmp_path / "r.json", cuda=True)
+    argv = peers.command(arm, RECOMPUTING, tmp_path / "r.json", cuda=True)
+    assert argv == plain[:-2] + list(peers.FULL_RECOMPUTE[arm.stack]) + plain[-2:]
+    if arm.stack == "megatron":
+        read = [megatron_train.parse_args(flags_of(command, str(peers.MEGATRON_EXAMPLE))) for command in (argv, plain)]
+        assert [(args.recompute_granularity, args.recompute_method, args.recompute_num_layers) for args in read] == \
+            [("full", "uniform", 1), (None, None, None)]  # every layer recomputed, one at a time
+    elif arm.stack == "torchtitan":
+        read = []
+        for command in (argv, plain):
+            monkeypatch.setattr(sys, "argv", command[1:])
+            read.append(loop.parse_args().activation_checkpoint)
+        assert read == ["full", "none"]
+    else:
+        jobs = [job_from_flags(flags[:flags.index("--result-json")])
+                for flags in (flags_of(argv, "fp8stack.train"), flags_of(plain, "fp8stack.train"))]
+        assert [(job.activation_checkpoint.layers, job.activation_checkpoint.modules) for job in jobs] == \
+            [("all", ("block",)), (None, ("block",))]  # every block recomputed whole
+
+
+def test_own_model_loop_full_checkpointing_reruns_each_block_in_the_backward_to_the_same_gradients(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train_bf16.py", "--no-compile"])
+    args = loop.parse_args()
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    gradients, forwards = [], []
+    for mode in loop.AC_MODES:
+        args.activation_checkpoint = mode
+        model = loop.parallelize(loop.build_model(args), args)
+        block = model.layers["0"]
+        calls = []
+        # a pre-hook: the recompute stops early, once the last activation the backward needs is made again
+        getattr(block, "_checkpoint_wrapped_module", block).feed_forward.register_forward_pre_hook(
+            lambda *_: calls.append(1))
+        loop.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        gradients.append([p.grad for p in model.parameters()])
+        forwards.append(len(calls))
+        assert all(isinstance(b, CheckpointWrapper) == (mode == "full") for b in model.layers.values())
+    assert forwards == [1, 2]  # "full": the forward once more in the backward
+    for without, recomputed in zip(*gradients):
+        torch.testing.assert_close(recomputed, without)
+
+
+def test_the_loop_refuses_full_checkpointing_of_blocks_it_did_not_wrap(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_fp8stack.py", "--steps", "1", "--seq-len", "16", "--no-compile",
+                                      "--activation-checkpoint", "full"])
+    args = loop.parse_args()
+    model = loop.build_model(args)  # this script assembles through fp8stack, never loop.parallelize
+    monkeypatch.setattr(loop, "text_batches", lambda args: pytest.fail("a step ran"))
+    with pytest.raises(SystemExit) as exit_:
+        loop.train(model, torch.optim.AdamW(model.parameters()), args)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "train_fp8stack.py: error: --activation-checkpoint full: this script's blocks are not wrapped by "
+        "loop.parallelize: drop the flag, or recompute through fp8stack.assemble(..., recompute=\"all\")")
+
+
 # --- the examples' new flags ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, message", [
@@ -131,6 +244,13 @@ def test_fp8stack_arms_change_nothing_but_the_recipe_batch_length_and_wrapper(na
     (["--result-json", "/proc/peers.json"], "--result-json /proc/peers.json"),
     (["--overlap-param-gather"], "add --use-distributed-optimizer --overlap-grad-reduce"),
     (["--overlap-param-gather", "--use-distributed-optimizer"], "add --overlap-grad-reduce"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method and "
+                                          "--recompute-num-layers, as megatron does: add --recompute-method uniform"),
+    (["--recompute-method", "uniform", "--recompute-num-layers", "1"],
+     "--recompute-method --recompute-num-layers set how full recompute runs: add --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "5"],
+     "--recompute-num-layers 5: give 1 to --num-layers 4"),
+    (["--recompute-granularity", "selective"], "invalid choice: 'selective'"),
 ])
 def test_megatron_example_refuses_its_new_flags_misused_before_any_compute(flags, message, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the refusal must come before the machine check
@@ -218,6 +338,16 @@ def test_a_run_on_several_gpus_is_named_by_their_count(monkeypatch):
     assert peers.evidence_stem(peers.parse_args([])) == "peers-llama-1b-like-h200"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert peers.evidence_stem(peers.parse_args(["--nproc", "2", "--label", "x"])) == "peers-llama-1b-like-x-2proc-h200"
+
+
+def test_llama3_8b_16_layers_is_accepted_and_a_run_with_recompute_is_named_by_it(monkeypatch):
+    monkeypatch.setattr(peers, "device_slug", lambda: "h200")
+    flags = ["--model", "llama3-8b-16-layers", "--micro-batch", "1", "--global-batch", "8"]
+    args = peers.parse_args(flags)
+    assert (args.model, args.micro_batch, args.global_batch, args.recompute) == ("llama3-8b-16-layers", 1, 8, "none")
+    assert peers.evidence_stem(args) == "peers-llama3-8b-16-layers-h200"
+    assert peers.evidence_stem(peers.parse_args([*flags, "--recompute", "full", "--label", "x"])) == \
+        "peers-llama3-8b-16-layers-recompute-full-x-h200"
 
 
 def test_more_ranks_than_gpus_is_refused_before_any_arm(capsys, monkeypatch, tmp_path):
@@ -350,6 +480,16 @@ def test_the_table_shows_every_arm_the_ratios_and_the_verdicts():
     assert "20 steps per arm, each arm a fresh process;" in text
 
 
+def test_the_table_and_the_figure_say_when_every_arm_recomputed():
+    record = peers.record_of(RECOMPUTING, TODAY, [])
+    assert record["shape"]["recompute"] == "full"
+    said = ", every block recomputed in the backward in every arm"
+    assert f"10 steps per arm, each arm a fresh process{said};" in peers.render(record)
+    assert peers.figure_title(record).splitlines()[0].endswith(said)
+    plain = peers.record_of(LLAMA, TODAY, [])
+    assert "recomputed" not in peers.render(plain) + peers.figure_title(plain)
+
+
 def test_the_table_of_two_ranks_says_so_and_shows_the_tokens_per_gpu():
     arms = [{**a, "tokens_per_s_per_gpu": a["tokens_per_s"] / 2} for a in TODAY]
     record = peers.record_of(LLAMA_ON_2, arms, [])
@@ -377,7 +517,8 @@ def test_the_table_of_two_ranks_says_so_and_shows_the_tokens_per_gpu():
     (["--arms", "fp8stack-delayed,fp8stack-delayed-ddp"], "--arms fp8stack-delayed-ddp: a data-parallel wrapper over "
                                                           "one process is the arm without it: add --nproc 2 or more"),
     (["--timeout", "0"], "--timeout 0.0: give a positive number"),
-    (["--model", "llama3-8b"], "invalid choice: 'llama3-8b'"),
+    (["--model", "llama3-8b"], "invalid choice: 'llama3-8b'"),  # 8.03 B parameters: its state alone fills an H200
+    (["--recompute", "selective"], "invalid choice: 'selective'"),
 ])
 def test_bad_input_exits_2_with_one_line_before_any_arm(flags, message, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(peers, "run_arm", lambda *a, **k: pytest.fail("an arm ran"))

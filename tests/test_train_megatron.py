@@ -6,6 +6,7 @@ trainer's AdamW (at TP=1, and at TP=2 over two gloo ranks). Training it, megatro
 run on GPUs (tests/gpu/test_train_megatron_gpu.py, fp8stack.bench.multigpu_tp)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from fp8stack.train.loop import _adamw, train
 from fp8stack.train.megatron_checkpoint import MegatronTensors
 from fp8stack.train.model import build_model, model_config
 from fp8stack.train import checkpoint, megatron_model
+
+from megatron_cpu import drawn_gpt
 
 pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore:.*tp_group is None",
                                         "ignore:Apex is not installed")
@@ -85,6 +88,19 @@ def test_fp8_dot_product_attention_reaches_megatrons_config_and_the_plan():
         check_config(plain, plan, layer_precisions(plain, plan), True, "")
 
 
+def test_llama3_8b_16_layers_maps_onto_megatrons_config_and_plan():
+    cfg = megatron_cfg("--model", "llama3-8b-16-layers", "--fp8-recipe", "delayed")
+    shape = model_config(cfg)
+    config = megatron_model.transformer_config(cfg, shape, megatron_model.fp8_format(cfg))
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (16, 4096, 14336)
+    assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (32, 8, 128)
+    assert (shape.seq_len, shape.vocab_size, shape.rope_theta) == (8192, 128256, 500000)
+    plan = megatron_model.build_plan(config, cfg, shape, arch=90)
+    assert [p.recipe for p in layer_precisions(config, plan)] == ["delayed"] * 16
+    head = plan.decision("output_layer")
+    assert (head.backend, head.recipe) == ("bf16", "bf16")  # plan rule 1: the head stays out of FP8
+
+
 @pytest.mark.parametrize("flags, names", [
     (["--compile"], "does not take training.compile (torch.compile of the blocks)"),
     (["--recompute-granularity", "full"], "does not take activation_checkpoint.layers (fp8stack's recompute)"),
@@ -93,8 +109,8 @@ def test_fp8_dot_product_attention_reaches_megatrons_config_and_the_plan():
     (["--no-te.cache-fp8-weights"], "does not take te.cache_fp8_weights false"),
     (["--te.local-amax"], "does not take te.local_amax (the plain path's TE scaling state"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
-    (["--model", "llama3-8b"], "builds tiny, llama-1b-like, llama-70b-layers, tiny-moe, deepseek-moe-small, "
-                               "deepseek-moe-medium, not 'llama3-8b'"),
+    (["--model", "llama3-8b"], "builds tiny, llama-1b-like, llama-70b-layers, llama3-8b-16-layers, tiny-moe, "
+                               "deepseek-moe-small, deepseek-moe-medium, not 'llama3-8b'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),
     (["--backend", "torchao"], "--backend te"),
     (["--small-gemm-filter", "rowwise"], "precision.small_gemm_filter='rowwise'"),
@@ -203,6 +219,25 @@ def test_gpt_model_computes_the_plain_llamas_function(megatron_rope_on_cpu):
     assert megatron_first == pytest.approx(plain_first, rel=1e-5)
     assert plain_next < plain_first - 0.01  # the step moved the loss, so its agreement means something
     assert megatron_next == pytest.approx(plain_next, rel=1e-5)
+
+
+def test_llama3_8b_16_layers_gpt_model_computes_the_plain_llamas_function_at_llama3s_rope_base(megatron_rope_on_cpu):
+    """Its 128256-token vocabulary, untied head and RoPE base 500000 at a CPU width: 2 layers of 256 (two heads of
+    Llama 3's 128, one KV group). FP32 on the CPU, the same logits as the plain Llama of that shape. Measured: within
+    2e-6 (max |logit| ~5.5), where megatron's RoPE at base 10000 moves them by ~8e-3."""
+    cfg = megatron_cfg("--model", "llama3-8b-16-layers")
+    shape = replace(model_config(cfg), dim=256, n_heads=2, n_kv_heads=1, ffn_dim=896, n_layers=2)
+    megatron, plain = drawn_gpt(cfg, shape, seed=0), Llama(shape)
+    plain.init_weights(seed=0)
+    assert megatron.output_layer.weight.shape == megatron.embedding.word_embeddings.weight.shape == (128256, 256)
+    assert not megatron.share_embeddings_and_output_weights and megatron.max_sequence_length == 8192
+    frequencies = 1 / 500000 ** (torch.arange(0, 128, 2).float() / 128)
+    torch.testing.assert_close(megatron.rotary_pos_emb.inv_freq.float(), frequencies)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    causal = torch.ones(tokens.shape[1], tokens.shape[1]).triu(1).bool()[None, None]  # megatron's default is on CUDA
+    with torch.no_grad():
+        torch.testing.assert_close(megatron(tokens, positions, causal), plain(tokens), rtol=1e-5, atol=1e-5)
 
 
 def _two_ranks(rank: int, init_file: str, out: str) -> None:

@@ -16,7 +16,8 @@ prints and writes the result. Needs CUDA and TransformerEngine.
 --layer-spec megatron builds the decoder layers from megatron's own get_gpt_layer_with_transformer_engine_spec
 instead of fp8stack's block_spec: the model Megatron-LM's gpt_builder makes, which fp8stack.bench.peers measures
 beside fp8stack. pretrain_gpt turns on the bias-SwiGLU, RoPE and bias-dropout-add fusions unless told otherwise;
-here each is a flag (off by default, as before).
+here each is a flag (off by default, as before). --recompute-granularity full with --recompute-method and
+--recompute-num-layers is megatron's full activation recompute, as pretrain_gpt takes it.
 
 --out-dir writes the losses, the layers' precision classes and the plan as evidence
 (fp8stack.evidence.write_evidence: the run's folder under <out-dir>/runs/, with the commit).
@@ -95,6 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--overlap-param-gather", action="store_true",
                        help="all-gather the distributed optimizer's updated parameters during the next forward; needs "
                             "--use-distributed-optimizer and --overlap-grad-reduce")
+    train.add_argument("--recompute-granularity", choices=("full",), default=None,
+                       help="megatron's activation recompute: full reruns whole layers in the backward, in units of "
+                            "--recompute-num-layers (selective is not wired here)")
+    train.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                       help="megatron's: uniform recomputes every unit, block only the first --recompute-num-layers")
+    train.add_argument("--recompute-num-layers", type=int, default=None, help="megatron's: layers per recompute unit")
     train.add_argument("--train-iters", type=int, default=50)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--min-lr", type=float, default=1e-4)
@@ -133,6 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if missing:
             parser.error(f"--overlap-param-gather overlaps the distributed optimizer's all-gather as megatron does: "
                          f"add {' '.join(missing)}")
+    check_recompute(parser, args)
     if args.clip_grad <= 0:
         parser.error(f"--clip-grad {args.clip_grad}: give a positive norm (the run reports the gradient norm the "
                      "clipping computes)")
@@ -143,6 +151,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.padded_vocab_size, args.max_position_embeddings = args.vocab_size, args.seq_length
     args.position_embedding_type, args.untie_embeddings_and_output_weights = "rope", True
     return args
+
+
+def check_recompute(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Megatron's rule: full recompute needs its method and layers per unit, and these apply to full only."""
+    given = [flag for flag, value in (("--recompute-method", args.recompute_method),
+                                      ("--recompute-num-layers", args.recompute_num_layers)) if value is not None]
+    if args.recompute_granularity is None and given:
+        parser.error(f"{' '.join(given)} set how full recompute runs: add --recompute-granularity full, or drop them")
+    if args.recompute_granularity == "full" and len(given) < 2:
+        parser.error("--recompute-granularity full needs --recompute-method and --recompute-num-layers, as megatron "
+                     "does: add --recompute-method uniform --recompute-num-layers 1 (each layer recomputed)")
+    if args.recompute_num_layers is not None and not 1 <= args.recompute_num_layers <= args.num_layers:
+        parser.error(f"--recompute-num-layers {args.recompute_num_layers}: give 1 to --num-layers "
+                     f"{args.num_layers}")
 
 
 def evidence_stem(args) -> str:
@@ -166,7 +188,8 @@ def transformer_config(args):
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16, fp8_param=args.fp8_param_gather,
         bias_activation_fusion=args.bias_swiglu_fusion, apply_rope_fusion=args.rope_fusion,
-        bias_dropout_fusion=args.bias_dropout_fusion)
+        bias_dropout_fusion=args.bias_dropout_fusion, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
 
 
 def check_machine() -> None:
@@ -331,7 +354,8 @@ def report(args, plan, layers: list[str], result: dict, patch_report) -> tuple[d
                "recipe": args.fp8_recipe if args.fp8_format else "bf16", "steps": args.train_iters,
                "micro_batch": args.micro_batch_size, "global_batch": args.global_batch_size,
                "tensor_parallel": args.tensor_model_parallel_size, "world_size": torch.distributed.get_world_size(),
-               "lr": args.lr, "layers": layers, "plan": plan.summary() if plan else None, "patches": patch_report,
+               "lr": args.lr, "recompute": args.recompute_granularity, "layers": layers,
+               "plan": plan.summary() if plan else None, "patches": patch_report,
                "loss_first": first, "loss_final_mean": final, "final_window": window, **result}
     rows = [[step, f"{loss:.4f}"] for step, loss in enumerate(result["losses"])
             if step % LOSS_EVERY == 0 or step == args.train_iters - 1]

@@ -6,7 +6,8 @@ per step.
 Under torchrun with several processes it is torchtitan's multi-GPU recipe: every rank reads its rows of each global
 batch, and parallelize() shards the model with FSDP2 as torchtitan's apply_fsdp does by default (FP32 parameters
 sharded, gathered in BF16 for compute, gradients reduce-scattered in FP32; no autocast, as torchtitan under FSDP).
-Losses are averaged over the ranks, memory is the largest of any rank's, and rank 0 prints and writes the result."""
+Losses are averaged over the ranks, memory is the largest of any rank's, and rank 0 prints and writes the result.
+--activation-checkpoint full recomputes each block in the backward, as torchtitan's activation_checkpoint.mode full."""
 
 import argparse
 import json
@@ -20,10 +21,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from model import SIZES, Transformer
+
+AC_MODES = ("none", "full")
+"""torchtitan's activation_checkpoint.mode values this loop applies; its selective modes (per-op or every Nth block)
+are not wired here."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=0, help="steps of linear LR warm-up from 0 to --lr")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--activation-checkpoint", choices=AC_MODES, default="none",
+                        help="torchtitan's activation_checkpoint.mode: full recomputes each block whole in the "
+                             "backward (bf16 and torchao scripts)")
     parser.add_argument("--recipe", default="delayed", help="the FP8 recipe (fp8stack and torchao scripts)")
     parser.add_argument("--small-gemm-filter", default="auto", help="fp8stack: off plans even tiny GEMMs in FP8")
     parser.add_argument("--result-json", type=Path, help="write losses and step times here")
@@ -69,13 +78,23 @@ def build_model(args: argparse.Namespace) -> Transformer:
 
 
 def parallelize(model: Transformer, args: argparse.Namespace) -> Transformer:
-    """torchtitan's order: each block compiled (with --compile), then, with several ranks, FSDP2 (shard)."""
+    """torchtitan's order (parallelize_llama): activation checkpointing (with --activation-checkpoint full), each block
+    compiled (with --compile), then, with several ranks, FSDP2 (shard)."""
+    if args.activation_checkpoint == "full":
+        checkpoint_blocks(model)
     if args.compile:
         for block in model.layers.values():
             block.compile()
     if args.mesh is not None:
         shard(model, args.mesh)
     return model
+
+
+def checkpoint_blocks(model: Transformer) -> None:
+    """torchtitan's full activation checkpointing: each block in checkpoint_wrapper, which keeps only the block's input
+    and reruns its forward in the backward; RNG state not preserved, torchtitan's default (the blocks draw nothing)."""
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def shard(model: Transformer, mesh: DeviceMesh) -> None:
@@ -111,6 +130,12 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
     if args.mesh is not None and not isinstance(model, FSDPModule):
         print(f"{sys.argv[0]}: error: {args.ranks} processes would each train their own copy of an unsharded model: "
               "run this script as one process (fp8stack's multi-GPU training: python -m fp8stack.train under torchrun)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if args.activation_checkpoint == "full" and not all(isinstance(block, CheckpointWrapper)
+                                                        for block in model.layers.values()):
+        print(f"{sys.argv[0]}: error: --activation-checkpoint full: this script's blocks are not wrapped by "
+              "loop.parallelize: drop the flag, or recompute through fp8stack.assemble(..., recompute=\"all\")",
               file=sys.stderr)
         raise SystemExit(2)
     loss_fn = torch.compile(cross_entropy) if args.compile else cross_entropy

@@ -29,6 +29,10 @@ SIZES = {
     # Four Llama-3-70B layers: where FP8's GEMM gain weighs most in a step.
     "llama-70b-layers": ModelArgs(dim=8192, n_layers=4, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=32000,
                                   max_seq_len=4096),
+    # torchtitan's llama3_configs["8B"] (its FFN width 14336, RoPE theta 500000) at half its depth, Llama 3's
+    # vocabulary and sequence: the largest Llama-3-8B one H200 holds with FP32 masters.
+    "llama3-8b-16-layers": ModelArgs(dim=4096, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                                     vocab_size=128256, max_seq_len=8192),
 }
 
 

@@ -6,6 +6,7 @@ FP8/BF16 per stack, and fp8stack's fastest FP8 arm over the best peer's.
     python -m fp8stack.bench.peers                      # every arm at llama-1b-like, 20 steps each
     python -m fp8stack.bench.peers --arms megatron-delayed,torchtitan-tensorwise,fp8stack-delayed
     python -m fp8stack.bench.peers --nproc 2 --arms megatron-delayed-param-gather,torchtitan-tensorwise,fp8stack-delayed
+    python -m fp8stack.bench.peers --model llama3-8b-16-layers --micro-batch 1 --global-batch 8 --recompute full
 
 Each peer is built as its users build it, with every speed feature its users get by default or its recipe names:
 - megatron: examples/megatron/train.py --layer-spec megatron. A GPTModel from megatron's own
@@ -18,8 +19,10 @@ Each peer is built as its users build it, with every speed feature its users get
   gradient-accumulation fusion (megatron's output layer needs apex's fused_weight_gradient_mlp_cuda for it and refuses
   to build without it). pretrain_gpt's NaN check of the gradients is left off: it only adds work. fp8stack's patches
   are applied by the example; none touches the layers megatron's spec builds (the SwiGLU one is LayerNormMLP's, the
-  others refuse --no-fp8-wgrad or change recompute, neither used here). Arms: bf16, delayed, blockwise, and delayed
-  with --fp8-param-gather and the distributed optimizer (FP8 weights cast from the FP32 shards). On N GPUs: megatron's
+  wgrad one refuses --no-fp8-wgrad, not used here; the recompute one re-enters FP8 in megatron's
+  tensor_parallel.checkpoint, which --recompute full runs in BF16 only, with no FP8 to re-enter: megatron's FP8 full
+  recompute is TE's checkpoint). Arms: bf16, delayed, blockwise, and delayed with --fp8-param-gather and the
+  distributed optimizer (FP8 weights cast from the FP32 shards). On N GPUs: megatron's
   DDP over the N ranks, each taking its slice of every global batch (global / (micro x N) micro-batches each), with
   the overlap Megatron-LM's Llama-3 recipes turn on: --overlap-grad-reduce, and with the distributed optimizer (its
   FP32 masters and moments sharded over the ranks) --overlap-param-gather.
@@ -52,6 +55,9 @@ examples/own_model's random windows of the same files for torchtitan), NVLink mu
 (fp8stack.train.launch.NO_MULTICAST_ENV, as launch/env.sh). tokens/s: tokens per step over all ranks over the median
 of the steady-state step times (fp8stack.train.timing.steady_state), each loop timing a step up to its host read of
 the step's loss, and that over N per GPU; a loop whose tokens per step are not the global batch's fails the arm.
+Activations: each stack's default, every one kept; --recompute full reruns every transformer block whole in the
+backward in every arm alike, each through its own flags (FULL_RECOMPUTE), for a shape whose activations would not
+fit: what each stack's users set then, and no stack recomputes less than another.
 Peak memory: torch.cuda.max_memory_allocated, the largest of any rank's; resident memory: torch.cuda.memory_allocated
 after the last step, likewise (what a rank holds between steps: parameters, masters, optimizer state, gradient
 buffers, weight caches; the peak less this is the step's activations and workspaces); final loss: the mean of the
@@ -117,8 +123,19 @@ BF16_HATCH = "//"
 """The figure's BF16 bars are hatched, FP8 bars solid."""
 PALE = 0.35
 """Opacity of the part of a peak-memory bar above the resident memory."""
-MODELS = ("tiny", "llama-1b-like", "llama-70b-layers")
+MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", "llama3-8b-16-layers")
 """Models every stack builds: fp8stack's configs and examples/own_model's SIZES both name them."""
+RECOMPUTE = ("none", "full")
+"""--recompute: none keeps every activation (each stack's default); full reruns every transformer block whole in the
+backward from its saved input, the one recompute the three stacks spell alike (their selective modes recompute
+different regions: megatron's the attention core, torchtitan's the ops between the matmuls it saves)."""
+FULL_RECOMPUTE = {
+    "megatron": ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+    "torchtitan": ("--activation-checkpoint", "full"),
+    "fp8stack": ("--recompute-granularity", "full"),
+}
+"""Each stack's own flags for --recompute full: megatron's full recompute of every layer (units of one layer),
+torchtitan's activation_checkpoint.mode full, fp8stack's Megatron-spelled full recompute (every block)."""
 MEGATRON_FUSIONS = ("--bias-swiglu-fusion", "--rope-fusion", "--bias-dropout-fusion")
 """The fusions pretrain_gpt turns on unless told otherwise, by the example's flags."""
 MEGATRON_FP8_FORMAT = "hybrid"
@@ -186,6 +203,8 @@ class Shape:
     """Optimizer steps."""
     nproc: int = 1
     """Processes each arm runs on, one per GPU, under torchrun; 1: one plain process."""
+    recompute: str = "none"
+    """A RECOMPUTE name, given to every arm alike in its stack's own flags (FULL_RECOMPUTE)."""
 
     @property
     def accumulation(self) -> int:
@@ -202,7 +221,9 @@ def command(arm: Arm, shape: Shape, result: Path, cuda: bool) -> list[str]:
     """The arm's command line, under torchrun with several processes; its loop writes losses, step_ms,
     tokens_per_step and peak_mem_gib to `result`."""
     build = {"megatron": megatron_command, "torchtitan": torchtitan_command, "fp8stack": fp8stack_command}[arm.stack]
-    return [*launcher(shape.nproc), *(str(part) for part in build(arm, shape, cuda)), "--result-json", str(result)]
+    recompute = FULL_RECOMPUTE[arm.stack] if shape.recompute == "full" else ()
+    return [*launcher(shape.nproc), *(str(part) for part in build(arm, shape, cuda)), *recompute,
+            "--result-json", str(result)]
 
 
 def megatron_command(arm: Arm, shape: Shape, cuda: bool) -> list:
@@ -390,7 +411,8 @@ def render(record: dict) -> str:
     ranks = (f", each arm one torchrun job of {nproc} processes, one per GPU (peak and resident memory: the largest of "
              "any rank's)" if nproc > 1 else ", each arm a fresh process")
     head = (f"{shape['model']}, micro-batch {shape['micro_batch']} per rank, global batch {shape['global_batch']}, "
-            f"{shape['steps']} steps per arm{ranks}; tokens/s from the median of the steady-state step times. "
+            f"{shape['steps']} steps per arm{ranks}{recompute_note(shape)}; tokens/s from the median of the "
+            "steady-state step times. "
             "Stacks: " + "; ".join(f"{key}: {what}" for key, what in STACKS.items()) + ".\n\n")
     table = markdown_table(["stack", "arm", "tokens/s", "tokens/s per GPU", "step spread (IQR)", "peak GiB",
                             "resident GiB", "FP8/BF16 in its stack", "final loss", "status"], rows)
@@ -404,6 +426,11 @@ def render(record: dict) -> str:
     pending = record.get("pending") or []
     tail = f"\nNot run yet: {', '.join(pending)}.\n" if pending else ""
     return head + table + "\n" + summary + "\n" + checks + tail
+
+
+def recompute_note(shape: dict) -> str:
+    """What the table and figure say of --recompute full; nothing without it (nor for records from before it)."""
+    return ", every block recomputed in the backward in every arm" if shape.get("recompute") == "full" else ""
 
 
 def table_order(arms: Sequence[dict]) -> list[dict]:
@@ -440,7 +467,7 @@ def figure_title(record: dict) -> str:
     nproc = shape.get("nproc", 1)
     gpus = f"{nproc} x {device}" if nproc > 1 else device
     lines = [f"peers at {shape['model']} on {gpus}: micro-batch {shape['micro_batch']} per rank, global batch "
-             f"{shape['global_batch']}, {shape['steps']} steps per arm"]
+             f"{shape['global_batch']}, {shape['steps']} steps per arm{recompute_note(shape)}"]
     for check in record.get("checks", []):
         value = "-" if check["value"] is None else (f"{check['value']:.3f}x" if check["check"] == "speed"
                                                     else f"{check['value']:.2f} GiB")
@@ -554,6 +581,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="GPUs each arm runs on, one torchrun process per GPU (1: one plain process)")
     parser.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)} (default: all; the -ddp arms "
                                                      "with --nproc 2 or more)")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                        help="activation recompute in every arm alike: full reruns each transformer block in the "
+                             "backward (megatron --recompute-granularity full --recompute-method uniform "
+                             "--recompute-num-layers 1, torchtitan activation_checkpoint.mode full, fp8stack "
+                             "--recompute-granularity full), for a shape whose activations do not fit otherwise")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one arm may take")
     parser.add_argument("--out-dir", type=Path, default=REPO / "profiles",
                         help="evidence folder; the run goes in its runs/<date>-<name>/ (default: profiles)")
@@ -597,14 +629,17 @@ def chosen_arms(parser: argparse.ArgumentParser, names: str | None, nproc: int) 
 
 
 def evidence_stem(args: argparse.Namespace) -> str:
-    """peers-<model>[-<label>][-<N>gpu]-<device>: a run on several GPUs never takes a one-GPU run's name."""
+    """peers-<model>[-recompute-full][-<label>][-<N>gpu]-<device>: a run on several GPUs, or with recompute, never takes
+    the name of a run without."""
     ranks = f"{args.nproc}{'gpu' if torch.cuda.is_available() else 'proc'}" if args.nproc > 1 else None
-    return "-".join(filter(None, ("peers", args.model, args.label, ranks, device_slug())))
+    recompute = f"recompute-{args.recompute}" if args.recompute != "none" else None
+    return "-".join(filter(None, ("peers", args.model, recompute, args.label, ranks, device_slug())))
 
 
 def record_of(shape: Shape, arms: list[dict], pending: list[str]) -> dict:
     return {"shape": {"model": shape.model, "micro_batch": shape.micro_batch, "global_batch": shape.global_batch,
-                      "steps": shape.steps, "nproc": shape.nproc}, "child_env": NO_MULTICAST_ENV,
+                      "steps": shape.steps, "nproc": shape.nproc, "recompute": shape.recompute},
+            "child_env": NO_MULTICAST_ENV,
             "stacks_described": STACKS, "arms": arms, "stacks": stack_summary(arms), "checks": judge(arms),
             "pending": pending}
 
@@ -615,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plot_only(PROG, args.plot_only, is_peers_record, figure)
     stem = evidence_stem(args)
     claim_or_exit(PROG, stem, args.out_dir, args.force)
-    shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps, args.nproc)
+    shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps, args.nproc, args.recompute)
     cuda, te_installed = torch.cuda.is_available(), importlib.util.find_spec("transformer_engine") is not None
     arms: list[dict] = []
     for index, name in enumerate(args.arms):

@@ -479,7 +479,7 @@ def check_optimizer_moments(job: JobConfig, device: str | None) -> None:
 
 MEGATRON_MOE_MODELS = ("tiny-moe", "deepseek-moe-small", "deepseek-moe-medium")
 """MoE models the Megatron path builds: megatron's MoE layers (routed experts as grouped GEMMs, a shared expert)."""
-MEGATRON_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", *MEGATRON_MOE_MODELS)
+MEGATRON_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", "llama3-8b-16-layers", *MEGATRON_MOE_MODELS)
 """Models the Megatron path builds."""
 
 

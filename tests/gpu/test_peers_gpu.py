@@ -2,8 +2,8 @@
 layer spec, pretrain_gpt's fusions and two micro-batches per step trains (BF16, and delayed with FP8 weights gathered
 from the distributed optimizer) and writes the result the bench reads; then the bench runs one arm per stack, and with
 2 GPUs every arm as a torchrun job of 2 processes (megatron's DDP with overlap, torchtitan's FSDP2 with the FP8
-all-gather and precomputed scales gloo cannot run, fp8stack's FSDP2 and DDP). Run with
-`pytest -m gpu tests/gpu/test_peers_gpu.py`."""
+all-gather and precomputed scales gloo cannot run, fp8stack's FSDP2 and DDP); and each stack with --recompute full.
+Run with `pytest -m gpu tests/gpu/test_peers_gpu.py`."""
 
 import json
 import math
@@ -16,7 +16,7 @@ import torch
 
 from gpu_skips import require_te
 
-from fp8stack.bench.peers import ARMS
+from fp8stack.bench.peers import ARMS, FULL_RECOMPUTE
 
 pytestmark = pytest.mark.gpu
 
@@ -62,6 +62,26 @@ def test_the_bench_measures_one_arm_per_stack(tmp_path):
         assert arm["status"] == "ok" and arm["tokens_per_s"] > 0 and arm["peak_mem_gib"] > arm["resident_mem_gib"] > 0
     speed, memory = record["checks"]
     assert speed["met"] is not None and memory["met"] is not None
+
+
+def test_every_stack_trains_with_every_block_recomputed(tmp_path):
+    """--recompute full: megatron's full recompute in FP8 (TE's checkpoint) and in BF16 (its
+    tensor_parallel.checkpoint), torchtitan's checkpoint_wrapper around compiled tensorwise blocks, fp8stack's block
+    recompute on TE."""
+    arms = "megatron-delayed,megatron-bf16,torchtitan-tensorwise,fp8stack-delayed"
+    command = [sys.executable, "-m", "fp8stack.bench.peers", "--model", "tiny", "--micro-batch", "8",
+               "--global-batch", "16", "--steps", "8", "--recompute", "full", "--arms", arms,
+               "--out-dir", str(tmp_path)]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [evidence] = (tmp_path / "runs").glob("*/peers-tiny-recompute-full-*.json")
+    record = json.loads(evidence.read_text())
+    assert record["shape"]["recompute"] == "full" and [a["arm"] for a in record["arms"]] == arms.split(",")
+    for arm in record["arms"]:
+        assert arm["status"] == "ok", f"{arm['arm']}: {arm.get('error') or arm.get('reason')}"
+        flags = list(FULL_RECOMPUTE[arm["stack"]])
+        assert arm["command"][-2 - len(flags):-2] == flags
+        assert all(map(math.isfinite, arm["losses"])) and arm["peak_mem_gib"] > arm["resident_mem_gib"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: --nproc 2 runs each arm on 2 processes")
