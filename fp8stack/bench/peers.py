@@ -143,7 +143,16 @@ MEGATRON_FP8_FORMAT = "hybrid"
 DDP = ("--parallelism.data-parallel", "ddp")
 """fp8stack's DDP: the one-GPU fast path replicated (its default data-parallel wrapper is FSDP2)."""
 SPEED_TARGET = 1.20
-"""fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s: the least ratio that meets the target."""
+"""fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s: the least ratio that meets the target (issue 36
+sets it at llama-1b-like; SPEED_TARGETS where it sets another)."""
+SPEED_TARGETS = {"llama-70b-layers": 1.15, "llama3-8b-16-layers": 1.15}
+"""Models whose speed target is not SPEED_TARGET: at 70B-layer and Llama-3-8B shapes, where FP8's gain over BF16 is
+judged on its own (>= 1.55x), fp8stack's FP8 over the best peer's is 1.15x."""
+
+
+def speed_target(model: str) -> float:
+    """The least tokens/s ratio of fp8stack's fastest FP8 arm over the best peer FP8 arm that meets the target."""
+    return SPEED_TARGETS.get(model, SPEED_TARGET)
 MIN_STEPS = 5
 """steady_state leaves out at least 2 warm-up steps and needs 3 more to time."""
 
@@ -362,14 +371,16 @@ def stack_summary(arms: Sequence[dict]) -> list[dict]:
     return rows
 
 
-def judge(arms: Sequence[dict]) -> list[dict]:
-    """The two targets: fp8stack's fastest FP8 arm against the best peer FP8 arm's tokens/s (>= SPEED_TARGET) and
+def judge(arms: Sequence[dict], model: str) -> list[dict]:
+    """The two targets: fp8stack's fastest FP8 arm against the best peer FP8 arm's tokens/s (>= the model's
+    speed_target) and
     against the lowest peer FP8 peak memory (at most it). met is None where an arm or a peak was not measured."""
     ours, best_peer = fastest(arms, ["fp8stack"], True), fastest(arms, PEERS, True)
+    target = speed_target(model)
     ratio = ours["tokens_per_s"] / best_peer["tokens_per_s"] if ours and best_peer else None
     speed = {"check": "speed", "what": "fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s",
              "arm": ours and ours["arm"], "against": best_peer and best_peer["arm"], "value": ratio,
-             "target": f">= {SPEED_TARGET:.2f}x", "met": None if ratio is None else ratio >= SPEED_TARGET}
+             "target": f">= {target:.2f}x", "met": None if ratio is None else ratio >= target}
     leanest = leanest_peer(arms)
     peak = ours.get("peak_mem_gib") if ours else None
     judged = peak is not None and leanest is not None
@@ -453,7 +464,7 @@ def figure(record: dict):
     rows = bar_rows(arms)
     fig, (speed, memory, losses) = plt.subplots(1, 3, figsize=(FIGURE_WIDTH, figure_height(len(rows) + 2)),
                                                 width_ratios=(1.3, 1, 1), layout="constrained")
-    speed_panel(speed, arms, rows)
+    speed_panel(speed, arms, rows, speed_target(record["shape"]["model"]))
     memory_panel(memory, arms, rows)
     loss_panel(losses, [(a["arm"], a["losses"], {"linestyle": "-" if is_fp8(a["recipe"]) else "--"})
                         for a in arms if a["status"] == "ok" and a.get("losses")])
@@ -501,9 +512,9 @@ def _legend_below(axes, handles: list) -> None:
                 frameon=False)
 
 
-def speed_panel(axes, arms: Sequence[dict], rows: list[float]) -> None:
+def speed_panel(axes, arms: Sequence[dict], rows: list[float], target: float) -> None:
     """Tokens/s per arm as horizontal bars, the arms' names at the left; the best peer FP8 arm's tokens/s (dashed)
-    and SPEED_TARGET times it (the target fp8stack's fastest FP8 arm is judged against, dotted)."""
+    and `target` times it (what fp8stack's fastest FP8 arm is judged against, dotted)."""
     from matplotlib.patches import Patch
 
     measured = [a.get("tokens_per_s") if a["status"] == "ok" else None for a in arms]
@@ -520,8 +531,8 @@ def speed_panel(axes, arms: Sequence[dict], rows: list[float]) -> None:
     if best:
         handles.append(axes.axvline(best["tokens_per_s"], color="black", linewidth=1, linestyle="--",
                                     label=f"best peer FP8 ({best['arm']})"))
-        handles.append(axes.axvline(SPEED_TARGET * best["tokens_per_s"], color="tab:red", linewidth=1.2,
-                                    linestyle=":", label=f"target: {SPEED_TARGET:.2f}x the best peer FP8"))
+        handles.append(axes.axvline(target * best["tokens_per_s"], color="tab:red", linewidth=1.2,
+                                    linestyle=":", label=f"target: {target:.2f}x the best peer FP8"))
     axes.margins(x=0.12)
     axes.set(xlabel="tokens/s", title="throughput (median steady-state step)")
     _legend_below(axes, handles)
@@ -640,7 +651,7 @@ def record_of(shape: Shape, arms: list[dict], pending: list[str]) -> dict:
     return {"shape": {"model": shape.model, "micro_batch": shape.micro_batch, "global_batch": shape.global_batch,
                       "steps": shape.steps, "nproc": shape.nproc, "recompute": shape.recompute},
             "child_env": NO_MULTICAST_ENV,
-            "stacks_described": STACKS, "arms": arms, "stacks": stack_summary(arms), "checks": judge(arms),
+            "stacks_described": STACKS, "arms": arms, "stacks": stack_summary(arms), "checks": judge(arms, shape.model),
             "pending": pending}
 
 
