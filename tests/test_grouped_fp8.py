@@ -19,9 +19,10 @@ from fp8stack.backends.blockwise import (BLOCK, FP8_MAX, Fp8Tensor, dequantize_1
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices
-from fp8stack.backends.grouped import (AlignedTokenGroups, BlockwiseGroupedMM, Float8GroupedExperts,
-                                       GroupedFP8Backend, RowwiseGroupedMM, TorchBlockwiseKernels,
-                                       TorchRowwiseKernels, TokenGroupPadding, rhs_block_scale, token_groups)
+from fp8stack.backends.grouped import (AlignedTokenGroups, BlockwiseGroupedMM, DispatchedBlockwiseGroupedMM,
+                                       Float8GroupedExperts, GroupedFP8Backend, RowwiseGroupedMM,
+                                       TorchBlockwiseKernels, TorchRowwiseKernels, TokenGroupPadding, rhs_block_scale,
+                                       token_groups)
 from fp8stack.backends import fp8_quant
 from fp8stack.backends.fp8_quant import quantize_rowwise, quantize_token_groups
 from fp8stack.models.llama import Llama
@@ -802,3 +803,246 @@ def test_compiled_aligned_group_quantizers_equal_eager_whatever_the_row_count():
             x = (torch.randn(rows, 256) * torch.logspace(-3, 3, 256)).bfloat16()
             assert _bits(fn.compiled(*args_of(x))) == _bits(fn.eager(*args_of(x))), (fn.__name__, rows)
         assert counters["stats"]["unique_graphs"] - graphs == 1, fn.__name__
+
+
+# ---- FP8 dispatch: each token quantized once, its FP8 rows permuted ------------------------------------------
+
+DISPATCH_TOKENS = 300
+"""Tokens of the dispatch problems: fewer than their 437 rows, so tokens repeat (top-k copies)."""
+
+
+def _dispatch_problem(counts=UNEVEN, seed=0):
+    """(tokens x [T, 640], w [E, 256, 640], offsets, row_token) laid out as MoE's permute lays its buffer out: each
+    group's rows padded to 128 (row_token T there), the static room of E * 127 rows after the groups. Rows read
+    random tokens, repeated ones among them; the last 20 tokens are routed nowhere (dropped)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(DISPATCH_TOKENS, 640, generator=generator)
+    w = torch.randn(len(counts), 256, 640, generator=generator) * 0.05
+    padded = [-(-count // BLOCK) * BLOCK for count in counts]
+    row_token = torch.full((sum(counts) + len(counts) * (BLOCK - 1),), DISPATCH_TOKENS)
+    start = 0
+    for count, room in zip(counts, padded):
+        row_token[start:start + count] = torch.randint(0, DISPATCH_TOKENS - 20, (count,), generator=generator)
+        start += room
+    return x, w, offsets_of(padded), row_token
+
+
+def _dispatched_and_gathered(trained, kernels, main_grad=None):
+    """(y, x.grad, w's gradient) of DispatchedBlockwiseGroupedMM on the tokens and of BlockwiseGroupedMM on the
+    BF16 rows x[row_token] (the BF16 dispatch), for the same upstream gradient."""
+    x, w, offsets, row_token = _dispatch_problem()
+    grad_y = torch.randn(row_token.numel(), w.shape[1], generator=torch.Generator().manual_seed(1))
+    outs = []
+    for dispatched in (True, False):
+        leaves = [x.clone().requires_grad_(trained != "w"), w.clone().requires_grad_(trained != "x")]
+        into = None if main_grad is None else main_grad.clone()
+        if dispatched:
+            y = DispatchedBlockwiseGroupedMM.apply(*leaves, offsets, row_token, BLOCKWISE_KERNELS[kernels](), into)
+        else:
+            rows = torch.cat([leaves[0], leaves[0].new_zeros(1, 640)])[row_token]
+            y = BlockwiseGroupedMM.apply(rows, leaves[1], offsets, BLOCKWISE_KERNELS[kernels](), True, into)
+        y.backward(grad_y)
+        outs.append((y.detach(), leaves[0].grad, leaves[1].grad if into is None else into))
+    return outs
+
+
+@pytest.mark.parametrize("kernels", list(BLOCKWISE_KERNELS))
+@pytest.mark.parametrize("trained", ["both", "x", "w", "main_grad"])
+def test_fp8_dispatch_equals_blockwise_on_the_gathered_rows(kernels, trained):
+    """Quantizing a token once and copying its FP8 row equals quantizing each BF16 copy (1x128 tiles never mix rows),
+    and the wgrad operand quantized in the backward from the tokens through the index equals the one the BF16
+    dispatch quantizes from its rows: output, token gradient and weight gradient (or main_grad) bit for bit, an
+    empty expert, padding rows and dropped tokens included."""
+    main_grad = torch.full((len(UNEVEN), 256, 640), 0.5) if trained == "main_grad" else None
+    dispatched, gathered = _dispatched_and_gathered(trained, kernels, main_grad)
+    for fp8_rows, bf16_rows in zip(dispatched, gathered):
+        assert (fp8_rows is None) == (bf16_rows is None)
+        if fp8_rows is not None:
+            assert torch.equal(fp8_rows, bf16_rows)
+    y, grad_x, grad_w = dispatched
+    assert y.abs().sum() > 0 and (y[sum([256, 0, 128, 384]):] == 0).all()  # nothing past the groups
+    if grad_x is not None:
+        assert (grad_x[-20:] == 0).all() and grad_x[:-20].abs().sum() > 0  # dropped tokens get no gradient
+    if trained in ("both", "w"):
+        assert (grad_w[UNEVEN.index(0)] == 0).all()
+
+
+def test_gathered_fp8_rows_are_the_gathered_rows_quantized():
+    """gather_fp8_rows moves 1x128-quantized rows (codes as bytes, scales alongside): what quantizing the gathered
+    rows gives, bit for bit, zero rows (-1) included as code 0 with scale 1; compiled, the same bits, one graph
+    for two token counts."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    for tokens in (300, 200):
+        x = (torch.randn(tokens, 640) * torch.logspace(-3, 3, 640)).bfloat16()
+        row_token = torch.cat([torch.randint(0, tokens, (500,)), torch.full((100,), tokens)])
+        source = fp8_quant.dispatch_source(row_token, tokens, BLOCK)
+        assert source.shape == (640,) and (source[500:] == -1).all()  # padded up to whole 128-row tiles
+        quantized = fp8_quant.quantize_rows_1x128(x)
+        moved = fp8_quant.gather_fp8_rows(quantized, source)
+        assert moved.data.dtype == torch.float8_e4m3fn and moved.scale.shape == (640, 5)
+        assert _bits(moved) == _bits(quantize_1x128(fp8_quant.gather_rows(x, source)))
+        assert (moved.scale[500:] == 1).all() and (moved.data[500:].view(torch.uint8) == 0).all()
+        codes = quantized.data.view(torch.uint8)
+        compiled = fp8_quant._gather_code_rows.compiled(codes, quantized.scale, source)
+        assert _bits(compiled) == _bits(fp8_quant._gather_code_rows.eager(codes, quantized.scale, source))
+        assert _bits(fp8_quant.quantize_rows_1x128.compiled(x)) == _bits(quantized)
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # the quantizer's graph and the gather's
+
+
+def _moe_on_contracts(kernels: str, fp8_dispatch: bool, dim: int = 256):
+    """A converted tiny-moe MoE layer (blockwise experts, the kernels' contracts in FP32 on CPU) whose expert 0 no
+    token chooses (its routing bias pushes it out of every top-k): an empty group."""
+    model, plan = _tiny_moe_and_plan()
+    decisions = [plan.decision("layers.1.moe.experts.w13"), plan.decision("layers.1.moe.experts.w2")]
+    GroupedFP8Backend(kernels="torch", fp8_dispatch=fp8_dispatch).convert(model, decisions, plan)
+    moe = model.layers[1].moe
+    moe.experts.blockwise_kernels = BLOCKWISE_KERNELS[kernels]()
+    with torch.no_grad():
+        moe.expert_bias[0] = -1e3
+    return moe
+
+
+@pytest.mark.parametrize("kernels", list(BLOCKWISE_KERNELS))
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_moe_layer_with_the_fp8_dispatch_equals_the_bf16_dispatch_bit_for_bit(kernels, autocast):
+    """The whole layer (router, permutation, both expert GEMMs, combine, shared expert) forward and backward: the
+    FP8 dispatch changes where the rows are quantized, not one bit of the output or of any gradient."""
+    runs = []
+    for fp8_dispatch in (True, False):
+        moe = _moe_on_contracts(kernels, fp8_dispatch)
+        assert moe.experts.permutes_tokens == fp8_dispatch
+        x = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = moe(x)
+        y.float().square().mean().backward()
+        runs.append([y.detach(), x.grad, *(p.grad for p in moe.parameters())])
+        assert moe.tokens_per_expert[0] == 0  # expert 0 got no token
+    for fp8_rows, bf16_rows in zip(*runs):
+        assert torch.equal(fp8_rows, bf16_rows)
+
+
+def _gathers_and_quantized_shapes(moe, x, monkeypatch) -> tuple[list, list]:
+    """The row gathers (aten.index) of a forward as (rows, columns, dtype), and the shape of every tensor the
+    blockwise quantizers quantize (quantize_1x128's input)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gathers, quantized = [], []
+    monkeypatch.setattr(fp8_quant, "quantize_1x128", lambda t: quantized.append(tuple(t.shape)) or quantize_1x128(t))
+
+    class RecordGathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.index.Tensor and out.dim() == 2:
+                gathers.append((*out.shape, out.dtype))
+            return out
+
+    with RecordGathers():
+        moe(x)
+    return gathers, quantized
+
+
+def test_the_fp8_dispatch_moves_fp8_rows_and_quantizes_each_token_once(monkeypatch):
+    """Counted by structure in one forward, D = 384 (neither F = 128 nor 2F): the FP8 dispatch's row buffer is
+    gathered as bytes (its scales beside it, D / 128 columns), where the BF16 dispatch gathers floating-point rows;
+    the first GEMM's operand is quantized from the T tokens once, where the BF16 dispatch quantizes its rows (R
+    of them, ~ top-k x T) and their transpose."""
+    from fp8stack.models.moe import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    tokens, dim, top_k, experts = 64, 384, 2, 4
+    rows = tokens * top_k + experts * (BLOCK - 1)
+    seen = {}
+    for fp8_dispatch in (True, False):
+        moe = MoE(dim, MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_dim=128))
+        moe.init_weights(0.02)
+        moe.experts = Float8GroupedExperts.from_experts(moe.experts, {"w13": "blockwise", "w2": "blockwise"},
+                                                        BLOCKWISE_KERNELS["deepgemm"](), None, fp8_dispatch)
+        seen[fp8_dispatch] = _gathers_and_quantized_shapes(moe, torch.randn(tokens, dim), monkeypatch)
+    buffer = -(-rows // BLOCK) * BLOCK
+    (fp8_gathers, fp8_quantized), (bf16_gathers, bf16_quantized) = seen[True], seen[False]
+    assert {g for g in fp8_gathers if g[0] >= rows} == {(buffer, dim, torch.uint8),
+                                                        (buffer, dim // BLOCK, torch.float32)}
+    assert [shape for shape in fp8_quantized if dim in shape] == [(tokens, dim)]
+    assert {g for g in bf16_gathers if g[0] >= rows} == {(rows, dim, torch.float32)}
+    assert [shape for shape in bf16_quantized if dim in shape] == [(buffer, dim), (dim, buffer)]
+
+
+@pytest.mark.parametrize("kernels, forward_reads", [("deepgemm", 0), ("torch", 1)])
+def test_the_fp8_dispatch_reads_nothing_on_the_host(kernels, forward_reads, monkeypatch):
+    """Routing to FP8 rows (permute, the row index, the quantizer, the gather) compiles into one graph
+    (fullgraph=True: an .item(), .tolist() or any other host read would break it) and gives the eager bits; the
+    layer's forward reads the group sizes only where its kernels do (torch's per-expert slices), as
+    BlockwiseGroupedMM's."""
+    import fp8stack.backends.grouped as grouped
+    from fp8stack.models.moe import permute
+
+    def route_to_fp8_rows(x: torch.Tensor, chosen: torch.Tensor) -> Fp8Tensor:
+        perm = permute(chosen, 8, BLOCK)
+        source = fp8_quant.dispatch_source(perm.row_token, x.shape[0], BLOCK)
+        return fp8_quant.gather_fp8_rows(fp8_quant.quantize_rows_1x128(x), source)
+
+    x, chosen = torch.randn(64, 256), torch.randint(0, 8, (64, 2))
+    assert _bits(torch.compile(route_to_fp8_rows, fullgraph=True)(x, chosen)) == _bits(route_to_fp8_rows(x, chosen))
+    reads = []
+    real_group_counts = grouped.group_counts
+    monkeypatch.setattr(grouped, "group_counts", lambda offsets: reads.append(1) or real_group_counts(offsets))
+    moe = _moe_on_contracts(kernels, fp8_dispatch=True)
+    moe.experts.recipes = {"w13": "blockwise"}  # w2 in BF16: the count is the dispatched GEMM's alone
+    moe(torch.randn(2, 16, 256))
+    assert len(reads) == forward_reads
+
+
+def test_fp8_dispatch_is_a_grouped_fp8_option_the_conversion_notes_report():
+    """Off by default; on, every experts module whose w13 runs blockwise takes the tokens (permutes_tokens) and the
+    record says so, and names those that keep the BF16 dispatch; a plan without a blockwise w13 is refused."""
+    model, plan = _tiny_moe_and_plan()
+    _, record = GroupedFP8Backend(kernels="torch").convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert not model.layers[1].moe.experts.permutes_tokens and not any("fp8_dispatch" in n for n in record.notes)
+    model, plan = _tiny_moe_and_plan()
+    decisions = [d for d in plan.for_backend("grouped_fp8") if d.fqn != "layers.2.moe.experts.w13"]
+    _, record = GroupedFP8Backend(kernels="torch", fp8_dispatch=True).convert(model, decisions, plan)
+    assert [model.layers[i].moe.experts.permutes_tokens for i in (1, 2, 3)] == [True, False, True]
+    assert "fp8_dispatch=True" in repr(model.layers[1].moe.experts)
+    dispatch_notes = [n for n in record.notes if n.startswith("fp8_dispatch")]
+    assert dispatch_notes[0].startswith("fp8_dispatch: 2 experts module(s) take their MoE's tokens")
+    assert dispatch_notes[1] == ("fp8_dispatch: layers.2.moe.experts (w13 bf16) keep the BF16 dispatch: the FP8 "
+                                 "rows feed a blockwise w13 only")
+    model, plan = _tiny_moe_and_plan(recipe="rowwise", fp8_format="e4m3")
+    with pytest.raises(PlanError, match="gives grouped_fp8 none: plan the experts blockwise"):
+        GroupedFP8Backend(fp8_dispatch=True).convert(model, plan.for_backend("grouped_fp8"), plan)
+
+
+def _job(*flags: str):
+    from fp8stack.train.command import job_from_flags
+    from fp8stack.train.loop import resolve_job
+
+    return resolve_job(job_from_flags(["--model", "tiny-moe", "--device", "cpu", *flags]))
+
+
+def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
+    """--grouped-fp8.fp8-dispatch reaches grouped_fp8's constructor through the trainer's backend options, and the
+    converted experts take the tokens; a plan whose experts are not blockwise on grouped_fp8 is refused before the
+    assembly, with the flags that fix it."""
+    from fp8stack.config import ConfigError, from_overrides
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.fp8-dispatch")
+    assert cfg.grouped_fp8.fp8_dispatch and not _job().grouped_fp8.fp8_dispatch
+    model = build_model(cfg, torch.device("cpu"))
+    plan = build_plan(cfg, model)
+    options = _backend_options(cfg, plan, micro_batches=1, fully_sharded=False)["grouped_fp8"]
+    assert options == {"fp8_dispatch": True}
+    GroupedFP8Backend(kernels="torch", **options).convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert all(model.layers[i].moe.experts.permutes_tokens for i in (1, 2, 3))
+    for flags, runs_on in [(("--fp8-recipe", "rowwise", "--expert-backend", "grouped_fp8"), "grouped_fp8/rowwise"),
+                           (("--fp8-recipe", "blockwise", "--expert-backend", "te"), "te/blockwise")]:
+        cfg = _job(*flags, "--grouped-fp8.fp8-dispatch")
+        plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+        with pytest.raises(ConfigError, match=f"runs its experts on {runs_on}: pass --fp8-recipe blockwise "
+                                              "--expert-backend grouped_fp8, or drop --grouped-fp8.fp8-dispatch"):
+            _backend_options(cfg, plan, micro_batches=1, fully_sharded=False)
+    with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.fp8_dispatch \(the plain MoE's FP8 "):
+        from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.fp8_dispatch": True})

@@ -204,6 +204,38 @@ def test_permute_groups_rows_by_expert(alignment):
     assert all(perm.row_token[r] == 4 for r in range(len(perm.row_token)) if r not in real_rows)
 
 
+class TokenPermutingExperts(GroupedExperts):
+    """Experts that gather the expert-sorted rows from the tokens themselves, in BF16 as MoE does."""
+
+    permutes_tokens = True
+
+    def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, row_token: torch.Tensor) -> torch.Tensor:
+        self.received = (tuple(tokens.shape), tuple(row_token.shape))
+        padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
+        return super().forward(padded[row_token], offsets)
+
+
+def test_experts_that_permute_the_tokens_take_them_from_the_moe():
+    """permutes_tokens (grouped_fp8's FP8 dispatch) moves the permutation into the experts: they get the tokens and
+    each row's token, and the layer computes what it computes with the rows permuted by the MoE, gradients too."""
+    moe = MoE(32, TINY_MOE)
+    moe.init_weights(0.02)
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    grad = torch.randn_like(x)
+    params = [x, moe.router.gate.weight, moe.experts.w13, moe.experts.w2]
+    expected = moe(x)
+    expected_grads = torch.autograd.grad(expected, params, grad)
+    permuting = TokenPermutingExperts(32, 64, 8)
+    permuting.w13, permuting.w2 = moe.experts.w13, moe.experts.w2
+    moe.experts = permuting
+    out = moe(x)
+    rows = 18 * TINY_MOE.top_k + TINY_MOE.num_experts * (permuting.group_alignment - 1)
+    assert permuting.received == ((18, 32), (rows,))
+    assert torch.equal(out, expected)
+    for got, want in zip(torch.autograd.grad(out, params, grad), expected_grads):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_match_per_expert_loop(dtype):
     experts = GroupedExperts(32, 48, 4)

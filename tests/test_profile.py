@@ -196,6 +196,24 @@ def test_fp8_parameters_are_profiled_against_bf16_ones(monkeypatch):
     assert profiled == [("bf16", "bf16"), ("delayed", "fp8")]
 
 
+def test_the_fp8_dispatch_is_profiled_against_the_bf16_dispatch(monkeypatch):
+    """The bf16 run has no FP8 experts to dispatch to (its plan would refuse the option): it drops the FP8 dispatch."""
+    profiled = []
+
+    class Stop(Exception):
+        pass
+
+    def record(cfg, warmup, steps):
+        profiled.append((cfg.precision.recipe, cfg.grouped_fp8.fp8_dispatch))
+        raise Stop
+
+    monkeypatch.setattr("fp8stack.profile.profile_run", record)
+    with pytest.raises(Stop):
+        main(["--model", "tiny-moe", "--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8",
+              "--grouped-fp8.fp8-dispatch", "--out-dir", "unused"])
+    assert profiled == [("bf16", False)]
+
+
 def test_quantize_overhead_counts_fused_kernels_by_their_excess_over_bf16():
     """TE's SwiGLU kernels write FP8 in the FP8 run (quantize) and BF16 in the bf16 run (elementwise): the same
     family, whose BF16 time is work FP8 did not add. Pure casts count whole."""

@@ -153,7 +153,7 @@ def arm_configs(ab: AbConfig, base: JobConfig, recipes: list[str], te_runs: bool
     fp8 attention's); each once per param_dtypes entry (BF16_PARAMS_SUFFIX after bf16's, FP8_PARAMS_SUFFIX after
     fp8's, which BF16 arms, having no FP8 weights, skip). Options that only some arms' plans use go to those arms: a
     delayed-scaling margin to recipes scaled from history, explicit TE weight-gradient fusion to arms with TE
-    layers."""
+    layers, the FP8 dispatch to recipes whose grouped experts run blockwise."""
     if ab.blockwise_gemms != ("te",) and not any(is_fp8(r) and get_recipe(r).gemms_on_deepgemm for r in recipes):
         raise ConfigError(f"--blockwise-gemms {','.join(ab.blockwise_gemms)} sets the blockwise runs' GEMMs, and "
                           "--recipes has no blockwise: add blockwise to --recipes or drop --blockwise-gemms")
@@ -203,8 +203,15 @@ def _arm(base: JobConfig, recipe: str, backend: str, library: str, param_dtype: 
         te=replace(base.te, delayed_margin=base.te.delayed_margin if fp8 and get_recipe(recipe).scales_from_history
                    else 0, blockwise_gemms=library,
                    gradient_accumulation_fusion=wgrad if on_te or base.model.impl == "megatron" or not wgrad else None),
+        grouped_fp8=replace(base.grouped_fp8,
+                            fp8_dispatch=base.grouped_fp8.fp8_dispatch and fp8 and _dispatches_fp8(recipe)),
         training=replace(base.training, param_dtype=param_dtype),
         logging=replace(base.logging, interval=max(1, base.training.steps // 4)))
+
+
+def _dispatches_fp8(recipe: str) -> bool:
+    """Whether grouped_fp8 can permute tokens in FP8 to the grouped experts of an FP8 `recipe` (its expert recipe's)."""
+    return get_recipe(get_recipe(recipe).expert_recipe).fp8_dispatch
 
 
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:

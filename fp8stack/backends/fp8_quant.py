@@ -137,6 +137,39 @@ def transpose_blocks(w: Fp8Tensor) -> Fp8Tensor:
     return Fp8Tensor(data, w.scale.transpose(-2, -1).contiguous())
 
 
+# ---- FP8 dispatch: each token quantized once, its rows moved as FP8 ------------------------------------------
+
+@fused()
+def quantize_rows_1x128(x: torch.Tensor) -> Fp8Tensor:
+    """quantize_1x128(x) as one kernel: the tokens of an FP8 dispatch, quantized once before their rows are copied."""
+    return quantize_1x128(x)
+
+
+def dispatch_source(row_token: torch.Tensor, num_tokens: int, alignment: int) -> torch.Tensor:
+    """The token each row of an FP8 dispatch's buffer reads, -1 for a zero row: row_token [R] (num_tokens marks the
+    padding rows of its groups) in gather_rows' convention, with -1 rows appended up to a multiple of `alignment`
+    (the GEMMs need the buffer's row count aligned). Static size: no host read."""
+    source = torch.where(row_token < num_tokens, row_token, -1)
+    return F.pad(source, (0, -source.numel() % alignment), value=-1)
+
+
+@fused()
+def _gather_code_rows(codes: torch.Tensor, scale: torch.Tensor,
+                      source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = (source >= 0).unsqueeze(1)
+    index = source.clamp_min(0)
+    return torch.where(keep, codes[index], 0), torch.where(keep, scale[index], 1.0)
+
+
+def gather_fp8_rows(t: Fp8Tensor, source: torch.Tensor) -> Fp8Tensor:
+    """Rows of a 1x128-quantized [T, K] by source (-1: a zero row), data and scales together, 1 byte per element
+    moved where a BF16 row copy moves 2. Bit for bit quantize_1x128(gather_rows(x, source)): 1x128 tiles along K
+    never mix rows, and a zero row quantizes to code 0 with scale 1 (decode_scale). The data moves as bytes (one
+    kernel on CUDA with the scales)."""
+    codes, scale = _gather_code_rows(t.data.view(torch.uint8), t.scale, source)
+    return Fp8Tensor(codes.view(t.data.dtype), scale)
+
+
 # ---- rowwise: one scale per row; per token group and column for the weight gradient ----------------------
 
 def quantize_rowwise(x: torch.Tensor) -> Fp8Tensor:

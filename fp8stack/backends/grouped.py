@@ -22,12 +22,17 @@ eager quantizer costs ~7 FP32 passes of its input instead):
 - GEMMs: FP8 operands (1 byte/element) and BF16 outputs; blockwise per-expert slices copy the output
   once (2 x 2TN) and wgrad operands once (T(N + K)). y and grad_x pass once more (2 x 2TN, 2 x 2TK): a select
   zeroing the rows past the last group (aligned groups), or the gather that unpads them.
+- FP8 dispatch (fp8_dispatch; blockwise w13 under MoE, R ~ T * top_k rows, group padding aside): tokens [T, K] -> FP8
+  once (2TK + TK) and their FP8 rows gathered (RK + RK), the wgrad operand quantized in the backward from the
+  tokens through the index (2RK + RK); the BF16 dispatch instead gathers BF16 rows in the MoE (2RK + 2RK) and
+  quantizes them both ways (2RK + 2RK), and holds x^T in FP8 (RK bytes) from forward to backward.
 - host syncs: none in the rowwise recipes. Blockwise pads groups (if any) on the GPU and DeepGEMM's
   forward labels rows with their experts on the GPU (a capturable forward); its K-grouped wgrad takes the group
   sizes as a Python list, read once in the backward. The torch blockwise kernels slice per expert on the host, so
   they read the group sizes once per forward (reused by the backward): torch's grouped FP8 GEMM takes rowwise and
   MX scales only, never 1x128 / 128x128 blocks. Each kernels object says so (capturable, capturable_backward,
-  capture_note), and Float8GroupedExperts.cuda_graph_blocker tells the CUDA-graph guard.
+  capture_note), and Float8GroupedExperts.cuda_graph_blocker tells the CUDA-graph guard. The FP8 dispatch builds
+  its row index on the GPU with a static size: it reads nothing on the host itself.
 """
 
 from collections.abc import Sequence
@@ -45,6 +50,7 @@ from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts, new_or_i
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError
+from fp8stack.plan.recipes import BF16
 
 RECIPE_ALIGNMENT = {"blockwise": BLOCK, "rowwise": TOKEN_CHUNK, "rowwise_gw_hp": TOKEN_CHUNK}
 """Expert recipes this backend runs, and what both weight dims (and expert row groups) must be multiples of:
@@ -295,23 +301,78 @@ class BlockwiseGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         weight_data, weight_scale, *x_t = ctx.saved_tensors
-        groups, kernels = ctx.groups, ctx.kernels
-        need_x, need_w = ctx.needs_input_grad[:2]
-        if need_x and need_w:
-            grad_fp8, grad_t = groups.quantize_both_1x128(grad_y)
-        elif need_x:
-            grad_fp8 = groups.quantize_rows_1x128(grad_y)
-        elif need_w:
-            grad_t = groups.quantize_cols_1x128(grad_y)
-        grad_x = grad_w = None
-        if need_x:
-            weight_t = fp8_quant.transpose_blocks(Fp8Tensor(weight_data, weight_scale))  # the forward's, transposed
-            grad_x = groups.unpad(kernels.m_grouped(grad_fp8, weight_t, groups)).to(ctx.x_dtype)
-        if need_w and ctx.main_grad is not None:
-            kernels.k_grouped(grad_t, Fp8Tensor(*x_t), groups, into=ctx.main_grad)
-        elif need_w:
-            grad_w = kernels.k_grouped(grad_t, Fp8Tensor(*x_t), groups).to(ctx.weight_dtype)
+        grad_x, grad_w = _blockwise_grads(ctx, grad_y, Fp8Tensor(weight_data, weight_scale),
+                                          Fp8Tensor(*x_t) if x_t else None)
         return grad_x, grad_w, None, None, None, None
+
+
+class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
+    """BlockwiseGroupedMM of the expert-sorted rows x[row_token], permuted in FP8 (DeepSeek-V3's FP8 dispatch, on one
+    GPU): the tokens x [T, K] are quantized once in 1x128 tiles along K, and the fprop operand is their FP8 rows and
+    scales gathered by row_token [R] (T for a group's padding rows): 1 byte per element moved where the BF16 dispatch
+    copies 2 and quantizes each of a token's top-k copies. The tiles never mix rows, so a copied FP8 row is the copy
+    quantized: output and dgrad are BlockwiseGroupedMM's on x[row_token] bit for bit, and the rows' dgrad is summed
+    into their tokens as the BF16 gather's backward sums it (a scatter-add).
+
+    The wgrad operand, x^T in 1x128 tiles along each expert's tokens, is quantized in the backward from x through the
+    saved row index: exactly BlockwiseGroupedMM's, and nothing of the k-times permuted rows is held between forward
+    and backward. x, the MoE's input, is saved by its router's GEMM anyway (the same tensor, unless autocast casts
+    FP32 activations for that GEMM): the index (8 bytes a row) replaces BlockwiseGroupedMM's saved FP8 x^T (K bytes a
+    row). DeepSeek-V3 rebuilds x^T from the FP8 rows instead (dequantize, transpose, quantize along the tokens: a
+    second rounding it accepts) because under expert parallelism an expert's GPU receives only those rows; here the
+    tokens are at hand. The price: the backward gathers 2 bytes an element of x where the FP8 rows would be 1.
+
+    No host read of its own (the index has a static size); the kernels' as in BlockwiseGroupedMM. Groups start on
+    multiples of kernels.row_alignment (the MoE pads them to the experts' group_alignment)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, row_token, kernels, main_grad=None):
+        groups = AlignedTokenGroups(offsets, row_token.numel(), kernels.row_alignment)
+        source = fp8_quant.dispatch_source(row_token, x.shape[0], kernels.row_alignment)
+        rows_fp8 = fp8_quant.gather_fp8_rows(fp8_quant.quantize_rows_1x128(x), source)
+        weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
+        y = kernels.m_grouped(rows_fp8, weight_fp8, groups)
+        ctx.save_for_backward(weight_fp8.data, weight_fp8.scale, row_token, source,
+                              x if ctx.needs_input_grad[1] else None)
+        ctx.groups, ctx.kernels, ctx.main_grad = groups, kernels, main_grad
+        ctx.x_dtype, ctx.weight_dtype, ctx.num_tokens = x.dtype, weight.dtype, x.shape[0]
+        return groups.unpad(y).to(_activation_dtype(x))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight_data, weight_scale, row_token, source, x = ctx.saved_tensors
+        x_t = fp8_quant.gather_quantize_cols_1x128(x, source) if x is not None else None
+        grad_rows, grad_w = _blockwise_grads(ctx, grad_y, Fp8Tensor(weight_data, weight_scale), x_t)
+        grad_x = None
+        if grad_rows is not None:
+            # The BF16 gather's backward: each token's rows summed into it, padding rows into a dropped zero row.
+            grad_x = grad_rows.new_zeros(ctx.num_tokens + 1, grad_rows.shape[1]).index_put_(
+                (row_token,), grad_rows, accumulate=True)[:ctx.num_tokens]
+        return grad_x, grad_w, None, None, None, None
+
+
+def _blockwise_grads(ctx, grad_y: torch.Tensor, weight_fp8: Fp8Tensor,
+                     x_t: Fp8Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(gradient of the GEMM's rows, of the weight) for a blockwise forward whose ctx holds its token groups, kernels,
+    main_grad and dtypes; weight_fp8: the forward's; x_t: the wgrad operand, x^T in 1x128 tiles along the tokens,
+    where the weight needs a gradient. The weight's is None when the wgrad GEMM added it into main_grad."""
+    groups, kernels = ctx.groups, ctx.kernels
+    need_x, need_w = ctx.needs_input_grad[:2]
+    if need_x and need_w:
+        grad_fp8, grad_t = groups.quantize_both_1x128(grad_y)
+    elif need_x:
+        grad_fp8 = groups.quantize_rows_1x128(grad_y)
+    elif need_w:
+        grad_t = groups.quantize_cols_1x128(grad_y)
+    grad_x = grad_w = None
+    if need_x:
+        weight_t = fp8_quant.transpose_blocks(weight_fp8)  # the forward's, transposed
+        grad_x = groups.unpad(kernels.m_grouped(grad_fp8, weight_t, groups)).to(ctx.x_dtype)
+    if need_w and ctx.main_grad is not None:
+        kernels.k_grouped(grad_t, x_t, groups, into=ctx.main_grad)
+    elif need_w:
+        grad_w = kernels.k_grouped(grad_t, x_t, groups).to(ctx.weight_dtype)
+    return grad_x, grad_w
 
 
 class RowwiseGroupedMM(torch.autograd.Function):
@@ -369,7 +430,16 @@ class Float8GroupedExperts(GroupedExperts):
     """GroupedExperts whose planned GEMMs run in FP8; the same Parameter objects as the module it replaces.
     A GEMM with no recipe (the plan keeps it BF16) runs GroupedExperts' torch._grouped_mm. With
     wgrad_into_main_grad (GroupedFP8Backend.hand_over_main_grads) the blockwise and BF16 wgrad GEMMs add into their
-    weights' FP32 main_grad; the rowwise recipes' still return their weight gradients."""
+    weights' FP32 main_grad; the rowwise recipes' still return their weight gradients. With permutes_tokens (the
+    backend's fp8_dispatch, for a blockwise w13) the MoE hands it the tokens, and w13 reads their rows in FP8
+    (DispatchedBlockwiseGroupedMM)."""
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, row_token: torch.Tensor | None = None) -> torch.Tensor:
+        """GroupedExperts.forward; with row_token (permutes_tokens), x is the tokens [T, D] and row_token [R] the token
+        of each expert-sorted row (T for padding rows), gathered as FP8 rows by the w13 GEMM."""
+        if row_token is None:
+            return super().forward(x, offsets)
+        return self.grouped_mm(self.act(self._dispatched_w13(x, offsets, row_token)), self.w2, offsets)
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         recipe = self.recipes.get("w13" if weight is self.w13 else "w2")
@@ -377,15 +447,29 @@ class Float8GroupedExperts(GroupedExperts):
             return super().grouped_mm(x, weight, offsets)
         if recipe == "blockwise":
             aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
-            main_grad = weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
-            return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned, main_grad)
+            return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned,
+                                            self._main_grad(weight))
         aligned = self.group_alignment % RECIPE_ALIGNMENT[recipe] == 0
         return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp", aligned)
 
+    def _dispatched_w13(self, tokens: torch.Tensor, offsets: torch.Tensor, row_token: torch.Tensor) -> torch.Tensor:
+        kernels = self.blockwise_kernels
+        if self.group_alignment % kernels.row_alignment:
+            raise ValueError(f"group_alignment={self.group_alignment}: the FP8 dispatch reads expert groups where they "
+                             f"start, so they must start on multiples of {kernels.row_alignment} ({kernels.name}'s "
+                             "rows): set group_alignment to a multiple of it")
+        return DispatchedBlockwiseGroupedMM.apply(tokens, self.w13, offsets, row_token, kernels,
+                                                  self._main_grad(self.w13))
+
+    def _main_grad(self, weight: nn.Parameter) -> torch.Tensor | None:
+        """The FP32 buffer the weight's wgrad GEMM adds into, if it takes one (wgrad_into_main_grad)."""
+        return weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
+
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipes: dict[str, str], blockwise_kernels,
-                     rowwise_kernels) -> "Float8GroupedExperts":
-        """Wrap `experts`' parameters; `recipes` maps 'w13' / 'w2' to an expert recipe."""
+                     rowwise_kernels, fp8_dispatch: bool = False) -> "Float8GroupedExperts":
+        """Wrap `experts`' parameters; `recipes` maps 'w13' / 'w2' to an expert recipe. fp8_dispatch: permute the
+        tokens in FP8 into a blockwise w13 (permutes_tokens; no effect on another w13)."""
         with torch.device("meta"):
             new = cls(experts.w13.shape[2], experts.w2.shape[2], experts.num_experts)
         new.w13, new.w2 = experts.w13, experts.w2
@@ -393,6 +477,7 @@ class Float8GroupedExperts(GroupedExperts):
         new.blockwise_kernels, new.rowwise_kernels = blockwise_kernels, rowwise_kernels
         new.group_alignment = max([experts.group_alignment, *(
             blockwise_kernels.row_alignment if r == "blockwise" else RECIPE_ALIGNMENT[r] for r in recipes.values())])
+        new.permutes_tokens = fp8_dispatch and recipes.get("w13") == "blockwise"
         new.train(experts.training)
         return new
 
@@ -411,7 +496,8 @@ class Float8GroupedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         kernels = {r: self.kernels_of(r).name for r in self.recipes.values()}
-        return f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}"
+        dispatch = ", fp8_dispatch=True" if self.permutes_tokens else ""
+        return f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}{dispatch}"
 
 
 @dataclass
@@ -420,6 +506,11 @@ class GroupedFP8Backend(Backend):
 
     kernels: str = "auto"
     """Blockwise GEMM kernels: auto (DeepGEMM when importable, else torch), torch, or deepgemm."""
+    fp8_dispatch: bool = False
+    """Experts whose w13 runs blockwise take their MoE's tokens, quantize each once and gather its FP8 rows for the
+    top-k experts (DeepSeek-V3's FP8 dispatch, on one GPU; DispatchedBlockwiseGroupedMM), where the BF16 dispatch
+    copies BF16 rows and quantizes every copy. Off until a GPU measures it faster
+    (fp8stack.bench.experts_breakdown --moe)."""
 
     name = "grouped_fp8"
 
@@ -460,15 +551,35 @@ class GroupedFP8Backend(Backend):
         used = {r for per_module in recipes.values() for r in per_module.values()}
         blockwise_kernels, without_deepgemm = self._blockwise_kernels() if "blockwise" in used else (None, "")
         rowwise_kernels = TorchRowwiseKernels() if used - {"blockwise"} else None
+        dispatch_notes = self._dispatch_notes(recipes)
         for module_fqn, gemm_recipes in recipes.items():
             new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
-                                                    blockwise_kernels, rowwise_kernels)
+                                                    blockwise_kernels, rowwise_kernels, self.fp8_dispatch)
             model = swap_module(model, module_fqn, new)
         record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
                                   converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
                                   notes=_notes(plan, blockwise_kernels, rowwise_kernels, without_deepgemm)
-                                  if used else [])
+                                  + dispatch_notes if used else [])
         return model, record
+
+    def _dispatch_notes(self, recipes: dict[str, dict[str, str]]) -> list[str]:
+        """What fp8_dispatch does to the experts of `recipes` (module -> GEMM -> recipe); a PlanError when it can
+        do nothing: no w13 runs blockwise."""
+        if not self.fp8_dispatch:
+            return []
+        dispatched = [fqn for fqn, gemms in recipes.items() if gemms.get("w13") == "blockwise"]
+        if not dispatched:
+            raise PlanError("grouped_fp8 fp8_dispatch feeds FP8 rows to blockwise w13 expert GEMMs, and this plan "
+                            "gives grouped_fp8 none: plan the experts blockwise (--fp8-recipe blockwise "
+                            "--expert-backend grouped_fp8), or drop fp8_dispatch")
+        notes = [f"fp8_dispatch: {len(dispatched)} experts module(s) take their MoE's tokens, quantized once in 1x128 "
+                 "tiles, and gather the FP8 rows into their blockwise w13 GEMM (the MoE must pass its tokens, as "
+                 "fp8stack's MoE does for experts with permutes_tokens)"]
+        rest = {fqn: gemms.get("w13", BF16) for fqn, gemms in recipes.items() if fqn not in dispatched}
+        if rest:
+            notes.append("fp8_dispatch: " + ", ".join(f"{fqn} (w13 {recipe})" for fqn, recipe in rest.items())
+                         + " keep the BF16 dispatch: the FP8 rows feed a blockwise w13 only")
+        return notes
 
     def _blockwise_kernels(self) -> tuple:
         """(the blockwise kernels, why DeepGEMM is not among them when auto fell back to torch's, else '')."""

@@ -6,6 +6,11 @@ aligned (what GroupedExperts under MoE hands it: no row moves) and through the p
 each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand flattening its kernel
 needs), the quantizers and unpaddings of both paths, and the aligned step's CUDA kernels by time. Writes
 profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/.
+
+With --moe, one whole MoE layer instead (router, permutation, SwiGLU experts, weighted combine; experts x tokens /
+top_k tokens): forward + backward with BF16 experts, blockwise experts on the BF16 dispatch and on the FP8 dispatch
+(grouped_fp8's fp8_dispatch), the memory each forward holds for its backward, and the dispatches' parts alone.
+Writes profiles/runs/<date>-moe-dispatch-<kernels>-<gpu>/ (-compiled with --compile).
 """
 
 import argparse
@@ -15,12 +20,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fp8stack.backends import deepgemm, fp8_quant
-from fp8stack.backends.grouped import (AlignedTokenGroups, BlockwiseGroupedMM, TokenGroupPadding,
-                                       TorchBlockwiseKernels)
+from fp8stack.backends.grouped import (AlignedTokenGroups, BlockwiseGroupedMM, Float8GroupedExperts,
+                                       TokenGroupPadding, TorchBlockwiseKernels)
 from fp8stack.bench.backends import time_steps
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.models.moe import MoE, MoEConfig, permute
 
 KERNELS = {"deepgemm": deepgemm.DeepGemmKernels, "torch": TorchBlockwiseKernels}
+BLOCKWISE = {"w13": "blockwise", "w2": "blockwise"}
 
 
 def median_ms(fn, grads_of: list[torch.Tensor], iters: int) -> float:
@@ -36,12 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=7168, help="D, the GEMM's reduction dim")
     parser.add_argument("--out-features", type=int, default=4096, help="N (w13: 2 x the expert FFN width)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--moe", action="store_true",
+                        help="time one MoE layer with the BF16 and the FP8 dispatch instead of the w13 GEMM alone")
+    parser.add_argument("--top-k", type=int, default=4, help="--moe: experts each token runs")
+    parser.add_argument("--compile", action="store_true",
+                        help="--moe: torch.compile the layer, as the trainer compiles its blocks on a GPU")
     parser.add_argument("--out", default="profiles")
     add_force_option(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8stack.bench.experts_breakdown needs a CUDA GPU: nothing was run")
         return 1
+    return moe_breakdown(args) if args.moe else w13_breakdown(args)
+
+
+def w13_breakdown(args: argparse.Namespace) -> int:
     stem = f"experts-breakdown-{args.kernels}-{device_slug()}"
     claim_or_exit("fp8stack.bench.experts_breakdown", stem, args.out, args.force)
     e, t, d, n = args.experts, args.tokens, args.dim, args.out_features
@@ -109,6 +125,93 @@ def main(argv: list[str] | None = None) -> int:
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
     return 0
+
+
+def moe_breakdown(args: argparse.Namespace) -> int:
+    stem = f"moe-dispatch-{args.kernels}-{device_slug()}{'-compiled' if args.compile else ''}"
+    claim_or_exit("fp8stack.bench.experts_breakdown", stem, args.out, args.force)
+    e, top_k, d, f = args.experts, args.top_k, args.dim, args.out_features // 2
+    tokens = e * args.tokens // top_k
+    moe = _moe_layer(e, top_k, d, f)
+    kernels = KERNELS[args.kernels]()
+    variants = {"bf16 experts": moe.experts,
+                "blockwise, BF16 dispatch": Float8GroupedExperts.from_experts(moe.experts, BLOCKWISE, kernels, None),
+                "blockwise, FP8 dispatch": Float8GroupedExperts.from_experts(moe.experts, BLOCKWISE, kernels, None,
+                                                                             fp8_dispatch=True)}
+    torch.manual_seed(1)
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    rows = {}
+    for name, experts in variants.items():
+        moe.experts = experts
+        torch._dynamo.reset()  # a compiled layer guards on its experts module: compile each variant afresh
+        forward = torch.compile(moe) if args.compile else moe
+        ms = median_ms(lambda: forward(x).backward(grad), [x, *moe.parameters()], args.iters)
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        rows[name] = {"ms": ms, **_memory_mib(lambda: forward(x), grad)}
+    parts = {name: median_ms(fn, [], args.iters) for name, fn in _dispatch_parts(moe, x.detach(), kernels).items()}
+    bf16_ms = rows["bf16 experts"]["ms"]
+    table = [[name, round(r["ms"], 4), round(bf16_ms / r["ms"], 3), r["held_mib"], r["peak_mib"]]
+             for name, r in rows.items()]
+    fp8_over_bf16_dispatch = rows["blockwise, BF16 dispatch"]["ms"] / rows["blockwise, FP8 dispatch"]["ms"]
+    markdown = (f"MoE layer, {tokens} tokens top-{top_k} of E={e} experts, D={d}, F={f}, kernels {kernels.name}"
+                f"{', compiled' if args.compile else ''}: forward + backward with the FP8 dispatch "
+                f"{fp8_over_bf16_dispatch:.3f}x the BF16 dispatch's speed (blockwise experts both).\n\n"
+                + markdown_table(["experts", "ms", "vs bf16", "MiB held for backward", "MiB peak"], table)
+                + "\nThe dispatches' parts alone:\n\n"
+                + markdown_table(["part", "ms"], [[name, round(ms, 4)] for name, ms in parts.items()]))
+    payload = {"shape": {"experts": e, "top_k": top_k, "tokens": tokens, "dim": d, "expert_ffn": f},
+               "kernels": kernels.name, "compiled": args.compile, "iters": args.iters, "variants": rows,
+               "parts_ms": parts, "fp8_dispatch_over_bf16_dispatch": fp8_over_bf16_dispatch}
+    _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
+    print(md_path.read_text())
+    return 0
+
+
+def _moe_layer(experts: int, top_k: int, dim: int, ffn: int) -> MoE:
+    """A DeepSeek-style MoE layer in BF16 on the GPU (sigmoid router, top-k weights renormalised), no shared expert:
+    the routed experts' share is what the dispatch changes."""
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_dim=ffn, score_func="sigmoid", route_norm=True)
+    with torch.device("cuda"):
+        moe = MoE(dim, config)
+    moe.init_weights(0.02)
+    return moe.to(torch.bfloat16)
+
+
+def _memory_mib(forward, grad: torch.Tensor) -> dict[str, float]:
+    """What a forward leaves allocated for its backward (saved tensors and output) and the step's peak above the
+    memory before it, in MiB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = forward()
+    held = torch.cuda.memory_allocated() - before
+    out.backward(grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return {"held_mib": round(held / 2**20, 1), "peak_mib": round(peak / 2**20, 1)}
+
+
+def _dispatch_parts(moe: MoE, x: torch.Tensor, kernels) -> dict:
+    """Each dispatch's own work on this layer's routing: the BF16 row gather and the quantization of its rows (both
+    forms, as BlockwiseGroupedMM's forward), against the tokens quantized once, their FP8 rows gathered, and the
+    wgrad operand the FP8 dispatch quantizes in its backward from the tokens through the row index."""
+    alignment = kernels.row_alignment
+    with torch.no_grad():
+        perm = permute(moe.router(x)[1], moe.config.num_experts, alignment)
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    bf16_rows = padded[perm.row_token]
+    source = fp8_quant.dispatch_source(perm.row_token, x.shape[0], alignment)
+    tokens_fp8 = fp8_quant.quantize_rows_1x128(x)
+    return {
+        "BF16 dispatch: gather BF16 rows": lambda: padded[perm.row_token],
+        "BF16 dispatch: quantize its rows both ways": lambda: fp8_quant.pad_quantize_both_1x128(bf16_rows, alignment),
+        "FP8 dispatch: quantize the tokens once": lambda: fp8_quant.quantize_rows_1x128(x),
+        "FP8 dispatch: gather FP8 rows and scales": lambda: fp8_quant.gather_fp8_rows(tokens_fp8, source),
+        "FP8 dispatch: wgrad operand from the tokens": lambda: fp8_quant.gather_quantize_cols_1x128(x, source),
+    }
 
 
 if __name__ == "__main__":

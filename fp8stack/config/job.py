@@ -121,6 +121,19 @@ class DeepGemmConfig:
 
 
 @dataclass
+class GroupedFP8Config:
+    """fp8stack's grouped FP8 expert GEMMs (--expert-backend grouped_fp8) under the plain path's MoE."""
+
+    fp8_dispatch: bool = False
+    """Experts whose w13 GEMM runs blockwise quantize each token once, before the MoE permutes it to its top-k
+    experts, and the permutation copies its FP8 rows with their 1x128 scales (DeepSeek-V3's FP8 dispatch, on one GPU)
+    instead of BF16 rows quantized copy by copy: half the bytes copied, the same numerics (the weight gradient's
+    operand is quantized in the backward from the tokens). Needs the plan's blockwise experts on grouped_fp8 (recipe
+    blockwise, --expert-backend grouped_fp8). Off until a GPU measures it faster: python -m
+    fp8stack.bench.experts_breakdown --moe."""
+
+
+@dataclass
 class TorchaoConfig:
     """torchao's options under FSDP2."""
 
@@ -386,6 +399,7 @@ class JobConfig:
     precision: PolicyConfig = field(default_factory=lambda: PolicyConfig(recipe="bf16"))
     te: TEConfig = field(default_factory=TEConfig)
     deepgemm: DeepGemmConfig = field(default_factory=DeepGemmConfig)
+    grouped_fp8: GroupedFP8Config = field(default_factory=GroupedFP8Config)
     torchao: TorchaoConfig = field(default_factory=TorchaoConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -495,6 +509,8 @@ def _check_megatron(job: JobConfig) -> None:
                   "parallelism.data_parallel_one_rank": (job.parallelism.data_parallel_one_rank,
                                                          "fp8stack's data-parallel wrappers"),
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),
+                  "grouped_fp8.fp8_dispatch": (job.grouped_fp8.fp8_dispatch, "the plain MoE's FP8 dispatch (megatron's "
+                                                                             "experts are TE GroupedLinear)"),
                   "te.local_amax": (job.te.local_amax is not None, "the plain path's TE scaling state (megatron "
                                                                      "reduces amaxes over its own groups)"),
                   "te.cache_fp8_weights false": (not job.te.cache_fp8_weights,

@@ -2,7 +2,8 @@
 
 Tokens are sorted by expert so that all experts run as one grouped GEMM (torch._grouped_mm) over
 contiguous row groups. `GroupedExperts` is the piece an FP8 backend swaps for a subclass: same
-parameters (w13, w2), same forward(x_sorted, offsets).
+parameters (w13, w2), same forward(x_sorted, offsets), or forward(tokens, offsets, row_token) for a subclass that
+permutes the tokens itself (permutes_tokens: grouped_fp8's FP8 dispatch).
 
 Load balancing is DeepSeek-V3's auxiliary-loss-free one (arXiv 2412.19437, section 2.1.2): each MoE keeps a
 per-expert bias, added to the router's scores to choose the top-k experts and left out of the weights that combine
@@ -158,6 +159,10 @@ class GroupedExperts(nn.Module):
     """The weight-gradient GEMMs add into their weights' FP32 main_grad inside the backward, and autograd gets no
     weight gradient: no BF16 gradient kept until a hook adds it (set by a backend's hand_over_main_grads once
     master weights own those buffers, as Megatron's TEGroupedMLP accumulates into main_grad)."""
+    permutes_tokens: bool = False
+    """forward(tokens [T, D], offsets, row_token [R]) permutes the tokens itself: row r reads token row_token[r], T
+    marking a padding row (zero). MoE then hands it the tokens, not the expert-sorted rows, so that a subclass can
+    move the rows in another form (grouped_fp8's fp8_dispatch: quantized once, copied as FP8)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
@@ -274,15 +279,22 @@ class MoE(nn.Module):
         weights, experts = self.router(x, self.expert_bias if self.config.expert_bias_rate > 0 else None)
         perm = permute(experts, self.config.num_experts, self.experts.group_alignment)
         self._count(perm.counts, experts.numel())
-        # Padding rows read an appended zero row; its gradient is dropped.
-        padded_x = torch.cat([x, x.new_zeros(1, x.shape[-1])])
-        rows_out = self.experts(padded_x[perm.row_token], perm.offsets)
+        rows_out = self._expert_rows(x, perm)
         slots_out = rows_out[perm.slot_row].view(*weights.shape, x.shape[-1])
         # Weighted sum over each token's top-k results in FP32, back to the activation dtype.
         out = (slots_out.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
+
+    def _expert_rows(self, x: torch.Tensor, perm: Permutation) -> torch.Tensor:
+        """The experts' output for each row of the expert-sorted buffer, whose rows the MoE gathers unless the experts
+        permute the tokens themselves (permutes_tokens; experts that are not GroupedExperts, TE's, take the rows)."""
+        if getattr(self.experts, "permutes_tokens", False):
+            return self.experts(x, perm.offsets, perm.row_token)
+        # Padding rows read an appended zero row; its gradient is dropped.
+        padded_x = torch.cat([x, x.new_zeros(1, x.shape[-1])])
+        return self.experts(padded_x[perm.row_token], perm.offsets)
 
     @torch.compiler.disable
     def _count(self, counts: torch.Tensor, slots: int) -> None:

@@ -52,6 +52,9 @@ class Recipe:
     """One scale per block of each tensor (blockwise's 1x128 / 128x128, MXFP8's 1x32), not per tensor or row."""
     gemms_on_deepgemm: bool = False
     """TE's modules for this recipe can run their GEMMs on DeepGEMM's dense kernels (TEConfig.blockwise_gemms)."""
+    fp8_dispatch: bool = False
+    """grouped_fp8 can permute an MoE's tokens to these expert GEMMs in FP8 (GroupedFP8Config.fp8_dispatch): they
+    scale activations per 1x128 tile of a row, which a copy of the row keeps."""
     fp8_attention_arch: int | None = None
     """Lowest SM version on which TE trains its FP8 dot-product attention (the recipe's fp8_dpa) under this recipe:
     TE 2.20 runs it only in its fused cuDNN kernels, which take DelayedScaling from sm90 and Float8CurrentScaling and
@@ -73,7 +76,7 @@ RECIPES: dict[str, Recipe] = {
                weight_grad_in_high_precision=True),
         Recipe("blockwise", ("te",), "grouped_fp8", "blockwise", 128, 90,
                "DeepSeek-style 1x128 activation / 128x128 weight block scales", "e4m3", "rowwise",
-               block_scaled=True, gemms_on_deepgemm=True),
+               block_scaled=True, gemms_on_deepgemm=True, fp8_dispatch=True),
         Recipe("mxfp8", ("te",), "te", "mxfp8", 32, 100,
                "MXFP8: 1x32 blocks with E8M0 scales (Blackwell tensor cores)", "e4m3", "rowwise", block_scaled=True,
                fp8_attention_arch=100),

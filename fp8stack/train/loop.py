@@ -389,7 +389,7 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int, fully_shard
     resolved), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE), local_amax (te.local_amax; None:
     unless FP8 weights are fully_sharded) and, with te.cache_fp8_weights and more than one micro-batch per step, FP8
     weights cast once per step and cached (TE's is_first_microbatch; with one micro-batch the cache would only hold
-    memory; weights held in FP8 need no cast)."""
+    memory; weights held in FP8 need no cast); and grouped_fp8's (_grouped_fp8_options)."""
     if cfg.te.gradient_accumulation_fusion and not plan.for_backend("te"):
         raise ConfigError(f"te.gradient_accumulation_fusion accumulates the TE linears' weight gradients in FP32, but "
                           f"the plan for recipe {cfg.precision.recipe!r} has no TE layers: use --backend te, or drop "
@@ -409,7 +409,23 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int, fully_shard
                "local_amax": (cfg.te.local_amax if cfg.te.local_amax is not None
                               else not (fully_sharded and fp8_weights)),
                **({"blockwise_gemms": cfg.te.blockwise_gemms} if cfg.te.blockwise_gemms != "te" else {})}
-    return {"te": options} if plan.for_backend("te") else None
+    grouped_fp8 = _grouped_fp8_options(cfg, plan)
+    return {**({"te": options} if plan.for_backend("te") else {}),
+            **({"grouped_fp8": grouped_fp8} if grouped_fp8 else {})} or None
+
+
+def _grouped_fp8_options(cfg: JobConfig, plan: Plan) -> dict:
+    """fp8_dispatch where grouped_fp8.fp8_dispatch asks for it, refused before the assembly when the plan runs no
+    blockwise expert GEMM on grouped_fp8 (the experts the plan put on TE or kept BF16 take no FP8 rows)."""
+    if not cfg.grouped_fp8.fp8_dispatch:
+        return {}
+    if not any(get_recipe(d.recipe).fp8_dispatch for d in plan.for_backend("grouped_fp8")):
+        expert_paths = sorted({f"{d.backend}/{d.recipe}" for d in plan.decisions if d.component.kind == "expert"})
+        raise ConfigError(f"grouped_fp8.fp8_dispatch feeds FP8 rows to blockwise expert GEMMs on grouped_fp8, and "
+                          f"the plan for recipe {cfg.precision.recipe!r} runs its experts on "
+                          f"{', '.join(expert_paths) or 'nothing (no MoE)'}: pass --fp8-recipe blockwise "
+                          "--expert-backend grouped_fp8, or drop --grouped-fp8.fp8-dispatch")
+    return {"fp8_dispatch": True}
 
 
 def _vocab_size(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed") -> int | None:

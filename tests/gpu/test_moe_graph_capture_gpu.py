@@ -4,7 +4,8 @@ inputs of the same shape (new routing, new expert group sizes) against the same 
 
 - BF16 GroupedExperts (torch._grouped_mm) and grouped_fp8 rowwise / rowwise_gw_hp (torch._scaled_grouped_mm):
   forward and forward + backward captured.
-- grouped_fp8 blockwise on DeepGEMM: forward captured (rows labelled with their experts on the GPU); its
+- grouped_fp8 blockwise on DeepGEMM, with the BF16 and with the FP8 dispatch (fp8_dispatch): forward captured
+  (rows labelled with their experts on the GPU, the FP8 rows gathered through an index of static size); its
   backward reads the group sizes for the K-grouped wgrad, so the guard refuses a training-step capture.
 - grouped_fp8 blockwise on torch's per-expert scaled_mm, and TE GroupedLinear: the guard refuses, with the
   reason and the fix; their forward does read the host (checked with torch's sync debug mode).
@@ -52,7 +53,8 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def _moe(experts: str) -> MoE:
     """A DeepSeek-style MoE layer (sigmoid router, renormalised top-k, a shared expert) in BF16 on the GPU,
-    its routed experts on `experts`: bf16, rowwise, rowwise_gw_hp, blockwise-deepgemm, blockwise-torch, te."""
+    its routed experts on `experts`: bf16, rowwise, rowwise_gw_hp, blockwise-deepgemm, blockwise-deepgemm-fp8-dispatch,
+    blockwise-torch, te."""
     torch.manual_seed(0)
     config = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_ffn_dim=EXPERT_FFN, shared_ffn_dim=SHARED_FFN,
                        score_func="sigmoid", route_norm=True)
@@ -63,8 +65,9 @@ def _moe(experts: str) -> MoE:
     both = {"w13": experts.split("-")[0], "w2": experts.split("-")[0]}
     if experts in ("rowwise", "rowwise_gw_hp"):
         moe.experts = Float8GroupedExperts.from_experts(moe.experts, both, None, TorchRowwiseKernels())
-    elif experts == "blockwise-deepgemm":
-        moe.experts = Float8GroupedExperts.from_experts(moe.experts, both, deepgemm.DeepGemmKernels(), None)
+    elif experts.startswith("blockwise-deepgemm"):
+        moe.experts = Float8GroupedExperts.from_experts(moe.experts, both, deepgemm.DeepGemmKernels(), None,
+                                                        fp8_dispatch=experts.endswith("fp8-dispatch"))
     elif experts == "blockwise-torch":
         moe.experts = Float8GroupedExperts.from_experts(moe.experts, both, TorchBlockwiseKernels(), None)
     elif experts == "te":
@@ -116,7 +119,8 @@ def _capture_step(moe: MoE, static_x: torch.Tensor, static_grad: torch.Tensor):
 
 CAPTURABLE_STEP = ["bf16", pytest.param("rowwise", marks=NEEDS_FP8_GROUPED),
                    pytest.param("rowwise_gw_hp", marks=NEEDS_FP8_GROUPED)]
-CAPTURABLE_FORWARD = [*CAPTURABLE_STEP, pytest.param("blockwise-deepgemm", marks=[NEEDS_SM90, NEEDS_DEEPGEMM])]
+CAPTURABLE_FORWARD = [*CAPTURABLE_STEP, *(pytest.param(experts, marks=[NEEDS_SM90, NEEDS_DEEPGEMM])
+                                          for experts in ("blockwise-deepgemm", "blockwise-deepgemm-fp8-dispatch"))]
 
 
 @pytest.mark.parametrize("experts", CAPTURABLE_FORWARD)

@@ -1,0 +1,33 @@
+"""fp8stack.bench.experts_breakdown on CPU: what runs without a GPU (the MoE dispatch parts it times)."""
+
+import pytest
+import torch
+
+from fp8stack.backends.grouped import TorchBlockwiseKernels
+from fp8stack.bench import experts_breakdown
+from fp8stack.models.moe import MoE, MoEConfig
+
+
+def test_the_moe_dispatch_parts_run_on_one_routing():
+    """Each timed part runs on this layer's routing: the BF16 dispatch's row gather and quantization of its buffer,
+    the FP8 dispatch's quantizer of the tokens, FP8 row gather and backward wgrad operand, on buffers of one size."""
+    torch.manual_seed(0)
+    moe = MoE(256, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=128))
+    moe.init_weights(0.02)
+    parts = experts_breakdown._dispatch_parts(moe, torch.randn(64, 256), TorchBlockwiseKernels())
+    out = {name: fn() for name, fn in parts.items()}
+    rows = 64 * 2 + 4 * 127
+    buffer = -(-rows // 128) * 128
+    assert out["BF16 dispatch: gather BF16 rows"].shape == (rows, 256)
+    assert [t.data.shape for t in out["BF16 dispatch: quantize its rows both ways"]] == [(buffer, 256), (256, buffer)]
+    assert out["FP8 dispatch: quantize the tokens once"].data.shape == (64, 256)
+    moved = out["FP8 dispatch: gather FP8 rows and scales"]
+    assert moved.data.shape == (buffer, 256) and moved.data.dtype == torch.float8_e4m3fn
+    assert out["FP8 dispatch: wgrad operand from the tokens"].data.shape == (256, buffer)
+
+
+def test_without_a_gpu_nothing_runs(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert experts_breakdown.main(["--moe"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
