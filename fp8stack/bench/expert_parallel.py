@@ -1,7 +1,7 @@
 """`python -m fp8stack.bench.expert_parallel`: an MoE model's experts split over two GPUs (megatron-core's expert
 parallelism on the Megatron path) against all experts on one GPU.
 
-    python -m fp8stack.bench.expert_parallel [--model deepseek-moe-small] [--steps 100] [--fp8-recipe blockwise]
+    python -m fp8stack.bench.expert_parallel [--model deepseek-moe-small] [--steps 60] [--fp8-recipe blockwise]
 
 Arms: BF16 and FP8 (--fp8-recipe, the recipe the plan runs megatron's grouped experts in: blockwise by default,
 DeepSeek-V3's, whose forward scales each token's 128-wide tiles on their own, so the first step's loss does not
@@ -57,9 +57,11 @@ EXPERT_PARALLEL = 2
 """The split degree: two GPUs."""
 PROFILED_STEPS = 2
 """Steps whose collectives are counted: steps 1 and 2 (step 0 initialises lazily)."""
-DEFAULT_STEPS = 100
-"""Steps per run: enough for the LR warm-up and a last-quarter mean of 25 steps; about 4 minutes for all four runs
-of deepseek-moe-small on two H200s, most of it start-up (estimated, not measured)."""
+DEFAULT_STEPS = 60
+"""Steps per run: the LR warm-up (a quarter) and a last-quarter mean of 15 steps, enough for the loss checks; the
+four runs of deepseek-moe-small then fit one 10-minute device call on two H200s
+(profiles/runs/2026-11-28-expert-parallel-h200: its small micro-batches make the EP=1 steps, not start-up, most of
+the time)."""
 BF16_ELEMENT = "c10::BFloat16"
 """The profiler's name of BF16 elements (comm_stats.ITEM_BYTES)."""
 FP8_DISPATCH = "FP8 dispatch: not provided (issue 37): tokens travel in BF16"
