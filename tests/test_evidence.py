@@ -1,6 +1,7 @@
 """Evidence tooling on CPU: environment, evidence files, the GPU-test collector, the benchmark's guards."""
 
 import json
+import signal
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -157,6 +158,29 @@ def test_gpu_tests_runs_only_gpu_tests_and_writes_evidence(tmp_path):
     assert "test_on_gpu" in written and "pytest exit code 0: 1 passed" in written
     json_path.with_suffix(".md").unlink()  # the record renders the same Markdown again (rerender)
     assert rerender(json_path, gpu_tests.render).read_text() == written
+
+
+def test_gpu_tests_stopped_by_sigterm_still_writes_the_tests_that_finished(tmp_path):
+    """A device call's `timeout` sends SIGTERM: the evidence keeps what ran before it, marked interrupted."""
+    (tmp_path / "test_slow.py").write_text(
+        "import os, signal, pytest\n"
+        "@pytest.mark.gpu\n"
+        "def test_first(): pass\n"
+        "@pytest.mark.gpu\n"
+        "def test_stopped(): os.kill(os.getpid(), signal.SIGTERM)\n"
+        "@pytest.mark.gpu\n"
+        "def test_never(): pass\n")
+    before = signal.getsignal(signal.SIGTERM)
+    code = gpu_tests.run([str(tmp_path), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-o", "addopts=",
+                          "--import-mode=importlib", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+                         out_dir=tmp_path / "profiles")
+    assert code == pytest.ExitCode.INTERRUPTED
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is its own
+    (json_path,) = (tmp_path / "profiles").glob("runs/*-gpu-tests-*/gpu-tests-*.json")
+    record = json.loads(json_path.read_text())
+    outcomes = {t["nodeid"].split("::")[-1]: t["outcome"] for t in record["tests"]}
+    assert outcomes["test_first"] == "passed" and "test_never" not in outcomes
+    assert "interrupted: the tests below finished" in json_path.with_suffix(".md").read_text()
 
 
 def test_one_component_plan_targets_the_requested_backend():

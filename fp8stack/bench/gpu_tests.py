@@ -3,9 +3,11 @@
     python -m fp8stack.bench.gpu_tests [pytest args]
 
 Writes profiles/runs/<date>-gpu-tests-<device>/ (.json and .md: every test's outcome and duration, failure tails)
-and exits with pytest's exit code.
+and exits with pytest's exit code. SIGTERM (`timeout` running out on a device call) stops pytest as Ctrl-C does, and
+the evidence still holds the tests that finished, marked interrupted.
 """
 
+import signal
 import sys
 import time
 from collections import Counter
@@ -62,7 +64,11 @@ def run(args: list[str], out_dir: str = "profiles", force: bool = False) -> int:
     collector = OutcomeCollector()
     pytest_args = ["-m", "gpu", *args]
     start = time.perf_counter()
-    code = int(pytest.main(list(pytest_args), plugins=[collector]))  # pytest.main edits the list it gets
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        code = int(pytest.main(list(pytest_args), plugins=[collector]))  # pytest.main edits the list it gets
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     results = list(collector.results.values())
     counts = dict(Counter(r["outcome"] for r in results))
     payload = {"pytest_args": pytest_args, "exit_code": code, "wall_s": round(time.perf_counter() - start, 2),
@@ -72,10 +78,17 @@ def run(args: list[str], out_dir: str = "profiles", force: bool = False) -> int:
     return code
 
 
+def _interrupt(signum, frame) -> None:
+    """SIGTERM as Ctrl-C: pytest ends the session, reporting the tests that finished (exit code INTERRUPTED)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def render(record: dict) -> str:
     """The Markdown of a run's record: pytest's exit code and counts, then one row per test."""
     rows = [[f"`{r['nodeid']}`", r["outcome"], f"{r['duration_s']:.2f}", _note(r)] for r in record["tests"]]
-    return (f"pytest exit code {record['exit_code']}: {_summary(record['counts'])}\n\n"
+    stopped = (" (interrupted: the tests below finished; the rest did not run)"
+               if record["exit_code"] == pytest.ExitCode.INTERRUPTED else "")
+    return (f"pytest exit code {record['exit_code']}{stopped}: {_summary(record['counts'])}\n\n"
             + markdown_table(["test", "outcome", "s", "note"], rows))
 
 
