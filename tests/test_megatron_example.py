@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_cpu
+
+from fp8stack.bench import peers
 from fp8stack.evidence import run_folder
 from fp8stack.megatron import layer_precisions
+from fp8stack.models import Llama, load_model_config
 from fp8stack.plan import PlanError
+from fp8stack.train import megatron_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron"
 sys.path.insert(0, str(EXAMPLE))
@@ -136,7 +141,71 @@ def test_train_py_builds_llama3s_vocabulary_rope_base_and_untied_head_and_recomp
     assert (plain.recompute_granularity, plain.recompute_method, plain.recompute_num_layers) == (None, None, None)
 
 
+def peers_megatron_flags(model: str, arm: str) -> list[str]:
+    """The example's flags in fp8stack.bench.peers' command for `arm` at `model`, less TE's fusions and megatron's TE
+    layer spec (no TE here: megatron refuses them on a CPU)."""
+    argv = peers.command(peers.ARMS[arm], peers.Shape(model, 1, 2, 5), Path("r.json"), cuda=True)
+    flags = [str(part) for part in argv[argv.index(str(peers.MEGATRON_EXAMPLE)) + 1:]]
+    spec = flags.index("--layer-spec")
+    return [flag for flag in flags[:spec] + flags[spec + 2:] if flag not in peers.MEGATRON_FUSIONS]
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "deepseek-moe-medium"])
+def test_peers_moe_flags_give_the_config_fp8stacks_megatron_path_builds(model):
+    """pretrain_gpt's MoE flags as peers passes them become the TransformerConfig MoE fields fp8stack's Megatron path
+    maps the description onto (BF16 here: megatron refuses an FP8 MoE config without TE); the FP8 arm's flags add
+    the FP8 padding alone."""
+    config = train.transformer_config(train.parse_args(peers_megatron_flags(model, "megatron-bf16")))
+    expected = megatron_model.moe_fields(load_model_config(model), fp8=False)
+    if not expected["moe_router_enable_expert_bias"]:
+        del expected["moe_router_bias_update_rate"]  # megatron reads it with the bias on only; peers leaves it out
+    assert {field: getattr(config, field) for field in expected} == expected
+    bf16, fp8 = (vars(train.parse_args(peers_megatron_flags(model, arm)))
+                 for arm in ("megatron-bf16", "megatron-blockwise"))
+    assert {key for key in bf16 if bf16[key] != fp8[key]} == {"moe_router_padding_for_quantization", "fp8_format",
+                                                               "fp8_recipe"}
+    assert fp8["moe_router_padding_for_quantization"]
+
+
+def test_train_py_builds_tiny_moe_as_peers_passes_it_and_computes_the_plain_moes_function(cpu_megatron, monkeypatch):
+    """tiny-moe through the example's flags (fp8stack's block_spec: megatron's local MoE layers on a CPU) holding the
+    plain MoE's weights: layer 0 dense, layers 1-3 MoE, the plain model's logits (FP32, to rounding)."""
+    megatron_cpu.megatron_moe_on_cpu(monkeypatch)
+    args = train.parse_args(peers_megatron_flags("tiny-moe", "megatron-bf16"))
+    config = train.transformer_config(args)
+    config.use_cpu_initialization = True  # the example builds on the GPU; here megatron allocates on the CPU
+    config.bf16, config.params_dtype = False, torch.float32  # FP32, so that the two agree to rounding
+    model = provider.build_gpt_model(args, config, use_te=False)
+    assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MLP"] + ["MoELayer"] * 3
+    plain = Llama(load_model_config("tiny-moe"))
+    plain.init_weights(seed=0)
+    megatron_model.load_llama_weights(model, plain)
+    megatron_model.route_in_the_weights_dtype(model)
+    tokens = torch.randint(0, args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(SEQ, SEQ).triu(1).bool()[None, None]
+    torch.testing.assert_close(model(tokens, torch.arange(SEQ).expand_as(tokens), causal), plain(tokens),
+                               rtol=1e-5, atol=1e-5)
+
+
+MOE = ["--num-experts", "8"]
+"""The least MoE launch."""
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--moe-router-topk", "4", "--moe-grouped-gemm"],
+     "--moe-router-topk --moe-grouped-gemm shape MoE layers: add --num-experts N, or drop them"),
+    ([*MOE, "--moe-router-topk", "9"], "--moe-router-topk 9: give 1 to --num-experts 8"),
+    ([*MOE, "--moe-layer-freq", "[0,1,1]"], "give one 0 (dense) or 1 (MoE) per layer of --num-layers 4"),
+    ([*MOE, "--moe-layer-freq", "5"], "--moe-layer-freq 5: give 1 to --num-layers 4"),
+    ([*MOE, "--moe-router-enable-expert-bias"], "biases sigmoid scores (megatron refuses it on softmax)"),
+    ([*MOE, "--moe-router-bias-update-rate", "0.01"], "add --moe-router-enable-expert-bias, or drop it"),
+    ([*MOE, "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], "orders softmax scores"),
+    ([*MOE, "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"],
+     "--moe-router-load-balancing-type none leaves out"),
+    ([*MOE, "--moe-router-padding-for-quantization"],
+     "after an alltoall or flex dispatch: add --fp8-format --moe-token-dispatcher-type alltoall"),
+    ([*MOE, "--moe-shared-expert-intermediate-size", "0"], "--moe-shared-expert-intermediate-size 0: give a positive"),
+    ([*MOE, "--moe-layer-freq", "[0]+__import__"], "argument --moe-layer-freq: invalid moe_freq_type value"),
     (["--lr-warmup-iters", "50", "--train-iters", "50"], "leaves no step after the warm-up"),
     (["--clip-grad", "0"], "--clip-grad 0.0: give a positive norm"),
     (["--hidden-size", "0"], "--hidden-size 0: give a positive number"),
@@ -148,7 +217,8 @@ def test_train_py_refuses_before_any_compute(flags, message, capsys, monkeypatch
     with pytest.raises(SystemExit) as exit_:
         train.main(flags)
     assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert message in error and error.strip().splitlines()[-1].startswith(f"{train.PROG}: error:")
 
 
 def test_train_py_refuses_to_overwrite_evidence_before_any_compute(tmp_path, capsys, monkeypatch):

@@ -58,7 +58,7 @@ def flags_of(argv: list[str], script: str) -> list[str]:
 
 # --- the same model, batch and schedule in every stack ----------------------------------------------------------
 
-@pytest.mark.parametrize("model", peers.MODELS)
+@pytest.mark.parametrize("model", peers.DENSE_MODELS)
 def test_the_torchtitan_layout_model_has_fp8stacks_shape(model):
     ours, theirs = load_model_config(model), SIZES[model]
     assert (theirs.dim, theirs.n_layers, theirs.n_heads, theirs.n_kv_heads, theirs.ffn_dim, theirs.vocab_size,
@@ -67,7 +67,7 @@ def test_the_torchtitan_layout_model_has_fp8stacks_shape(model):
          ours.rope_theta, ours.norm_eps)
 
 
-@pytest.mark.parametrize("model", peers.MODELS)
+@pytest.mark.parametrize("model", peers.DENSE_MODELS)
 def test_the_torchtitan_layout_model_has_as_many_parameters_as_fp8stacks(model):
     with torch.device("meta"):
         theirs, ours = Transformer(SIZES[model]), Llama(load_model_config(model))
@@ -363,10 +363,42 @@ def test_more_ranks_than_gpus_is_refused_before_any_arm(capsys, monkeypatch, tmp
 
 def test_tensorwise_fsdp2_is_skipped_on_cpu_processes_with_the_reason():
     tensorwise = ARMS["torchtitan-tensorwise"]
-    reason = peers.skip_reason(tensorwise, 2, cuda=False, te_installed=False)
+    reason = peers.skip_reason(tensorwise, LLAMA_ON_2, cuda=False, te_installed=False)
     assert "gloo (the CPU backend) cannot move float8 tensors" in reason
-    assert peers.skip_reason(tensorwise, 1, cuda=False, te_installed=False) is None  # one process gathers nothing
-    assert peers.skip_reason(tensorwise, 2, cuda=True, te_installed=False) is None
+    assert peers.skip_reason(tensorwise, LLAMA, cuda=False, te_installed=False) is None  # one process gathers nothing
+    assert peers.skip_reason(tensorwise, LLAMA_ON_2, cuda=True, te_installed=False) is None
+
+
+MOE = Shape("deepseek-moe-medium", micro_batch=1, global_batch=8, steps=10)
+
+
+@pytest.mark.parametrize("name", ["torchtitan-bf16", "torchtitan-tensorwise"])
+def test_torchtitan_arms_of_an_moe_model_are_skipped_with_the_reason(name, monkeypatch):
+    monkeypatch.setattr(peers, "run_child", lambda *a: pytest.fail("an arm ran"))
+    record = peers.run_arm(ARMS[name], MOE, 60, cuda=True, te_installed=True)
+    assert record["status"] == "skipped" and record["reason"] == peers.TORCHTITAN_NO_MOE
+
+
+@pytest.mark.parametrize("model", peers.MOE_MODELS)
+def test_moe_arms_carry_the_descriptions_experts_top_k_and_widths_in_each_stacks_flags(model, tmp_path):
+    """megatron's arms pass the description's MoE layers in pretrain_gpt's flags; fp8stack's arms name the model
+    (the same description) and, in FP8, TE GroupedLinear experts, what megatron's --moe-grouped-gemm runs."""
+    shape, moe = Shape(model, micro_batch=1, global_batch=8, steps=10), load_model_config(model).moe
+    for name in ("megatron-bf16", "megatron-blockwise"):
+        argv = peers.command(ARMS[name], shape, tmp_path / "r.json", cuda=True)
+        args = megatron_train.parse_args(flags_of(argv, str(peers.MEGATRON_EXAMPLE)))
+        assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
+                args.moe_shared_expert_intermediate_size) == \
+            (moe.num_experts, moe.top_k, moe.expert_ffn_dim, moe.shared_ffn_dim)
+        assert args.moe_layer_freq == [int(load_model_config(model).is_moe_layer(i)) for i in range(args.num_layers)]
+        assert args.moe_layer_freq[0] == 0 and args.moe_grouped_gemm and args.layer_spec == "megatron"
+        assert args.moe_router_score_function == moe.score_func
+        assert args.moe_router_padding_for_quantization == ARMS[name].fp8
+    for name in ("fp8stack-bf16", "fp8stack-blockwise", "fp8stack-delayed"):
+        flags = flags_of(peers.command(ARMS[name], shape, tmp_path / "r.json", cuda=True), "fp8stack.train")
+        job = job_from_flags(flags[:flags.index("--result-json")])
+        assert job.model.name == model and model_config(job).moe == moe
+        assert job.precision.expert_backend == ("te" if ARMS[name].fp8 else "auto")
 
 
 def fake_loop(tokens_per_step: int):

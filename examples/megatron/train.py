@@ -19,6 +19,14 @@ beside fp8stack. pretrain_gpt turns on the bias-SwiGLU, RoPE and bias-dropout-ad
 here each is a flag (off by default, as before). --recompute-granularity full with --recompute-method and
 --recompute-num-layers is megatron's full activation recompute, as pretrain_gpt takes it.
 
+MoE (pretrain_gpt's --num-experts and --moe-* flags, megatron's defaults where not given): megatron's own MoE
+layers, its dense and MoE layers as --moe-layer-freq lays them out (megatron's syntax: "[0,1,1,1]" or
+"([0]*1+[1]*3)" for layer 0 dense). --layer-spec megatron builds them as Megatron-LM's gpt_builder does for an MoE
+model, get_gpt_decoder_block_spec with TE (TEGroupedMLP under --moe-grouped-gemm); --layer-spec fp8stack through
+block_spec. The aux-loss-free expert bias (--moe-router-enable-expert-bias) moves as under pretrain_gpt: each step's
+schedule ends in finalize_model_grads (config.finalize_model_grads_func), which updates it from the step's token
+counts.
+
 --out-dir writes the losses, the layers' precision classes and the plan as evidence
 (fp8stack.evidence.write_evidence: the run's folder under <out-dir>/runs/, with the commit).
 """
@@ -53,6 +61,12 @@ LOSS_EVERY = 10
 """Steps between printed losses."""
 TIMING_WARMUP = 5
 """Steps left out of tokens/s (kernel selection, FP8 scale histories filling, allocator growth)."""
+ROUTER_SCORES = ("softmax", "sigmoid")
+"""--moe-router-score-function's choices (megatron's)."""
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+"""--moe-router-load-balancing-type's choices (megatron's, less quantile_balancing, which has no flags here)."""
+DISPATCHERS = ("allgather", "alltoall", "flex")
+"""--moe-token-dispatcher-type's choices (megatron's)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     fusions.add_argument("--bias-swiglu-fusion", action="store_true", help="megatron's fused SwiGLU")
     fusions.add_argument("--rope-fusion", action="store_true", help="TE's fused RoPE")
     fusions.add_argument("--bias-dropout-fusion", action="store_true", help="megatron's fused bias-dropout-add")
+    add_moe_arguments(parser)
     fp8 = parser.add_argument_group("FP8 (megatron's flags, read into fp8stack's plan)")
     fp8.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="unset: BF16")
     fp8.add_argument("--fp8-recipe", choices=MEGATRON_RECIPES, default="delayed")
@@ -141,6 +156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--overlap-param-gather overlaps the distributed optimizer's all-gather as megatron does: "
                          f"add {' '.join(missing)}")
     check_recompute(parser, args)
+    check_moe(parser, args)
     if args.clip_grad <= 0:
         parser.error(f"--clip-grad {args.clip_grad}: give a positive norm (the run reports the gradient norm the "
                      "clipping computes)")
@@ -167,6 +183,98 @@ def check_recompute(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                      f"{args.num_layers}")
 
 
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """pretrain_gpt's MoE flags, at megatron's defaults (every --moe-* flag needs --num-experts)."""
+    from megatron.training.arguments import moe_freq_type  # megatron's own --moe-layer-freq syntax
+
+    moe = parser.add_argument_group("MoE (pretrain_gpt's flags; without --num-experts the model is dense)")
+    moe.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer")
+    moe.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is sent to")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                     help="each routed expert's SwiGLU width (default: --ffn-hidden-size)")
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                     help="the always-on shared expert's SwiGLU width (default: no shared expert)")
+    moe.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                     help='N: every Nth layer MoE; or a list pattern, 1 MoE and 0 dense: "([0]*1+[1]*3)"')
+    moe.add_argument("--moe-router-score-function", choices=ROUTER_SCORES, default="softmax")
+    moe.add_argument("--moe-router-pre-softmax", action="store_true",
+                     help="softmax over all experts before the top k (softmax scores only)")
+    moe.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                     help="DeepSeek-V3's aux-loss-free expert bias (sigmoid scores only)")
+    moe.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                     help="how far each step moves the expert bias (needs --moe-router-enable-expert-bias)")
+    moe.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING, default="aux_loss")
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    moe.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                     help="the router's GEMM and weights in this dtype (default: the activations')")
+    moe.add_argument("--moe-grouped-gemm", action="store_true", help="the experts as grouped GEMMs (TEGroupedMLP)")
+    moe.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="allgather")
+    moe.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
+    moe.add_argument("--moe-router-padding-for-quantization", action="store_true",
+                     help="pad each expert's tokens to the FP8 GEMM's multiple (needs --fp8-format and the alltoall "
+                          "or flex dispatcher)")
+
+
+MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+             "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+             "moe_router_bias_update_rate", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype",
+             "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_permute_fusion",
+             "moe_router_padding_for_quantization")
+"""The --moe-* flags: the TransformerConfig fields of the same names, which shape MoE layers only."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_moe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The MoE flags whole and consistent, megatron's rules checked before anything is built."""
+    given = [_flag(name) for name in MOE_FLAGS if getattr(args, name) != parser.get_default(name)]
+    if args.num_experts is None:
+        if given:
+            parser.error(f"{' '.join(given)} shape MoE layers: add --num-experts N, or drop them")
+        return
+    experts, layers, freq = args.num_experts, args.num_layers, args.moe_layer_freq
+    if experts < 1:
+        parser.error(f"--num-experts {experts}: give 1 or more (leave it out for a dense model)")
+    if not 1 <= args.moe_router_topk <= experts:
+        parser.error(f"--moe-router-topk {args.moe_router_topk}: give 1 to --num-experts {experts}")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"{_flag(name)} {getattr(args, name)}: give a positive width")
+    if isinstance(freq, list) and (len(freq) != layers or set(freq) - {0, 1}):
+        parser.error(f"--moe-layer-freq {freq}: give one 0 (dense) or 1 (MoE) per layer of --num-layers {layers}")
+    if isinstance(freq, int) and not 1 <= freq <= layers:
+        parser.error(f"--moe-layer-freq {freq}: give 1 to --num-layers {layers} (every Nth layer MoE)")
+    sigmoid = args.moe_router_score_function == "sigmoid"
+    if sigmoid and args.moe_router_pre_softmax:
+        parser.error("--moe-router-pre-softmax orders softmax scores: drop it, or use --moe-router-score-function "
+                     "softmax")
+    if args.moe_router_enable_expert_bias and not sigmoid:
+        parser.error("--moe-router-enable-expert-bias biases sigmoid scores (megatron refuses it on softmax): add "
+                     "--moe-router-score-function sigmoid, or drop it")
+    if "--moe-router-bias-update-rate" in given and not args.moe_router_enable_expert_bias:
+        parser.error("--moe-router-bias-update-rate moves the expert bias: add --moe-router-enable-expert-bias, or "
+                     "drop it")
+    if args.moe_aux_loss_coeff and args.moe_router_load_balancing_type == "none":
+        parser.error(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} weighs an auxiliary loss that "
+                     "--moe-router-load-balancing-type none leaves out: give 0, or an aux_loss type")
+    if args.moe_router_padding_for_quantization:
+        missing = [flag for flag, present in (("--fp8-format", args.fp8_format),
+                                              ("--moe-token-dispatcher-type alltoall",
+                                               args.moe_token_dispatcher_type != "allgather")) if not present]
+        if missing:
+            parser.error(f"--moe-router-padding-for-quantization pads the experts' FP8 GEMMs after an alltoall or "
+                         f"flex dispatch: add {' '.join(missing)}")
+
+
+def moe_config(args: argparse.Namespace) -> dict:
+    """The TransformerConfig's MoE fields from the --num-experts and --moe-* flags ({} for a dense model)."""
+    if args.num_experts is None:
+        return {}
+    return {"num_moe_experts": args.num_experts, **{name: getattr(args, name) for name in MOE_FLAGS}}
+
+
 def evidence_stem(args) -> str:
     precision = f"{args.fp8_recipe}-{args.fp8_format}" if args.fp8_format else "bf16"
     spec = "megatron-spec" if args.layer_spec == "megatron" else None
@@ -189,7 +297,8 @@ def transformer_config(args):
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16, fp8_param=args.fp8_param_gather,
         bias_activation_fusion=args.bias_swiglu_fusion, apply_rope_fusion=args.rope_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion, recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        **moe_config(args))
 
 
 def check_machine() -> None:
@@ -237,12 +346,15 @@ def microbatches_per_step(args, dp_size: int) -> int:
     return args.global_batch_size // (args.micro_batch_size * dp_size)
 
 
-def layer_spec(args):
-    """The decoder layers' ModuleSpec --layer-spec names; None leaves it to the model_provider (block_spec)."""
+def layer_spec(args, config):
+    """The decoder layers' spec --layer-spec names; None leaves it to the model_provider (block_spec)."""
     if args.layer_spec == "fp8stack":
         return None
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
 
+    if args.num_experts is not None:  # gpt_builder's call for an MoE model: a spec per layer, dense or MoE
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
     return get_gpt_layer_with_transformer_engine_spec()  # gpt_builder's call for a dense model, its defaults
 
 
@@ -255,7 +367,7 @@ def build(args, config):
     from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(args.seed)
-    gpt = build_gpt_model(args, config, use_te=True, spec=layer_spec(args)).cuda()
+    gpt = build_gpt_model(args, config, use_te=True, spec=layer_spec(args, config)).cuda()
     layers = [type(layer).__name__ for layer in gpt.decoder.layers]
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer,
                                         fp8_param_gather=args.fp8_param_gather,
@@ -350,6 +462,7 @@ def report(args, plan, layers: list[str], result: dict, patch_report) -> tuple[d
     first, final = result["losses"][0], sum(result["losses"][-window:]) / window
     payload = {"model": {k: getattr(args, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size",
                                                         "num_attention_heads", "num_query_groups", "seq_length")},
+               "moe": moe_config(args) or None,
                "vocab_size": args.vocab_size, "layer_spec": args.layer_spec, "fp8_format": args.fp8_format,
                "recipe": args.fp8_recipe if args.fp8_format else "bf16", "steps": args.train_iters,
                "micro_batch": args.micro_batch_size, "global_batch": args.global_batch_size,

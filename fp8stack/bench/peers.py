@@ -46,6 +46,13 @@ Each peer is built as its users build it, with every speed feature its users get
   defaults (on N GPUs its default data-parallel wrapper, FSDP2). Arms: bf16, delayed, blockwise; with --nproc 2 or
   more also bf16-ddp and delayed-ddp, which add --parallelism.data-parallel ddp: the one-GPU fast path replicated.
 
+MoE models (MOE_MODELS): megatron's arms add pretrain_gpt's MoE flags for the description's MoE layers, as
+fp8stack's Megatron path maps them (megatron_moe_flags): its own MoE layer specs with TE, --moe-grouped-gemm (TE
+GroupedLinear experts), the alltoall dispatcher with TE's fused permutation, FP8 padding of each expert's tokens, and
+the expert bias moved by finalize_model_grads every step as pretrain_gpt moves it. fp8stack's FP8 arms add
+--expert-backend te, the same TE GroupedLinear (FP8_EXPERT_BACKEND). The torchtitan arms are skipped with the reason
+(examples/own_model has no MoE).
+
 Every arm: the shape of fp8stack.models.load_model_config(--model) (vocabulary included: 32000 at llama-1b-like, of
 which the byte tokens use ids 0..255), --micro-batch sequences per pass of each rank and --global-batch per optimizer
 step over all ranks, FP32 master weights and FP32 Adam moments, fp8stack's default peak LR and warm-up for the model
@@ -98,7 +105,7 @@ from fp8stack.ab.plot import pyplot
 from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, loss_panel, note_unmeasured,
                                   plot_only, refuse_flags_beside_plot_only, write_plot)
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
-from fp8stack.models import load_model_config
+from fp8stack.models import LlamaConfig, load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan.recipes import BF16, is_fp8
 from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, stop
@@ -123,8 +130,12 @@ BF16_HATCH = "//"
 """The figure's BF16 bars are hatched, FP8 bars solid."""
 PALE = 0.35
 """Opacity of the part of a peak-memory bar above the resident memory."""
-MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", "llama3-8b-16-layers")
+DENSE_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", "llama3-8b-16-layers")
 """Models every stack builds: fp8stack's configs and examples/own_model's SIZES both name them."""
+MOE_MODELS = ("tiny-moe", "deepseek-moe-small", "deepseek-moe-medium")
+"""fp8stack's MoE models: megatron and fp8stack build them, torchtitan's arms are skipped (examples/own_model builds
+dense Llamas only)."""
+MODELS = DENSE_MODELS + MOE_MODELS
 RECOMPUTE = ("none", "full")
 """--recompute: none keeps every activation (each stack's default); full reruns every transformer block whole in the
 backward from its saved input, the one recompute the three stacks spell alike (their selective modes recompute
@@ -239,7 +250,8 @@ def megatron_command(arm: Arm, shape: Shape, cuda: bool) -> list:
     config = load_model_config(shape.model)
     schedule = training_defaults(config, shape.steps)
     fp8 = ["--fp8-format", MEGATRON_FP8_FORMAT, "--fp8-recipe", arm.recipe] if arm.fp8 else []
-    return [MEGATRON_EXAMPLE, "--layer-spec", "megatron", "--num-layers", config.n_layers,
+    return [MEGATRON_EXAMPLE, *megatron_moe_flags(config, arm.fp8), "--layer-spec", "megatron",
+            "--num-layers", config.n_layers,
             "--hidden-size", config.dim, "--ffn-hidden-size", config.ffn_dim,
             "--num-attention-heads", config.n_heads, "--num-query-groups", config.n_kv_heads,
             "--seq-length", config.seq_len, "--vocab-size", config.vocab_size,
@@ -247,6 +259,28 @@ def megatron_command(arm: Arm, shape: Shape, cuda: bool) -> list:
             "--global-batch-size", shape.global_batch, "--train-iters", shape.steps, "--lr", schedule.lr,
             "--min-lr", schedule.min_lr, "--lr-warmup-iters", schedule.warmup, *MEGATRON_FUSIONS, *fp8, *arm.flags,
             *megatron_overlap(arm, shape.nproc)]
+
+
+def megatron_moe_flags(config: LlamaConfig, fp8: bool) -> list:
+    """pretrain_gpt's MoE flags for the model's MoE layers ([] for a dense model): the TransformerConfig fields
+    fp8stack's Megatron path maps the description onto (megatron_model.moe_fields: experts, top k, widths, layer 0
+    dense, the router's scores and expert bias, grouped GEMMs, the alltoall dispatcher, FP8 padding), each under its
+    flag (the expert bias's rate only where the bias is on)."""
+    from fp8stack.train.megatron_model import moe_fields
+
+    fields = moe_fields(config, fp8)
+    if not fields.get("moe_router_enable_expert_bias"):
+        fields.pop("moe_router_bias_update_rate", None)  # the example refuses a rate for a bias that is off
+    flags = []
+    for name, value in fields.items():
+        flag = "--num-experts" if name == "num_moe_experts" else "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif isinstance(value, list):  # megatron's pattern syntax: one 0 (dense) or 1 (MoE) per layer
+            flags += [flag, "[" + ",".join(map(str, value)) + "]"]
+        elif value is not None:
+            flags += [flag, value]
+    return flags
 
 
 def megatron_overlap(arm: Arm, nproc: int) -> list[str]:
@@ -272,11 +306,31 @@ def torchtitan_command(arm: Arm, shape: Shape, cuda: bool) -> list:
 def fp8stack_command(arm: Arm, shape: Shape, cuda: bool) -> list:
     return ["-m", "fp8stack.train", "--model", shape.model, "--fp8-recipe", arm.recipe,
             "--micro-batch-size", shape.micro_batch, "--global-batch-size", shape.global_batch,
-            "--train-iters", shape.steps, "--eval-iters", 0, "--no-progress", *arm.flags]
+            "--train-iters", shape.steps, "--eval-iters", 0, "--no-progress",
+            *fp8stack_expert_backend(arm, load_model_config(shape.model)), *arm.flags]
 
 
-def skip_reason(arm: Arm, nproc: int, cuda: bool, te_installed: bool) -> str | None:
-    """Why this machine cannot run the arm, or None."""
+FP8_EXPERT_BACKEND = ("--expert-backend", "te")
+"""fp8stack's FP8 arms of an MoE model run their experts on TE GroupedLinear, the grouped GEMM megatron's
+--moe-grouped-gemm runs: under --expert-backend auto a shape not measured yet (deepseek-moe-medium's) keeps its
+experts BF16, which would compare BF16 experts against megatron's FP8 ones."""
+
+
+def fp8stack_expert_backend(arm: Arm, config: LlamaConfig) -> tuple[str, ...]:
+    """FP8_EXPERT_BACKEND for an FP8 arm of an MoE model; nothing otherwise (BF16 experts have no FP8 backend)."""
+    return FP8_EXPERT_BACKEND if arm.fp8 and config.moe is not None else ()
+
+
+TORCHTITAN_NO_MOE = ("examples/own_model builds torchtitan's dense Llama only: torchtitan's MoE models are not wired "
+                     "into it, so there is no torchtitan arm at an MoE model")
+"""Why the torchtitan arms of an MoE model are skipped."""
+
+
+def skip_reason(arm: Arm, shape: Shape, cuda: bool, te_installed: bool) -> str | None:
+    """Why this machine (or this model, for torchtitan at an MoE model) cannot run the arm, or None."""
+    if arm.stack == "torchtitan" and load_model_config(shape.model).moe is not None:
+        return TORCHTITAN_NO_MOE
+    nproc = shape.nproc
     if arm.needs_te and not (cuda and te_installed):
         what = "megatron-core's TE layers" if arm.stack == "megatron" else f"fp8stack's default plan runs {arm.recipe} on TE"
         return f"needs a CUDA GPU with TransformerEngine ({what})"
@@ -296,7 +350,7 @@ def run_arm(arm: Arm, shape: Shape, timeout: float, cuda: bool, te_installed: bo
     """The arm in a fresh child process (a torchrun job with several): its tokens/s, step spread, peak memory and
     losses; or why it was skipped or failed."""
     record = {"arm": arm.name, "stack": arm.stack, "recipe": arm.recipe}
-    reason = skip_reason(arm, shape.nproc, cuda, te_installed)
+    reason = skip_reason(arm, shape, cuda, te_installed)
     if reason:
         return {**record, "status": "skipped", "reason": reason}
     with tempfile.TemporaryDirectory() as folder:
