@@ -96,7 +96,7 @@ class TorchBlockwiseKernels:
     def __init__(self, scaled_mm=F.scaled_mm):
         self.scaled_mm = scaled_mm
 
-    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding | AlignedTokenGroups") -> torch.Tensor:
+    def m_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroups") -> torch.Tensor:
         """Row group e of a [R, K] (1x128 scales) times b[e]^T, b [E, N, K] (128x128 scales) -> [R, N] BF16."""
         out = a.data.new_zeros(a.data.shape[0], b.data.shape[1], dtype=torch.bfloat16)
         start = 0
@@ -110,7 +110,7 @@ class TorchBlockwiseKernels:
             start += count
         return out
 
-    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroupPadding | AlignedTokenGroups",
+    def k_grouped(self, a: Fp8Tensor, b: Fp8Tensor, groups: "TokenGroups",
                   into: torch.Tensor | None = None) -> torch.Tensor:
         """out[e] = a_e @ b_e^T over expert e's tokens: a [M, T], b [N, T], 1x128 scales along T -> [E, M, N] FP32;
         into: an FP32 [E, M, N] the products are added to (and returned) instead of a new zeroed one."""
@@ -149,14 +149,25 @@ class TorchRowwiseKernels:
 
 
 @dataclass(frozen=True)
-class TokenGroupPadding:
+class TokenGroups:
+    """Expert-sorted token groups as the GEMMs read them: what TokenGroupPadding and AlignedTokenGroups share."""
+
+    offsets: torch.Tensor
+    """int32 [E] end row of each group in the buffer the GEMMs read."""
+
+    @functools.cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Rows per group, read on the host on first use (a device sync) and kept for the backward."""
+        return tuple(group_counts(self.offsets))
+
+
+@dataclass(frozen=True)
+class TokenGroupPadding(TokenGroups):
     """Token groups moved to start on multiples of an alignment, without a host sync: the padded
     buffer has the static size T + E * (alignment - 1) rows, rounded up to the alignment; padding rows are zero.
     Both directions are row gathers (`gather_rows`), fused into the quantizer or cast that consumes them.
     Each operand method returns x's buffer in the form a GEMM reads; AlignedTokenGroups offers the same methods."""
 
-    offsets: torch.Tensor
-    """int32 [E] end row of each padded group."""
     source: torch.Tensor
     """[rows] token of each buffer row; -1 for padding rows."""
     unpad_source: torch.Tensor
@@ -205,22 +216,15 @@ class TokenGroupPadding:
     def quantize_token_groups(self, x: torch.Tensor) -> Fp8Tensor:
         return fp8_quant.gather_quantize_token_groups(x, self.source, self.offsets)
 
-    @functools.cached_property
-    def counts(self) -> tuple[int, ...]:
-        """Rows per padded group, read on the host on first use (a device sync) and kept for the backward."""
-        return tuple(group_counts(self.offsets))
-
 
 @dataclass(frozen=True)
-class AlignedTokenGroups:
+class AlignedTokenGroups(TokenGroups):
     """Token groups that already start on multiples of the kernels' row alignment (GroupedExperts' contract when its
     group_alignment is a multiple of it): no row moves. The buffer is x itself, with zero rows appended up to a
     multiple of the alignment inside the quantizer that reads it (a masked load, no copy); no GEMM reads the rows
     past the last group, and the outputs' such rows are zeroed by a pointwise select. TokenGroupPadding's index
     gathers, which this skips, ran at ~450 GB/s on an H200. Same operand methods as TokenGroupPadding."""
 
-    offsets: torch.Tensor
-    """int32 [E] end row of each group (each a multiple of alignment)."""
     num_tokens: int
     """T, the rows of x."""
     alignment: int
@@ -252,14 +256,9 @@ class AlignedTokenGroups:
     def quantize_token_groups(self, x: torch.Tensor) -> Fp8Tensor:
         return fp8_quant.pad_quantize_token_groups(x, self.offsets, self.alignment)
 
-    @functools.cached_property
-    def counts(self) -> tuple[int, ...]:
-        """Rows per group, read on the host on first use (a device sync) and kept for the backward."""
-        return tuple(group_counts(self.offsets))
-
 
 def token_groups(offsets: torch.Tensor, num_tokens: int, alignment: int,
-                 aligned: bool) -> TokenGroupPadding | AlignedTokenGroups:
+                 aligned: bool) -> TokenGroups:
     """The GEMMs' view of x's token groups: as they are when the caller aligned them (`aligned`), else padded."""
     if aligned:
         return AlignedTokenGroups(offsets, num_tokens, alignment)
@@ -448,7 +447,7 @@ class Float8GroupedExperts(GroupedExperts):
         if recipe == "blockwise":
             aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
             return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned,
-                                            self._main_grad(weight))
+                                            self.main_grad_of(weight))
         aligned = self.group_alignment % RECIPE_ALIGNMENT[recipe] == 0
         return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp", aligned)
 
@@ -459,11 +458,7 @@ class Float8GroupedExperts(GroupedExperts):
                              f"start, so they must start on multiples of {kernels.row_alignment} ({kernels.name}'s "
                              "rows): set group_alignment to a multiple of it")
         return DispatchedBlockwiseGroupedMM.apply(tokens, self.w13, offsets, row_token, kernels,
-                                                  self._main_grad(self.w13))
-
-    def _main_grad(self, weight: nn.Parameter) -> torch.Tensor | None:
-        """The FP32 buffer the weight's wgrad GEMM adds into, if it takes one (wgrad_into_main_grad)."""
-        return weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
+                                                  self.main_grad_of(self.w13))
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipes: dict[str, str], blockwise_kernels,

@@ -181,7 +181,7 @@ class GroupedExperts(nn.Module):
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Row group g of x times weight[g]^T (weight in nn.Linear layout [E, N, K])."""
-        main_grad = weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
+        main_grad = self.main_grad_of(weight)
         # _grouped_mm is not on autocast's op lists: cast as autocast does for a matmul.
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -189,6 +189,10 @@ class GroupedExperts(nn.Module):
         if main_grad is not None:
             return GroupedMMIntoMainGrad.apply(x, weight, offsets, main_grad)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+    def main_grad_of(self, weight: nn.Parameter) -> torch.Tensor | None:
+        """The FP32 buffer the weight's wgrad GEMM adds into, if it takes one (wgrad_into_main_grad)."""
+        return weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w13, std=0.02)
