@@ -126,9 +126,9 @@ class TEBackend(Backend):
     """Delayed scaling: each process keeps its own amaxes and scales (TE DelayedScaling reduce_amax=False, what
     Megatron's --tp-only-amax-red does without tensor parallelism). Otherwise TE all-reduces the amaxes over all
     processes at the end of every module's forward and backward: a collective per module and pass, which holds the
-    ranks in step. Replicas (DDP) and BF16 weights gathered by fully_shard quantize whole weights and need no common scale; weights
-    held in FP8 and sharded by fully_shard do (each all-gathered weight carries one scale), so before_fully_shard
-    refuses the two together. None: local unless fp8_weights (keeps_amax_local)."""
+    ranks in step. Replicas (DDP) and BF16 weights gathered by fully_shard quantize whole weights and need no common
+    scale; weights held in FP8 and sharded by fully_shard do (each all-gathered weight carries one scale), so
+    before_fully_shard refuses the two together. None: local unless fp8_weights (keeps_amax_local)."""
 
     name: ClassVar[str] = "te"
 

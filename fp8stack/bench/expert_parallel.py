@@ -8,7 +8,8 @@ DeepSeek-V3's, whose forward scales each token's 128-wide tiles on their own, so
 depend on which rank computes which token; delayed scales each tensor from an amax history instead). Each is
 trained by launch/train.sh at EP=1 on one GPU and at EP=2 on two (--expert-model-parallel-size 2: two data-parallel
 ranks, each holding half the routed experts, the alltoall dispatcher sending every token to its expert's rank and
-back), from the same seed, weights and batches with the same global batch (MODELS). The EP=1 runs train side by side, one per GPU; the EP=2 runs one after another.
+back), from the same seed, weights and batches with the same global batch (MODELS). The EP=1 runs train side by
+side, one per GPU; the EP=2 runs one after another.
 
 Per run: tokens/s (global), peak memory (the fullest GPU's), losses, and the collectives of PROFILED_STEPS steps
 (fp8stack.train.comm_stats): the all-to-all bytes each rank sends per step, by element type. FP8 dispatch is not
