@@ -180,6 +180,7 @@ def test_gpu_tests_stopped_by_sigterm_still_writes_the_tests_that_finished(tmp_p
     record = json.loads(json_path.read_text())
     outcomes = {t["nodeid"].split("::")[-1]: t["outcome"] for t in record["tests"]}
     assert outcomes["test_first"] == "passed" and "test_never" not in outcomes
+    assert outcomes["test_stopped"] == "interrupted"
     assert "interrupted: the tests below finished" in json_path.with_suffix(".md").read_text()
 
 

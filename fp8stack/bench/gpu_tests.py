@@ -70,6 +70,8 @@ def run(args: list[str], out_dir: str = "profiles", force: bool = False) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     results = list(collector.results.values())
+    for result in results:  # set up, but stopped before its call reported
+        result["outcome"] = result["outcome"] or "interrupted"
     counts = dict(Counter(r["outcome"] for r in results))
     payload = {"pytest_args": pytest_args, "exit_code": code, "wall_s": round(time.perf_counter() - start, 2),
                "counts": counts, "tests": results}
