@@ -137,7 +137,7 @@ def assemble(
     if sdpa_backend is not None:
         set_sdpa_backend(sdpa_backend, next(model.parameters()).device)
     options = _with_parallel_options(plan, backend_options, distributed=fsdp_mesh is not None or tp_mesh is not None,
-                                     precompute_fp8_scales=precompute_fp8_scales)
+                                     fully_sharded=fsdp_mesh is not None, precompute_fp8_scales=precompute_fp8_scales)
     model = apply_fp8(model, plan, fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=options)
     mp_policy = fsdp_mp_policy or _DEFAULT_MP_POLICY
     if fsdp_mesh is not None and tp_mesh is None and (backend_options or {}).get("te", {}).get(
@@ -177,13 +177,18 @@ def describe_assembly(model: nn.Module, sdpa_backend: str | None = None) -> str:
 
 
 def _with_parallel_options(plan: Plan, backend_options: dict[str, dict] | None, *, distributed: bool,
-                           precompute_fp8_scales: bool) -> dict[str, dict] | None:
-    """backend_options plus what the parallelisms decide: TE's fused wgrad accumulation off under FSDP or tensor
-    parallelism when left to auto (nothing reduces its main_grad), torchao's scale precompute when asked for."""
+                           fully_sharded: bool, precompute_fp8_scales: bool) -> dict[str, dict] | None:
+    """backend_options plus what the parallelisms decide, where left to auto: TE's fused wgrad accumulation off under
+    FSDP or tensor parallelism (nothing reduces its main_grad); TE's delayed-scaling amaxes per process unless
+    fully_shard gathers weights held in FP8 (every other rank quantizes whole weights, TEBackend.local_amax);
+    torchao's scale precompute when asked for."""
     options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
     used = {d.backend for d in plan.decisions}
-    if distributed and "te" in used and options.get("te", {}).get("fuse_wgrad_accumulation") is None:
+    te = options.get("te", {})
+    if distributed and "te" in used and te.get("fuse_wgrad_accumulation") is None:
         options.setdefault("te", {})["fuse_wgrad_accumulation"] = False
+    if not fully_sharded and "te" in used and te.get("local_amax") is None:
+        options.setdefault("te", {})["local_amax"] = True
     if precompute_fp8_scales and "torchao" in used:
         options.setdefault("torchao", {})["precompute_fp8_scales"] = True
     return options or None

@@ -215,9 +215,25 @@ def test_fused_wgrad_accumulation_with_tensor_parallelism_raises(model, mesh):
 
 @pytest.mark.parametrize("asked", [{}, {"fuse_wgrad_accumulation": None}], ids=["unset", "none"])
 def test_fused_wgrad_accumulation_left_to_auto_is_off_when_distributed(asked):
-    options = _with_parallel_options(tiny_plan("delayed"), {"te": asked}, distributed=True,
+    options = _with_parallel_options(tiny_plan("delayed"), {"te": asked}, distributed=True, fully_sharded=False,
                                      precompute_fp8_scales=False)
     assert options["te"]["fuse_wgrad_accumulation"] is False
+
+
+def test_delayed_amaxes_stay_local_where_ranks_quantize_whole_weights_and_are_reduced_for_sharded_fp8_weights():
+    """te local_amax left unset: local in one process, under DDP and under FSDP2 with BF16 parameters (each rank
+    quantizes whole weights: no all-reduce per module and pass), reduced over the ranks for FP8 weights under FSDP2
+    (their shards share one scale); asked for, as asked."""
+    from fp8stack.backends.te import TEBackend
+
+    def local(fully_sharded: bool, **te) -> bool:
+        options = _with_parallel_options(tiny_plan("delayed"), {"te": te}, distributed=fully_sharded,
+                                         fully_sharded=fully_sharded, precompute_fp8_scales=False)
+        return TEBackend(**options["te"]).keeps_amax_local
+
+    assert local(False) and local(True) and local(False, fp8_weights=True)
+    assert not local(True, fp8_weights=True)
+    assert not local(False, local_amax=False) and local(True, local_amax=True)
 
 
 def test_fp8_all_gather_without_fsdp_raises(model):

@@ -1033,7 +1033,7 @@ def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
     assert cfg.grouped_fp8.fp8_dispatch and not _job().grouped_fp8.fp8_dispatch
     model = build_model(cfg, torch.device("cpu"))
     plan = build_plan(cfg, model)
-    options = _backend_options(cfg, plan, micro_batches=1, fully_sharded=False)["grouped_fp8"]
+    options = _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"]
     assert options == {"fp8_dispatch": True}
     GroupedFP8Backend(kernels="torch", **options).convert(model, plan.for_backend("grouped_fp8"), plan)
     assert all(model.layers[i].moe.experts.permutes_tokens for i in (1, 2, 3))
@@ -1043,6 +1043,6 @@ def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
         with pytest.raises(ConfigError, match=f"runs its experts on {runs_on}: pass --fp8-recipe blockwise "
                                               "--expert-backend grouped_fp8, or drop --grouped-fp8.fp8-dispatch"):
-            _backend_options(cfg, plan, micro_batches=1, fully_sharded=False)
+            _backend_options(cfg, plan, micro_batches=1)
     with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.fp8_dispatch \(the plain MoE's FP8 "):
         from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.fp8_dispatch": True})

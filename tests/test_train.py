@@ -303,7 +303,7 @@ def test_fp8_margin_reaches_the_te_backend_of_a_delayed_plan():
     cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--fp8-margin", "2",
                                       "--small-gemm-filter", "off", "--device", "cpu"]))
     plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
-    assert _backend_options(cfg, plan, micro_batches=1, fully_sharded=False)["te"]["delayed_margin"] == 2
+    assert _backend_options(cfg, plan, micro_batches=1)["te"]["delayed_margin"] == 2
 
 
 def test_fp8_weight_cache_follows_micro_batches_and_the_configuration():
@@ -316,29 +316,23 @@ def test_fp8_weight_cache_follows_micro_batches_and_the_configuration():
         cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--small-gemm-filter", "off",
                                           "--device", "cpu", *flags]))
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
-        return _backend_options(cfg, plan, micro_batches, fully_sharded=False)["te"]["cache_fp8_weights"]
+        return _backend_options(cfg, plan, micro_batches)["te"]["cache_fp8_weights"]
 
     assert cached(2) and not cached(1)
     assert not cached(2, "--no-te.cache-fp8-weights")
 
 
-def test_delayed_amaxes_stay_local_where_ranks_quantize_whole_weights_and_are_reduced_for_sharded_fp8_weights():
-    """te.local_amax None: local in one process, under DDP and under FSDP2 with BF16 parameters (each rank quantizes
-    whole weights: no all-reduce per module and pass), reduced over the ranks for FP8 weights under FSDP2 (their
-    shards share one scale); asked for, as asked."""
+def test_te_local_amax_reaches_the_te_backend_as_asked_and_is_left_to_assemble_when_unset():
     from fp8stack.train.loop import _backend_options, build_plan
     from fp8stack.train.model import build_model
 
-    def local(fully_sharded: bool, *flags: str) -> bool:
+    def local(*flags: str) -> bool | None:
         cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--small-gemm-filter", "off",
                                           "--device", "cpu", *flags]))
         plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
-        return _backend_options(cfg, plan, 1, fully_sharded=fully_sharded)["te"]["local_amax"]
+        return _backend_options(cfg, plan, 1)["te"]["local_amax"]
 
-    fp8_weights = ("--param-dtype", "fp8", "--dtype", "bf16")
-    assert local(False) and local(True) and local(False, *fp8_weights)
-    assert not local(True, *fp8_weights)
-    assert not local(False, "--no-te.local-amax") and local(True, "--te.local-amax")
+    assert local() is None and local("--te.local-amax") is True and local("--no-te.local-amax") is False
 
 
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
@@ -352,7 +346,7 @@ def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers
         return cfg, build_plan(cfg, build_model(cfg, torch.device("cpu")))
 
     def options(recipe: str, backend: str = "te") -> dict | None:
-        return _backend_options(*plan(recipe, backend), 1, fully_sharded=False)
+        return _backend_options(*plan(recipe, backend), 1)
 
     assert options("delayed")["te"]["fuse_wgrad_accumulation"] is True
     assert options("bf16")["te"]["fuse_wgrad_accumulation"] is True  # a bf16 plan on te: TE modules without FP8

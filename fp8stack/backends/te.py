@@ -135,7 +135,8 @@ class TEBackend(Backend):
     @property
     def keeps_amax_local(self) -> bool:
         """local_amax as resolved: None keeps amaxes per process unless the weights are held in FP8, whose shards may
-        be all-gathered under one scale (the backend cannot know whether fully_shard will follow)."""
+        be all-gathered under one scale (the backend cannot know whether fully_shard will follow; assemble, which
+        does, keeps them local when it will not)."""
         return self.local_amax if self.local_amax is not None else not self.fp8_weights
 
     @classmethod

@@ -218,8 +218,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
                              precompute_fp8_scales=cfg.torchao.precompute_fp8_scales,
                              fsdp_mp_policy=_fsdp_mixed_precision(cfg),
                              fsdp_reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                             backend_options=_backend_options(cfg, plan, micro_batches,
-                                                              fully_sharded=env.fsdp_mesh is not None))
+                             backend_options=_backend_options(cfg, plan, micro_batches))
             # As torchtitan compiles its loss: Inductor fuses the FP32 log-softmax into reductions over the BF16
             # logits, where eager cross_entropy keeps FP32 copies of them (3 x 4 bytes per logit at the peak).
             loss = torch.compile(Llama.loss) if cfg.training.compile else Llama.loss
@@ -384,10 +383,10 @@ def _micro_batches(cfg: JobConfig, dp_size: int) -> int:
     return cfg.training.global_batch // per_pass
 
 
-def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int, fully_sharded: bool) -> dict[str, dict] | None:
+def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str, dict] | None:
     """Constructor options for the plan's TE backend: fuse_wgrad_accumulation (te.gradient_accumulation_fusion, as
-    resolved), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE), local_amax (te.local_amax; None:
-    unless FP8 weights are fully_sharded) and, with te.cache_fp8_weights and more than one micro-batch per step, FP8
+    resolved), fp8_weights (param_dtype fp8, which needs every FP8 layer on TE), local_amax (te.local_amax; None: as
+    assemble resolves it) and, with te.cache_fp8_weights and more than one micro-batch per step, FP8
     weights cast once per step and cached (TE's is_first_microbatch; with one micro-batch the cache would only hold
     memory; weights held in FP8 need no cast); and grouped_fp8's (_grouped_fp8_options)."""
     if cfg.te.gradient_accumulation_fusion and not plan.for_backend("te"):
@@ -406,8 +405,7 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int, fully_shard
     cache = cfg.te.cache_fp8_weights and micro_batches > 1 and not fp8_weights
     options = {"fp8_weights": fp8_weights, "cache_fp8_weights": cache,
                "delayed_margin": cfg.te.delayed_margin, "fuse_wgrad_accumulation": cfg.te.gradient_accumulation_fusion,
-               "local_amax": (cfg.te.local_amax if cfg.te.local_amax is not None
-                              else not (fully_sharded and fp8_weights)),
+               "local_amax": cfg.te.local_amax,
                **({"blockwise_gemms": cfg.te.blockwise_gemms} if cfg.te.blockwise_gemms != "te" else {})}
     grouped_fp8 = _grouped_fp8_options(cfg, plan)
     return {**({"te": options} if plan.for_backend("te") else {}),
