@@ -184,6 +184,22 @@ def test_gpu_tests_stopped_by_sigterm_still_writes_the_tests_that_finished(tmp_p
     assert "interrupted: the tests below finished" in json_path.with_suffix(".md").read_text()
 
 
+def test_gpu_tests_label_names_the_evidence_and_a_bad_label_exits_2_before_pytest(tmp_path, capsys):
+    (tmp_path / "test_one.py").write_text("import pytest\n@pytest.mark.gpu\ndef test_one(): pass\n")
+    args, force, label = gpu_tests.split_arguments(["--label", "moe", "-q", str(tmp_path), "--force"])
+    assert (args, force, label) == (["-q", str(tmp_path)], True, "moe")
+    code = gpu_tests.run([*args, "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-o", "addopts=",
+                          "--import-mode=importlib", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+                         out_dir=tmp_path / "profiles", label=label)
+    assert code == pytest.ExitCode.OK
+    assert list((tmp_path / "profiles").glob("runs/*-gpu-tests-moe-*/gpu-tests-moe-*.json"))
+    for bad in (["--label"], ["--label", "Bad Name"]):
+        with pytest.raises(SystemExit) as stopped:
+            gpu_tests.split_arguments(bad)
+        assert stopped.value.code == 2
+        assert "--label" in capsys.readouterr().err
+
+
 def test_one_component_plan_targets_the_requested_backend():
     plan, decisions = bench.linear_plan(4096, 14336, "rowwise", "torchao")
     assert len(decisions) == 1 and len(plan.decisions) == 1

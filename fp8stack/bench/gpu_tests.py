@@ -1,12 +1,14 @@
 """Run the GPU test suite (`pytest -m gpu`) and write its outcome as evidence.
 
-    python -m fp8stack.bench.gpu_tests [pytest args]
+    python -m fp8stack.bench.gpu_tests [--label NAME] [--force] [pytest args]
 
-Writes profiles/runs/<date>-gpu-tests-<device>/ (.json and .md: every test's outcome and duration, failure tails)
-and exits with pytest's exit code. SIGTERM (`timeout` running out on a device call) stops pytest as Ctrl-C does, and
+Writes profiles/runs/<date>-gpu-tests[-NAME]-<device>/ (.json and .md: every test's outcome and duration, failure
+tails) and exits with pytest's exit code. A label names a part of the suite, so that parts run side by side (one per
+GPU, CUDA_VISIBLE_DEVICES) or one after another on a day keep their own evidence. SIGTERM (`timeout` running out on a device call) stops pytest as Ctrl-C does, and
 the evidence still holds the tests that finished, marked interrupted.
 """
 
+import re
 import signal
 import sys
 import time
@@ -56,10 +58,10 @@ def _note(result: dict) -> str:
     return (lines[-1] if lines else "").replace("|", "\\|")[:160]
 
 
-def run(args: list[str], out_dir: str = "profiles", force: bool = False) -> int:
+def run(args: list[str], out_dir: str = "profiles", force: bool = False, label: str = "") -> int:
     """pytest -m gpu <args> in this process; write the evidence (replacing an earlier one only with `force`);
     return pytest's exit code."""
-    stem = f"gpu-tests-{device_slug()}"
+    stem = f"gpu-tests-{label + '-' if label else ''}{device_slug()}"
     claim_or_exit("fp8stack.bench.gpu_tests", stem, out_dir, force)
     collector = OutcomeCollector()
     pytest_args = ["-m", "gpu", *args]
@@ -98,5 +100,24 @@ def _summary(counts: dict) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests collected"
 
 
-if __name__ == "__main__":  # --force (replace the evidence) is ours; every other argument goes to pytest
-    sys.exit(run([arg for arg in sys.argv[1:] if arg != "--force"], force="--force" in sys.argv[1:]))
+def split_arguments(argv: list[str]) -> tuple[list[str], bool, str]:
+    """(pytest's arguments, --force, --label's value): --force and --label NAME are ours, the rest pytest's."""
+    args, force, label = [], False, ""
+    rest = iter(argv)
+    for arg in rest:
+        if arg == "--force":
+            force = True
+        elif arg == "--label":
+            label = next(rest, "")
+            if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", label):
+                print(f"fp8stack.bench.gpu_tests: error: --label {label!r} is not a folder-name word: use lowercase "
+                      "letters, digits and dashes, e.g. --label moe", file=sys.stderr)
+                raise SystemExit(2)
+        else:
+            args.append(arg)
+    return args, force, label
+
+
+if __name__ == "__main__":
+    pytest_args, force_replace, run_label = split_arguments(sys.argv[1:])
+    sys.exit(run(pytest_args, force=force_replace, label=run_label))
