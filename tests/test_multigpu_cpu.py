@@ -1,6 +1,7 @@
-"""The multi-GPU flows on two gloo processes: the collective counts of FSDP2 with FP8 all-gather
-(fp8stack.train.comm_stats), and the fsdp and kill-a-rank / restart-from-checkpoint parts of
-fp8stack.bench.multigpu end to end on the tiny model.
+"""The multi-GPU flows on gloo processes: the collective counts of FSDP2 with FP8 all-gather
+(fp8stack.train.comm_stats), the fsdp and kill-a-rank / restart-from-checkpoint parts of fp8stack.bench.multigpu
+end to end on the tiny model (two processes), and the plain path at TP=2 x DP=2 (four) against the TP=1 twin the
+tensor-parallel part builds for it.
 
 FP8 all-gather runs over gloo here because FSDP2 moves a parameter group of mixed dtypes (float8
 weights, FP32 norms) as one uint8 buffer, and every transformer block holds norms. What differs on
@@ -13,10 +14,14 @@ import pytest
 from torch import nn
 
 from fp8stack.models import load_model_config
-from fp8stack.bench.launches import LR_WARMUP
+from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LR_WARMUP, compare_losses, launch,
+                                     loss_checks)
 from fp8stack.bench.multigpu import (ONE_RANK_TWINS, PROFILED_STEPS, RESTART_PATHS, earlier_parts, render,
                                      restart_plan, run_fsdp, run_restart)
+from fp8stack.bench.multigpu_tp import Arm, label, processes, train_flags
 from fp8stack.models import Llama
+from fp8stack.train.command import job_from_flags
+from fp8stack.train.loop import train
 
 pytestmark = pytest.mark.slow
 
@@ -130,3 +135,30 @@ def test_an_unknown_restart_path_is_refused_in_one_line_before_any_run(capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "error: --restart-paths 'fast,zero': name some of fast,fsdp_fp8_all_gather")
+
+
+CPU_TP_ARM = Arm("torchao-rowwise", ("--no-fused-projections", "--fp8-recipe", "rowwise", "--device", "cpu",
+                                     "--max-data-bytes", str(1 << 20)), twin_flags=("--data-parallel-one-rank",))
+"""The bench's torchao arm as gloo can run it: rowwise, since tensorwise layers get torchao's Float8 TP styles,
+whose float8 all-gathers gloo refuses (tests/test_launch.py); the Megatron arms need CUDA."""
+
+
+def test_tensor_parallel_with_data_parallel_trains_on_the_twins_global_batch(tmp_path):
+    """The plain path at TP=2 x DP=2 (FSDP2 over the data-parallel dimension of a 2-D mesh) on four gloo ranks passes
+    the tensor-parallel part's loss checks against its TP=1 twin (one process, the global batch in two accumulated
+    micro-batches, FSDP2 over one rank); one process reading one micro-batch a step, not the global batch, fails the
+    first step's: so the checks see whether the batches coincide."""
+    dp, steps, shape = 2, 2, {"model": "tiny", "seq_len": 32, "micro_batch": 2}
+    parallel = launch("tp2-dp2", tmp_path, processes(2, dp), train_flags(CPU_TP_ARM, 2, steps, dp=dp, **shape))
+    assert parallel.returncode == 0, parallel.log_tail
+    config = parallel.result["config"]
+    assert parallel.result["world_size"] == 4 and config["parallelism"]["tensor_parallel"] == 2
+    assert config["parallelism"]["data_parallel"] == "fsdp" and config["training"]["global_batch"] == 4
+    twin, other_batch = (train(job_from_flags([*train_flags(CPU_TP_ARM, 1, steps, dp=degree, **shape),
+                                               "--no-progress"])) for degree in (dp, 1))
+    assert twin.config["parallelism"]["data_parallel_one_rank"] and twin.tokens_per_step == 4 * 32
+    gaps = compare_losses(vars(twin), parallel.result)
+    checks = loss_checks(f"{label(dp)} vs TP=1", gaps)
+    assert all(checks.values()), (checks, gaps)
+    wrong = compare_losses(vars(twin), vars(other_batch))
+    assert wrong["first_loss_rel_gap"] > FIRST_LOSS_RTOL and wrong["first_grad_norm_rel_gap"] > GRAD_NORM_RTOL

@@ -1,7 +1,7 @@
 """`python -m fp8stack.bench.multigpu`: the multi-GPU evidence (FSDP2 with FP8 all-gather, tensor parallel,
 restart), every run a launch/train.sh subprocess.
 
-    python -m fp8stack.bench.multigpu [--parts fsdp,tp,restart] [--steps 600] [--tp-steps 600] [--seed 0]
+    python -m fp8stack.bench.multigpu [--parts fsdp,tp,restart] [--steps 600] [--tp-steps 600] [--tp-dp 1] [--seed 0]
 
 Parts (--parts, default all three):
 - fsdp: FSDP2 over 2 ranks, torchao tensorwise on llama-1b-like, FSDP_MICRO_BATCH sequences of FSDP_SEQ per
@@ -9,7 +9,8 @@ Parts (--parts, default all three):
   steps, for the collective counts); and the 1-rank twin of each of the first two (ONE_RANK_TWINS: FSDP2 over
   one rank, twice the micro-batch, which reads the same global batches, fp8stack.train.data). Collectives
   and their bytes are counted by fp8stack.train.comm_stats over PROFILED_STEPS steps of each 2-rank arm.
-- tp: tensor parallel 2, fp8stack.bench.multigpu_tp.run_tp (its dict goes under "tensor_parallel").
+- tp: tensor parallel 2, fp8stack.bench.multigpu_tp.run_tp (its dict goes under "tensor_parallel"); with --tp-dp N
+  the TP=2 runs are data-parallel over N (2N GPUs) against TP=1 twins that accumulate the same global batch.
 - restart: the tiny model on 2 ranks, per training path of RESTART_PATHS (--restart-paths; the fast path by
   default and FSDP2 with torchao's FP8 all-gather): an uninterrupted run; a run that saves every `interval` steps
   and whose rank 1 SIGKILLs itself (fp8stack.train.fault) before the second checkpoint; then both ranks restarted
@@ -32,7 +33,7 @@ from pathlib import Path
 from fp8stack.ab import chosen_names, comma_separated
 from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, LOSS_STEPS, LR, LR_WARMUP,
                                      compare_losses, final_mean, launch, loss_checks, run_record, start, wait)
-from fp8stack.bench.multigpu_tp import run_tp
+from fp8stack.bench.multigpu_tp import TP, label, processes, run_tp
 from fp8stack.evidence import (add_force_option, claim_or_exit, device_slug, environment, markdown_table,
                                provenance, write_evidence)
 from fp8stack.train.fault import KILL_AT_ENV
@@ -232,10 +233,10 @@ def _max_rel_gap(a: list[float], b: list[float]) -> float:
 
 # --- part 2 and the evidence ---------------------------------------------------------------------
 
-def run_tp_part(workdir: Path, steps: int, seed: int) -> dict:
+def run_tp_part(workdir: Path, steps: int, seed: int, dp: int = 1) -> dict:
     """Part 2 (another module's work): its dict, or its failure recorded as a failed check."""
     try:
-        return run_tp(workdir, steps, seed)
+        return run_tp(workdir, steps, seed, dp)
     except Exception:  # keep the other parts' evidence: the error is recorded, not dropped
         return {"checks": {"run_tp finished": False}, "error": traceback.format_exc()[-3000:]}
 
@@ -258,16 +259,24 @@ def render(payload: dict) -> str:
 
 
 def _render_tp(part: dict) -> str:
-    text = "## Tensor parallel 2 (fp8stack.bench.multigpu_tp)\n\n"
+    dp = part.get("data_parallel", 1)  # evidence from before data parallelism ran at DP=1
+    parallel = label(dp)
+    text = f"## Tensor parallel 2 (fp8stack.bench.multigpu_tp): TP={TP} x DP={dp} on {processes(TP, dp)} GPUs\n\n"
     if "arms" in part:
         text += (f"{part['model']}, sequence {part['seq_len']}, micro-batch {part['micro_batch']}, {part['steps']} "
                  f"steps per run; the reference is TP=1, the gaps relative. The TP=1 runs shared the GPUs, so "
                  f"tokens/s are not throughput figures.\n\n")
-        text += _loss_table("arm (TP=2 vs TP=1)", [(name, arm["comparison"]) for name, arm in part["arms"].items()
-                                                    if "comparison" in arm])
+        if dp > 1:
+            text += (f"Data parallel {dp}: each step's global batch of {part['global_batch']} sequences is split "
+                     f"over the {dp} data-parallel ranks (megatron's DDP; FSDP2 on the plain path), one micro-batch "
+                     f"each; the TP=1 twin on one GPU accumulates the same {dp} micro-batches (torchao's under FSDP2 "
+                     f"over one rank).\n\n")
+        text += _loss_table(f"arm ({parallel} vs TP=1)", [(name, arm["comparison"])
+                                                           for name, arm in part["arms"].items()
+                                                           if "comparison" in arm])
         rows = [[name, f"{arm['tp1']['tokens_per_s']:,.0f}", f"{arm['tp2']['tokens_per_s']:,.0f}"]
                 for name, arm in part["arms"].items() if "comparison" in arm]
-        text += "\n" + markdown_table(["arm", "tokens/s TP=1", "tokens/s TP=2"], rows) + "\n"
+        text += "\n" + markdown_table(["arm", "tokens/s TP=1", f"tokens/s {parallel}"], rows) + "\n"
     return text + _render_checks(part) + (f"\nerror: {part['error']}\n" if "error" in part else "")
 
 
@@ -350,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--steps", type=int, default=LOSS_STEPS, help="steps of the fsdp arms")
     parser.add_argument("--tp-steps", type=int, default=LOSS_STEPS, help="steps of each tensor-parallel run")
+    parser.add_argument("--tp-dp", type=int, default=1, metavar="N",
+                        help=f"data-parallel degree of the TP={TP} runs, on {TP} x N GPUs (their TP=1 twins accumulate "
+                             "N micro-batches)")
     parser.add_argument("--restart-steps", type=int, default=30, help="steps of the restart runs")
     parser.add_argument("--restart-paths", default=",".join(RESTART_PATHS),
                         help=f"training paths the restart part kills and restarts: some of {','.join(RESTART_PATHS)}")
@@ -374,8 +386,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     restart_paths = (chosen_names(parser, "--restart-paths", args.restart_paths, list(RESTART_PATHS))
                      if "restart" in parts else ())
     extra = ("--device", args.device) if args.device else ()
+    if args.tp_dp < 1:
+        parser.error(f"--tp-dp {args.tp_dp}: pass a data-parallel degree of 1 or more")
 
     import torch
+
+    if "tp" in parts and args.tp_dp > 1 and torch.cuda.device_count() < processes(TP, args.tp_dp):
+        parser.error(f"--tp-dp {args.tp_dp} runs TP={TP} x DP={args.tp_dp} on {processes(TP, args.tp_dp)} GPUs and "
+                     f"{torch.cuda.device_count()} are visible: run on {processes(TP, args.tp_dp)} GPUs or lower "
+                     "--tp-dp")
 
     # --keep-other-parts rewrites the evidence it continues
     claim_or_exit("fp8stack.bench.multigpu", f"multigpu-{device_slug()}", args.out_dir,
@@ -386,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload.update(earlier_parts(parts, args.out_dir))
     steps = {"fsdp": lambda workdir: run_fsdp(workdir, args.steps, args.model, args.micro_batch_size, args.seq_length,
                                               args.seed, extra),
-             "tp": lambda workdir: run_tp_part(workdir, args.tp_steps, args.seed),
+             "tp": lambda workdir: run_tp_part(workdir, args.tp_steps, args.seed, args.tp_dp),
              "restart": lambda workdir: run_restarts(workdir, args.restart_steps, restart_paths, extra=extra)}
     todo = [part for part in PARTS if part in parts]
     with tempfile.TemporaryDirectory(prefix="fp8stack-multigpu-") as scratch:
