@@ -8,6 +8,8 @@ tests our layout code (scale padding, strides, m_indices, flattening) against th
 """
 
 import copy
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,16 +17,18 @@ import torch.nn.functional as F
 
 from fp8stack.models import load_model_config
 from fp8stack.backends import get_backend
-from fp8stack.backends.blockwise import (BLOCK, FP8_MAX, Fp8Tensor, dequantize_1x128,
+from fp8stack.backends import BackendUnavailable
+from fp8stack.backends.blockwise import (BLOCK, FP8, FP8_MAX, Fp8Tensor, dequantize_1x128,
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices
-from fp8stack.backends.grouped import (AlignedTokenGroups, BlockwiseGroupedMM, DispatchedBlockwiseGroupedMM,
-                                       Float8GroupedExperts, GroupedFP8Backend, RowwiseGroupedMM,
-                                       TorchBlockwiseKernels, TorchRowwiseKernels, TokenGroupPadding, rhs_block_scale,
-                                       token_groups)
+from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM,
+                                       DispatchedBlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
+                                       RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels, TokenGroupPadding,
+                                       rhs_block_scale, token_groups)
 from fp8stack.backends import fp8_quant
 from fp8stack.backends.fp8_quant import quantize_rowwise, quantize_token_groups
+from fp8stack.backends.te_quant import TEBlockQuantizer, deepgemm_operands
 from fp8stack.models.llama import Llama
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Component, Decision, Plan, PlanError, PolicyConfig, load_description, make_plan
@@ -965,7 +969,7 @@ def test_the_fp8_dispatch_moves_fp8_rows_and_quantizes_each_token_once(monkeypat
     assert {g for g in fp8_gathers if g[0] >= rows} == {(buffer, dim, torch.uint8),
                                                         (buffer, dim // BLOCK, torch.float32)}
     assert [shape for shape in fp8_quantized if dim in shape] == [(tokens, dim)]
-    assert {g for g in bf16_gathers if g[0] >= rows} == {(rows, dim, torch.float32)}
+    assert {g for g in bf16_gathers if g[0] >= rows} == {(buffer, dim, torch.float32)}  # the MoE's whole tiles
     assert [shape for shape in bf16_quantized if dim in shape] == [(buffer, dim), (dim, buffer)]
 
 
@@ -1046,3 +1050,138 @@ def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
             _backend_options(cfg, plan, micro_batches=1)
     with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.fp8_dispatch \(the plain MoE's FP8 "):
         from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.fp8_dispatch": True})
+
+
+# ---- quantizer te: TE's Float8BlockQuantizer for the activations and gradients -----------------------------
+
+def _te_scale_layout(scale: torch.Tensor) -> torch.Tensor:
+    """1x128 scales [A, B] (A rows of B tiles) as TE stores them: [B, A rounded up to 4], A innermost, NaN padding."""
+    stored = torch.full((scale.shape[1], -(-scale.shape[0] // 4) * 4), float("nan"))
+    stored[:, :scale.shape[0]] = scale.t()
+    return stored
+
+
+class ReferenceInTELayout:
+    """The reference quantizer's 1x128 results stored as TE 2.20 documents Float8BlockQuantizer(block_scaling_dim=1)'s
+    storage (its get_scale_shape): rowwise data [R, K] with scales [K/128, R padded to 4], columnwise data x^T [K, R]
+    with scales [R/128, K padded to 4], data as uint8. What te_quant converts for DeepGEMM, so that the conversion
+    and the plumbing run on CPU; TE's own kernel runs in tests/gpu/test_grouped_fp8_gpu.py."""
+
+    internal = False
+
+    def __init__(self, rowwise: bool, columnwise: bool):
+        self.rowwise, self.columnwise = rowwise, columnwise
+
+    def quantize(self, x: torch.Tensor) -> SimpleNamespace:
+        stored = SimpleNamespace(_is_2D_scaled=False, _rowwise_data=None, _rowwise_scale_inv=None,
+                                 _columnwise_data=None, _columnwise_scale_inv=None)
+        if self.rowwise:
+            rows = quantize_1x128(x)
+            stored._rowwise_data, stored._rowwise_scale_inv = rows.data.view(torch.uint8), _te_scale_layout(rows.scale)
+        if self.columnwise:
+            cols = quantize_1x128(x.t())
+            stored._columnwise_data = cols.data.view(torch.uint8)
+            stored._columnwise_scale_inv = _te_scale_layout(cols.scale)
+        return stored
+
+
+def test_te_storage_converts_to_deepgemm_operands_equal_to_the_reference():
+    """TE's layout, converted without a copy: the reference's data and scales, rows' scales MN-major (DeepGEMM's
+    TMA-aligned layout as is), columns x^T [K, R] with scales [K, R/128]."""
+    x = _problem(counts=[128, 0, 256], k=640)[0] * torch.logspace(-2, 2, 640)
+    rows, cols = deepgemm_operands(ReferenceInTELayout(True, True).quantize(x))
+    for got, expected in ((rows, quantize_1x128(x)), (cols, quantize_1x128(x.t()))):
+        assert got.data.dtype == FP8 and torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
+        assert torch.equal(got.scale, expected.scale)
+    assert rows.scale.stride() == (1, 384) and cols.data.shape == (640, 384) and cols.data.is_contiguous()
+    assert deepgemm_operands(ReferenceInTELayout(False, True).quantize(x))[0] is None
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["gathered", "aligned"])
+@pytest.mark.parametrize("extra_rows", [3 * 127, 128], ids=["rows-unaligned", "rows-aligned"])
+@pytest.mark.parametrize("trained", ["both", "x", "w", "main_grad"])
+def test_blockwise_on_te_layout_operands_equals_the_inductor_quantizer(aligned, extra_rows, trained):
+    """TEBlockQuantizer's plumbing (the GEMMs' buffer, the conversion, forward, dgrad and wgrad) on DeepGEMM's
+    contract: with TE's layout holding the reference's values, outputs and gradients are the default quantizer's bit
+    for bit, on padded and aligned groups, an empty expert and rows that are not whole tiles included."""
+    x, w, offsets = _problem(counts=[128, 0, 256, 128], extra_rows=extra_rows)
+    x.requires_grad_(trained != "w")
+    w.requires_grad_(trained != "x")
+    grad_y = torch.randn(x.shape[0], w.shape[1])
+    runs = []
+    for quantizer in (INDUCTOR_QUANTIZER, TEBlockQuantizer(make=ReferenceInTELayout)):
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w)]
+        main_grad = torch.full(w.shape, 0.5) if trained == "main_grad" else None
+        y = BlockwiseGroupedMM.apply(*leaves, offsets, BLOCKWISE_KERNELS["deepgemm"](), aligned, main_grad, quantizer)
+        y.backward(grad_y)
+        runs.append((y.detach(), leaves[0].grad, leaves[1].grad if main_grad is None else main_grad))
+    for inductor, te in zip(*runs):
+        assert (inductor is None) == (te is None)
+        assert inductor is None or torch.equal(inductor, te)
+
+
+@pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["bf16-dispatch", "fp8-dispatch"])
+def test_moe_layer_on_te_layout_operands_equals_the_inductor_quantizer(fp8_dispatch):
+    """The whole layer with the experts' quantizer te (TE's layout holding the reference's values): the MoE's buffer
+    is whole tiles, so TE reads it as it is; output and every gradient bit for bit the default quantizer's. A copied
+    model shares the quantizer (it has no state)."""
+    runs = []
+    for te in (False, True):
+        moe = _moe_on_contracts("deepgemm", fp8_dispatch)
+        if te:
+            moe.experts.blockwise_quantizer = TEBlockQuantizer(make=ReferenceInTELayout)
+            assert "quantizer=te" in repr(moe.experts)
+            assert copy.deepcopy(moe).experts.blockwise_quantizer is moe.experts.blockwise_quantizer
+        x = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        y = moe(x)
+        y.square().mean().backward()
+        runs.append([y.detach(), x.grad, *(p.grad for p in moe.parameters())])
+    for inductor, te in zip(*runs, strict=True):
+        assert torch.equal(inductor, te)
+
+
+def test_quantizer_te_is_refused_before_any_swap_where_it_cannot_run(monkeypatch):
+    with pytest.raises(ValueError, match="quantizer='fast': use one of inductor, te"):
+        GroupedFP8Backend(quantizer="fast")
+    with pytest.raises(ValueError, match="kernels=torch runs torch's scaled_mm: use kernels deepgemm"):
+        GroupedFP8Backend(kernels="torch", quantizer="te")
+    model, plan = _tiny_moe_and_plan(recipe="rowwise", fp8_format="e4m3")
+    with pytest.raises(PlanError, match="gives grouped_fp8 none: plan the experts blockwise .* or use quantizer "
+                                        "inductor"):
+        GroupedFP8Backend(kernels="deepgemm", quantizer="te").convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert type(model.layers[1].moe.experts) is GroupedExperts
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # DeepGEMM not importable: auto falls back to torch's
+    model, plan = _tiny_moe_and_plan()
+    with pytest.raises(BackendUnavailable, match=r"blockwise GEMMs run on torch scaled_mm per expert \(deep_gemm is "
+                                                 r"not importable.*install DeepGEMM, or use quantizer inductor"):
+        GroupedFP8Backend(quantizer="te").convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert type(model.layers[1].moe.experts) is GroupedExperts
+    for module in ("transformer_engine_torch", "transformer_engine.pytorch.tensor.float8_blockwise_tensor"):
+        monkeypatch.setitem(sys.modules, module, None)  # TE not importable
+    with pytest.raises(BackendUnavailable, match=r"TransformerEngine is not importable \(\w*Error.*pip install "
+                                                 r"'fp8stack\[te\]' on a CUDA machine, or use grouped_fp8 quantizer "
+                                                 "inductor"):
+        GroupedFP8Backend(kernels="deepgemm", quantizer="te")._blockwise_quantizer(BLOCKWISE_KERNELS["deepgemm"](), "")
+
+
+def test_quantizer_flows_from_the_command_line_to_the_backend():
+    """--grouped-fp8.quantizer te reaches grouped_fp8's constructor through the trainer's backend options; refused
+    before the assembly where the plan has no blockwise experts on grouped_fp8, on the Megatron path, and for a
+    name it does not know."""
+    from fp8stack.config import ConfigError, from_overrides
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.quantizer", "te")
+    assert cfg.grouped_fp8.quantizer == "te" and _job().grouped_fp8.quantizer == "inductor"
+    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+    assert _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"] == {"quantizer": "te"}
+    cfg = _job("--fp8-recipe", "rowwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.quantizer", "te")
+    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+    with pytest.raises(ConfigError, match="runs its experts on grouped_fp8/rowwise: pass --fp8-recipe blockwise "
+                                          "--expert-backend grouped_fp8, or drop --grouped-fp8.quantizer"):
+        _backend_options(cfg, plan, micro_batches=1)
+    with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.quantizer te \(grouped_fp8's expert "):
+        from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.quantizer": "te"})
+    with pytest.raises(ConfigError, match="unknown grouped_fp8.quantizer 'fast': use inductor, te"):
+        from_overrides({"grouped_fp8.quantizer": "fast"})

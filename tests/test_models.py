@@ -202,6 +202,8 @@ def test_permute_groups_rows_by_expert(alignment):
     assert counts[1] == counts[4] == 0  # experts 1 and 4 get no tokens
     real_rows = set(perm.slot_row.tolist())
     assert all(perm.row_token[r] == 4 for r in range(len(perm.row_token)) if r not in real_rows)
+    # Whole alignment tiles: a quantizer that cannot pad the buffer (TE's) reads it as it is.
+    assert perm.row_token.numel() == -(-(8 + 5 * (alignment - 1)) // alignment) * alignment
 
 
 class TokenPermutingExperts(GroupedExperts):
@@ -229,7 +231,8 @@ def test_experts_that_permute_the_tokens_take_them_from_the_moe():
     permuting.w13, permuting.w2 = moe.experts.w13, moe.experts.w2
     moe.experts = permuting
     out = moe(x)
-    rows = 18 * TINY_MOE.top_k + TINY_MOE.num_experts * (permuting.group_alignment - 1)
+    alignment = permuting.group_alignment
+    rows = -(-(18 * TINY_MOE.top_k + TINY_MOE.num_experts * (alignment - 1)) // alignment) * alignment
     assert permuting.received == ((18, 32), (rows,))
     assert torch.equal(out, expected)
     for got, want in zip(torch.autograd.grad(out, params, grad), expected_grads):

@@ -50,7 +50,7 @@ from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts, new_or_i
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError
-from fp8stack.plan.recipes import BF16
+from fp8stack.plan.recipes import BF16, EXPERT_QUANTIZERS
 
 RECIPE_ALIGNMENT = {"blockwise": BLOCK, "rowwise": TOKEN_CHUNK, "rowwise_gw_hp": TOKEN_CHUNK}
 """Expert recipes this backend runs, and what both weight dims (and expert row groups) must be multiples of:
@@ -194,6 +194,11 @@ class TokenGroupPadding(TokenGroups):
         """[T, C] -> [rows, C]: the buffer in BF16 (or x's dtype), for a GEMM that reads it unquantized."""
         return fp8_quant.gather_rows_fused(x, self.source)
 
+    def buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMMs' [rows, C] buffer in x's dtype, rows a multiple of the alignment (for a quantizer that gathers
+        nothing itself: TE's)."""
+        return self.pad(x)
+
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
         return fp8_quant.gather_rows_fused(y, self.unpad_source)
@@ -234,6 +239,11 @@ class AlignedTokenGroups(TokenGroups):
         """x, contiguous: a GEMM reading it unquantized takes the groups where they are, whatever the row count."""
         return x.contiguous()
 
+    def buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMMs' buffer in x's dtype, rows a multiple of the alignment (for a quantizer that pads nothing itself:
+        TE's): x itself where its rows are whole tiles (the MoE's expert buffer), else a copy with zero rows added."""
+        return x.contiguous() if x.shape[0] % self.alignment == 0 else fp8_quant.pad_rows(x, self.alignment)
+
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
         return fp8_quant.zero_rows_past_groups(y[:self.num_tokens], self.offsets)
@@ -255,6 +265,25 @@ class AlignedTokenGroups(TokenGroups):
 
     def quantize_token_groups(self, x: torch.Tensor) -> Fp8Tensor:
         return fp8_quant.pad_quantize_token_groups(x, self.offsets, self.alignment)
+
+
+class InductorQuantizer:
+    """The blockwise GEMMs' 1x128 operands from fp8_quant's inductor-compiled quantizers, with the groups' padding
+    or gather fused in (grouped_fp8's default quantizer; te_quant.TEBlockQuantizer has the same methods)."""
+
+    name = "inductor"
+
+    def quantize_rows_1x128(self, groups: TokenGroups, x: torch.Tensor) -> Fp8Tensor:
+        return groups.quantize_rows_1x128(x)
+
+    def quantize_cols_1x128(self, groups: TokenGroups, x: torch.Tensor) -> Fp8Tensor:
+        return groups.quantize_cols_1x128(x)
+
+    def quantize_both_1x128(self, groups: TokenGroups, x: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+        return groups.quantize_both_1x128(x)
+
+
+INDUCTOR_QUANTIZER = InductorQuantizer()
 
 
 def token_groups(offsets: torch.Tensor, num_tokens: int, alignment: int,
@@ -279,21 +308,22 @@ class BlockwiseGroupedMM(torch.autograd.Function):
     tiles never cross an aligned group). Whether the group sizes are read on the host is the kernels' affair (their
     capturable flags).
     main_grad: the weight's FP32 gradient buffer, which the wgrad GEMM adds into in place (no weight gradient is
-    returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch)."""
+    returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch).
+    quantizer: what quantizes x and the output gradient in 1x128 tiles (InductorQuantizer, or TE's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, kernels, aligned=False, main_grad=None):
+    def forward(ctx, x, weight, offsets, kernels, aligned=False, main_grad=None, quantizer=INDUCTOR_QUANTIZER):
         groups = token_groups(offsets, x.shape[0], kernels.row_alignment, aligned)
         weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
         if ctx.needs_input_grad[1]:
             # The wgrad operand x^T (1x128 tiles along the tokens) comes from the same read of x.
-            x_fp8, x_t = groups.quantize_both_1x128(x)
+            x_fp8, x_t = quantizer.quantize_both_1x128(groups, x)
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale, x_t.data, x_t.scale)
         else:
-            x_fp8 = groups.quantize_rows_1x128(x)
+            x_fp8 = quantizer.quantize_rows_1x128(groups, x)
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale)
         y = kernels.m_grouped(x_fp8, weight_fp8, groups)
-        ctx.groups, ctx.kernels, ctx.main_grad = groups, kernels, main_grad
+        ctx.groups, ctx.kernels, ctx.main_grad, ctx.quantizer = groups, kernels, main_grad, quantizer
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
         return groups.unpad(y).to(_activation_dtype(x))
 
@@ -302,7 +332,7 @@ class BlockwiseGroupedMM(torch.autograd.Function):
         weight_data, weight_scale, *x_t = ctx.saved_tensors
         grad_x, grad_w = _blockwise_grads(ctx, grad_y, Fp8Tensor(weight_data, weight_scale),
                                           Fp8Tensor(*x_t) if x_t else None)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
@@ -322,10 +352,11 @@ class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
     tokens are at hand. The price: the backward gathers 2 bytes an element of x where the FP8 rows would be 1.
 
     No host read of its own (the index has a static size); the kernels' as in BlockwiseGroupedMM. Groups start on
-    multiples of kernels.row_alignment (the MoE pads them to the experts' group_alignment)."""
+    multiples of kernels.row_alignment (the MoE pads them to the experts' group_alignment). quantizer quantizes the
+    output gradient; the tokens and the wgrad operand stay fp8_quant's (a quantizer fused with the row gather)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, row_token, kernels, main_grad=None):
+    def forward(ctx, x, weight, offsets, row_token, kernels, main_grad=None, quantizer=INDUCTOR_QUANTIZER):
         groups = AlignedTokenGroups(offsets, row_token.numel(), kernels.row_alignment)
         source = fp8_quant.dispatch_source(row_token, x.shape[0], kernels.row_alignment)
         rows_fp8 = fp8_quant.gather_fp8_rows(fp8_quant.quantize_rows_1x128(x), source)
@@ -333,7 +364,7 @@ class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
         y = kernels.m_grouped(rows_fp8, weight_fp8, groups)
         ctx.save_for_backward(weight_fp8.data, weight_fp8.scale, row_token, source,
                               x if ctx.needs_input_grad[1] else None)
-        ctx.groups, ctx.kernels, ctx.main_grad = groups, kernels, main_grad
+        ctx.groups, ctx.kernels, ctx.main_grad, ctx.quantizer = groups, kernels, main_grad, quantizer
         ctx.x_dtype, ctx.weight_dtype, ctx.num_tokens = x.dtype, weight.dtype, x.shape[0]
         return groups.unpad(y).to(_activation_dtype(x))
 
@@ -347,22 +378,22 @@ class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
             # The BF16 gather's backward: each token's rows summed into it, padding rows into a dropped zero row.
             grad_x = grad_rows.new_zeros(ctx.num_tokens + 1, grad_rows.shape[1]).index_put_(
                 (row_token,), grad_rows, accumulate=True)[:ctx.num_tokens]
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _blockwise_grads(ctx, grad_y: torch.Tensor, weight_fp8: Fp8Tensor,
                      x_t: Fp8Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(gradient of the GEMM's rows, of the weight) for a blockwise forward whose ctx holds its token groups, kernels,
-    main_grad and dtypes; weight_fp8: the forward's; x_t: the wgrad operand, x^T in 1x128 tiles along the tokens,
-    where the weight needs a gradient. The weight's is None when the wgrad GEMM added it into main_grad."""
-    groups, kernels = ctx.groups, ctx.kernels
+    main_grad, quantizer and dtypes; weight_fp8: the forward's; x_t: the wgrad operand, x^T in 1x128 tiles along the
+    tokens, where the weight needs a gradient. The weight's is None when the wgrad GEMM added it into main_grad."""
+    groups, kernels, quantizer = ctx.groups, ctx.kernels, ctx.quantizer
     need_x, need_w = ctx.needs_input_grad[:2]
     if need_x and need_w:
-        grad_fp8, grad_t = groups.quantize_both_1x128(grad_y)
+        grad_fp8, grad_t = quantizer.quantize_both_1x128(groups, grad_y)
     elif need_x:
-        grad_fp8 = groups.quantize_rows_1x128(grad_y)
+        grad_fp8 = quantizer.quantize_rows_1x128(groups, grad_y)
     elif need_w:
-        grad_t = groups.quantize_cols_1x128(grad_y)
+        grad_t = quantizer.quantize_cols_1x128(groups, grad_y)
     grad_x = grad_w = None
     if need_x:
         weight_t = fp8_quant.transpose_blocks(weight_fp8)  # the forward's, transposed
@@ -431,7 +462,9 @@ class Float8GroupedExperts(GroupedExperts):
     wgrad_into_main_grad (GroupedFP8Backend.hand_over_main_grads) the blockwise and BF16 wgrad GEMMs add into their
     weights' FP32 main_grad; the rowwise recipes' still return their weight gradients. With permutes_tokens (the
     backend's fp8_dispatch, for a blockwise w13) the MoE hands it the tokens, and w13 reads their rows in FP8
-    (DispatchedBlockwiseGroupedMM)."""
+    (DispatchedBlockwiseGroupedMM). blockwise_quantizer quantizes the blockwise GEMMs' activations and gradients."""
+
+    blockwise_quantizer = INDUCTOR_QUANTIZER
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, row_token: torch.Tensor | None = None) -> torch.Tensor:
         """GroupedExperts.forward; with row_token (permutes_tokens), x is the tokens [T, D] and row_token [R] the token
@@ -447,7 +480,7 @@ class Float8GroupedExperts(GroupedExperts):
         if recipe == "blockwise":
             aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
             return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned,
-                                            self.main_grad_of(weight))
+                                            self.main_grad_of(weight), self.blockwise_quantizer)
         aligned = self.group_alignment % RECIPE_ALIGNMENT[recipe] == 0
         return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp", aligned)
 
@@ -458,13 +491,15 @@ class Float8GroupedExperts(GroupedExperts):
                              f"start, so they must start on multiples of {kernels.row_alignment} ({kernels.name}'s "
                              "rows): set group_alignment to a multiple of it")
         return DispatchedBlockwiseGroupedMM.apply(tokens, self.w13, offsets, row_token, kernels,
-                                                  self.main_grad_of(self.w13))
+                                                  self.main_grad_of(self.w13), self.blockwise_quantizer)
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipes: dict[str, str], blockwise_kernels,
-                     rowwise_kernels, fp8_dispatch: bool = False) -> "Float8GroupedExperts":
+                     rowwise_kernels, fp8_dispatch: bool = False,
+                     blockwise_quantizer=INDUCTOR_QUANTIZER) -> "Float8GroupedExperts":
         """Wrap `experts`' parameters; `recipes` maps 'w13' / 'w2' to an expert recipe. fp8_dispatch: permute the
-        tokens in FP8 into a blockwise w13 (permutes_tokens; no effect on another w13)."""
+        tokens in FP8 into a blockwise w13 (permutes_tokens; no effect on another w13). blockwise_quantizer: what
+        quantizes the blockwise GEMMs' activations and gradients (InductorQuantizer, or te_quant's)."""
         with torch.device("meta"):
             new = cls(experts.w13.shape[2], experts.w2.shape[2], experts.num_experts)
         new.w13, new.w2 = experts.w13, experts.w2
@@ -473,6 +508,7 @@ class Float8GroupedExperts(GroupedExperts):
         new.group_alignment = max([experts.group_alignment, *(
             blockwise_kernels.row_alignment if r == "blockwise" else RECIPE_ALIGNMENT[r] for r in recipes.values())])
         new.permutes_tokens = fp8_dispatch and recipes.get("w13") == "blockwise"
+        new.blockwise_quantizer = blockwise_quantizer
         new.train(experts.training)
         return new
 
@@ -492,7 +528,9 @@ class Float8GroupedExperts(GroupedExperts):
     def extra_repr(self) -> str:
         kernels = {r: self.kernels_of(r).name for r in self.recipes.values()}
         dispatch = ", fp8_dispatch=True" if self.permutes_tokens else ""
-        return f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}{dispatch}"
+        quantizer = self.blockwise_quantizer.name
+        quantizer = "" if quantizer == INDUCTOR_QUANTIZER.name else f", quantizer={quantizer}"
+        return f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}{dispatch}{quantizer}"
 
 
 @dataclass
@@ -506,12 +544,22 @@ class GroupedFP8Backend(Backend):
     top-k experts (DeepSeek-V3's FP8 dispatch, on one GPU; DispatchedBlockwiseGroupedMM), where the BF16 dispatch
     copies BF16 rows and quantizes every copy. Off until a GPU measures it faster
     (fp8stack.bench.experts_breakdown --moe)."""
+    quantizer: str = "inductor"
+    """What quantizes the blockwise experts' activations and output gradients in 1x128 tiles, rows and columns:
+    inductor (fp8_quant's compiled quantizers) or te (TE's Float8BlockQuantizer kernel; DeepGEMM's kernels only,
+    te_quant). inductor until a GPU measures te faster (fp8stack.bench.experts_breakdown --quantizer te)."""
 
     name = "grouped_fp8"
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"grouped_fp8 kernels={self.kernels!r}: use one of {', '.join(KERNEL_CHOICES)}")
+        if self.quantizer not in EXPERT_QUANTIZERS:
+            raise ValueError(f"grouped_fp8 quantizer={self.quantizer!r}: use one of {', '.join(EXPERT_QUANTIZERS)}")
+        if self.quantizer == "te" and self.kernels == "torch":
+            raise ValueError("grouped_fp8 quantizer=te lays TE's operands out for DeepGEMM, and kernels=torch runs "
+                             "torch's scaled_mm: use kernels deepgemm (or auto with DeepGEMM installed), or quantizer "
+                             "inductor")
 
     def hand_over_main_grads(self, model: nn.Module) -> None:
         """Master weights give every weight an FP32 main_grad: the blockwise experts' wgrad GEMMs add into it
@@ -533,6 +581,12 @@ class GroupedFP8Backend(Backend):
             library, why = deepgemm.load()
             if library is None:
                 return False, why
+        if self.quantizer == "te":
+            from fp8stack.backends import te_quant
+
+            make, why = te_quant.load()
+            if make is None:
+                return False, why
         return True, ""
 
     def convert(self, model: nn.Module, decisions: list[Decision], plan: Plan) -> tuple[nn.Module, ConversionRecord]:
@@ -546,16 +600,35 @@ class GroupedFP8Backend(Backend):
         used = {r for per_module in recipes.values() for r in per_module.values()}
         blockwise_kernels, without_deepgemm = self._blockwise_kernels() if "blockwise" in used else (None, "")
         rowwise_kernels = TorchRowwiseKernels() if used - {"blockwise"} else None
+        quantizer = self._blockwise_quantizer(blockwise_kernels, without_deepgemm)
         dispatch_notes = self._dispatch_notes(recipes)
         for module_fqn, gemm_recipes in recipes.items():
             new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
-                                                    blockwise_kernels, rowwise_kernels, self.fp8_dispatch)
+                                                    blockwise_kernels, rowwise_kernels, self.fp8_dispatch, quantizer)
             model = swap_module(model, module_fqn, new)
+        quantizer_notes = [] if quantizer is INDUCTOR_QUANTIZER else [TE_QUANTIZER_NOTE]
         record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
                                   converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
                                   notes=_notes(plan, blockwise_kernels, rowwise_kernels, without_deepgemm)
-                                  + dispatch_notes if used else [])
+                                  + dispatch_notes + quantizer_notes if used else [])
         return model, record
+
+    def _blockwise_quantizer(self, blockwise_kernels, without_deepgemm: str):
+        """The blockwise experts' 1x128 quantizer: INDUCTOR_QUANTIZER, or TE's for quantizer te, which is refused
+        (before any swap) unless the plan runs blockwise experts on DeepGEMM and TE imports."""
+        if self.quantizer == "inductor":
+            return INDUCTOR_QUANTIZER
+        if blockwise_kernels is None:
+            raise PlanError("grouped_fp8 quantizer=te quantizes blockwise expert GEMMs' operands, and this plan gives "
+                            "grouped_fp8 none: plan the experts blockwise (--fp8-recipe blockwise --expert-backend "
+                            "grouped_fp8), or use quantizer inductor")
+        if not isinstance(blockwise_kernels, deepgemm.DeepGemmKernels):
+            raise BackendUnavailable(f"grouped_fp8 quantizer=te lays TE's operands out for DeepGEMM, and the blockwise "
+                                     f"GEMMs run on {blockwise_kernels.name} ({without_deepgemm or 'kernels torch'}): "
+                                     "install DeepGEMM, or use quantizer inductor")
+        from fp8stack.backends import te_quant
+
+        return te_quant.TEBlockQuantizer()
 
     def _dispatch_notes(self, recipes: dict[str, dict[str, str]]) -> list[str]:
         """What fp8_dispatch does to the experts of `recipes` (module -> GEMM -> recipe); a PlanError when it can
@@ -587,6 +660,11 @@ class GroupedFP8Backend(Backend):
         if library is None and self.kernels == "auto":
             return TorchBlockwiseKernels(), why
         return deepgemm.DeepGemmKernels(library), ""  # kernels deepgemm without it: BackendUnavailable naming why
+
+
+TE_QUANTIZER_NOTE = ("quantizer te: the blockwise experts' activations and output gradients are quantized by TE's "
+                     "Float8BlockQuantizer (1x128, exact scales), rows and columns in one kernel; opt-in, not yet "
+                     "measured against the inductor quantizers")
 
 
 def _expert_gemms(model: nn.Module, d: Decision) -> tuple[str, tuple[str, ...]]:

@@ -5,12 +5,14 @@ grouped_fp8's BlockwiseGroupedMM on the chosen kernels against torch's BF16 grou
 aligned (what GroupedExperts under MoE hands it: no row moves) and through the padding path's row gathers, then
 each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand flattening its kernel
 needs), the quantizers and unpaddings of both paths, and the aligned step's CUDA kernels by time. Writes
-profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/.
+profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te: activations and gradients
+quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on its operands).
 
 With --moe, one whole MoE layer instead (router, permutation, SwiGLU experts, weighted combine; experts x tokens /
 top_k tokens): forward + backward with BF16 experts, blockwise experts on the BF16 dispatch and on the FP8 dispatch
 (grouped_fp8's fp8_dispatch), the memory each forward holds for its backward, and the dispatches' parts alone.
-Writes profiles/runs/<date>-moe-dispatch-<kernels>-<gpu>/ (-compiled with --compile).
+Writes profiles/runs/<date>-moe-dispatch-<kernels>-<gpu>/ (-compiled with --compile, -te-quantizer with --quantizer
+te).
 """
 
 import argparse
@@ -19,14 +21,16 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fp8stack.backends import deepgemm, fp8_quant
-from fp8stack.backends.grouped import (AlignedTokenGroups, BlockwiseGroupedMM, Float8GroupedExperts,
+from fp8stack.backends import deepgemm, fp8_quant, te_quant
+from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM, Float8GroupedExperts,
                                        TokenGroupPadding, TorchBlockwiseKernels)
 from fp8stack.bench.backends import time_steps
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import MoE, MoEConfig, permute
 
 KERNELS = {"deepgemm": deepgemm.DeepGemmKernels, "torch": TorchBlockwiseKernels}
+QUANTIZERS = {"inductor": lambda: INDUCTOR_QUANTIZER, "te": te_quant.TEBlockQuantizer}
+"""grouped_fp8's quantizer option: who quantizes the activations and gradients in 1x128 tiles."""
 BLOCKWISE = {"w13": "blockwise", "w2": "blockwise"}
 
 
@@ -38,6 +42,8 @@ def median_ms(fn, grads_of: list[torch.Tensor], iters: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", choices=tuple(KERNELS), default="deepgemm")
+    parser.add_argument("--quantizer", choices=tuple(QUANTIZERS), default="inductor",
+                        help="who quantizes activations and gradients (grouped_fp8's quantizer; te: DeepGEMM only)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per expert")
     parser.add_argument("--dim", type=int, default=7168, help="D, the GEMM's reduction dim")
@@ -51,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profiles")
     add_force_option(parser)
     args = parser.parse_args(argv)
+    if args.quantizer == "te" and args.kernels != "deepgemm":
+        parser.error("--quantizer te lays TE's operands out for DeepGEMM: use --kernels deepgemm")
     if not torch.cuda.is_available():
         print("fp8stack.bench.experts_breakdown needs a CUDA GPU: nothing was run")
         return 1
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def w13_breakdown(args: argparse.Namespace) -> int:
-    stem = f"experts-breakdown-{args.kernels}-{device_slug()}"
+    stem = f"experts-breakdown-{args.kernels}-{device_slug()}{_quantizer_suffix(args)}"
     claim_or_exit("fp8stack.bench.experts_breakdown", stem, args.out, args.force)
     e, t, d, n = args.experts, args.tokens, args.dim, args.out_features
     torch.manual_seed(0)
@@ -66,13 +74,13 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     w = (torch.randn(e, n, d, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     offsets = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * t
     grad = torch.randn(e * t, n, device="cuda", dtype=torch.bfloat16)
-    kernels = KERNELS[args.kernels]()
+    kernels, quantizer = KERNELS[args.kernels](), QUANTIZERS[args.quantizer]()
     groups = AlignedTokenGroups(offsets, e * t, kernels.row_alignment)
     padding = TokenGroupPadding.build(offsets, e * t, kernels.row_alignment)
     gemm_flop = 2 * e * t * d * n
 
     def fp8_step(aligned: bool):
-        BlockwiseGroupedMM.apply(x, w, offsets, kernels, aligned).backward(grad)
+        BlockwiseGroupedMM.apply(x, w, offsets, kernels, aligned, None, quantizer).backward(grad)
 
     def bf16_step():
         torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad)
@@ -80,8 +88,9 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     steps = {"bf16 step": bf16_step, "fp8 step": lambda: fp8_step(aligned=True),
              "fp8 step, groups padded by gathers": lambda: fp8_step(aligned=False)}
     weight_fp8 = fp8_quant.quantize_blocks_128x128(w.detach())
-    x_rows, x_cols = fp8_quant.quantize_both_1x128(x.detach())
-    grad_rows, grad_cols = fp8_quant.quantize_both_1x128(grad)
+    # The GEMMs on the quantizer's operands: their scale layout decides whether DeepGEMM transposes the scales first.
+    x_rows, x_cols = quantizer.quantize_both_1x128(groups, x.detach())
+    grad_rows, grad_cols = quantizer.quantize_both_1x128(groups, grad)
     weight_t = fp8_quant.transpose_blocks(weight_fp8)
     y = torch.randn(e * t, n, device="cuda", dtype=torch.bfloat16)
     y_padded = padding.pad(y)
@@ -89,12 +98,12 @@ def w13_breakdown(args: argparse.Namespace) -> int:
         "fprop GEMM": lambda: kernels.m_grouped(x_rows, weight_fp8, groups),
         "dgrad GEMM": lambda: kernels.m_grouped(grad_rows, weight_t, groups),
         "wgrad GEMM (with its operand layout)": lambda: kernels.k_grouped(grad_cols, x_cols, groups),
-        "quantize x, rows and columns": lambda: groups.quantize_both_1x128(x.detach()),
-        "quantize x, rows and columns, gathered": lambda: padding.quantize_both_1x128(x.detach()),
+        "quantize x, rows and columns": lambda: quantizer.quantize_both_1x128(groups, x.detach()),
+        "quantize x, rows and columns, gathered": lambda: quantizer.quantize_both_1x128(padding, x.detach()),
         "quantize w, 128x128": lambda: fp8_quant.quantize_blocks_128x128(w.detach()),
         "transpose w's FP8 blocks": lambda: fp8_quant.transpose_blocks(weight_fp8),
-        "quantize grad, rows and columns": lambda: groups.quantize_both_1x128(grad),
-        "quantize grad, rows and columns, gathered": lambda: padding.quantize_both_1x128(grad),
+        "quantize grad, rows and columns": lambda: quantizer.quantize_both_1x128(groups, grad),
+        "quantize grad, rows and columns, gathered": lambda: quantizer.quantize_both_1x128(padding, grad),
         "unpad y, zeroing rows past the groups": lambda: groups.unpad(y),
         "unpad y, gathered": lambda: padding.unpad(y_padded),
     }
@@ -112,14 +121,16 @@ def w13_breakdown(args: argparse.Namespace) -> int:
             for name, ms in timings.items()]
     ratio = timings["bf16 step"] / timings["fp8 step"]
     gathered_ratio = timings["bf16 step"] / timings["fp8 step, groups padded by gathers"]
-    markdown = (f"Blockwise w13 at E={e} x {t} tokens, {d} -> {n}, kernels {kernels.name}: forward + backward "
+    markdown = (f"Blockwise w13 at E={e} x {t} tokens, {d} -> {n}, kernels {kernels.name}, quantizer "
+                f"{quantizer.name}: forward + backward "
                 f"{ratio:.3f}x the BF16 grouped GEMM's speed on aligned groups (as GroupedExperts under MoE hands "
                 f"them), {gathered_ratio:.3f}x through the padding path's gathers.\n\n"
                 + markdown_table(["part", "ms", "TF/s"], rows)
                 + "\nCUDA kernels of one FP8 step (mean of 3):\n\n"
                 + markdown_table(["kernel", "ms per step", "calls per step"], kernel_rows))
     payload = {"shape": {"experts": e, "tokens_per_expert": t, "dim": d, "out_features": n},
-               "kernels": kernels.name, "iters": args.iters, "ms": timings, "fp8_over_bf16": ratio,
+               "kernels": kernels.name, "quantizer": quantizer.name, "iters": args.iters, "ms": timings,
+               "fp8_over_bf16": ratio,
                "fp8_gathered_over_bf16": gathered_ratio,
                "kernels_per_step": kernel_rows}
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
@@ -128,16 +139,16 @@ def w13_breakdown(args: argparse.Namespace) -> int:
 
 
 def moe_breakdown(args: argparse.Namespace) -> int:
-    stem = f"moe-dispatch-{args.kernels}-{device_slug()}{'-compiled' if args.compile else ''}"
+    stem = f"moe-dispatch-{args.kernels}-{device_slug()}{'-compiled' if args.compile else ''}{_quantizer_suffix(args)}"
     claim_or_exit("fp8stack.bench.experts_breakdown", stem, args.out, args.force)
     e, top_k, d, f = args.experts, args.top_k, args.dim, args.out_features // 2
     tokens = e * args.tokens // top_k
     moe = _moe_layer(e, top_k, d, f)
-    kernels = KERNELS[args.kernels]()
+    kernels, quantizer = KERNELS[args.kernels](), QUANTIZERS[args.quantizer]()
+    dispatches = {"blockwise, BF16 dispatch": False, "blockwise, FP8 dispatch": True}
     variants = {"bf16 experts": moe.experts,
-                "blockwise, BF16 dispatch": Float8GroupedExperts.from_experts(moe.experts, BLOCKWISE, kernels, None),
-                "blockwise, FP8 dispatch": Float8GroupedExperts.from_experts(moe.experts, BLOCKWISE, kernels, None,
-                                                                             fp8_dispatch=True)}
+                **{name: Float8GroupedExperts.from_experts(moe.experts, BLOCKWISE, kernels, None, fp8_dispatch,
+                                                           quantizer) for name, fp8_dispatch in dispatches.items()}}
     torch.manual_seed(1)
     x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
@@ -155,18 +166,25 @@ def moe_breakdown(args: argparse.Namespace) -> int:
     table = [[name, round(r["ms"], 4), round(bf16_ms / r["ms"], 3), r["held_mib"], r["peak_mib"]]
              for name, r in rows.items()]
     fp8_over_bf16_dispatch = rows["blockwise, BF16 dispatch"]["ms"] / rows["blockwise, FP8 dispatch"]["ms"]
-    markdown = (f"MoE layer, {tokens} tokens top-{top_k} of E={e} experts, D={d}, F={f}, kernels {kernels.name}"
+    markdown = (f"MoE layer, {tokens} tokens top-{top_k} of E={e} experts, D={d}, F={f}, kernels {kernels.name}, "
+                f"quantizer {quantizer.name}"
                 f"{', compiled' if args.compile else ''}: forward + backward with the FP8 dispatch "
                 f"{fp8_over_bf16_dispatch:.3f}x the BF16 dispatch's speed (blockwise experts both).\n\n"
                 + markdown_table(["experts", "ms", "vs bf16", "MiB held for backward", "MiB peak"], table)
                 + "\nThe dispatches' parts alone:\n\n"
                 + markdown_table(["part", "ms"], [[name, round(ms, 4)] for name, ms in parts.items()]))
     payload = {"shape": {"experts": e, "top_k": top_k, "tokens": tokens, "dim": d, "expert_ffn": f},
-               "kernels": kernels.name, "compiled": args.compile, "iters": args.iters, "variants": rows,
+               "kernels": kernels.name, "quantizer": quantizer.name, "compiled": args.compile, "iters": args.iters,
+               "variants": rows,
                "parts_ms": parts, "fp8_dispatch_over_bf16_dispatch": fp8_over_bf16_dispatch}
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
     return 0
+
+
+def _quantizer_suffix(args: argparse.Namespace) -> str:
+    """The evidence folder's mark of a quantizer other than the default."""
+    return "" if args.quantizer == "inductor" else f"-{args.quantizer}-quantizer"
 
 
 def _moe_layer(experts: int, top_k: int, dim: int, ffn: int) -> MoE:

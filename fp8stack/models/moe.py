@@ -236,7 +236,8 @@ class Permutation:
 def permute(experts: torch.Tensor, num_experts: int, alignment: int) -> Permutation:
     """Sort the slots of `experts` [T, top_k] by expert and pad each group to `alignment` rows.
 
-    The buffer length is static (T * top_k + E * (alignment - 1)) so the step needs no host sync.
+    The buffer length is static (T * top_k + E * (alignment - 1), rounded up to a multiple of `alignment`) so the
+    step needs no host sync; whole alignment tiles let a quantizer that cannot pad (TE's) read it as it is.
     """
     num_tokens, top_k = experts.shape
     sorted_experts, slots = experts.flatten().sort(stable=True)
@@ -248,7 +249,7 @@ def permute(experts: torch.Tensor, num_experts: int, alignment: int) -> Permutat
     # A sorted slot's row: its rank inside its expert's group plus where the padded group starts.
     rows = (torch.arange(slots.numel(), device=experts.device) - starts[sorted_experts]
             + (padded_ends - padded_counts)[sorted_experts])
-    buffer_rows = slots.numel() + num_experts * (alignment - 1)
+    buffer_rows = -(-(slots.numel() + num_experts * (alignment - 1)) // alignment) * alignment
     row_token = torch.full((buffer_rows,), num_tokens, dtype=torch.long, device=experts.device)
     row_token[rows] = slots // top_k
     slot_row = torch.empty_like(rows)

@@ -413,17 +413,19 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str
 
 
 def _grouped_fp8_options(cfg: JobConfig, plan: Plan) -> dict:
-    """fp8_dispatch where grouped_fp8.fp8_dispatch asks for it, refused before the assembly when the plan runs no
-    blockwise expert GEMM on grouped_fp8 (the experts the plan put on TE or kept BF16 take no FP8 rows)."""
-    if not cfg.grouped_fp8.fp8_dispatch:
-        return {}
-    if not any(get_recipe(d.recipe).fp8_dispatch for d in plan.for_backend("grouped_fp8")):
+    """fp8_dispatch and quantizer where grouped_fp8.fp8_dispatch and grouped_fp8.quantizer ask for them, refused
+    before the assembly when the plan runs no blockwise expert GEMM on grouped_fp8 (the experts the plan put on TE or
+    kept BF16 take no FP8 rows and no quantizer of grouped_fp8's)."""
+    options = {**({"fp8_dispatch": True} if cfg.grouped_fp8.fp8_dispatch else {}),
+               **({"quantizer": cfg.grouped_fp8.quantizer} if cfg.grouped_fp8.quantizer != "inductor" else {})}
+    if options and not any(get_recipe(d.recipe).fp8_dispatch for d in plan.for_backend("grouped_fp8")):
         expert_paths = sorted({f"{d.backend}/{d.recipe}" for d in plan.decisions if d.component.kind == "expert"})
-        raise ConfigError(f"grouped_fp8.fp8_dispatch feeds FP8 rows to blockwise expert GEMMs on grouped_fp8, and "
-                          f"the plan for recipe {cfg.precision.recipe!r} runs its experts on "
+        flags = " and ".join(f"--grouped-fp8.{name.replace('_', '-')}" for name in options)
+        raise ConfigError(f"{flags}: options of blockwise expert GEMMs on grouped_fp8, and the plan for recipe "
+                          f"{cfg.precision.recipe!r} runs its experts on "
                           f"{', '.join(expert_paths) or 'nothing (no MoE)'}: pass --fp8-recipe blockwise "
-                          "--expert-backend grouped_fp8, or drop --grouped-fp8.fp8-dispatch")
-    return {"fp8_dispatch": True}
+                          f"--expert-backend grouped_fp8, or drop {flags}")
+    return options
 
 
 def _vocab_size(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed") -> int | None:

@@ -366,3 +366,113 @@ def test_fp8_dispatch_moe_layer_compiles_like_eager():
         if seed == 1:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "a new routing recompiled the layer"
+
+
+# ---- quantizer te: TE's Float8BlockQuantizer kernel for the activations and gradients, on DeepGEMM ----------
+
+def _te_quantizer_or_skip():
+    from fp8stack.backends import te_quant
+
+    make, why = te_quant.load()
+    if make is None or "deepgemm" not in KERNELS:
+        pytest.skip(why or "quantizer te runs with DeepGEMM's kernels, and deep_gemm is not importable")
+    return te_quant.TEBlockQuantizer()
+
+
+def test_te_quantizer_operands_match_the_reference():
+    """TE's kernel (exact scales, force_pow_2_scales off) against the reference quantizer on a buffer whose columns
+    span 6 decades: scales within an FP32 rounding (TE stores 1 / (448 / amax), the reference amax / 448), codes at
+    most 1 apart (x * scale against x / scale_inv at a rounding tie), in DeepGEMM's layouts."""
+    from fp8stack.backends.grouped import AlignedTokenGroups
+
+    quantizer = _te_quantizer_or_skip()
+    torch.manual_seed(0)
+    x = torch.randn(640, 1024, device=DEVICE, dtype=torch.bfloat16) * torch.logspace(
+        -3, 3, 1024, device=DEVICE, dtype=torch.bfloat16)
+    groups = AlignedTokenGroups(offsets_of([256, 0, 384]), 640, 128)
+    rows, cols = quantizer.quantize_both_1x128(groups, x)
+    for got, expected in ((rows, quantize_1x128(x)), (cols, quantize_1x128(x.t()))):
+        assert got.data.shape == expected.data.shape and got.scale.shape == expected.scale.shape
+        torch.testing.assert_close(got.scale, expected.scale, rtol=5e-7, atol=0)  # a few FP32 ulps
+        codes = (got.data.view(torch.uint8).int() - expected.data.view(torch.uint8).int()).abs()
+        assert codes.max() <= 1
+    assert rows.scale.stride() == (1, 640)  # MN-major: DeepGEMM takes it without transposing
+    only_rows = quantizer.quantize_rows_1x128(groups, x)
+    only_cols = quantizer.quantize_cols_1x128(groups, x)
+    assert torch.equal(only_rows.data.view(torch.uint8), rows.data.view(torch.uint8))
+    assert torch.equal(only_cols.data.view(torch.uint8), cols.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("counts", [UNEVEN, [128, 0, 256, 384]], ids=["uneven", "aligned"])
+@pytest.mark.parametrize("k", [640, 1024], ids=["k640", "k1024"])
+def test_te_quantizer_fwd_dgrad_wgrad_match_the_reference(counts, k):
+    """test_blockwise_fwd_dgrad_wgrad_match_the_reference with TE quantizing x and grad_y on DeepGEMM: exact scales
+    keep the operands the reference's (within one FP8 code), so the same bounds hold; the uneven groups run through
+    the padding gather, then TE."""
+    quantizer = _te_quantizer_or_skip()
+    torch.manual_seed(0)
+    n = 384
+    offsets = offsets_of(counts)
+    x = torch.randn(sum(counts), k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(len(counts), n, k, device=DEVICE) * 0.05).requires_grad_(True)
+    y = BlockwiseGroupedMM.apply(x, w, offsets, KERNELS["deepgemm"](), False, None, quantizer)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    exact_y, exact_dgrad, exact_wgrad = exact_grouped(x.detach(), w.detach(), grad_y, offsets)
+    assert rel_err(y, reference_grouped_gemm(x.detach(), w.detach(), offsets)) < KERNEL_TOLERANCE
+    assert rel_err(x.grad, reference_grouped_dgrad(grad_y, w.detach(), offsets)) < KERNEL_TOLERANCE
+    assert rel_err(w.grad, reference_grouped_wgrad(grad_y, x.detach(), offsets)) < KERNEL_TOLERANCE
+    assert rel_err(y, exact_y) < FP8_TOLERANCE
+    assert rel_err(x.grad, exact_dgrad) < FP8_TOLERANCE
+    assert rel_err(w.grad, exact_wgrad) < FP8_TOLERANCE
+    if 0 in counts:
+        assert (w.grad[counts.index(0)] == 0).all()
+
+
+@pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["bf16-dispatch", "fp8-dispatch"])
+def test_te_quantizer_moe_layer_matches_the_inductor_quantizer(fp8_dispatch):
+    """A DeepSeek-style MoE layer with quantizer te against the same layer with the default quantizer: the MoE's
+    buffer is whole tiles (TE reads it as it is); the two quantizers' operands differ by at most one FP8 code here
+    and there, far below one BF16 rounding of the results."""
+    quantizer = _te_quantizer_or_skip()
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2048, 1024, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+    grad = torch.randn(2048, 1024, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+    te_moe = _moe_layer("deepgemm", fp8_dispatch)
+    te_moe.experts.blockwise_quantizer = quantizer
+    te_rows, _ = _step(te_moe, x, grad)
+    inductor_rows, _ = _step(_moe_layer("deepgemm", fp8_dispatch), x, grad)
+    names = ["y", "x", *(name for name, _ in te_moe.named_parameters())]
+    for name, got, expected in zip(names, te_rows, inductor_rows, strict=True):
+        assert rel_err(got, expected) < 1e-3, name
+
+
+@pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["bf16-dispatch", "fp8-dispatch"])
+def test_converted_moe_llama_trains_with_the_te_quantizer(fp8_dispatch):
+    """GroupedFP8Backend(quantizer="te") on DeepGEMM: the conversion notes it, and the tiny MoE Llama trains as
+    test_converted_moe_llama_trains does."""
+    _te_quantizer_or_skip()
+    torch.manual_seed(0)
+    model = Llama(load_model_config("tiny-moe")).to(DEVICE)
+    plan = make_plan(load_description("tiny-moe"), PolicyConfig(recipe="blockwise", fp8_format="e4m3",
+                                                                expert_backend="grouped_fp8"))
+    tokens = torch.randint(0, 256, (4, 129), device=DEVICE)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16_loss = Llama.loss(model(inputs), targets).item()
+    backend = GroupedFP8Backend(kernels="deepgemm", quantizer="te", fp8_dispatch=fp8_dispatch)
+    model, record = backend.convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert any(note.startswith("quantizer te") for note in record.notes)
+    assert "quantizer=te" in repr(model.layers[1].moe.experts)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(5):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = Llama.loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert abs(losses[0] - bf16_loss) < 0.02 * bf16_loss
+    assert losses[-1] < losses[0]
