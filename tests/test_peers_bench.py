@@ -705,6 +705,57 @@ def test_existing_evidence_is_kept_without_force(capsys, monkeypatch, tmp_path):
     assert json.loads(existing.read_text()) == {"kept": True}
 
 
+def measuring(ran: list[str]):
+    """A stand-in for run_arm: each arm measured at once, its name added to `ran`."""
+    def run_arm(chosen, shape, timeout, cuda, te_installed):
+        ran.append(chosen.name)
+        return {**arm(chosen.name, 1000.0 + len(ran), 10.0), "losses": [5.0] * 5, "wall_s": 1.0}
+    return run_arm
+
+
+RESUMED = ["--model", "tiny", "--micro-batch", "2", "--global-batch", "4", "--steps", "5"]
+
+
+def test_resume_keeps_the_measured_arms_and_runs_only_the_chosen_ones_missing_or_failed(tmp_path, monkeypatch):
+    """A run split over calls: the first measures two arms (one fails), the second runs the failed one and a new one
+    into the same evidence."""
+    ran = []
+    monkeypatch.setattr(peers, "run_arm", measuring(ran))
+    first = ["fp8stack-delayed", "megatron-delayed"]
+    assert peers.main([*RESUMED, "--arms", ",".join(first), "--out-dir", str(tmp_path)]) == 0
+    stem = peers.evidence_stem(peers.parse_args(RESUMED))
+    path = run_folder(stem, tmp_path) / f"{stem}.json"
+    record = json.loads(path.read_text())
+    record["arms"][1] = {**record["arms"][1], "status": "failed", "error": "out of memory"}
+    path.write_text(json.dumps(record))
+    ran.clear()
+    chosen = ["fp8stack-delayed", "megatron-delayed", "torchtitan-tensorwise"]
+    assert peers.main([*RESUMED, "--arms", ",".join(chosen), "--resume", "--out-dir", str(tmp_path)]) == 0
+    assert ran == ["megatron-delayed", "torchtitan-tensorwise"]
+    resumed = json.loads(path.read_text())
+    assert [a["arm"] for a in resumed["arms"]] == chosen and resumed["pending"] == []
+    assert resumed["arms"][0] == record["arms"][0]  # kept as measured
+    assert resumed["checks"][0]["arm"] == "fp8stack-delayed" and resumed["checks"][0]["value"] is not None
+
+
+@pytest.mark.parametrize("first, again, message", [
+    (None, [], "peers-tiny-cpu.json does not exist: run without --resume first"),
+    (["--steps", "6"], [], "trained {'model': 'tiny', 'micro_batch': 2, 'global_batch': 4, 'steps': 6,"),
+    (None, ["--force"], "--resume keeps the evidence's measured arms and --force replaces it: give one of them"),
+])
+def test_resume_without_the_same_runs_evidence_is_refused_before_any_arm(first, again, message, tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setattr(peers, "device_slug", lambda: "cpu")
+    monkeypatch.setattr(peers, "run_arm", measuring([]))
+    if first is not None:
+        peers.main([*RESUMED, *first, "--arms", "fp8stack-bf16", "--out-dir", str(tmp_path)])
+    monkeypatch.setattr(peers, "run_arm", lambda *a, **k: pytest.fail("an arm ran"))
+    with pytest.raises(SystemExit) as exit_:
+        peers.main([*RESUMED, "--arms", "fp8stack-bf16", "--resume", *again, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and message in err and err.startswith(f"{peers.PROG}: error: ")
+
+
 def test_the_arms_a_cpu_can_run_run_and_the_others_are_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     chosen = ["fp8stack-bf16", "torchtitan-tensorwise", "megatron-delayed", "fp8stack-delayed"]

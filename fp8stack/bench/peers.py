@@ -89,8 +89,10 @@ Targets, judged as checks: fp8stack's fastest FP8 arm at >= 1.20x the best peer 
 memory at most the lowest peer FP8 peak. The evidence (profiles/runs/<date>-peers-<model>[-<N>gpu]-<device>/: JSON
 with --nproc and every arm's exact command, Markdown and, with matplotlib, a figure of tokens/s, memory and loss per
 arm) is rewritten after every arm, so a run cut short keeps what it measured; `--plot-only <run folder>/<stem>.json`
-draws the figure of a run measured before it existed. Exit status: 0 when every chosen arm ran or was skipped with
-its reason (a target not met is evidence, not a failure), 1 when an arm failed, 2 on bad input (before any arm).
+draws the figure of a run measured before it existed, and `--resume` continues today's evidence of the same run
+with the chosen arms it has not measured (a run longer than one sitting, as Llama-3-8B's on 2 GPUs). Exit status: 0
+when every chosen arm ran or was skipped with its reason (a target not met is evidence, not a failure), 1 when an arm
+failed, 2 on bad input (before any arm).
 """
 
 import argparse
@@ -106,6 +108,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -113,7 +116,8 @@ from fp8stack.ab import final_loss
 from fp8stack.ab.plot import pyplot
 from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, loss_panel, note_unmeasured,
                                   plot_only, refuse_flags_beside_plot_only, write_plot)
-from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import (add_force_option, claim_or_exit, device_slug, markdown_table, run_folder,
+                               write_evidence)
 from fp8stack.models import LlamaConfig, load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan.recipes import BF16, is_fp8
@@ -302,7 +306,10 @@ def does_not_fit(arm: Arm, model: str, nproc: int) -> str | None:
     held = state_bytes(arm, model, nproc)
     if not leaves_no_room(held, model):
         return None
-    fix = f"its FSDP2 arm {arm.name.removesuffix('-ddp')} shards it" if arm.ddp else "--nproc 2 or more shards it"
+    if arm.ddp:
+        fix = f"its FSDP2 arm {arm.name.removesuffix('-ddp')} shards it"
+    else:
+        fix = "--nproc 2 or more shards it" if nproc == 1 else "a larger --nproc shards it further"
     return (f"{held:g} B of training state per parameter on each GPU, {state_gib(held, model):.1f} GiB at {model}: "
             f"with a step's {STEP_GIB:g} GiB at least, over an H200's {GPU_GIB:g} GiB; {fix}")
 
@@ -390,8 +397,9 @@ FSDP_GATHER_ONCE = ("--no-parallelism.fsdp-reshard-after-forward",)
 micro-batches: one all-gather per step instead of two per micro-batch."""
 GATHER_ONCE_MODELS = ("llama3-8b",)
 """Models whose fp8stack FSDP2 arms gather once per step (FSDP_GATHER_ONCE): llama3-8b, where the scaling bench
-measured that setting on 2 H200s (65.94 GiB peak per GPU, profiles/runs/2026-11-28-scaling-llama3-8b-2gpu-h200); its
-users turn it on where the gathered BF16 weights (15 GiB at llama3-8b) fit beside the state."""
+measured that setting on 2 H200s (65.94 GiB peak per GPU, profiles/runs/2026-11-28-scaling-llama3-8b-2gpu-h200):
+the gathered BF16 weights (15 GiB) fit beside the sharded state, and each block's two all-gathers per micro-batch
+become one per step."""
 
 
 FP8_EXPERT_BACKEND = ("--expert-backend", "te")
@@ -746,11 +754,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="evidence folder; the run goes in its runs/<date>-<name>/ (default: profiles)")
     parser.add_argument("--label", default="", help="added to the evidence's name (a second run of the same day)")
     add_force_option(parser)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue today's evidence of the same run (same name, --model, batch, --steps, --nproc, "
+                             "--recompute): its measured arms are kept, the chosen arms it has not measured run (a "
+                             "long run split over several calls)")
     add_plot_only_option(parser)
     args = parser.parse_args(argv)
     if args.plot_only:
         refuse_flags_beside_plot_only(parser, args)
         return args
+    if args.resume and args.force:
+        parser.error("--resume keeps the evidence's measured arms and --force replaces it: give one of them")
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: give 1 or more GPUs")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
@@ -809,19 +823,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot_only:
         return plot_only(PROG, args.plot_only, is_peers_record, figure)
     stem = evidence_stem(args)
-    claim_or_exit(PROG, stem, args.out_dir, args.force)
     shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps, args.nproc, args.recompute)
+    if args.resume:
+        arms = measured_arms(stem, args.out_dir, shape)
+    else:
+        claim_or_exit(PROG, stem, args.out_dir, args.force)
+        arms = []
+    to_run = [name for name in args.arms if name not in {a["arm"] for a in arms}]
     cuda, te_installed = torch.cuda.is_available(), importlib.util.find_spec("transformer_engine") is not None
-    arms: list[dict] = []
-    for index, name in enumerate(args.arms):
-        print(f"[{index + 1}/{len(args.arms)}] {name} ...", flush=True)
+    record = record_of(shape, arms, to_run)
+    for index, name in enumerate(to_run):
+        print(f"[{index + 1}/{len(to_run)}] {name} ...", flush=True)
         arms.append(run_arm(ARMS[name], shape, args.timeout, cuda, te_installed))
         print(f"    {progress_line(arms[-1])}", flush=True)
-        record = record_of(shape, arms, args.arms[index + 1:])
+        record = record_of(shape, arms, to_run[index + 1:])
         json_path, _ = write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=True)
         write_plot(json_path, figure)
     print(render(record))
     return 1 if any(a["status"] == "failed" for a in arms) else 0
+
+
+def measured_arms(stem: str, out_dir: Path, shape: Shape) -> list[dict]:
+    """--resume: the arms today's evidence of this run measured (those it skipped or that failed run again); exits 2,
+    before any arm, where there is no such evidence or it trained another shape."""
+    path = run_folder(stem, out_dir) / f"{stem}.json"
+    if not path.is_file():
+        refuse(f"--resume: {path} does not exist: run without --resume first, or give the first run's --out-dir and "
+               "--label")
+    try:
+        record = json.loads(path.read_text())
+    except ValueError as err:
+        refuse(f"--resume: {path} is not JSON ({err}): replace it with --force instead of --resume")
+    if not is_peers_record(record):
+        refuse(f"--resume: {path} is not the evidence of {PROG}: replace it with --force instead of --resume")
+    ours = record_of(shape, [], [])["shape"]
+    if record["shape"] != ours:
+        refuse(f"--resume: {path} trained {record['shape']}, not {ours}: give its flags, or run without --resume")
+    return [arm for arm in record["arms"] if arm["status"] == "ok"]
+
+
+def refuse(message: str) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def progress_line(arm: dict) -> str:
