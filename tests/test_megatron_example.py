@@ -8,6 +8,7 @@ The GPTModels run on CPU through the two test-only shims of the conftest fixture
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,10 +142,10 @@ def test_train_py_builds_llama3s_vocabulary_rope_base_and_untied_head_and_recomp
     assert (plain.recompute_granularity, plain.recompute_method, plain.recompute_num_layers) == (None, None, None)
 
 
-def peers_megatron_flags(model: str, arm: str) -> list[str]:
-    """The example's flags in fp8stack.bench.peers' command for `arm` at `model`, less TE's fusions and megatron's TE
-    layer spec (no TE here: megatron refuses them on a CPU)."""
-    argv = peers.command(peers.ARMS[arm], peers.Shape(model, 1, 2, 5), Path("r.json"), cuda=True)
+def peers_megatron_flags(model: str, arm: str, nproc: int = 1) -> list[str]:
+    """The example's flags in fp8stack.bench.peers' command for `arm` at `model` on `nproc` ranks, less TE's fusions
+    and megatron's TE layer spec (no TE here: megatron refuses them on a CPU)."""
+    argv = peers.command(peers.ARMS[arm], peers.Shape(model, 1, 2 * nproc, 5, nproc), Path("r.json"), cuda=True)
     flags = [str(part) for part in argv[argv.index(str(peers.MEGATRON_EXAMPLE)) + 1:]]
     spec = flags.index("--layer-spec")
     return [flag for flag in flags[:spec] + flags[spec + 2:] if flag not in peers.MEGATRON_FUSIONS]
@@ -185,6 +186,40 @@ def test_train_py_builds_tiny_moe_as_peers_passes_it_and_computes_the_plain_moes
     causal = torch.ones(SEQ, SEQ).triu(1).bool()[None, None]
     torch.testing.assert_close(model(tokens, torch.arange(SEQ).expand_as(tokens), causal), plain(tokens),
                                rtol=1e-5, atol=1e-5)
+
+
+LLAMA3_AT_CPU_WIDTH = {"dim": 256, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 896, "n_layers": 2}
+"""Llama 3's blocks at a width a CPU runs in seconds: two heads of its 128, one KV group."""
+
+
+def test_train_py_builds_llama3_8b_as_peers_passes_it_on_two_ranks_and_computes_the_plain_llamas_function(
+        cpu_megatron, monkeypatch):
+    """llama3-8b's flags as peers passes them on 2 ranks (the distributed optimizer and its overlap), the width then
+    narrowed to LLAMA3_AT_CPU_WIDTH, its 128256-token vocabulary, 8192 positions and RoPE base 500000 kept: the GPTModel
+    holding the plain Llama's weights computes its logits (FP32, to rounding)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # where megatron's RoPE goes
+    width = LLAMA3_AT_CPU_WIDTH
+    args = train.parse_args([*peers_megatron_flags("llama3-8b", "megatron-bf16", nproc=2),
+                             "--num-layers", str(width["n_layers"]), "--hidden-size", str(width["dim"]),
+                             "--ffn-hidden-size", str(width["ffn_dim"]), "--num-attention-heads", str(width["n_heads"]),
+                             "--num-query-groups", str(width["n_kv_heads"])])
+    assert args.use_distributed_optimizer and args.overlap_grad_reduce and args.overlap_param_gather
+    config = train.transformer_config(args)
+    config.use_cpu_initialization = True  # the example builds on the GPU; here megatron allocates on the CPU
+    config.bf16, config.params_dtype = False, torch.float32  # FP32, so that the two agree to rounding
+    model = provider.build_gpt_model(args, config, use_te=False)
+    assert model.embedding.word_embeddings.weight.shape == model.output_layer.weight.shape == (128256, 256)
+    assert not model.share_embeddings_and_output_weights and model.max_sequence_length == 8192
+    torch.testing.assert_close(model.rotary_pos_emb.inv_freq.float(),
+                               1 / 500000 ** (torch.arange(0, 128, 2).float() / 128))
+    plain = Llama(replace(load_model_config("llama3-8b"), **width))
+    plain.init_weights(seed=0)
+    megatron_model.load_llama_weights(model, plain)
+    tokens = torch.randint(0, train.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(SEQ, SEQ).triu(1).bool()[None, None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(SEQ).expand_as(tokens), causal), plain(tokens),
+                                   rtol=1e-5, atol=1e-5)
 
 
 MOE = ["--num-experts", "8"]

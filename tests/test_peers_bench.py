@@ -15,6 +15,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from fp8stack.models import Llama, load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.model import model_config
-from fp8stack.train.launch import NO_MULTICAST_ENV, TERMINATE_GRACE_S
+from fp8stack.train.launch import NO_MULTICAST_ENV, TERMINATE_GRACE_S, launcher
 
 from gloo_ranks import on_gloo_ranks
 
@@ -48,6 +49,8 @@ LLAMA = Shape("llama-1b-like", micro_batch=2, global_batch=16, steps=20)
 LLAMA_ON_2 = Shape("llama-1b-like", micro_batch=2, global_batch=16, steps=20, nproc=2)
 LLAMA3_8B_16 = Shape("llama3-8b-16-layers", micro_batch=1, global_batch=8, steps=10)
 RECOMPUTING = Shape("llama3-8b-16-layers", micro_batch=1, global_batch=8, steps=10, recompute="full")
+LLAMA3_8B_ON_2 = Shape("llama3-8b", micro_batch=1, global_batch=8, steps=10, nproc=2, recompute="full")
+"""The issue's Llama-3-8B run: one sequence of 8192 per pass, 4 per rank and step, every block recomputed."""
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
@@ -74,19 +77,21 @@ def test_the_torchtitan_layout_model_has_as_many_parameters_as_fp8stacks(model):
     assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters())
 
 
-def test_the_torchtitan_layout_model_builds_llama3_8b_at_16_layers_on_the_meta_device():
+@pytest.mark.parametrize("model, layers, billions", [("llama3-8b-16-layers", 16, (4.54, 4.55)),
+                                                     ("llama3-8b", 32, (8.03, 8.04))])
+def test_the_torchtitan_layout_model_builds_llama3_8b_on_the_meta_device(model, layers, billions):
     """Llama-3-8B's projections (32 query heads and 8 KV heads of 128, SwiGLU 14336), its 128256-token embedding and
-    untied head, RoPE at base 500000 over 8192 positions, 16 blocks: 4.54 B parameters."""
+    untied head, RoPE at base 500000 over 8192 positions; 32 blocks (8.03 B parameters, Meta's Llama 3 8B) or 16."""
     with torch.device("meta"):
-        model = Transformer(SIZES["llama3-8b-16-layers"])
+        model = Transformer(SIZES[model])
     block = model.layers["0"]
     linears = (block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo, block.feed_forward.w1,
                block.feed_forward.w3, block.feed_forward.w2, model.tok_embeddings, model.output)
     assert [tuple(linear.weight.shape) for linear in linears] == [
         (4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336),
         (128256, 4096), (128256, 4096)]
-    assert len(model.layers) == 16 and model.args.rope_theta == 500000 and model.freqs_cis.shape == (8192, 64)
-    assert 4.54e9 < sum(p.numel() for p in model.parameters()) < 4.55e9
+    assert len(model.layers) == layers and model.args.rope_theta == 500000 and model.freqs_cis.shape == (8192, 64)
+    assert billions[0] * 1e9 < sum(p.numel() for p in model.parameters()) < billions[1] * 1e9
 
 
 @pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "megatron"])
@@ -172,12 +177,116 @@ def test_every_stack_reads_llama3_8b_16_layers_at_its_shape_batch_and_rope_base(
     assert LLAMA3_8B_16.tokens_per_step == 8 * 8192
 
 
+LLAMA3 = (32, 4096, 14336, 32, 8, 8192, 128256, 500000)
+"""Llama-3-8B: layers, hidden, SwiGLU, heads, KV groups, sequence, vocabulary, RoPE base."""
+
+
+@pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "megatron"])
+def test_megatron_arms_read_llama3_8b_on_two_ranks_with_the_distributed_optimizer_and_its_overlap(name, tmp_path):
+    """Every megatron arm shards its masters and moments, as Megatron-LM's Llama-3 8B recipe; only the param-gather
+    arm holds FP8 weights."""
+    argv = peers.command(ARMS[name], LLAMA3_8B_ON_2, tmp_path / "r.json", cuda=True)
+    args = megatron_train.parse_args(flags_of(argv, str(peers.MEGATRON_EXAMPLE)))
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_query_groups,
+            args.seq_length, args.padded_vocab_size, args.rotary_base) == LLAMA3
+    assert args.untie_embeddings_and_output_weights and args.layer_spec == "megatron"
+    assert (args.micro_batch_size, args.global_batch_size) == (1, 8)
+    assert megatron_train.microbatches_per_step(args, 2) == 4
+    assert args.use_distributed_optimizer and args.overlap_grad_reduce and args.overlap_param_gather
+    assert args.fp8_param_gather == (name == "megatron-delayed-param-gather")
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 1)
+
+
+@pytest.mark.parametrize("name", ["torchtitan-bf16", "torchtitan-tensorwise"])
+def test_torchtitan_arms_read_llama3_8b_on_two_ranks_as_the_fsdp2_recipe_recomputing_every_block(name, tmp_path,
+                                                                                              monkeypatch):
+    argv = peers.command(ARMS[name], LLAMA3_8B_ON_2, tmp_path / "r.json", cuda=True)
+    assert argv[:len(TORCHRUN_2)] == TORCHRUN_2
+    monkeypatch.setattr(sys, "argv", argv[len(TORCHRUN_2):])
+    args = loop.parse_args()
+    assert (args.model, args.micro_batch, args.accumulation, args.seq_len, args.activation_checkpoint) == \
+        ("llama3-8b", 1, 4, 8192, "full")
+    assert args.compile and (args.recipe == "tensorwise") == name.endswith("tensorwise")
+    with torch.device("meta"):
+        model = Transformer(SIZES[args.model])
+    assert (len(model.layers), model.args.dim, model.args.ffn_dim, model.args.n_heads, model.args.n_kv_heads,
+            model.args.max_seq_len, model.args.vocab_size, model.args.rope_theta) == LLAMA3
+
+
+@pytest.mark.parametrize("name", ["fp8stack-bf16", "fp8stack-delayed", "fp8stack-blockwise"])
+def test_fp8stack_fsdp2_arms_train_llama3_8b_on_two_ranks_gathering_once_per_step(name, tmp_path):
+    """Its defaults but for the recipe, the batch, full recompute and FSDP2's gather-once, the setting the scaling
+    bench measured at llama3-8b."""
+    argv = peers.command(ARMS[name], LLAMA3_8B_ON_2, tmp_path / "r.json", cuda=True)
+    assert argv[:len(TORCHRUN_2)] == TORCHRUN_2
+    flags = flags_of(argv, "fp8stack.train")
+    job = job_from_flags(flags[:flags.index("--result-json")])
+    ours, defaults = to_dict(job), to_dict(JobConfig())
+    changed = {(section, key) for section in defaults for key in defaults[section]
+               if ours[section][key] != defaults[section][key]}
+    recipe = {("precision", "recipe")} if ARMS[name].recipe != JobConfig().precision.recipe else set()
+    assert changed == {("model", "name"), ("training", "micro_batch"), ("training", "global_batch"),
+                       ("training", "steps"), ("training", "eval_batches"), ("logging", "progress"),
+                       ("activation_checkpoint", "layers"), ("parallelism", "fsdp_reshard_after_forward")} | recipe
+    assert (job.parallelism.data_parallel, job.parallelism.fsdp_reshard_after_forward) == ("fsdp", False)
+    assert (job.training.micro_batch, job.training.global_batch, job.activation_checkpoint.layers) == (1, 8, "all")
+    shape = model_config(job)
+    assert (shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads, shape.seq_len,
+            shape.vocab_size, shape.rope_theta) == LLAMA3
+    one_gpu = peers.command(ARMS[name], replace(LLAMA3_8B_ON_2, model="llama3-8b-16-layers"), tmp_path / "r.json",
+                            cuda=True)
+    assert not set(peers.FSDP_GATHER_ONCE) & set(one_gpu)  # the other models keep FSDP2's default
+
+
+@pytest.mark.parametrize("name, bytes_per_parameter, gib", [
+    ("megatron-bf16", 12, 89.7), ("megatron-delayed", 12, 89.7), ("megatron-delayed-param-gather", 12, 89.7),
+    ("torchtitan-bf16", 8, 59.8), ("fp8stack-delayed", 8, 59.8), ("fp8stack-delayed-ddp", 18, 134.6)])
+def test_the_training_state_per_gpu_at_llama3_8b_on_two_ranks(name, bytes_per_parameter, gib):
+    """megatron: BF16 weights 2 and FP32 gradient buffer 4 whole, masters and moments 12 halved; FSDP2: 16 halved;
+    DDP: the replica's 18. llama3-8b's 8.03 B parameters."""
+    held = peers.state_bytes(ARMS[name], "llama3-8b", 2)
+    assert held == bytes_per_parameter and peers.state_gib(held, "llama3-8b") == pytest.approx(gib, abs=0.05)
+    assert (peers.does_not_fit(ARMS[name], "llama3-8b", 2) is None) == (not name.endswith("-ddp"))
+
+
+def test_only_llama3_8b_leaves_arms_out_on_two_ranks_and_every_arm_on_one_gpu():
+    """At every other model each arm fits an H200 (llama3-8b-16-layers' replica, 76.1 GiB, with room for a step)."""
+    left_out = {(model, nproc, name) for model in peers.MODELS for nproc in (1, 2) for name, arm in ARMS.items()
+                if (nproc > 1 or not arm.needs_ranks) and peers.does_not_fit(arm, model, nproc)}
+    assert left_out == {("llama3-8b", 2, "fp8stack-delayed-ddp"), ("llama3-8b", 2, "fp8stack-bf16-ddp")} | {
+        ("llama3-8b", 1, name) for name, arm in ARMS.items() if not arm.needs_ranks}
+
+
+def test_llama3_8b_on_two_ranks_runs_every_arm_but_records_the_ddp_arms_skipped_with_the_reason(monkeypatch):
+    monkeypatch.setattr(peers, "run_child", lambda *a: pytest.fail("an arm ran"))
+    args = peers.parse_args(["--model", "llama3-8b", "--nproc", "2", "--micro-batch", "1", "--global-batch", "8",
+                             "--recompute", "full"])
+    assert args.arms == list(ARMS)
+    for name in ("fp8stack-delayed-ddp", "fp8stack-bf16-ddp"):
+        record = peers.run_arm(ARMS[name], LLAMA3_8B_ON_2, 60, cuda=True, te_installed=True)
+        fsdp2 = name.removesuffix("-ddp")
+        assert record["status"] == "skipped" and record["reason"] == (
+            "18 B of training state per parameter on each GPU, 134.6 GiB at llama3-8b: with a step's 6 GiB at least, "
+            f"over an H200's 139 GiB; its FSDP2 arm {fsdp2} shards it")
+        assert f"| fp8stack | {name} | - |" in peers.render(peers.record_of(LLAMA3_8B_ON_2, [record], []))
+
+
+def test_a_llama3_8b_run_on_two_gpus_with_recompute_is_named_by_both(monkeypatch):
+    monkeypatch.setattr(peers, "device_slug", lambda: "h200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = peers.parse_args(["--model", "llama3-8b", "--nproc", "2", "--micro-batch", "1", "--global-batch", "8",
+                             "--recompute", "full"])
+    assert peers.evidence_stem(args) == "peers-llama3-8b-recompute-full-2gpu-h200"
+
+
+@pytest.mark.parametrize("recomputing", [RECOMPUTING, LLAMA3_8B_ON_2], ids=["16 layers", "32 layers on 2 ranks"])
 @pytest.mark.parametrize("name", list(ARMS))
-def test_full_recompute_reaches_every_arm_in_its_stacks_own_flags_and_nothing_else_changes(name, tmp_path,
+def test_full_recompute_reaches_every_arm_in_its_stacks_own_flags_and_nothing_else_changes(name, recomputing, tmp_path,
                                                                                          monkeypatch):
     arm = ARMS[name]
-    plain = peers.command(arm, LLAMA3_8B_16, tmp_path / "r.json", cuda=True)
-    argv = peers.command(arm, RECOMPUTING, tmp_path / "r.json", cuda=True)
+    plain = peers.command(arm, replace(recomputing, recompute="none"), tmp_path / "r.json", cuda=True)
+    argv = peers.command(arm, recomputing, tmp_path / "r.json", cuda=True)
     assert argv == plain[:-2] + list(peers.FULL_RECOMPUTE[arm.stack]) + plain[-2:]
     if arm.stack == "megatron":
         read = [megatron_train.parse_args(flags_of(command, str(peers.MEGATRON_EXAMPLE))) for command in (argv, plain)]
@@ -186,7 +295,7 @@ def test_full_recompute_reaches_every_arm_in_its_stacks_own_flags_and_nothing_el
     elif arm.stack == "torchtitan":
         read = []
         for command in (argv, plain):
-            monkeypatch.setattr(sys, "argv", command[1:])
+            monkeypatch.setattr(sys, "argv", command[len(launcher(recomputing.nproc)):])
             read.append(loop.parse_args().activation_checkpoint)
         assert read == ["full", "none"]
     else:
@@ -475,7 +584,7 @@ def test_both_targets_met():
 
 
 @pytest.mark.parametrize("model, target", [("llama-1b-like", 1.20), ("llama-70b-layers", 1.15),
-                                           ("llama3-8b-16-layers", 1.15)])
+                                           ("llama3-8b-16-layers", 1.15), ("llama3-8b", 1.15)])
 def test_the_speed_target_is_the_issues_for_each_shape(model, target):
     """Issue 36: 1.20x the best peer's FP8 at llama-1b-like, 1.15x at 70B-layer and Llama-3-8B shapes."""
     arms = [a if a["arm"] != "fp8stack-delayed" else arm("fp8stack-delayed", 1.17 * 115820, 21.4) for a in TODAY]
@@ -565,7 +674,13 @@ def test_the_table_of_two_ranks_says_so_and_shows_the_tokens_per_gpu():
     (["--arms", "fp8stack-delayed,fp8stack-delayed-ddp"], "--arms fp8stack-delayed-ddp: a data-parallel wrapper over "
                                                           "one process is the arm without it: add --nproc 2 or more"),
     (["--timeout", "0"], "--timeout 0.0: give a positive number"),
-    (["--model", "llama3-8b"], "invalid choice: 'llama3-8b'"),  # 8.03 B parameters: its state alone fills an H200
+    (["--model", "llama3-8b", "--arms", "fp8stack-delayed"],
+     "--arms fp8stack-delayed: 18 B of training state per parameter on each GPU, 134.6 GiB at llama3-8b: with a "
+     "step's 6 GiB at least, over an H200's 139 GiB; --nproc 2 or more shards it: drop it, or choose a smaller "
+     "--model"),
+    (["--model", "llama3-8b", "--nproc", "2", "--global-batch", "8", "--arms", "fp8stack-bf16,fp8stack-bf16-ddp"],
+     "--arms fp8stack-bf16-ddp: 18 B of training state per parameter on each GPU, 134.6 GiB at llama3-8b: with a "
+     "step's 6 GiB at least, over an H200's 139 GiB; its FSDP2 arm fp8stack-bf16 shards it: drop it"),
     (["--recompute", "selective"], "invalid choice: 'selective'"),
 ])
 def test_bad_input_exits_2_with_one_line_before_any_arm(flags, message, capsys, monkeypatch, tmp_path):
@@ -588,6 +703,57 @@ def test_existing_evidence_is_kept_without_force(capsys, monkeypatch, tmp_path):
         peers.main(["--out-dir", str(tmp_path)])
     assert exit_.value.code == 2 and "pass --force" in capsys.readouterr().err
     assert json.loads(existing.read_text()) == {"kept": True}
+
+
+def measuring(ran: list[str]):
+    """A stand-in for run_arm: each arm measured at once, its name added to `ran`."""
+    def run_arm(chosen, shape, timeout, cuda, te_installed):
+        ran.append(chosen.name)
+        return {**arm(chosen.name, 1000.0 + len(ran), 10.0), "losses": [5.0] * 5, "wall_s": 1.0}
+    return run_arm
+
+
+RESUMED = ["--model", "tiny", "--micro-batch", "2", "--global-batch", "4", "--steps", "5"]
+
+
+def test_resume_keeps_the_measured_arms_and_runs_only_the_chosen_ones_missing_or_failed(tmp_path, monkeypatch):
+    """A run split over calls: the first measures two arms (one fails), the second runs the failed one and a new one
+    into the same evidence."""
+    ran = []
+    monkeypatch.setattr(peers, "run_arm", measuring(ran))
+    first = ["fp8stack-delayed", "megatron-delayed"]
+    assert peers.main([*RESUMED, "--arms", ",".join(first), "--out-dir", str(tmp_path)]) == 0
+    stem = peers.evidence_stem(peers.parse_args(RESUMED))
+    path = run_folder(stem, tmp_path) / f"{stem}.json"
+    record = json.loads(path.read_text())
+    record["arms"][1] = {**record["arms"][1], "status": "failed", "error": "out of memory"}
+    path.write_text(json.dumps(record))
+    ran.clear()
+    chosen = ["fp8stack-delayed", "megatron-delayed", "torchtitan-tensorwise"]
+    assert peers.main([*RESUMED, "--arms", ",".join(chosen), "--resume", "--out-dir", str(tmp_path)]) == 0
+    assert ran == ["megatron-delayed", "torchtitan-tensorwise"]
+    resumed = json.loads(path.read_text())
+    assert [a["arm"] for a in resumed["arms"]] == chosen and resumed["pending"] == []
+    assert resumed["arms"][0] == record["arms"][0]  # kept as measured
+    assert resumed["checks"][0]["arm"] == "fp8stack-delayed" and resumed["checks"][0]["value"] is not None
+
+
+@pytest.mark.parametrize("first, again, message", [
+    (None, [], "peers-tiny-cpu.json does not exist: run without --resume first"),
+    (["--steps", "6"], [], "trained {'model': 'tiny', 'micro_batch': 2, 'global_batch': 4, 'steps': 6,"),
+    (None, ["--force"], "--resume keeps the evidence's measured arms and --force replaces it: give one of them"),
+])
+def test_resume_without_the_same_runs_evidence_is_refused_before_any_arm(first, again, message, tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setattr(peers, "device_slug", lambda: "cpu")
+    monkeypatch.setattr(peers, "run_arm", measuring([]))
+    if first is not None:
+        peers.main([*RESUMED, *first, "--arms", "fp8stack-bf16", "--out-dir", str(tmp_path)])
+    monkeypatch.setattr(peers, "run_arm", lambda *a, **k: pytest.fail("an arm ran"))
+    with pytest.raises(SystemExit) as exit_:
+        peers.main([*RESUMED, "--arms", "fp8stack-bf16", "--resume", *again, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and message in err and err.startswith(f"{peers.PROG}: error: ")
 
 
 def test_the_arms_a_cpu_can_run_run_and_the_others_are_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
@@ -813,7 +979,6 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_a_timed_out_torchrun_job_leaves_no_worker_behind_and_a_failed_rank_says_why(tmp_path):
-    from fp8stack.train.launch import launcher
 
     sleeper = tmp_path / "sleep.py"
     sleeper.write_text("import os, sys, time\n"

@@ -33,6 +33,9 @@ SIZES = {
     # vocabulary and sequence: the largest Llama-3-8B one H200 holds with FP32 masters.
     "llama3-8b-16-layers": ModelArgs(dim=4096, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                                      vocab_size=128256, max_seq_len=8192),
+    # torchtitan's llama3_configs["8B"] whole: 32 layers, 8.03 B parameters, trained sharded over several GPUs.
+    "llama3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                           max_seq_len=8192),
 }
 
 

@@ -7,6 +7,7 @@ FP8/BF16 per stack, and fp8stack's fastest FP8 arm over the best peer's.
     python -m fp8stack.bench.peers --arms megatron-delayed,torchtitan-tensorwise,fp8stack-delayed
     python -m fp8stack.bench.peers --nproc 2 --arms megatron-delayed-param-gather,torchtitan-tensorwise,fp8stack-delayed
     python -m fp8stack.bench.peers --model llama3-8b-16-layers --micro-batch 1 --global-batch 8 --recompute full
+    python -m fp8stack.bench.peers --model llama3-8b --nproc 2 --micro-batch 1 --global-batch 8 --recompute full
 
 Each peer is built as its users build it, with every speed feature its users get by default or its recipe names:
 - megatron: examples/megatron/train.py --layer-spec megatron. A GPTModel from megatron's own
@@ -25,7 +26,9 @@ Each peer is built as its users build it, with every speed feature its users get
   distributed optimizer (FP8 weights cast from the FP32 shards). On N GPUs: megatron's
   DDP over the N ranks, each taking its slice of every global batch (global / (micro x N) micro-batches each), with
   the overlap Megatron-LM's Llama-3 recipes turn on: --overlap-grad-reduce, and with the distributed optimizer (its
-  FP32 masters and moments sharded over the ranks) --overlap-param-gather.
+  FP32 masters and moments sharded over the ranks) --overlap-param-gather. Where a replica's state leaves no room for
+  a step (llama3-8b: 18 B per parameter, 134.6 GiB), every arm runs the distributed optimizer, as Megatron-LM's
+  Llama-3 8B recipe does (megatron_data_parallel); delayed and delayed-param-gather then differ in FP8 weights alone.
 - torchtitan: examples/own_model (torchtitan's Llama layout: wq/wk/wv, w1/w2/w3, SDPA, complex RoPE), each block
   compiled and the loss compiled (torchtitan's compile components model and loss), fused AdamW (torchtitan's default
   implementation), linear LR warm-up; the FP8 arm converts with torchao's Float8LinearConfig.from_recipe_name
@@ -45,6 +48,8 @@ Each peer is built as its users build it, with every speed feature its users get
 - fp8stack: `python -m fp8stack.train` with the recipe and the batch only, every lever at the configuration's
   defaults (on N GPUs its default data-parallel wrapper, FSDP2). Arms: bf16, delayed, blockwise; with --nproc 2 or
   more also bf16-ddp and delayed-ddp, which add --parallelism.data-parallel ddp: the one-GPU fast path replicated.
+  At llama3-8b the FSDP2 arms gather each block's weights once per step (GATHER_ONCE_MODELS), as the scaling bench
+  measured fp8stack there.
 
 MoE models (MOE_MODELS): megatron's arms add pretrain_gpt's MoE flags for the description's MoE layers, as
 fp8stack's Megatron path maps them (megatron_moe_flags): its own MoE layer specs with TE, --moe-grouped-gemm (TE
@@ -72,20 +77,26 @@ last 10% of steps, each step's loss averaged over the ranks.
 
 Arms a machine cannot run are recorded as skipped with the reason, never run: megatron's need CUDA and
 TransformerEngine, and so do fp8stack's delayed and blockwise (its default plan runs them on TE); on CPU processes
-(gloo), torchtitan's tensorwise arm with --nproc 2 or more (gloo cannot move its FP8 all-gather). Without CUDA the
+(gloo), torchtitan's tensorwise arm with --nproc 2 or more (gloo cannot move its FP8 all-gather). So are arms whose
+training state per GPU (state_bytes) leaves no room for a step on an H200 (does_not_fit): at llama3-8b the -ddp arms,
+and on one GPU every arm; named in --arms, such an arm is refused. Without CUDA the
 torchtitan arms run uncompiled (compiling takes a CPU a minute per arm; fp8stack's default compiles on CUDA only):
 such a run checks the plumbing and measures nothing. An arm past --timeout gets SIGTERM, which torchrun passes on to
 its workers, and SIGKILL a minute later.
 
-Targets, judged as checks: fp8stack's fastest FP8 arm at >= 1.20x the best peer FP8 arm's tokens/s, and its peak
+Targets, judged as checks: fp8stack's fastest FP8 arm at >= 1.20x the best peer FP8 arm's tokens/s (1.15x at the
+70B-layer and Llama-3-8B shapes, none for MoE models: SPEED_TARGETS), and its peak
 memory at most the lowest peer FP8 peak. The evidence (profiles/runs/<date>-peers-<model>[-<N>gpu]-<device>/: JSON
 with --nproc and every arm's exact command, Markdown and, with matplotlib, a figure of tokens/s, memory and loss per
 arm) is rewritten after every arm, so a run cut short keeps what it measured; `--plot-only <run folder>/<stem>.json`
-draws the figure of a run measured before it existed. Exit status: 0 when every chosen arm ran or was skipped with
-its reason (a target not met is evidence, not a failure), 1 when an arm failed, 2 on bad input (before any arm).
+draws the figure of a run measured before it existed, and `--resume` continues today's evidence of the same run
+with the chosen arms it has not measured (a run longer than one sitting, as Llama-3-8B's on 2 GPUs). Exit status: 0
+when every chosen arm ran or was skipped with its reason (a target not met is evidence, not a failure), 1 when an arm
+failed, 2 on bad input (before any arm).
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -97,6 +108,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -104,10 +116,12 @@ from fp8stack.ab import final_loss
 from fp8stack.ab.plot import pyplot
 from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, loss_panel, note_unmeasured,
                                   plot_only, refuse_flags_beside_plot_only, write_plot)
-from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.evidence import (add_force_option, claim_or_exit, device_slug, markdown_table, run_folder,
+                               write_evidence)
 from fp8stack.models import LlamaConfig, load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan.recipes import BF16, is_fp8
+from fp8stack.train.defaults import parameter_count
 from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, stop
 from fp8stack.train.timing import relative_spread, steady_state
 
@@ -119,7 +133,8 @@ OWN_MODEL_EXAMPLE = REPO / "examples" / "own_model"
 STACKS = {
     "megatron": "Megatron-core + TE as pretrain_gpt runs it (no apex)",
     "torchtitan": "torchtitan's recipe with torchao (FSDP2 on several GPUs)",
-    "fp8stack": "fp8stack train, default configuration (FSDP2 on several GPUs; the -ddp arms DDP)",
+    "fp8stack": "fp8stack train, default configuration (FSDP2 on several GPUs, gathering once per step at llama3-8b; "
+                "the -ddp arms DDP)",
 }
 """Stack -> how the table names it, in the table's order."""
 PEERS = ("megatron", "torchtitan")
@@ -130,7 +145,7 @@ BF16_HATCH = "//"
 """The figure's BF16 bars are hatched, FP8 bars solid."""
 PALE = 0.35
 """Opacity of the part of a peak-memory bar above the resident memory."""
-DENSE_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", "llama3-8b-16-layers")
+DENSE_MODELS = ("tiny", "llama-1b-like", "llama-70b-layers", "llama3-8b-16-layers", "llama3-8b")
 """Models every stack builds: fp8stack's configs and examples/own_model's SIZES both name them."""
 MOE_MODELS = ("tiny-moe", "deepseek-moe-small", "deepseek-moe-medium")
 """fp8stack's MoE models: megatron and fp8stack build them, torchtitan's arms are skipped (examples/own_model builds
@@ -156,7 +171,8 @@ DDP = ("--parallelism.data-parallel", "ddp")
 SPEED_TARGET = 1.20
 """fp8stack's fastest FP8 arm over the best peer FP8 arm, tokens/s: the least ratio that meets the target (issue 36
 sets it at llama-1b-like; SPEED_TARGETS where it sets another)."""
-SPEED_TARGETS = {"llama-70b-layers": 1.15, "llama3-8b-16-layers": 1.15, **dict.fromkeys(MOE_MODELS)}
+SPEED_TARGETS = {"llama-70b-layers": 1.15, "llama3-8b-16-layers": 1.15, "llama3-8b": 1.15,
+                 **dict.fromkeys(MOE_MODELS)}
 """Models whose speed target is not SPEED_TARGET: at 70B-layer and Llama-3-8B shapes, where FP8's gain over BF16 is
 judged on its own (>= 1.55x), fp8stack's FP8 over the best peer's is 1.15x; the MoE models have none over the peer
 (None: issue 37 judges their FP8 over BF16 within a stack, >= 1.35x, with the peer measured beside it)."""
@@ -191,6 +207,11 @@ class Arm:
     @property
     def fp8(self) -> bool:
         return is_fp8(self.recipe)
+
+    @property
+    def ddp(self) -> bool:
+        """It replicates the model over the ranks (fp8stack's DDP) where its stack would shard it."""
+        return self.flags == DDP
 
 
 ARMS = {arm.name: arm for arm in (
@@ -239,6 +260,60 @@ class Shape:
         return self.global_batch * load_model_config(self.model).seq_len
 
 
+GPU_GIB = 139.0
+"""What one GPU holds for a rank on the largest GPUs the bench runs on, H200s (an H100 holds about 78)."""
+STEP_GIB = 6.0
+"""The least a training step adds to a rank's training state: 5.04 GiB at Llama-3-8B shapes with one sequence of
+8192 per pass and every block recomputed, measured at llama3-8b-16-layers on one H200 (peak 81.22 less resident 76.18
+GiB, profiles/runs/2026-11-28-scaling-llama3-8b-2gpu-h200), and llama3-8b's 16 more blocks' saved inputs (64 MiB
+each). Larger passes and kept activations only add to it."""
+REPLICA_BYTES = 18
+"""Training state per parameter of a rank holding the whole model: BF16 weight 2, FP32 master 4, FP32 gradient 4
+(fp8stack's main_grad, megatron's FP32 gradient buffer), Adam moments 8 (torchtitan on one process: FP32 parameters,
+gradients and moments, and the BF16 copies autocast keeps through the forward); a delayed arm's FP8 weight cache adds
+2 per weight of the blocks. llama3-8b's 8.03 B parameters: 134.6 GiB."""
+DISTRIBUTED_OPTIMIZER = "--use-distributed-optimizer"
+
+
+def state_bytes(arm: Arm, model: str, nproc: int) -> float:
+    """Training state per parameter one rank holds: REPLICA_BYTES, less what the arm's wrapper shards over the
+    ranks. megatron: BF16 weights and the FP32 gradient buffer whole, FP32 masters and moments (12) sharded by its
+    distributed optimizer. FSDP2 (fp8stack's default wrapper, torchtitan's recipe): FP32 masters (torchtitan's FP32
+    parameters), gradients and moments, 16, all sharded; BF16 weights only gathered for the step."""
+    if arm.stack == "megatron":
+        sharded = DISTRIBUTED_OPTIMIZER in megatron_data_parallel(arm, model, nproc)
+        return 2 + 4 + 12 / (nproc if sharded else 1)
+    return 16 / nproc if nproc > 1 and not arm.ddp else REPLICA_BYTES
+
+
+@functools.cache
+def model_parameters(model: str) -> int:
+    return parameter_count(load_model_config(model))
+
+
+def state_gib(bytes_per_parameter: float, model: str) -> float:
+    return bytes_per_parameter * model_parameters(model) / 2**30
+
+
+def leaves_no_room(bytes_per_parameter: float, model: str) -> bool:
+    """A rank holding this much state per parameter of the model has no room for a step on an H200."""
+    return state_gib(bytes_per_parameter, model) + STEP_GIB > GPU_GIB
+
+
+def does_not_fit(arm: Arm, model: str, nproc: int) -> str | None:
+    """Why the arm cannot train the model on `nproc` GPUs (its training state leaves no room for a step on an H200),
+    naming the fix; None where it fits."""
+    held = state_bytes(arm, model, nproc)
+    if not leaves_no_room(held, model):
+        return None
+    if arm.ddp:
+        fix = f"its FSDP2 arm {arm.name.removesuffix('-ddp')} shards it"
+    else:
+        fix = "--nproc 2 or more shards it" if nproc == 1 else "a larger --nproc shards it further"
+    return (f"{held:g} B of training state per parameter on each GPU, {state_gib(held, model):.1f} GiB at {model}: "
+            f"with a step's {STEP_GIB:g} GiB at least, over an H200's {GPU_GIB:g} GiB; {fix}")
+
+
 def command(arm: Arm, shape: Shape, result: Path, cuda: bool) -> list[str]:
     """The arm's command line, under torchrun with several processes; its loop writes losses, step_ms,
     tokens_per_step and peak_mem_gib to `result`."""
@@ -259,8 +334,8 @@ def megatron_command(arm: Arm, shape: Shape, cuda: bool) -> list:
             "--seq-length", config.seq_len, "--vocab-size", config.vocab_size,
             "--rotary-base", int(config.rope_theta), "--micro-batch-size", shape.micro_batch,
             "--global-batch-size", shape.global_batch, "--train-iters", shape.steps, "--lr", schedule.lr,
-            "--min-lr", schedule.min_lr, "--lr-warmup-iters", schedule.warmup, *MEGATRON_FUSIONS, *fp8, *arm.flags,
-            *megatron_overlap(arm, shape.nproc)]
+            "--min-lr", schedule.min_lr, "--lr-warmup-iters", schedule.warmup, *MEGATRON_FUSIONS, *fp8,
+            *megatron_data_parallel(arm, shape.model, shape.nproc)]
 
 
 def megatron_moe_flags(config: LlamaConfig, fp8: bool) -> list:
@@ -285,14 +360,18 @@ def megatron_moe_flags(config: LlamaConfig, fp8: bool) -> list:
     return flags
 
 
-def megatron_overlap(arm: Arm, nproc: int) -> list[str]:
-    """With several ranks, the overlap Megatron-LM's Llama-3 recipes turn on (examples/llama/
-    train_llama3_8b_h100_fp8.sh): the gradient reduction with the backward and, with the distributed optimizer, the
-    parameter all-gather with the next forward. One rank has nothing to overlap."""
+def megatron_data_parallel(arm: Arm, model: str, nproc: int) -> list[str]:
+    """The arm's flags; with several ranks, megatron's distributed optimizer where a replica's state leaves no room
+    for a step (every arm at llama3-8b, as Megatron-LM's Llama-3 8B recipe, examples/llama/train_llama3_8b_h100_fp8.sh,
+    runs it), and the overlap that recipe turns on: the gradient reduction with the backward and, with the distributed
+    optimizer, the parameter all-gather with the next forward. One rank has nothing to shard or overlap."""
+    flags = list(arm.flags)
     if nproc == 1:
-        return []
-    gather = ["--overlap-param-gather"] if "--use-distributed-optimizer" in arm.flags else []
-    return ["--overlap-grad-reduce", *gather]
+        return flags
+    if DISTRIBUTED_OPTIMIZER not in flags and leaves_no_room(REPLICA_BYTES, model):
+        flags.append(DISTRIBUTED_OPTIMIZER)
+    gather = ["--overlap-param-gather"] if DISTRIBUTED_OPTIMIZER in flags else []
+    return [*flags, "--overlap-grad-reduce", *gather]
 
 
 def torchtitan_command(arm: Arm, shape: Shape, cuda: bool) -> list:
@@ -309,7 +388,18 @@ def fp8stack_command(arm: Arm, shape: Shape, cuda: bool) -> list:
     return ["-m", "fp8stack.train", "--model", shape.model, "--fp8-recipe", arm.recipe,
             "--micro-batch-size", shape.micro_batch, "--global-batch-size", shape.global_batch,
             "--train-iters", shape.steps, "--eval-iters", 0, "--no-progress",
-            *fp8stack_expert_backend(arm, load_model_config(shape.model)), *arm.flags]
+            *fp8stack_expert_backend(arm, load_model_config(shape.model)), *arm.flags,
+            *(FSDP_GATHER_ONCE if shape.nproc > 1 and not arm.ddp and shape.model in GATHER_ONCE_MODELS else ())]
+
+
+FSDP_GATHER_ONCE = ("--no-parallelism.fsdp-reshard-after-forward",)
+"""fp8stack's FSDP2 keeping each block's gathered weights from its forward to its backward and over the step's
+micro-batches: one all-gather per step instead of two per micro-batch."""
+GATHER_ONCE_MODELS = ("llama3-8b",)
+"""Models whose fp8stack FSDP2 arms gather once per step (FSDP_GATHER_ONCE): llama3-8b, where the scaling bench
+measured that setting on 2 H200s (65.94 GiB peak per GPU, profiles/runs/2026-11-28-scaling-llama3-8b-2gpu-h200):
+the gathered BF16 weights (15 GiB) fit beside the sharded state, and each block's two all-gathers per micro-batch
+become one per step."""
 
 
 FP8_EXPERT_BACKEND = ("--expert-backend", "te")
@@ -329,10 +419,14 @@ TORCHTITAN_NO_MOE = ("examples/own_model builds torchtitan's dense Llama only: t
 
 
 def skip_reason(arm: Arm, shape: Shape, cuda: bool, te_installed: bool) -> str | None:
-    """Why this machine (or this model, for torchtitan at an MoE model) cannot run the arm, or None."""
+    """Why this machine cannot run the arm, or the model on this many GPUs (its training state leaves no room for a
+    step), or at all (torchtitan at an MoE model); None where it runs."""
     if arm.stack == "torchtitan" and load_model_config(shape.model).moe is not None:
         return TORCHTITAN_NO_MOE
     nproc = shape.nproc
+    too_large = does_not_fit(arm, shape.model, nproc)
+    if too_large:
+        return too_large
     if arm.needs_te and not (cuda and te_installed):
         what = "megatron-core's TE layers" if arm.stack == "megatron" else f"fp8stack's default plan runs {arm.recipe} on TE"
         return f"needs a CUDA GPU with TransformerEngine ({what})"
@@ -660,17 +754,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="evidence folder; the run goes in its runs/<date>-<name>/ (default: profiles)")
     parser.add_argument("--label", default="", help="added to the evidence's name (a second run of the same day)")
     add_force_option(parser)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue today's evidence of the same run (same name, --model, batch, --steps, --nproc, "
+                             "--recompute): its measured arms are kept, the chosen arms it has not measured run (a "
+                             "long run split over several calls)")
     add_plot_only_option(parser)
     args = parser.parse_args(argv)
     if args.plot_only:
         refuse_flags_beside_plot_only(parser, args)
         return args
+    if args.resume and args.force:
+        parser.error("--resume keeps the evidence's measured arms and --force replaces it: give one of them")
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: give 1 or more GPUs")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
     if gpus is not None and args.nproc > gpus:
         parser.error(f"--nproc {args.nproc}: this machine has {gpus} GPU(s): give at most {gpus}")
-    args.arms = chosen_arms(parser, args.arms, args.nproc)
+    args.arms = chosen_arms(parser, args.arms, args.model, args.nproc)
     if args.steps < MIN_STEPS:
         parser.error(f"--steps {args.steps}: give at least {MIN_STEPS} (the first 2 warm up and 3 are timed)")
     per_pass = args.micro_batch * args.nproc
@@ -682,8 +782,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def chosen_arms(parser: argparse.ArgumentParser, names: str | None, nproc: int) -> list[str]:
-    """--arms as a list (None: every arm this --nproc runs); an unknown name or an arm that needs more ranks exits 2."""
+def chosen_arms(parser: argparse.ArgumentParser, names: str | None, model: str, nproc: int) -> list[str]:
+    """--arms as a list (None: every arm this --nproc runs, those whose state does not fit the model recorded as
+    skipped with the reason); an unknown name, an arm that needs more ranks or one that does not fit exits 2."""
     if names is None:
         return [name for name, arm in ARMS.items() if nproc > 1 or not arm.needs_ranks]
     chosen = [name.strip() for name in names.split(",") if name.strip()]
@@ -694,6 +795,10 @@ def chosen_arms(parser: argparse.ArgumentParser, names: str | None, nproc: int) 
     if one_rank:
         parser.error(f"--arms {','.join(one_rank)}: a data-parallel wrapper over one process is the arm without it: "
                      "add --nproc 2 or more, or drop it")
+    too_large = [(name, reason) for name in chosen if (reason := does_not_fit(ARMS[name], model, nproc))]
+    if too_large:
+        name, reason = too_large[0]
+        parser.error(f"--arms {name}: {reason}: drop it, or choose a smaller --model")
     return chosen
 
 
@@ -718,19 +823,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot_only:
         return plot_only(PROG, args.plot_only, is_peers_record, figure)
     stem = evidence_stem(args)
-    claim_or_exit(PROG, stem, args.out_dir, args.force)
     shape = Shape(args.model, args.micro_batch, args.global_batch, args.steps, args.nproc, args.recompute)
+    if args.resume:
+        arms = measured_arms(stem, args.out_dir, shape)
+    else:
+        claim_or_exit(PROG, stem, args.out_dir, args.force)
+        arms = []
+    to_run = [name for name in args.arms if name not in {a["arm"] for a in arms}]
     cuda, te_installed = torch.cuda.is_available(), importlib.util.find_spec("transformer_engine") is not None
-    arms: list[dict] = []
-    for index, name in enumerate(args.arms):
-        print(f"[{index + 1}/{len(args.arms)}] {name} ...", flush=True)
+    record = record_of(shape, arms, to_run)
+    for index, name in enumerate(to_run):
+        print(f"[{index + 1}/{len(to_run)}] {name} ...", flush=True)
         arms.append(run_arm(ARMS[name], shape, args.timeout, cuda, te_installed))
         print(f"    {progress_line(arms[-1])}", flush=True)
-        record = record_of(shape, arms, args.arms[index + 1:])
+        record = record_of(shape, arms, to_run[index + 1:])
         json_path, _ = write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=True)
         write_plot(json_path, figure)
     print(render(record))
     return 1 if any(a["status"] == "failed" for a in arms) else 0
+
+
+def measured_arms(stem: str, out_dir: Path, shape: Shape) -> list[dict]:
+    """--resume: the arms today's evidence of this run measured (those it skipped or that failed run again); exits 2,
+    before any arm, where there is no such evidence or it trained another shape."""
+    path = run_folder(stem, out_dir) / f"{stem}.json"
+    if not path.is_file():
+        refuse(f"--resume: {path} does not exist: run without --resume first, or give the first run's --out-dir and "
+               "--label")
+    try:
+        record = json.loads(path.read_text())
+    except ValueError as err:
+        refuse(f"--resume: {path} is not JSON ({err}): replace it with --force instead of --resume")
+    if not is_peers_record(record):
+        refuse(f"--resume: {path} is not the evidence of {PROG}: replace it with --force instead of --resume")
+    ours = record_of(shape, [], [])["shape"]
+    if record["shape"] != ours:
+        refuse(f"--resume: {path} trained {record['shape']}, not {ours}: give its flags, or run without --resume")
+    return [arm for arm in record["arms"] if arm["status"] == "ok"]
+
+
+def refuse(message: str) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def progress_line(arm: dict) -> str:
