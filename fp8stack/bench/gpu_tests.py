@@ -4,8 +4,9 @@
 
 Writes profiles/runs/<date>-gpu-tests[-NAME]-<device>/ (.json and .md: every test's outcome and duration, failure
 tails) and exits with pytest's exit code. A label names a part of the suite, so that parts run side by side (one per
-GPU, CUDA_VISIBLE_DEVICES) or one after another on a day keep their own evidence. SIGTERM (`timeout` running out on a device call) stops pytest as Ctrl-C does, and
-the evidence still holds the tests that finished, marked interrupted.
+GPU, CUDA_VISIBLE_DEVICES) or one after another on a day keep their own evidence. SIGTERM (`timeout` running out
+on a device call) stops pytest as Ctrl-C does, and the evidence still holds the tests that finished, marked
+interrupted.
 """
 
 import re
