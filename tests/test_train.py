@@ -8,6 +8,7 @@ from torch import nn
 
 from fp8stack.models import Llama
 from fp8stack.plan import Plan, PlanError
+from fp8stack.precision import MasterWeights
 from fp8stack.train import checkpoint
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.command import main as train_main
@@ -244,6 +245,44 @@ def test_checkpoint_keeps_module_extra_state(tmp_path):
     assert fresh[1].history == [3.0, 1.5, 2.0]
     assert torch.equal(fresh[0].weight, model[0].weight)
     assert checkpoint.latest(tmp_path) == path
+
+
+class _RegisteredScalingState(_ScalingState):
+    """A _ScalingState that, as fp8stack's TE modules register their restored FP8 state with TE in
+    after_checkpoint_load, records the extra states it held each time the hook ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.loads = 0
+        self.registered = []
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        super().set_extra_state(state)
+        self.loads += 1
+
+    def after_checkpoint_load(self) -> None:
+        self.registered.append((self.loads, self.history))
+
+
+@pytest.mark.parametrize("with_masters", [False, True], ids=["parameters", "masters"])
+def test_load_calls_each_modules_hook_once_after_its_extra_state_is_in_place(with_masters, tmp_path):
+    """Without masters the extra states load twice (before the tensors, and again in set_state_dict): the hook runs
+    once, after the last, on modules of the model (the masters hold none)."""
+    model = nn.Sequential(nn.Linear(4, 4), _RegisteredScalingState())
+    masters = MasterWeights(model) if with_masters else None
+    optimizer = torch.optim.AdamW((masters or model).parameters())
+    model[0](torch.ones(2, 4, dtype=model[0].weight.dtype)).float().sum().backward()
+    optimizer.step()  # the moments a checkpoint holds
+    model[1].history = [3.0, 1.5]
+    path = checkpoint.save(tmp_path, 1, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                           data_position=0, masters=masters.module if masters else None)
+    fresh = nn.Sequential(nn.Linear(4, 4), _RegisteredScalingState())
+    fresh_masters = MasterWeights(fresh) if with_masters else None
+    fresh_optimizer = torch.optim.AdamW((fresh_masters or fresh).parameters())
+    checkpoint.load(path, fresh, fresh_optimizer, torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0),
+                    masters=fresh_masters.module if fresh_masters else None)
+    assert fresh[1].registered == [(fresh[1].loads, [3.0, 1.5])]
+    assert fresh[1].loads == (1 if with_masters else 2)
 
 
 @pytest.mark.parametrize("flags, recompute, modules", [

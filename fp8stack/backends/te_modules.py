@@ -21,7 +21,8 @@ import transformer_engine.pytorch as te
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformer_engine.common.recipe import Recipe
-from transformer_engine.pytorch.quantization import get_align_size_for_quantization
+from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager, get_align_size_for_quantization
 
 from fp8stack.plan import PlanError
 
@@ -76,6 +77,24 @@ class _WeightCache:
             self._cast_at = now
         with te.autocast(enabled=self.autocast_recipe is not None, recipe=self.autocast_recipe):
             return run(*args, **kwargs)
+
+    def after_checkpoint_load(self) -> None:
+        """fp8stack.train.checkpoint.load's hook: register the TE modules' restored delayed-scaling state in TE's amax
+        registry (FP8GlobalStateManager's global buffers) now, as the uninterrupted process has it, not at their first
+        forward. Each autocast exit updates the scales of every registered module from its pending amaxes, and a
+        checkpoint can hold pending forward amaxes: under fully_shard TE's backward casts a high-precision weight
+        again with its forward quantizer (TE issue #2681), recording the weight's amax. The uninterrupted process
+        applies them at the next step's first exit; registered only at its own forward, a module would apply them
+        at its own exit, maxed with the new weight's amax, and its backward would cast with another scale."""
+        if self.autocast_recipe is None or not self.autocast_recipe.delayed():
+            return
+        restored = [module for module in self.modules()
+                    if isinstance(module, TransformerEngineBaseModule) and "scaling_fwd" in module.fp8_meta]
+        # As a forward registers them, under the module's autocast; without grad its exit updates no scale.
+        with torch.no_grad(), te.autocast(enabled=True, recipe=self.autocast_recipe):
+            for module in restored:
+                module.init_fp8_metadata(num_gemms=module.fp8_meta["num_gemms"])
+                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(module.fp8_meta)
 
 
 class _OwnAutocast(_WeightCache):
