@@ -125,7 +125,7 @@ def test_a_resumed_session_holds_what_was_saved_piece_by_piece_and_steps_alike(l
     with session(settings) as run:
         for _ in range(MIDDLE):
             run.step(1.0)
-        saved, position = _state(run), run.data.position
+        saved, position, registered = _state(run), run.data.position, _amax_registry()
         checkpoint.save(tmp_path, MIDDLE, run.model, run.optimizer, run.scheduler, position,
                         masters=run.masters.module if run.masters else None, layout=run.checkpoint_layout)
         next_loss, after = float(run.step(1.0)[0]), _state(run)
@@ -138,9 +138,19 @@ def test_a_resumed_session_holds_what_was_saved_piece_by_piece_and_steps_alike(l
             run.masters.after_step()
         run.data.position = resumed.data_position
         assert _differing(saved, _state(run)) == [], "loaded differs from saved"
+        # Every module in TE's amax registry before the first forward, as in the uninterrupted session: its first
+        # autocast exit applies the forward amaxes the checkpoint holds pending (FSDP2's backward weight casts).
+        assert _amax_registry() == registered
         resumed_loss, resumed_after = float(run.step(1.0)[0]), _state(run)
     assert resumed_loss == next_loss
+    scales = [name for name in after if name.startswith("scaling_")]  # before the gradients they change
+    assert _differing({name: after[name] for name in scales}, resumed_after) == [], "FP8 state one step later"
     assert _differing(after, resumed_after) == [], "one step after the checkpoint"
+
+
+def _amax_registry() -> dict[str, int]:
+    """TE's delayed-scaling amax registry: the amaxes registered per direction and recipe."""
+    return {key: len(amaxes) for key, amaxes in FP8GlobalStateManager.quantization_state.global_amax_buffer.items()}
 
 
 def _state(run) -> dict[str, torch.Tensor]:
