@@ -26,8 +26,9 @@ from fp8stack.backends.te_deepgemm import operand
 def load() -> tuple[Callable | None, str]:
     """(a factory of TE's 1x128 E4M3 block quantizers taking rowwise= and columnwise=, '') or (None, why not)."""
     try:
-        import transformer_engine_torch as tex
+        # transformer_engine.pytorch loads the extension that transformer_engine_torch names
         from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+        import transformer_engine_torch as tex
     except Exception as err:  # ImportError, or an OSError from its native libraries
         return None, (f"TransformerEngine is not importable ({type(err).__name__}: {err}): {INSTALL_HINT}, or use "
                       "grouped_fp8 quantizer inductor")
