@@ -532,3 +532,18 @@ def test_an_ab_past_one_pass_over_its_text_is_told_before_it_runs():
     message = repeated_text(2000 * 4 * 1024, 7_948_986)
     assert message.startswith("8,192,000 training tokens per arm read the training text (7.9 MB) 1.03 times")
     assert message.endswith("pass --max-data-bytes 8192000 or more (or train fewer tokens)")
+
+
+@pytest.mark.parametrize(("ending", "reason"), [
+    ("os.kill(os.getpid(), signal.SIGSEGV)", "killed by SIGSEGV, without its result"),
+    ("sys.exit(3)", "exit code 3, without its result"),
+    ("raise RuntimeError('the arm broke')", "RuntimeError: the arm broke")])
+def test_a_failed_arm_is_named_by_its_error_else_by_how_it_ended(ending, reason, tmp_path, monkeypatch, capsys):
+    """An arm's process that dies without an error line (a signal, an exit code) is not named by its last warning."""
+    from fp8stack.ab import run as ab_run
+    from fp8stack.config import JobConfig
+
+    script = f"import os, signal, sys, warnings; warnings.warn('a late warning'); {ending}"
+    monkeypatch.setattr(ab_run, "launcher", lambda nproc: [sys.executable, "-c", script])
+    assert ab_run._RunningArm(JobConfig(), tmp_path, 1).result() == reason
+    assert "UserWarning: a late warning" in capsys.readouterr().out  # the tail of its standard error, shown

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -504,6 +505,23 @@ def _planned_backend(recipe: str, preference: str) -> str:
     return dense_backend(get_recipe(recipe), preference)
 
 
+FAILURE_TAIL_LINES = 20
+"""Lines of a failed arm's standard error shown above its reason (the reason alone is one line)."""
+
+
+def ended_without_error(code: int, wrote_result: bool) -> str:
+    """Why an arm failed whose standard error names no error: the signal that ended it, or its exit code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        ended = f"killed by {name}"
+    else:
+        ended = f"exit code {code}"
+    return f"{ended}, {'after writing' if wrote_result else 'without'} its result"
+
+
 class _RunningArm:
     """Fresh `python -m fp8stack.train` process(es) for one arm, started on construction (on `gpu` alone when given)."""
 
@@ -529,7 +547,8 @@ class _RunningArm:
         if code != 0 or not self.result_path.is_file():
             lines = [line for line in stderr.splitlines() if line.strip()]
             errors = [line for line in lines if "error" in line.lower()]
-            why = (errors or lines or [f"exit code {code}"])[-1]
+            why = errors[-1] if errors else ended_without_error(code, self.result_path.is_file())
+            print("\n".join(f"    | {line}" for line in lines[-FAILURE_TAIL_LINES:]), flush=True)
             print(f"    failed: {why}", flush=True)
             return why.removeprefix("fp8stack train: error: ")
         return {**json.loads(self.result_path.read_text()), "ran_between": self.ran_between}

@@ -133,6 +133,8 @@ def test_bf16_compute_under_fully_shard_trains_as_the_unwrapped_fast_path(mesh):
 
 
 def test_fp8_weights_under_fully_shard_gather_fp8_keep_no_high_precision_copy_and_train_as_unwrapped(mesh):
+    gc.collect()
+    earlier = {t.data_ptr() for t in _live_cuda_tensors()}  # what earlier tests in this process left alive
     initial = {name: p.detach().clone() for name, p in assembled().named_parameters()}  # fused layout, FP32
     unwrapped = unwrapped_losses(fp8_weights=True)
     model = assembled(mesh, fp8_weights=True)
@@ -155,7 +157,7 @@ def test_fp8_weights_under_fully_shard_gather_fp8_keep_no_high_precision_copy_an
         if step in (2, 3):
             torch.cuda.synchronize()
             memory[step] = torch.cuda.memory_allocated()
-            resident[step] = high_precision_copies(model, masters, optimizer, fp8)
+            resident[step] = high_precision_copies(model, masters, optimizer, fp8, earlier)
 
     losses = train(model, masters, check_residency)
     assert resident == {2: [], 3: []}, resident
@@ -206,26 +208,29 @@ def assert_fp8_all_gathers(model: nn.Module, fp8: dict[str, DTensor]) -> None:
 
 
 def high_precision_copies(model: nn.Module, masters, optimizer: torch.optim.Optimizer,
-                          fp8: dict[str, DTensor]) -> list[str]:
+                          fp8: dict[str, DTensor], earlier: set[int]) -> list[str]:
     """Live BF16 or FP32 CUDA tensors shaped as an FP8 weight that are not a parameter's shard, a gradient, a master
-    or optimizer state: a high-precision copy of an FP8 weight kept past backward (FSDP2 frees its unsharded
-    parameters after backward, so those have no storage left)."""
+    or optimizer state, nor alive before the test (`earlier`: their data pointers): a high-precision copy of an FP8
+    weight kept past backward (FSDP2 frees its unsharded parameters after backward, so those have no storage left)."""
     states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    known = set()
+    known = set(earlier)
     for tensor in [*model.parameters(), *masters.parameters(), *states,
                    *(p.grad for p in [*model.parameters(), *masters.parameters()])]:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if local is not None and not isinstance(local, QuantizedTensor):
             known.add(local.data_ptr())
     shapes = {tuple(p.shape) for p in fp8.values()}
-    found = []
-    for obj in gc.get_objects():  # compiled graphs of earlier tests leave fake tensors, with symbolic shapes
-        if (isinstance(obj, torch.Tensor) and not isinstance(obj, (DTensor, QuantizedTensor, FakeTensor))
-                and obj.is_cuda and obj.dtype in (torch.bfloat16, torch.float32)
-                and all(isinstance(size, int) for size in obj.shape) and tuple(obj.shape) in shapes
-                and obj.untyped_storage().size() > 0 and obj.data_ptr() not in known):
-            found.append(f"{obj.dtype} {tuple(obj.shape)}")
-    return found
+    return [f"{t.dtype} {tuple(t.shape)}" for t in _live_cuda_tensors()
+            if t.dtype in (torch.bfloat16, torch.float32) and tuple(t.shape) in shapes and t.data_ptr() not in known]
+
+
+def _live_cuda_tensors() -> list[torch.Tensor]:
+    """Plain CUDA tensors with storage that the garbage collector tracks; compiled graphs of earlier tests leave fake
+    tensors, with symbolic shapes, which are skipped."""
+    return [obj for obj in gc.get_objects()
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, (DTensor, QuantizedTensor, FakeTensor))
+            and obj.is_cuda and all(isinstance(size, int) for size in obj.shape)
+            and obj.untyped_storage().size() > 0]
 
 
 def test_fused_wgrad_accumulation_under_fully_shard_is_refused_naming_te(mesh):
