@@ -177,6 +177,8 @@ def _tiny():
     return load_model_config("tiny")
 
 
-def test_fsdp_reshard_after_forward_is_refused_where_fsdp_does_not_run():
-    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward is FSDP2's, and data_parallel is ddp"):
-        from_overrides({"parallelism.data_parallel": "ddp", "parallelism.fsdp_reshard_after_forward": False})
+@pytest.mark.parametrize("field, value", [("fsdp_reshard_after_forward", False),
+                                          ("fsdp_reduce_each_micro_batch", True)])
+def test_fsdp_options_are_refused_where_fsdp_does_not_run(field, value):
+    with pytest.raises(ConfigError, match=f"{field} is FSDP2's, and data_parallel is ddp: drop it or use "):
+        from_overrides({"parallelism.data_parallel": "ddp", f"parallelism.{field}": value})

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
 
 from fp8stack.backends.base import BackendUnavailable
 from fp8stack.config import ConfigError, from_overrides
@@ -223,3 +224,30 @@ def test_fsdp_keeping_gathered_parameters_trains_as_resharding_does():
     resharded = train(from_overrides(one_rank))
     gathered = train(from_overrides({**one_rank, "parallelism.fsdp_reshard_after_forward": False}))
     assert gathered.losses == resharded.losses and gathered.grad_norms == resharded.grad_norms
+
+
+@pytest.mark.parametrize("reduce_each", [False, True])
+def test_fsdp_reducing_each_micro_batch_holds_no_unsharded_gradient_between_them(reduce_each):
+    """--parallelism.fsdp-reduce-each-micro-batch: after a micro-batch but the last, the gradients are already in the
+    sharded FP32 gradients and no unsharded FP32 gradient (4 bytes per parameter of the whole model) waits for the
+    next; without it they wait unsharded (FSDP2 over one rank)."""
+    from fp8stack.train.loop import session
+
+    one_rank = {**RUN, "parallelism.data_parallel_one_rank": True, "training.steps": 2,
+                "parallelism.fsdp_reduce_each_micro_batch": reduce_each}
+    with session(from_overrides(one_rank)) as run:
+        tokens, targets = (t.chunk(run.micro_batches)[0] for t in run.data.batch(0))
+        with run.no_sync(), run.autocast():
+            run.loss_fn(tokens, targets).backward()
+        params = [p for module in run.model.modules() if isinstance(module, FSDPModule)
+                  for p in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        waiting = [p for p in params if p.unsharded_accumulated_grad is not None]
+        reduced = [p for p in params if p.sharded_param.grad is not None]
+        assert (len(waiting), len(reduced)) == ((0, len(params)) if reduce_each else (len(params), 0))
+
+
+def test_fsdp_reducing_each_micro_batch_trains_as_reducing_once_per_step():
+    """The same FP32 sums of the same BF16 micro-batch gradients, so the same losses (FSDP2 over one rank)."""
+    one_rank = {**RUN, "parallelism.data_parallel_one_rank": True, "training.steps": 2}
+    each = train(from_overrides({**one_rank, "parallelism.fsdp_reduce_each_micro_batch": True}))
+    assert each.losses == train(from_overrides(one_rank)).losses

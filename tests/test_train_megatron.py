@@ -109,6 +109,7 @@ def test_llama3_8b_16_layers_maps_onto_megatrons_config_and_plan():
     (["--no-te.cache-fp8-weights"], "does not take te.cache_fp8_weights false"),
     (["--te.local-amax"], "does not take te.local_amax (the plain path's TE scaling state"),
     (["--fsdp-one-rank"], "does not take parallelism.data_parallel_one_rank (fp8stack's data-parallel wrappers)"),
+    (["--parallelism.fsdp-reduce-each-micro-batch"], "does not take parallelism.fsdp_reduce_each_micro_batch (FSDP2)"),
     (["--model", "llama3-8b"], "builds tiny, llama-1b-like, llama-70b-layers, llama3-8b-16-layers, tiny-moe, "
                                "deepseek-moe-small, deepseek-moe-medium, not 'llama3-8b'"),
     (["--fp8-recipe", "rowwise"], "torchao recipe"),

@@ -291,14 +291,22 @@ class ParallelismConfig:
     (true, torch's default: least memory), or keeps them from the forward to the backward and across a step's
     micro-batches, gathering once per step (false: the gathered BF16 copy stays resident, as with DDP's replicas).
     None: torch's default."""
+    fsdp_reduce_each_micro_batch: bool = False
+    """FSDP2 reduce-scatters each micro-batch's gradients into the sharded FP32 gradients (true, as torchtitan does:
+    no unsharded gradient is held between a step's micro-batches, at one reduce-scatter per micro-batch), or
+    accumulates the unsharded gradients in FP32 and reduce-scatters once per step (false: 4 bytes per parameter of
+    the whole model stay resident on every rank through the step)."""
 
     def validate(self) -> None:
         _at_least("parallelism.tensor_parallel", self.tensor_parallel, 1)
         _at_least("parallelism.expert_parallel", self.expert_parallel, 1)
         _choose("parallelism.data_parallel", self.data_parallel, DATA_PARALLEL)
-        if self.fsdp_reshard_after_forward is not None and self.data_parallel != "fsdp":
-            raise ConfigError(f"parallelism.fsdp_reshard_after_forward is FSDP2's, and data_parallel is "
-                              f"{self.data_parallel}: drop it or use --parallelism.data-parallel fsdp")
+        fsdp_only = {"fsdp_reshard_after_forward": self.fsdp_reshard_after_forward is not None,
+                     "fsdp_reduce_each_micro_batch": self.fsdp_reduce_each_micro_batch}
+        for name, given in fsdp_only.items():
+            if given and self.data_parallel != "fsdp":
+                raise ConfigError(f"parallelism.{name} is FSDP2's, and data_parallel is {self.data_parallel}: drop "
+                                  "it or use --parallelism.data-parallel fsdp")
         if self.tensor_parallel > 1 and self.data_parallel == "ddp":
             raise ConfigError("parallelism.data_parallel ddp replicates the whole model, and tensor parallelism shards "
                               "it (its data-parallel ranks run FSDP2 on a 2-D mesh): use --parallelism.data-parallel "
@@ -515,6 +523,7 @@ def _check_megatron(job: JobConfig) -> None:
                   "activation_checkpoint.layers": (job.activation_checkpoint.layers, "fp8stack's recompute"),
                   "parallelism.fsdp_reshard_after_forward": (job.parallelism.fsdp_reshard_after_forward is not None,
                                                              "FSDP2"),
+                  "parallelism.fsdp_reduce_each_micro_batch": (job.parallelism.fsdp_reduce_each_micro_batch, "FSDP2"),
                   "parallelism.data_parallel_one_rank": (job.parallelism.data_parallel_one_rank,
                                                          "fp8stack's data-parallel wrappers"),
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fp8stack.models import Llama
 from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.models.moe import RouterLoad, clear_expert_load, router_statistics, update_expert_bias
-from fp8stack.config import ConfigError, JobConfig, recompute_blocks, to_dict
+from fp8stack.config import ConfigError, JobConfig, ParallelismConfig, recompute_blocks, to_dict
 from fp8stack.plan import Plan, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.plan.recipes import get_recipe, is_fp8
@@ -228,7 +228,7 @@ def session(cfg: JobConfig) -> Iterator[Session]:
         masters = grads = None
         if cfg.model.impl == "torch":
             masters, grads = _optimizer_side(cfg, model, env)
-            no_sync = _no_sync(model, env, masters or grads, cfg.parallelism.fsdp_reshard_after_forward is False)
+            no_sync = _no_sync(model, env, masters or grads, cfg.parallelism)
         if masters is not None:
             clip_fn = functools.partial(_clip, list(masters.parameters()))
             after_step = _then(masters.after_step, after_step)
@@ -478,23 +478,26 @@ def _fsdp_mixed_precision(cfg: JobConfig) -> MixedPrecisionPolicy:
 
 
 def _no_sync(model: torch.nn.Module, env: "_Distributed",
-             averaging: MasterWeights | ShardedMasterWeights | DataParallelGradients | None, keep_gathered: bool
-             ) -> Callable[[], AbstractContextManager]:
-    """The context in which a backward leaves the gradients unreduced (Session.no_sync): FSDP2's
-    set_requires_gradient_sync(False) (keep_gathered: and its parameters gathered for the next micro-batch), DDP's
-    averaging's no_sync(), or nothing to hold back."""
+             averaging: MasterWeights | ShardedMasterWeights | DataParallelGradients | None,
+             parallelism: ParallelismConfig) -> Callable[[], AbstractContextManager]:
+    """The context of a step's micro-batches but the last (Session.no_sync): under FSDP2 their gradients stay
+    unreduced (unless parallelism.fsdp_reduce_each_micro_batch) and, gathering once per step, their gathered
+    parameters stay for the next micro-batch; under DDP the averaging's no_sync(); else nothing to hold back."""
     if env.fsdp_mesh is not None:
-        return functools.partial(_fsdp_gradients_unsynced, model, keep_gathered)
+        return functools.partial(_fsdp_between_micro_batches, model,
+                                 keep_gathered=parallelism.fsdp_reshard_after_forward is False,
+                                 reduce=parallelism.fsdp_reduce_each_micro_batch)
     if env.ddp_mesh is not None:
         return averaging.no_sync
     return nullcontext
 
 
 @contextmanager
-def _fsdp_gradients_unsynced(model: torch.nn.Module, keep_gathered: bool) -> Iterator[None]:
-    """FSDP2 accumulates the unsharded gradients (in its FP32 reduce dtype) without reduce-scattering them; with
-    keep_gathered the gathered parameters also stay for the next micro-batch's forward (no all-gather there)."""
-    model.set_requires_gradient_sync(False)
+def _fsdp_between_micro_batches(model: torch.nn.Module, keep_gathered: bool, reduce: bool) -> Iterator[None]:
+    """Without `reduce`, FSDP2 accumulates the unsharded gradients (in its FP32 reduce dtype) without
+    reduce-scattering them; with keep_gathered the gathered parameters also stay for the next micro-batch's forward
+    (no all-gather there)."""
+    model.set_requires_gradient_sync(reduce)
     model.set_reshard_after_backward(not keep_gathered)
     try:
         yield
