@@ -16,7 +16,7 @@ from fp8stack.plan import (Decision, ModelDescription, Plan, PlanError, PlanWarn
 
 _LAZY = {
     "OrderingError": "fp8stack.assembly", "assemble": "fp8stack.assembly", "describe_assembly": "fp8stack.assembly",
-    "post_optimizer_step_hook": "fp8stack.assembly",
+    "after_checkpoint_load": "fp8stack.assembly", "post_optimizer_step_hook": "fp8stack.assembly",
     "describe_module": "fp8stack.plan.from_module",
     "MasterWeights": "fp8stack.precision",
     "unfused_state_dict": "fp8stack.backends",
@@ -36,5 +36,5 @@ if "torch" in sys.modules:  # a training process: load the backends' libraries b
     import fp8stack.assembly  # noqa: F401
 
 __all__ = ["Decision", "MasterWeights", "ModelDescription", "OrderingError", "Plan", "PlanError", "PlanWarning",
-           "PolicyConfig", "assemble", "describe_assembly", "describe_module", "load_description", "make_plan",
-           "post_optimizer_step_hook", "unfused_state_dict"]
+           "PolicyConfig", "after_checkpoint_load", "assemble", "describe_assembly", "describe_module",
+           "load_description", "make_plan", "post_optimizer_step_hook", "unfused_state_dict"]

@@ -41,7 +41,7 @@ from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, ch
 
 __all__ = ["STAGES", "AssemblyState", "AssemblyWarning", "OrderingError", "ShardAs", "TensorParallelPlan", "apply_ac",
            "apply_compile", "apply_fp8", "apply_fsdp", "apply_tp", "assemble", "assembly_state", "describe_assembly",
-           "post_optimizer_step_hook"]
+           "after_checkpoint_load", "post_optimizer_step_hook"]
 
 for _backend in available_backends():  # before any model runs: TE must load its cuDNN before torch loads its own
     _backend.prepare_process()
@@ -432,6 +432,16 @@ def post_optimizer_step_hook(model: nn.Module) -> Callable[..., None]:
 
 def _do_nothing(*_optimizer_hook_args) -> None:
     """The post-step hook of a model with nothing that changed weights invalidate."""
+
+
+def after_checkpoint_load(model: nn.Module) -> None:
+    """Call once a checkpoint's state is loaded into the assembled `model` (torch.distributed.checkpoint or
+    load_state_dict in your own loop; fp8stack's trainer calls it), before its next forward: each backend rebuilds what
+    its modules keep outside the model from the restored state (TE delayed scaling's amax registry, without which a
+    resumed FSDP2 run parts from the uninterrupted one at its second step). Nothing to do for a model fp8stack did
+    not assemble."""
+    for backend in assembly_state(model).backends:
+        backend.after_checkpoint_load(model)
 
 
 def _add_note(model: nn.Module, backend: str, note: str) -> None:

@@ -18,9 +18,9 @@ from torchao.float8.float8_linear import Float8Linear
 from fp8stack.models import load_model_config
 import fp8stack
 from fp8stack import OrderingError, PolicyConfig, assemble, load_description, make_plan
-from fp8stack.assembly import (AssemblyState, AssemblyWarning, _with_parallel_options, apply_ac, apply_compile,
-                               apply_fp8, apply_fsdp, apply_tp, assembly_state, post_optimizer_step_hook)
-from fp8stack.backends import BackendUnavailable
+from fp8stack.assembly import (AssemblyState, AssemblyWarning, _with_parallel_options, after_checkpoint_load, apply_ac,
+                               apply_compile, apply_fp8, apply_fsdp, apply_tp, assembly_state, post_optimizer_step_hook)
+from fp8stack.backends import Backend, BackendUnavailable
 from fp8stack.backends.bf16 import BF16Backend
 from fp8stack.models import Llama
 from fp8stack.models.llama import tensor_parallel_plan
@@ -48,6 +48,7 @@ def batch() -> torch.Tensor:
 
 def test_exported_from_the_package():
     assert fp8stack.OrderingError is OrderingError and fp8stack.assemble is assemble
+    assert fp8stack.after_checkpoint_load is after_checkpoint_load and "after_checkpoint_load" in fp8stack.__all__
 
 
 # --- the stamps ----------------------------------------------------------------------------------
@@ -335,6 +336,23 @@ def test_the_hook_does_nothing_when_precompute_is_not_asked(model, mesh):
     hook()
     assert hook.__name__ == "_do_nothing"
     assert all(w._precomputed_scale is None for w in _float8_weights(model))
+
+
+# --- after a checkpoint load --------------------------------------------------------------------
+
+def test_after_checkpoint_load_asks_each_backend_of_the_assembly_once(model, mesh, monkeypatch):
+    model = assemble(model, tiny_plan(), compile=True, fsdp_mesh=mesh)  # the state is found on the sharded root
+    asked = []
+    monkeypatch.setattr(Backend, "after_checkpoint_load", lambda backend, m: asked.append((backend.name, m)))
+    after_checkpoint_load(model)
+    assert asked == [("torchao", model), ("bf16", model)]
+
+
+def test_after_checkpoint_load_asks_no_backend_of_a_model_fp8stack_did_not_assemble(model, monkeypatch):
+    asked = []
+    monkeypatch.setattr(Backend, "after_checkpoint_load", lambda backend, m: asked.append(backend.name))
+    after_checkpoint_load(model)
+    assert asked == [] and assembly_state(model).stages == []
 
 
 def test_a_plan_made_for_other_shapes_is_refused_before_any_module_changes():

@@ -6,10 +6,14 @@ import pytest
 import torch
 from torch import nn
 
+from fp8stack.assembly import assemble, assembly_state
+from fp8stack.backends import Backend
 from fp8stack.models import Llama
-from fp8stack.plan import Plan, PlanError
+from fp8stack.plan import Component, Decision, Plan, PlanError
+from fp8stack.plan.recipes import BF16
 from fp8stack.precision import MasterWeights
 from fp8stack.train import checkpoint
+from fp8stack.train.dcp_json import WeightsOnlyLoadPlanner
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.command import main as train_main
 from fp8stack.train.data import SPLITS, TextData, load_split, source_files, source_roots, split_of, stdlib_root
@@ -247,28 +251,46 @@ def test_checkpoint_keeps_module_extra_state(tmp_path):
     assert checkpoint.latest(tmp_path) == path
 
 
-class _RegisteredScalingState(_ScalingState):
-    """A _ScalingState that, as fp8stack's TE modules register their restored FP8 state with TE in
-    after_checkpoint_load, records the extra states it held each time the hook ran."""
+class _CountedScalingState(_ScalingState):
+    """A _ScalingState counting the extra states loaded into it."""
 
     def __init__(self):
         super().__init__()
         self.loads = 0
-        self.registered = []
 
     def set_extra_state(self, state: torch.Tensor) -> None:
         super().set_extra_state(state)
         self.loads += 1
 
-    def after_checkpoint_load(self) -> None:
-        self.registered.append((self.loads, self.history))
+
+class _RestoringBackend(Backend):
+    """A backend whose modules keep state outside the model, as TE keeps its amax registry: records, each time
+    after_checkpoint_load runs, the model it got and what the model's _CountedScalingState held then."""
+
+    name = "restoring"
+
+    def __init__(self):
+        self.calls = []
+
+    def after_checkpoint_load(self, model: nn.Module) -> None:
+        self.calls.append((model, model[1].loads, model[1].history))
+
+
+def _assembled_with(*backends: Backend) -> nn.Sequential:
+    """A linear and a _CountedScalingState, assembled by a plan keeping the linear in BF16, `backends` among the
+    backends of its assembly."""
+    decision = Decision(Component("0", "linear", 4, 4), BF16, BF16, "test")
+    model = assemble(nn.Sequential(nn.Linear(4, 4), _CountedScalingState()),
+                     Plan(model="test", recipe=BF16, fp8_format="hybrid", arch=90, decisions=(decision,)))
+    assembly_state(model).backends.extend(backends)
+    return model
 
 
 @pytest.mark.parametrize("with_masters", [False, True], ids=["parameters", "masters"])
-def test_load_calls_each_modules_hook_once_after_its_extra_state_is_in_place(with_masters, tmp_path):
-    """Without masters the extra states load twice (before the tensors, and again in set_state_dict): the hook runs
-    once, after the last, on modules of the model (the masters hold none)."""
-    model = nn.Sequential(nn.Linear(4, 4), _RegisteredScalingState())
+def test_load_calls_each_backends_hook_once_after_the_extra_states_are_in_place(with_masters, tmp_path):
+    """Without masters the extra states load twice (before the tensors, and again in set_state_dict): each backend's
+    after_checkpoint_load runs once, after the last, with the model (the masters hold no extra state)."""
+    model = _assembled_with()
     masters = MasterWeights(model) if with_masters else None
     optimizer = torch.optim.AdamW((masters or model).parameters())
     model[0](torch.ones(2, 4, dtype=model[0].weight.dtype)).float().sum().backward()
@@ -276,13 +298,59 @@ def test_load_calls_each_modules_hook_once_after_its_extra_state_is_in_place(wit
     model[1].history = [3.0, 1.5]
     path = checkpoint.save(tmp_path, 1, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
                            data_position=0, masters=masters.module if masters else None)
-    fresh = nn.Sequential(nn.Linear(4, 4), _RegisteredScalingState())
+    restoring = [_RestoringBackend(), _RestoringBackend()]
+    fresh = _assembled_with(*restoring)
     fresh_masters = MasterWeights(fresh) if with_masters else None
     fresh_optimizer = torch.optim.AdamW((fresh_masters or fresh).parameters())
     checkpoint.load(path, fresh, fresh_optimizer, torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0),
                     masters=fresh_masters.module if fresh_masters else None)
-    assert fresh[1].registered == [(fresh[1].loads, [3.0, 1.5])]
     assert fresh[1].loads == (1 if with_masters else 2)
+    for backend in restoring:
+        assert backend.calls == [(fresh, fresh[1].loads, [3.0, 1.5])]
+
+
+class _StateDictLayout:
+    """A checkpoint.TensorLayout laying out the module's tensors as its state_dict names them (no optimizer)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def _tensors(self) -> dict:
+        return {k: v for k, v in self.module.state_dict().items() if not k.endswith(checkpoint.EXTRA_STATE_SUFFIX)}
+
+    def save_items(self):
+        return {"model": self._tensors()}, {}, None
+
+    def load_items(self):
+        items = {"model": self._tensors()}
+        return items, WeightsOnlyLoadPlanner(), lambda _plain: self.module.load_state_dict(items["model"], strict=False)
+
+
+def test_a_laid_out_load_calls_the_backends_hook_once_after_the_extra_states_are_in_place(tmp_path):
+    model = _assembled_with()
+    model[1].history = [2.0, 0.5]
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = checkpoint.save(tmp_path, 1, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                           data_position=0, layout=_StateDictLayout(model))
+    restoring = _RestoringBackend()
+    fresh = _assembled_with(restoring)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    checkpoint.load(path, fresh, fresh_optimizer, torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0),
+                    layout=_StateDictLayout(fresh))
+    assert restoring.calls == [(fresh, 1, [2.0, 0.5])]
+    assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_load_asks_no_backend_of_a_model_fp8stack_did_not_assemble(monkeypatch, tmp_path):
+    """A plain model keeps nothing outside itself that a backend would rebuild: loading it asks no backend."""
+    asked = []
+    monkeypatch.setattr(Backend, "after_checkpoint_load", lambda backend, model: asked.append(backend.name))
+    for step, model in enumerate((nn.Sequential(nn.Linear(4, 4), _CountedScalingState()), _assembled_with())):
+        optimizer = torch.optim.AdamW(model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        path = checkpoint.save(tmp_path, step, model, optimizer, scheduler, data_position=0)
+        checkpoint.load(path, model, optimizer, scheduler)
+    assert asked == [BF16]  # the assembled model's one backend, the plain model's none
 
 
 @pytest.mark.parametrize("flags, recompute, modules", [

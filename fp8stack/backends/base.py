@@ -1,6 +1,6 @@
 """The backend protocol: every FP8 (or BF16) implementation offers availability, conversion and the lifecycle its
-converted modules need (what runs after an optimizer step, master weights' initial values and gradient buffers,
-tensor-parallel styles, what must load early), so that callers never import a backend's internals."""
+converted modules need (what runs after an optimizer step or a checkpoint load, master weights' initial values and
+gradient buffers, tensor-parallel styles, what must load early), so that callers never import a backend's internals."""
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +85,12 @@ class Backend:
     def after_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
         """What must run after every optimizer step for the modules it converted in `model`; None: nothing."""
         return None
+
+    def after_checkpoint_load(self, model: nn.Module) -> None:
+        """Rebuild what the modules it converted in `model` keep outside the model from the state a checkpoint put in
+        them (TE's amax registry from their restored delayed-scaling state). Callers call it once a checkpoint's
+        tensors and extra states are all loaded into `model`, before its next forward (fp8stack.after_checkpoint_load
+        does, for every backend of an assembled model)."""
 
     def take_master_values(self, model: nn.Module) -> dict[int, torch.Tensor]:
         """id(parameter) -> the FP32 values of each parameter it holds in low precision only (FP8 weights), the

@@ -289,6 +289,14 @@ class TEBackend(Backend):
         return True, ("fuse_wgrad_accumulation (auto): on; the weight-gradient GEMMs of {count} TE weight(s) accumulate "
                       "into FP32 main_grad buffers, which are the weights' .grad")
 
+    def after_checkpoint_load(self, model: nn.Module) -> None:
+        """Its delayed-scaling modules in `model` join TE's amax registry with their restored state now, as in the
+        uninterrupted process, not at their first forward (te_modules._WeightCache.register_restored_scaling_state
+        says why)."""
+        from fp8stack.backends import te_modules
+
+        te_modules.register_restored_scaling_states(model)
+
     def take_master_values(self, model: nn.Module) -> dict[int, torch.Tensor]:
         """The FP32 values each weight held in FP8 only (fp8_weights) was quantized from, on the CPU: TE keeps them
         from the module's construction (preserve_high_precision_init_val) and frees its copy here."""

@@ -78,9 +78,9 @@ class _WeightCache:
         with te.autocast(enabled=self.autocast_recipe is not None, recipe=self.autocast_recipe):
             return run(*args, **kwargs)
 
-    def after_checkpoint_load(self) -> None:
-        """fp8stack.train.checkpoint.load's hook: register the TE modules' restored delayed-scaling state in TE's amax
-        registry (FP8GlobalStateManager's global buffers) now, as the uninterrupted process has it, not at their first
+    def register_restored_scaling_state(self) -> None:
+        """Once a checkpoint is loaded: register the TE modules' restored delayed-scaling state in TE's amax registry
+        (FP8GlobalStateManager's global buffers) now, as the uninterrupted process has it, not at their first
         forward. Each autocast exit updates the scales of every registered module from its pending amaxes, and a
         checkpoint can hold pending forward amaxes: under fully_shard TE's backward casts a high-precision weight
         again with its forward quantizer (TE issue #2681), recording the weight's amax. The uninterrupted process
@@ -95,6 +95,14 @@ class _WeightCache:
             for module in restored:
                 module.init_fp8_metadata(num_gemms=module.fp8_meta["num_gemms"])
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(module.fp8_meta)
+
+
+def register_restored_scaling_states(model: nn.Module) -> None:
+    """Each module this file builds (a _WeightCache) in `model` registers its restored delayed-scaling state with TE,
+    once a checkpoint is loaded (TEBackend.after_checkpoint_load)."""
+    for module in model.modules():
+        if isinstance(module, _WeightCache):
+            module.register_restored_scaling_state()
 
 
 class _OwnAutocast(_WeightCache):

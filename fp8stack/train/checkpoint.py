@@ -18,7 +18,8 @@ files are read weights-only. TE unpickles its own DelayedScaling state, and TE r
 NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; load() sets that variable to 1 only when the caller says
 the checkpoint is trusted and to 0 otherwise, so TE refuses it (UntrustedCheckpointError).
 A checkpoint is written under a temporary name and renamed when complete, so `latest()` never
-picks a half-written one. Once everything is in place, load() calls each module's LOADED_HOOK method, if it has one.
+picks a half-written one. Once everything is in place, load() calls fp8stack.after_checkpoint_load(model), as a
+user's own loop resuming with DCP would, so that the backends rebuild what their modules keep outside the model.
 """
 
 import json
@@ -51,10 +52,6 @@ RUN_FILE = "run.json"
 TE_TRUSTED_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 """TE's opt-in to unpickle DelayedScaling extra state (amax histories, scales); without it TE refuses
 to load them."""
-LOADED_HOOK = "after_checkpoint_load"
-"""The method (no arguments) load() calls on every module that has one, once the model's tensors and extra states are
-in place: for state outside the model that a resumed process must rebuild from them (fp8stack's TE modules register
-their restored delayed-scaling state with TE, fp8stack.backends.te_modules)."""
 TRUST_FIX = "pass --trust-checkpoint (checkpoint.load(..., trusted=True)) if you wrote this checkpoint yourself"
 
 
@@ -154,13 +151,15 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     them, unless allow_run_changes. layout: as save's (the checkpoint must have been saved with one). Everything is
     read and checked before the model is touched, except that a tensor file found corrupt while loading, or FP8
     state TE refuses, leaves the model partly loaded."""
+    from fp8stack.assembly import after_checkpoint_load  # here: the assembly loads every backend, preflight need not
+
     path = Path(path)
     if run is not None:
         check_run(path, run, allow_run_changes)
     saved, reader = _read_files(path)
     if layout is not None:
         _load_laid_out(path, layout, saved, reader, trusted)
-        _call_loaded_hooks(layout.module)
+        after_checkpoint_load(layout.module)
         scheduler.load_state_dict(saved["scheduler"])
         _set_rng_state(saved["rng"])
         return Resumed(step=saved["step"], data_position=saved["data_position"])
@@ -184,7 +183,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if incompatible.missing_keys or incompatible.unexpected_keys:
         raise CheckpointMismatchError(f"{path} does not fit this model: missing {incompatible.missing_keys}, "
                                       f"unexpected {incompatible.unexpected_keys}; resume with the same model and plan")
-    _call_loaded_hooks(model)  # after set_state_dict, which loads the extra states a second time without masters
+    after_checkpoint_load(model)  # after set_state_dict, which loads the extra states a second time without masters
     scheduler.load_state_dict(saved["scheduler"])
     _set_rng_state(saved["rng"])
     return Resumed(step=saved["step"], data_position=saved["data_position"])
@@ -319,14 +318,6 @@ def _load_extra_state(path: Path, model: nn.Module, extra: dict) -> None:
             raise
         raise UntrustedCheckpointError(f"{path} holds TransformerEngine FP8 scaling state that TE reads by "
                                        f"unpickling, which can run code: {TRUST_FIX}") from None
-
-
-def _call_loaded_hooks(model: nn.Module) -> None:
-    """Each module's LOADED_HOOK, where it has one."""
-    for module in model.modules():
-        hook = getattr(module, LOADED_HOOK, None)
-        if callable(hook):
-            hook()
 
 
 def _load_tensors(path: Path, state: dict, reader: JsonMetadataReader, planner: LoadPlanner | None = None) -> None:

@@ -70,7 +70,8 @@ def test_resume_under_a_data_parallel_wrapper_is_bit_identical(wrapper, param_dt
     """fsdp-fp32: the sharded FP32 parameters are the optimizer's (no masters), the layout under which
     test_resume_restores_bf16_moments_bit_for_bit[fsdp] parted at the second resumed step; here with FP32 moments.
     fsdp-fp32 and fsdp-bf16 gather high-precision weights, which TE casts again in backward, leaving their amaxes
-    pending in the checkpoint (te_modules._WeightCache.after_checkpoint_load)."""
+    pending in the checkpoint (checkpoint.load calls fp8stack.after_checkpoint_load, whose TE backend registers them:
+    te_modules._WeightCache.register_restored_scaling_state)."""
     settings = {**SETTINGS, **wrapper, "training.param_dtype": param_dtype, "checkpoint.dir": str(tmp_path)}
     with session(from_overrides(settings)) as run:
         assert isinstance(run.masters, masters)
