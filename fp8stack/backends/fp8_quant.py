@@ -114,14 +114,6 @@ def pad_quantize_both_1x128(x: torch.Tensor, alignment: int) -> tuple[Fp8Tensor,
     return quantize_1x128(padded), quantize_1x128(padded.t())
 
 
-@fused()
-def zero_rows_past_groups(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """y [T, C] with the rows from offsets[-1] on zeroed (a GEMM wrote nothing, or anything, there): a pointwise
-    select that reads y once, where an unpadding gather reads it row by row through an index."""
-    rows = torch.arange(y.shape[0], device=y.device)
-    return torch.where((rows < offsets[-1]).unsqueeze(1), y, 0)
-
-
 @fused(dynamic_dims=())
 def quantize_blocks_128x128(w: torch.Tensor) -> Fp8Tensor:
     """quantize_128x128(w) of the whole [E, N, K] weight."""
