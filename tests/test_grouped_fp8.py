@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fp8stack.models import load_model_config
 from fp8stack.backends import get_backend
 from fp8stack.backends import BackendUnavailable
-from fp8stack.backends.blockwise import (BLOCK, FP8, FP8_MAX, Fp8Tensor, dequantize_1x128,
+from fp8stack.backends.blockwise import (BLOCK, FP8, FP8_MAX, Fp8Tensor, cast_to_fp8, decode_scale, dequantize_1x128,
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices
@@ -784,7 +784,7 @@ def test_aligned_token_group_quantization_equals_the_reference():
 
 def test_compiled_quantizers_equal_eager_bit_for_bit_without_recompiling(tmp_path, monkeypatch):
     """What runs on CUDA is the same Python compiled by inductor; here on CPU. Max and abs are exact and
-    inductor keeps x / scale a correctly rounded division (div_rn in Triton), so the FP8 bits match.
+    inductor keeps divisions and products correctly rounded (div_rn in Triton), so the FP8 bits match.
     A second row count reuses the compiled graph (the token dim is dynamic). No compiled graph is stored
     on disk for another process to reuse with kernels tuned for other sizes."""
     from torch._dynamo.utils import counters
@@ -1126,6 +1126,63 @@ def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
 
 # ---- quantizer te: TE's Float8BlockQuantizer for the activations and gradients -----------------------------
 
+def te_kernel_1x128(x: torch.Tensor) -> Fp8Tensor:
+    """TE 2.20's 1x128 block quantization of x [R, K] (block_scaled_1d_cast_transpose_kernel, Step 2, in
+    common/transpose/quantize_transpose_vector_blockwise.cu; compute_scale_from_amax in common/recipe/recipe_common.cuh;
+    amax_epsilon 0, force_pow_2_scales off), each FP32 operation computed in FP64, where it is exact or rounds
+    innocuously, and rounded to FP32 once, as IEEE FP32 arithmetic rounds it: scale = 448 / amax (1 for amax 0, inf or
+    NaN; the input dtype's largest finite value where the quotient overflows), codes E4M3(x * scale), saturated
+    (cvt.rn.satfinite), scale_inv = (float)(1.0 / (double)scale). NaN elements aside (the kernel's fmaxf skips them)."""
+    rows, k = x.shape
+    tiles = x.double().unflatten(-1, (k // BLOCK, BLOCK))
+    amax = tiles.abs().amax(dim=-1)
+    quotient = (torch.full_like(amax, FP8_MAX) / amax).float()
+    scale = torch.where((amax > 0) & amax.isfinite(), quotient, torch.ones_like(quotient))
+    scale = torch.where(scale.isinf(), torch.finfo(x.dtype).max, scale)
+    product = (tiles * scale.double().unsqueeze(-1)).float()  # 8 or 24 bits times 24: exact in FP64
+    codes = product.clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2).contiguous()
+    return Fp8Tensor(codes, (torch.ones_like(amax) / scale.double()).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_1x128_quantization_is_te_kernel_arithmetic_bit_for_bit(dtype):
+    """quantize_1x128, eager and compiled by inductor, writes TE's kernel's codes and scales bit for bit: on data
+    spanning 6 decades, an all-zero tile (scale 1), a subnormal tile (for BF16 and FP32 inputs 448 / amax overflows
+    FP32: the input dtype's largest value), an infinite element (scale 1, saturated codes)."""
+    x = (torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 1024)).to(dtype)
+    x[0, :128] = 0
+    x[1, :128] = torch.finfo(dtype).tiny / 4
+    x[2, 5] = float("inf")
+    expected = te_kernel_1x128(x)
+    assert expected.scale[0, 0] == 1 and expected.scale[2, 0] == 1
+    if dtype != torch.float16:
+        assert expected.scale[1, 0] == torch.tensor(1 / torch.finfo(dtype).max).float()
+    for got in (quantize_1x128(x), fp8_quant.quantize_rows_1x128.compiled(x)):
+        assert _bits(got) == _bits(expected)
+
+
+def test_dividing_by_the_decode_scale_rounds_bf16_ties_the_other_way():
+    """Why quantize_1x128 follows TE's arithmetic. x / (amax / 448), dividing by the decode scale, and TE's
+    x * (448 / amax) each round x * 448 / amax once more in FP32 before the E4M3 cast: they part where that value is
+    an exact tie between two E4M3 codes, each landing on a side of its own. BF16's 8-bit significands make such ties
+    common (448 = 7 x 2^6): ~0.03% of the codes, 1 code apart, in a few % of the tiles, each tile's the same way.
+    Enough for ~0.5% differences in an expert block whose second GEMM re-quantizes them (6.5e-3 between the two
+    quantizers' MoE layers on an H200)."""
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()
+    te = te_kernel_1x128(x)
+    tiles = x.float().unflatten(-1, (8, BLOCK))
+    divided = cast_to_fp8(tiles, decode_scale(tiles.abs().amax(dim=-1)).unsqueeze(-1)).flatten(-2)
+    differ = te.data.view(torch.uint8) != divided.view(torch.uint8)
+    assert 1e-4 < differ.float().mean() < 1e-3
+    assert (te.data.view(torch.uint8)[differ].int() - divided.view(torch.uint8)[differ].int()).abs().max() == 1
+    exact = x.double() * FP8_MAX / tiles.abs().amax(dim=-1).double().repeat_interleave(BLOCK, dim=-1)
+    midpoints = (te.data[differ].double() + divided[differ].double()) / 2
+    assert torch.equal(exact[differ], midpoints)  # ties, all of them
+    away = (te.data.float().abs() - divided.float().abs()).unflatten(-1, (8, BLOCK))
+    assert not ((away > 0).any(dim=-1) & (away < 0).any(dim=-1)).any()  # a tile's flips all go one way
+    assert _bits(quantize_1x128(x)) == _bits(te)
+
+
 def _te_scale_layout(scale: torch.Tensor) -> torch.Tensor:
     """1x128 scales [A, B] (A rows of B tiles) as TE stores them: [B, A rounded up to 4], A innermost, NaN padding."""
     stored = torch.full((scale.shape[1], -(-scale.shape[0] // 4) * 4), float("nan"))
@@ -1133,11 +1190,11 @@ def _te_scale_layout(scale: torch.Tensor) -> torch.Tensor:
     return stored
 
 
-class ReferenceInTELayout:
-    """The reference quantizer's 1x128 results stored as TE 2.20 documents Float8BlockQuantizer(block_scaling_dim=1)'s
-    storage (its get_scale_shape): rowwise data [R, K] with scales [K/128, R padded to 4], columnwise data x^T [K, R]
-    with scales [R/128, K padded to 4], data as uint8. What te_quant converts for DeepGEMM, so that the conversion
-    and the plumbing run on CPU; TE's own kernel runs in tests/gpu/test_grouped_fp8_gpu.py."""
+class TEKernelInTELayout:
+    """TE's 1x128 kernel's arithmetic (te_kernel_1x128) stored as TE 2.20 lays out Float8BlockQuantizer
+    (block_scaling_dim=1)'s storage (its get_scale_shape): rowwise data [R, K] with scales [K/128, R padded to 4],
+    columnwise data x^T [K, R] with scales [R/128, K padded to 4], data as uint8. What te_quant converts for DeepGEMM,
+    so that the conversion and the plumbing run on CPU; TE's own kernel runs in tests/gpu/test_grouped_fp8_gpu.py."""
 
     internal = False
 
@@ -1148,10 +1205,10 @@ class ReferenceInTELayout:
         stored = SimpleNamespace(_is_2D_scaled=False, _rowwise_data=None, _rowwise_scale_inv=None,
                                  _columnwise_data=None, _columnwise_scale_inv=None)
         if self.rowwise:
-            rows = quantize_1x128(x)
+            rows = te_kernel_1x128(x)
             stored._rowwise_data, stored._rowwise_scale_inv = rows.data.view(torch.uint8), _te_scale_layout(rows.scale)
         if self.columnwise:
-            cols = quantize_1x128(x.t())
+            cols = te_kernel_1x128(x.t())
             stored._columnwise_data = cols.data.view(torch.uint8)
             stored._columnwise_scale_inv = _te_scale_layout(cols.scale)
         return stored
@@ -1161,12 +1218,12 @@ def test_te_storage_converts_to_deepgemm_operands_equal_to_the_reference():
     """TE's layout, converted without a copy: the reference's data and scales, rows' scales MN-major (DeepGEMM's
     TMA-aligned layout as is), columns x^T [K, R] with scales [K, R/128]."""
     x = _problem(counts=[128, 0, 256], k=640)[0] * torch.logspace(-2, 2, 640)
-    rows, cols = deepgemm_operands(ReferenceInTELayout(True, True).quantize(x))
+    rows, cols = deepgemm_operands(TEKernelInTELayout(True, True).quantize(x))
     for got, expected in ((rows, quantize_1x128(x)), (cols, quantize_1x128(x.t()))):
         assert got.data.dtype == FP8 and torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
         assert torch.equal(got.scale, expected.scale)
     assert rows.scale.stride() == (1, 384) and cols.data.shape == (640, 384) and cols.data.is_contiguous()
-    assert deepgemm_operands(ReferenceInTELayout(False, True).quantize(x))[0] is None
+    assert deepgemm_operands(TEKernelInTELayout(False, True).quantize(x))[0] is None
 
 
 @pytest.mark.parametrize("aligned", [False, True], ids=["gathered", "aligned"])
@@ -1182,7 +1239,7 @@ def test_blockwise_on_te_layout_operands_equals_the_inductor_quantizer(aligned, 
     w.requires_grad_(trained != "x")
     grad_y = torch.randn(x.shape[0], w.shape[1])
     runs = []
-    for quantizer in (INDUCTOR_QUANTIZER, TEBlockQuantizer(make=ReferenceInTELayout)):
+    for quantizer in (INDUCTOR_QUANTIZER, TEBlockQuantizer(make=TEKernelInTELayout)):
         leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w)]
         main_grad = torch.full(w.shape, 0.5) if trained == "main_grad" else None
         y = BlockwiseGroupedMM.apply(*leaves, offsets, BLOCKWISE_KERNELS["deepgemm"](), aligned, main_grad, quantizer)
@@ -1204,7 +1261,7 @@ def test_moe_layer_on_te_layout_operands_equals_the_inductor_quantizer(fp8_dispa
     for te in (False, True):
         moe = _moe_on_contracts("deepgemm", fp8_dispatch)
         if te:
-            moe.experts.blockwise_quantizer = TEBlockQuantizer(make=ReferenceInTELayout)
+            moe.experts.blockwise_quantizer = TEBlockQuantizer(make=TEKernelInTELayout)
             assert "quantizer=te" in repr(moe.experts)
             assert copy.deepcopy(moe).experts.blockwise_quantizer is moe.experts.blockwise_quantizer
         x = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(2), requires_grad=True)
