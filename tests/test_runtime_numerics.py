@@ -14,7 +14,7 @@ from torchao.float8.float8_training_tensor import LinearMMConfig
 
 from fp8stack.models import load_model_config
 from fp8stack import PolicyConfig, assemble, load_description, make_plan
-from fp8stack.models import Llama
+from fp8stack.models import GroupedExperts, Llama
 from fp8stack.plan.plan import FP32_STATE
 from fp8stack.runtime import (NonFiniteLossError, check_finite, fp8_stats, load_pin, track_fp8_stats, watch_layers,
                               zero_fp8_weight_grads)
@@ -53,6 +53,35 @@ def test_watch_layers_names_the_first_non_finite_module():
         assert watch.first_nonfinite() == "layers.2.feed_forward.w2"
         watch.clear()
         assert watch.first_nonfinite() is None
+
+
+class ExpertsLeavingNaNPastTheGroups(GroupedExperts):
+    """GroupedExperts whose GEMMs leave NaN in the rows past the last group, as uninitialised memory may hold on a
+    GPU (torch._grouped_mm and grouped_fp8's kernels write none of those rows)."""
+
+    def grouped_mm(self, x, weight, offsets):
+        out = super().grouped_mm(x, weight, offsets)
+        past = (torch.arange(out.shape[0]) >= offsets[-1]).unsqueeze(1)
+        return torch.where(past, float("nan"), out)
+
+
+def test_watch_layers_judges_grouped_experts_by_their_groups_rows():
+    """The experts' rows past their groups are no reader's (MoE gathers its slots' rows): NaN there names no layer,
+    while a non-finite row of a group names the experts module."""
+    model = Llama(load_model_config("tiny-moe"))
+    experts = model.layers[1].moe.experts
+    leaving_nan = ExpertsLeavingNaNPastTheGroups(experts.w13.shape[2], experts.w2.shape[2], experts.num_experts)
+    leaving_nan.load_state_dict(experts.state_dict())
+    model.layers[1].moe.experts = leaving_nan
+    tokens = torch.randint(0, 256, (1, 16))
+    with watch_layers(model) as watch:
+        assert torch.isfinite(model(tokens)).all()
+        assert watch.first_nonfinite() is None
+        watch.clear()
+        with torch.no_grad():
+            leaving_nan.w2[:, 0, 0] = float("inf")
+        model(tokens)
+        assert watch.first_nonfinite() == "layers.1.moe.experts"
 
 
 def test_fp8_stats_of_torchao_layers():

@@ -1,7 +1,7 @@
 """Fused FP8 quantization for grouped_fp8: the eager quantizers of blockwise.py (and the rowwise ones
 here), compiled by inductor into one or two kernels each on CUDA tensors.
 
-Eager, each quantizer is ~7 full passes over its input (float(), pad, abs, amax, div, clamp, to) plus a
+Eager, each quantizer is ~7 full passes over its input (float(), pad, abs, amax, mul, clamp, to) plus a
 strided copy for a transposed operand; compiled, it reads the input once or twice and writes only the
 FP8 data and scales. A `fused` function runs the compiled graph on CUDA tensors (compiled lazily on the
 first CUDA call, once per process and input shape family: the row dim is marked dynamic, so changing
@@ -114,14 +114,6 @@ def pad_quantize_both_1x128(x: torch.Tensor, alignment: int) -> tuple[Fp8Tensor,
     return quantize_1x128(padded), quantize_1x128(padded.t())
 
 
-@fused()
-def zero_rows_past_groups(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """y [T, C] with the rows from offsets[-1] on zeroed (a GEMM wrote nothing, or anything, there): a pointwise
-    select that reads y once, where an unpadding gather reads it row by row through an index."""
-    rows = torch.arange(y.shape[0], device=y.device)
-    return torch.where((rows < offsets[-1]).unsqueeze(1), y, 0)
-
-
 @fused(dynamic_dims=())
 def quantize_blocks_128x128(w: torch.Tensor) -> Fp8Tensor:
     """quantize_128x128(w) of the whole [E, N, K] weight."""
@@ -167,7 +159,7 @@ def _gather_code_rows(codes: torch.Tensor, scale: torch.Tensor,
 def gather_fp8_rows(t: Fp8Tensor, source: torch.Tensor) -> Fp8Tensor:
     """Rows of a 1x128-quantized [T, K] by source (-1: a zero row), data and scales together, 1 byte per element
     moved where a BF16 row copy moves 2. Bit for bit quantize_1x128(gather_rows(x, source)): 1x128 tiles along K
-    never mix rows, and a zero row quantizes to code 0 with scale 1 (decode_scale). The data moves as bytes (one
+    never mix rows, and a zero row quantizes to code 0 with scale 1 (blockwise.encode_scale). The data moves as bytes (one
     kernel on CUDA with the scales)."""
     codes, scale = _gather_code_rows(t.data.view(torch.uint8), t.scale, source)
     return Fp8Tensor(codes.view(t.data.dtype), scale)

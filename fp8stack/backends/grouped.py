@@ -20,8 +20,9 @@ eager quantizer costs ~7 FP32 passes of its input instead):
 - backward: grad -> along N and along T transposed from one read (2TN + 2TN); blockwise dgrad transposes
   the saved FP8 weight (2ENK); rowwise re-quantizes w per K column (2ENK + ENK).
 - GEMMs: FP8 operands (1 byte/element) and BF16 outputs; blockwise per-expert slices copy the output
-  once (2 x 2TN) and wgrad operands once (T(N + K)). y and grad_x pass once more (2 x 2TN, 2 x 2TK): a select
-  zeroing the rows past the last group (aligned groups), or the gather that unpads them.
+  once (2 x 2TN) and wgrad operands once (T(N + K)). Aligned groups hand y and grad_x back as the GEMMs wrote them
+  (rows past the last group unspecified, GroupedExperts' contract; copied where x's rows are not whole tiles, never
+  under MoE); padded groups unpad them by a gather (2 x 2TN, 2 x 2TK).
 - FP8 dispatch (fp8_dispatch; blockwise w13 under MoE, R ~ T * top_k rows, group padding aside): tokens [T, K] -> FP8
   once (2TK + TK) and their FP8 rows gathered (RK + RK), the wgrad operand quantized in the backward from the
   tokens through the index (2RK + RK); the BF16 dispatch instead gathers BF16 rows in the MoE (2RK + 2RK) and
@@ -200,7 +201,7 @@ class TokenGroupPadding(TokenGroups):
         return self.pad(x)
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
+        """[rows, C] -> [T, C]; tokens past the last group get zero rows (the gather's -1 rows, at no cost)."""
         return fp8_quant.gather_rows_fused(y, self.unpad_source)
 
     def quantize_rows_1x128(self, x: torch.Tensor) -> Fp8Tensor:
@@ -226,9 +227,14 @@ class TokenGroupPadding(TokenGroups):
 class AlignedTokenGroups(TokenGroups):
     """Token groups that already start on multiples of the kernels' row alignment (GroupedExperts' contract when its
     group_alignment is a multiple of it): no row moves. The buffer is x itself, with zero rows appended up to a
-    multiple of the alignment inside the quantizer that reads it (a masked load, no copy); no GEMM reads the rows
-    past the last group, and the outputs' such rows are zeroed by a pointwise select. TokenGroupPadding's index
-    gathers, which this skips, ran at ~450 GB/s on an H200. Same operand methods as TokenGroupPadding."""
+    multiple of the alignment inside the quantizer that reads it (a masked load, no copy). No GEMM reads the rows
+    past the last group, nor writes them (DeepGEMM skips their blocks): outputs and input gradients keep there what
+    the kernel left, as GroupedExperts' contract allows (torch._grouped_mm leaves them too), and nothing pays a pass
+    over the output to zero them. Whatever they hold (NaN included) stays in them through the next GEMM: the 1x128
+    tiles along the tokens never mix them with a group's rows (every group ends on a whole tile), and the wgrad GEMMs
+    reduce over the groups' tokens only.
+    TokenGroupPadding's index gathers, which this skips, ran at ~450 GB/s on an H200. Same operand methods as
+    TokenGroupPadding."""
 
     num_tokens: int
     """T, the rows of x."""
@@ -245,8 +251,10 @@ class AlignedTokenGroups(TokenGroups):
         return x.contiguous() if x.shape[0] % self.alignment == 0 else fp8_quant.pad_rows(x, self.alignment)
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        """[rows, C] -> [T, C]; tokens past the last group get zero rows."""
-        return fp8_quant.zero_rows_past_groups(y[:self.num_tokens], self.offsets)
+        """[rows, C] -> [T, C]: y itself where x's rows are whole tiles (the MoE's buffer), else a copy of its first T
+        rows (an autograd Function's output may not be a view: callers may modify it in place). The rows past the last
+        group hold whatever the GEMM left there."""
+        return y if y.shape[0] == self.num_tokens else y[:self.num_tokens].clone()
 
     def quantize_rows_1x128(self, x: torch.Tensor) -> Fp8Tensor:
         return fp8_quant.pad_quantize_rows_1x128(x, self.alignment)
@@ -303,10 +311,11 @@ def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Te
 class BlockwiseGroupedMM(torch.autograd.Function):
     """y = x @ w[e]^T per expert row group, with forward, dgrad and wgrad block-scaled FP8 GEMMs.
     aligned: the caller's groups start on multiples of the kernels' row alignment, so the GEMMs read x and the
-    gradient where they are (AlignedTokenGroups); otherwise the groups are padded on the GPU (a static row count),
-    the padding gathered inside each quantizer (TokenGroupPadding). Each operand is quantized once, whole (1x128
-    tiles never cross an aligned group). Whether the group sizes are read on the host is the kernels' affair (their
-    capturable flags).
+    gradient where they are (AlignedTokenGroups), and the rows of y and of x's gradient past the last group are
+    unspecified (GroupedExperts' contract); otherwise the groups are padded on the GPU (a static row count), the
+    padding gathered inside each quantizer (TokenGroupPadding), and those rows are zero. Each operand is quantized
+    once, whole (1x128 tiles never cross an aligned group). Whether the group sizes are read on the host is the
+    kernels' affair (their capturable flags).
     main_grad: the weight's FP32 gradient buffer, which the wgrad GEMM adds into in place (no weight gradient is
     returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch).
     quantizer: what quantizes x and the output gradient in 1x128 tiles (InductorQuantizer, or TE's)."""
@@ -375,7 +384,8 @@ class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
         grad_rows, grad_w = _blockwise_grads(ctx, grad_y, Fp8Tensor(weight_data, weight_scale), x_t)
         grad_x = None
         if grad_rows is not None:
-            # The BF16 gather's backward: each token's rows summed into it, padding rows into a dropped zero row.
+            # The BF16 gather's backward: each token's rows summed into it, padding rows (those past the last group
+            # included, whatever the GEMM left in them) into a dropped row.
             grad_x = grad_rows.new_zeros(ctx.num_tokens + 1, grad_rows.shape[1]).index_put_(
                 (row_token,), grad_rows, accumulate=True)[:ctx.num_tokens]
         return grad_x, grad_w, None, None, None, None, None
@@ -408,8 +418,9 @@ def _blockwise_grads(ctx, grad_y: torch.Tensor, weight_fp8: Fp8Tensor,
 class RowwiseGroupedMM(torch.autograd.Function):
     """y = x @ w[e]^T per expert row group with rowwise-scaled FP8 grouped GEMMs; wgrad optionally in BF16.
     Token groups start on multiples of 16 rows for every GEMM, as torch's FP8 grouped GEMM is used and tested:
-    where they are when the caller aligned them (`aligned`), else padded by a row gather fused into each quantizer;
-    nothing syncs with the host."""
+    where they are when the caller aligned them (`aligned`; rows of y and of x's gradient past the last group then
+    unspecified, as BlockwiseGroupedMM's), else padded by a row gather fused into each quantizer; nothing syncs with
+    the host."""
 
     @staticmethod
     def forward(ctx, x, weight, offsets, kernels, high_precision_wgrad, aligned=False):

@@ -32,9 +32,10 @@ def load() -> tuple[Callable | None, str]:
     except Exception as err:  # ImportError, or an OSError from its native libraries
         return None, (f"TransformerEngine is not importable ({type(err).__name__}: {err}): {INSTALL_HINT}, or use "
                       "grouped_fp8 quantizer inductor")
-    # Exact scales (amax / 448, as FP32 1 / (448 / amax)), not TE's Float8BlockScaling default of powers of 2: the
-    # operands then match the inductor quantizer and the reference (blockwise.quantize_1x128) up to FP32 rounding of
-    # the scale, so swapping quantizers changes the speed, not the numerics. Hopper's kernel takes either.
+    # Exact scales (448 / amax, stored as FP32 1 / scale), not TE's Float8BlockScaling default of powers of 2:
+    # blockwise.quantize_1x128, which the inductor quantizers compile, follows this kernel's arithmetic, so the
+    # operands are the same bytes and swapping quantizers changes the speed, not the numerics. Hopper's kernel takes
+    # either.
     return functools.partial(Float8BlockQuantizer, tex.DType.kFloat8E4M3, block_scaling_dim=1, amax_epsilon=0.0,
                              force_pow_2_scales=False), ""
 

@@ -104,7 +104,7 @@ def w13_breakdown(args: argparse.Namespace) -> int:
         "transpose w's FP8 blocks": lambda: fp8_quant.transpose_blocks(weight_fp8),
         "quantize grad, rows and columns": lambda: quantizer.quantize_both_1x128(groups, grad),
         "quantize grad, rows and columns, gathered": lambda: quantizer.quantize_both_1x128(padding, grad),
-        "unpad y, zeroing rows past the groups": lambda: groups.unpad(y),
+        "unpad y, aligned groups (the GEMM output as is, no kernel)": lambda: groups.unpad(y),
         "unpad y, gathered": lambda: padding.unpad(y_padded),
     }
     timings = {name: median_ms(fn, [x, w] if name in steps else [], args.iters)

@@ -176,7 +176,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x_sorted [R, D]: rows grouped by expert; offsets int32 [E]: end row of each group
         (cumulative counts, each a multiple of group_alignment). Rows past offsets[-1] are
-        padding: their output is unspecified (torch._grouped_mm leaves them uninitialised)."""
+        padding: their output and their input gradient are unspecified, possibly NaN (torch._grouped_mm and
+        grouped_fp8's kernels leave them uninitialised). MoE reads neither: it gathers its slots' rows, and the
+        padding rows' gradient goes to a dropped row."""
         return self.grouped_mm(self.act(self.grouped_mm(x_sorted, self.w13, offsets)), self.w2, offsets)
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

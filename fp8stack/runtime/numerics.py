@@ -16,6 +16,7 @@ from torch import nn
 from torchao.float8.config import ScalingGranularity
 from torchao.float8.float8_linear import Float8Linear
 
+from fp8stack.models.moe import GroupedExperts
 from fp8stack.runtime.recompute import is_te_module
 
 __all__ = ["E4M3_MAX", "LayerWatch", "NonFiniteLossError", "check_finite", "clear_fp8_stats", "fp8_stats", "load_pin",
@@ -155,17 +156,34 @@ def _floats(out) -> list[torch.Tensor]:
 
 def watch_layers(model: nn.Module) -> LayerWatch:
     """Hook every module of `model`; after a forward, watch.first_nonfinite() names the first module
-    whose output held a NaN or inf. Use as a context manager, or call remove()."""
+    whose output held a NaN or inf. Use as a context manager, or call remove().
+    A GroupedExperts' rows past its last group hold what its kernels left there (possibly NaN; no reader reads them):
+    it is judged by its groups' rows, and the modules inside it (its SwiGLU, which carries those rows) are not
+    hooked."""
     watch = LayerWatch()
+    inside_experts = {name for fqn, module in model.named_modules() if isinstance(module, GroupedExperts)
+                      for name, _ in module.named_modules(prefix=fqn) if name != fqn}
     for fqn, module in model.named_modules():
-        def hook(_module, _args, out, fqn=fqn or "<root>") -> None:
-            tensors = _floats(out)
+        if fqn in inside_experts:
+            continue
+
+        def hook(module, args, kwargs, out, fqn=fqn or "<root>") -> None:
+            if isinstance(module, GroupedExperts):
+                tensors = [_rows_of_groups(out, args[1] if len(args) > 1 else kwargs["offsets"])]
+            else:
+                tensors = _floats(out)
             if tensors:
                 with torch.no_grad():
                     flag = torch.stack([~torch.isfinite(t.detach()).all() for t in tensors]).any()
                 watch.calls.append((fqn, flag))
-        watch.handles.append(module.register_forward_hook(hook))
+        watch.handles.append(module.register_forward_hook(hook, with_kwargs=True))
     return watch
+
+
+def _rows_of_groups(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A GroupedExperts output with its rows past the last group zeroed (a mask on the device: no host read)."""
+    past = torch.arange(out.shape[0], device=out.device) >= offsets[-1]
+    return torch.where(past.unsqueeze(1), 0, out.detach())
 
 
 # --- FP8 statistics ------------------------------------------------------------------------------
