@@ -4,11 +4,10 @@ the FP32 reference the grouped FP8 kernels are tested against.
 Activations (and gradients) are scaled per 1x128 tile along the reduction dim, weights per 128x128
 block; scales are FP32 decode factors (x ~= q * s), data is E4M3. Everything here runs on CPU.
 
-The 1x128 tiles are quantized with TE's block quantizer's arithmetic (`encode_scale`), so that grouped_fp8's TE
-quantizer writes the same bytes: on BF16 inputs, dividing by the decode scale instead rounds 0.03% of the codes the
-other way (exact ties of x * 448 / amax, frequent with 8-bit significands), and an FP8 GEMM re-quantizing a
-downstream activation turns that into ~0.5% output differences (a SwiGLU expert block: 3.5e-3 on CPU, 6.5e-3 on an
-H200).
+The 1x128 tiles are quantized with TE's block quantizer's arithmetic (`encode_scale`, codes E4M3(x * (448 / amax))),
+so that grouped_fp8's TE quantizer and its inductor ones write the same bytes: dividing by the decode scale instead
+rounds exact ties of x * 448 / amax the other way (common on BF16 inputs, whose significands have 8 bits), and an FP8
+GEMM re-quantizing a downstream activation amplifies such differences.
 """
 
 from typing import NamedTuple

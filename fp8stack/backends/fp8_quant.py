@@ -159,8 +159,8 @@ def _gather_code_rows(codes: torch.Tensor, scale: torch.Tensor,
 def gather_fp8_rows(t: Fp8Tensor, source: torch.Tensor) -> Fp8Tensor:
     """Rows of a 1x128-quantized [T, K] by source (-1: a zero row), data and scales together, 1 byte per element
     moved where a BF16 row copy moves 2. Bit for bit quantize_1x128(gather_rows(x, source)): 1x128 tiles along K
-    never mix rows, and a zero row quantizes to code 0 with scale 1 (blockwise.encode_scale). The data moves as bytes (one
-    kernel on CUDA with the scales)."""
+    never mix rows, and a zero row quantizes to code 0 with scale 1 (blockwise.encode_scale). The data moves as bytes
+    (one kernel on CUDA with the scales)."""
     codes, scale = _gather_code_rows(t.data.view(torch.uint8), t.scale, source)
     return Fp8Tensor(codes.view(t.data.dtype), scale)
 
