@@ -2,7 +2,7 @@
 
 import pytest
 
-from fp8stack.models import LlamaConfig, load_model_config
+from fp8stack.models import load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan import load_description
 from fp8stack.config import from_overrides
@@ -48,24 +48,3 @@ def test_300_bf16_steps_of_tiny_on_the_defaults_descend_without_a_spike():
     losses = result.losses
     assert max(losses[1:]) < losses[0], f"step {losses.index(max(losses[1:]))} spiked above the first loss"
     assert losses[-1] < losses[0] / 2
-
-
-@pytest.mark.slow
-def test_at_width_2048_the_defaults_do_not_spike_where_a_fixed_lr_did(monkeypatch):
-    """Two Llama-3-8B-wide-ish layers, 12 steps (the speed A/B's length): the former fixed lr 2e-3 with 4 warm-up
-    steps drove the loss above its first value, as it did on llama-1b-like; the width's defaults descend.
-
-    Sequences of 64 tokens (4 per step) keep the run short: the lr rule reads the width alone. Measured at 64 (seeds
-    0 to 3) and at the former 128: the fixed lr peaks at 1.6x to 2.1x the first loss, the defaults stay 14% to 20%
-    below it and end at 0.54x to 0.63x; with fewer tokens per step (2 x 64, 4 x 32) single batches of the defaults'
-    run come within 9% of the first loss or above it, too noisy to judge."""
-    wide = LlamaConfig(dim=2048, n_layers=2, n_heads=16, n_kv_heads=4, ffn_dim=5632, vocab_size=256, seq_len=64)
-    monkeypatch.setattr("fp8stack.train.model.load_model_config", lambda name: wide)
-    settings = {"model.name": "wide", "precision.recipe": "bf16", "training.device": "cpu", "training.steps": 12,
-                "training.micro_batch": 4, "training.seq_len": 64, "training.eval_batches": 0,
-                "logging.progress": False}
-    runs = {"fixed": train(from_overrides({**settings, "optimizer.lr": 2e-3, "optimizer.warmup": 4})).losses,
-            "defaults": train(from_overrides(settings)).losses}
-    assert max(runs["fixed"][1:]) > runs["fixed"][0]
-    assert max(runs["defaults"][1:]) < runs["defaults"][0]
-    assert runs["defaults"][-1] < runs["defaults"][0] * 0.75
