@@ -128,6 +128,24 @@ def test_the_slowest_device_of_a_path_counts_and_the_fastest_kernels():
     assert measured(90, "rowwise", "grouped_fp8", W13, table) is None
 
 
+def test_te_quantizer_rows_file_as_a_kernel_choice_of_their_own(tmp_path):
+    """A grouped_fp8 row timed with TE's quantizer is its own kernel choice ('deepgemm+te-quantizer'), beside the
+    inductor quantizers' ('deepgemm', also where the row names no quantizer); the plan reads the faster."""
+    shape = {"source": "t", **asdict(TARGET), "gemm": "experts", "backend": "grouped_fp8", "recipe": "blockwise"}
+    evidence = tmp_path / "backends-h200.json"
+    evidence.write_text(json.dumps({"date": "2026-11-28T00:00:00", "environment": {
+        "device": "NVIDIA H200", "compute_capability": "9.0"}, "grouped": [
+        {**shape, "options": {"kernels": "deepgemm", "quantizer": "inductor"}, "speedup_vs_bf16": 0.88},
+        {**shape, "options": {"kernels": "deepgemm", "quantizer": "te"}, "speedup_vs_bf16": 1.09}]}))
+    table = expert_table.build_table([evidence])
+    assert sorted(table["archs"]["sm90"]) == ["blockwise/grouped_fp8:deepgemm",
+                                              "blockwise/grouped_fp8:deepgemm+te-quantizer"]
+    grouped = measured(90, "blockwise", "grouped_fp8", W13, table)
+    assert (grouped.speedup, grouped.kernels) == (1.09, "deepgemm+te-quantizer")
+    assert "with deepgemm+te-quantizer kernels" in grouped.describe()
+    assert expert_table.kernels_label({"kernels": "deepgemm"}) == "deepgemm"
+
+
 # --- the plan's choice at each model's shape ----------------------------------------------------------------
 
 SMALL = ExpertShape(experts=32, dim=2048, hidden=1536, tokens_per_expert=1024)

@@ -1273,7 +1273,7 @@ def test_moe_layer_on_te_layout_operands_equals_the_inductor_quantizer(fp8_dispa
 
 
 def test_quantizer_te_is_refused_before_any_swap_where_it_cannot_run(monkeypatch):
-    with pytest.raises(ValueError, match="quantizer='fast': use one of inductor, te"):
+    with pytest.raises(ValueError, match="quantizer='fast': use one of auto, inductor, te"):
         GroupedFP8Backend(quantizer="fast")
     with pytest.raises(ValueError, match="kernels=torch runs torch's scaled_mm: use kernels deepgemm"):
         GroupedFP8Backend(kernels="torch", quantizer="te")
@@ -1296,6 +1296,31 @@ def test_quantizer_te_is_refused_before_any_swap_where_it_cannot_run(monkeypatch
         GroupedFP8Backend(kernels="deepgemm", quantizer="te")._blockwise_quantizer(BLOCKWISE_KERNELS["deepgemm"](), "")
 
 
+def test_quantizer_auto_takes_te_where_it_runs_and_says_why_not_elsewhere(monkeypatch):
+    """The default quantizer: TE's where the blockwise experts run on DeepGEMM and TE imports, noted with its
+    evidence; else the inductor quantizers, the note naming what is missing; nothing where no expert runs
+    blockwise."""
+    from fp8stack.backends import te_quant
+
+    backend = GroupedFP8Backend()
+    assert backend.quantizer == "auto"
+    assert backend._blockwise_quantizer(None, "") == (INDUCTOR_QUANTIZER, [])
+    torch_kernels = BLOCKWISE_KERNELS["torch"]()
+    quantizer, notes = backend._blockwise_quantizer(torch_kernels, "deep_gemm is not importable (ImportError)")
+    assert quantizer is INDUCTOR_QUANTIZER
+    assert notes == [f"quantizer auto: inductor, since TE's operands are laid out for DeepGEMM, and the blockwise "
+                     f"GEMMs run on {torch_kernels.name} (deep_gemm is not importable (ImportError))"]
+    for module in ("transformer_engine_torch", "transformer_engine.pytorch.tensor.float8_blockwise_tensor"):
+        monkeypatch.setitem(sys.modules, module, None)
+    quantizer, [note] = backend._blockwise_quantizer(BLOCKWISE_KERNELS["deepgemm"](), "")
+    assert quantizer is INDUCTOR_QUANTIZER
+    assert note.startswith("quantizer auto: inductor, since TransformerEngine is not importable")
+    monkeypatch.setattr(te_quant, "load", lambda: (TEKernelInTELayout, ""))
+    quantizer, [note] = backend._blockwise_quantizer(BLOCKWISE_KERNELS["deepgemm"](), "")
+    assert isinstance(quantizer, TEBlockQuantizer) and note.startswith("quantizer auto: the blockwise experts'")
+    assert "experts-breakdown-deepgemm-h200-te-quantizer against" in note
+
+
 def test_quantizer_flows_from_the_command_line_to_the_backend():
     """--grouped-fp8.quantizer te reaches grouped_fp8's constructor through the trainer's backend options; refused
     before the assembly where the plan has no blockwise experts on grouped_fp8, on the Megatron path, and for a
@@ -1305,7 +1330,7 @@ def test_quantizer_flows_from_the_command_line_to_the_backend():
     from fp8stack.train.model import build_model
 
     cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.quantizer", "te")
-    assert cfg.grouped_fp8.quantizer == "te" and _job().grouped_fp8.quantizer == "inductor"
+    assert cfg.grouped_fp8.quantizer == "te" and _job().grouped_fp8.quantizer == "auto"
     plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
     assert _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"] == {"quantizer": "te"}
     cfg = _job("--fp8-recipe", "rowwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.quantizer", "te")
@@ -1313,7 +1338,7 @@ def test_quantizer_flows_from_the_command_line_to_the_backend():
     with pytest.raises(ConfigError, match="runs its experts on grouped_fp8/rowwise: pass --fp8-recipe blockwise "
                                           "--expert-backend grouped_fp8, or drop --grouped-fp8.quantizer"):
         _backend_options(cfg, plan, micro_batches=1)
-    with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.quantizer te \(grouped_fp8's expert "):
+    with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.quantizer \(grouped_fp8's expert "):
         from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.quantizer": "te"})
-    with pytest.raises(ConfigError, match="unknown grouped_fp8.quantizer 'fast': use inductor, te"):
+    with pytest.raises(ConfigError, match="unknown grouped_fp8.quantizer 'fast': use auto, inductor, te"):
         from_overrides({"grouped_fp8.quantizer": "fast"})

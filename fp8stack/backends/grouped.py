@@ -555,10 +555,11 @@ class GroupedFP8Backend(Backend):
     top-k experts (DeepSeek-V3's FP8 dispatch, on one GPU; DispatchedBlockwiseGroupedMM), where the BF16 dispatch
     copies BF16 rows and quantizes every copy. Off until a GPU measures it faster
     (fp8stack.bench.experts_breakdown --moe)."""
-    quantizer: str = "inductor"
+    quantizer: str = "auto"
     """What quantizes the blockwise experts' activations and output gradients in 1x128 tiles, rows and columns:
-    inductor (fp8_quant's compiled quantizers) or te (TE's Float8BlockQuantizer kernel; DeepGEMM's kernels only,
-    te_quant). inductor until a GPU measures te faster (fp8stack.bench.experts_breakdown --quantizer te)."""
+    inductor (fp8_quant's compiled quantizers), te (TE's Float8BlockQuantizer kernel; DeepGEMM's kernels only,
+    te_quant), or auto: te where TE imports and the blockwise GEMMs run on DeepGEMM, else inductor, with the reason
+    in the conversion notes. te is the faster (TE_QUANTIZER_EVIDENCE) and writes the same bytes."""
 
     name = "grouped_fp8"
 
@@ -611,35 +612,42 @@ class GroupedFP8Backend(Backend):
         used = {r for per_module in recipes.values() for r in per_module.values()}
         blockwise_kernels, without_deepgemm = self._blockwise_kernels() if "blockwise" in used else (None, "")
         rowwise_kernels = TorchRowwiseKernels() if used - {"blockwise"} else None
-        quantizer = self._blockwise_quantizer(blockwise_kernels, without_deepgemm)
+        quantizer, quantizer_notes = self._blockwise_quantizer(blockwise_kernels, without_deepgemm)
         dispatch_notes = self._dispatch_notes(recipes)
         for module_fqn, gemm_recipes in recipes.items():
             new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
                                                     blockwise_kernels, rowwise_kernels, self.fp8_dispatch, quantizer)
             model = swap_module(model, module_fqn, new)
-        quantizer_notes = [] if quantizer is INDUCTOR_QUANTIZER else [TE_QUANTIZER_NOTE]
         record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
                                   converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
                                   notes=_notes(plan, blockwise_kernels, rowwise_kernels, without_deepgemm)
                                   + dispatch_notes + quantizer_notes if used else [])
         return model, record
 
-    def _blockwise_quantizer(self, blockwise_kernels, without_deepgemm: str):
-        """The blockwise experts' 1x128 quantizer: INDUCTOR_QUANTIZER, or TE's for quantizer te, which is refused
-        (before any swap) unless the plan runs blockwise experts on DeepGEMM and TE imports."""
-        if self.quantizer == "inductor":
-            return INDUCTOR_QUANTIZER
+    def _blockwise_quantizer(self, blockwise_kernels, without_deepgemm: str) -> tuple[object, list[str]]:
+        """(the blockwise experts' 1x128 quantizer, its conversion notes): INDUCTOR_QUANTIZER, or TE's. Quantizer te
+        is refused (before any swap) unless the plan runs blockwise experts on DeepGEMM and TE imports; auto takes
+        te where it can run and says why not where it cannot."""
+        if self.quantizer == "inductor" or (self.quantizer == "auto" and blockwise_kernels is None):
+            return INDUCTOR_QUANTIZER, []
         if blockwise_kernels is None:
             raise PlanError("grouped_fp8 quantizer=te quantizes blockwise expert GEMMs' operands, and this plan gives "
                             "grouped_fp8 none: plan the experts blockwise (--fp8-recipe blockwise --expert-backend "
                             "grouped_fp8), or use quantizer inductor")
-        if not isinstance(blockwise_kernels, deepgemm.DeepGemmKernels):
-            raise BackendUnavailable(f"grouped_fp8 quantizer=te lays TE's operands out for DeepGEMM, and the blockwise "
-                                     f"GEMMs run on {blockwise_kernels.name} ({without_deepgemm or 'kernels torch'}): "
-                                     "install DeepGEMM, or use quantizer inductor")
         from fp8stack.backends import te_quant
 
-        return te_quant.TEBlockQuantizer()
+        if not isinstance(blockwise_kernels, deepgemm.DeepGemmKernels):
+            why = (f"TE's operands are laid out for DeepGEMM, and the blockwise GEMMs run on {blockwise_kernels.name} "
+                   f"({without_deepgemm or 'kernels torch'})")
+            if self.quantizer == "auto":
+                return INDUCTOR_QUANTIZER, [f"quantizer auto: inductor, since {why}"]
+            raise BackendUnavailable(f"grouped_fp8 quantizer=te: {why}: install DeepGEMM, or use quantizer inductor")
+        make, why = te_quant.load()
+        if make is None:
+            if self.quantizer == "auto":
+                return INDUCTOR_QUANTIZER, [f"quantizer auto: inductor, since {why}"]
+            raise BackendUnavailable(why)
+        return te_quant.TEBlockQuantizer(make), [f"quantizer {self.quantizer}: {TE_QUANTIZER_NOTE}"]
 
     def _dispatch_notes(self, recipes: dict[str, dict[str, str]]) -> list[str]:
         """What fp8_dispatch does to the experts of `recipes` (module -> GEMM -> recipe); a PlanError when it can
@@ -673,9 +681,12 @@ class GroupedFP8Backend(Backend):
         return deepgemm.DeepGemmKernels(library), ""  # kernels deepgemm without it: BackendUnavailable naming why
 
 
-TE_QUANTIZER_NOTE = ("quantizer te: the blockwise experts' activations and output gradients are quantized by TE's "
-                     "Float8BlockQuantizer (1x128, exact scales), rows and columns in one kernel; opt-in, not yet "
-                     "measured against the inductor quantizers")
+TE_QUANTIZER_EVIDENCE = ("profiles/runs/2026-11-28-experts-breakdown-deepgemm-h200-te-quantizer",
+                         "profiles/runs/2026-11-28-experts-breakdown-deepgemm-h200")
+"""The expert block timed with TE's quantizer and with the inductor ones, in one lease (experts_breakdown)."""
+TE_QUANTIZER_NOTE = ("the blockwise experts' activations and output gradients are quantized by TE's "
+                     "Float8BlockQuantizer (1x128, exact scales, the inductor quantizers' bytes), rows and columns in "
+                     "one kernel: the faster quantizer (" + " against ".join(TE_QUANTIZER_EVIDENCE) + ")")
 
 
 def _expert_gemms(model: nn.Module, d: Decision) -> tuple[str, tuple[str, ...]]:

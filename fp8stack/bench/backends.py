@@ -37,7 +37,8 @@ DENSE_VARIANTS: tuple[tuple[str, str], ...] = (
 EXPERT_VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("auto", BF16, {}),
     ("auto", "blockwise", {"kernels": "torch"}),
-    ("auto", "blockwise", {"kernels": "deepgemm"}),
+    ("auto", "blockwise", {"kernels": "deepgemm", "quantizer": "inductor"}),
+    ("auto", "blockwise", {"kernels": "deepgemm", "quantizer": "te"}),
     ("auto", "rowwise", {}),
     ("auto", "rowwise_gw_hp", {}),
     ("te", "tensorwise", {}),

@@ -44,11 +44,18 @@ def rows_of(path: Path) -> list[tuple[str, str, dict]]:
                             "backends-*.json files") from None
     rows = []
     for row, shape in zip(timed, shapes):
-        kernels = row.get("options", {}).get("kernels", "")
+        kernels = kernels_label(row.get("options", {}))
         rows.append((arch, table_key(row["recipe"], row["backend"], kernels),
                      {"speedup": row["speedup_vs_bf16"], "shape": asdict(shape), "device": environment["device"],
                       "date": date[:10], "source": path.as_posix(), "kernels": kernels}))
     return rows
+
+
+def kernels_label(options: dict) -> str:
+    """What a grouped row ran on where the backend has a choice: 'deepgemm', 'torch', 'deepgemm+te-quantizer' (TE's
+    1x128 quantizer; rows without a quantizer option, or with inductor, had fp8stack's), else ''."""
+    quantizer = "+te-quantizer" if options.get("quantizer") == "te" else ""
+    return options.get("kernels", "") + quantizer
 
 
 def build_table(paths: list[Path]) -> dict:

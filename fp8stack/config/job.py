@@ -132,11 +132,12 @@ class GroupedFP8Config:
     operand is quantized in the backward from the tokens). Needs the plan's blockwise experts on grouped_fp8 (recipe
     blockwise, --expert-backend grouped_fp8). Off until a GPU measures it faster: python -m
     fp8stack.bench.experts_breakdown --moe."""
-    quantizer: str = "inductor"
+    quantizer: str = "auto"
     """What quantizes the blockwise expert GEMMs' activations and output gradients in 1x128 tiles, rows and columns:
-    inductor (fp8stack's compiled quantizers) or te (TE's Float8BlockQuantizer kernel, one pass for both forms, exact
-    amax / 448 scales). te needs TransformerEngine, DeepGEMM's expert kernels and the plan's blockwise experts on
-    grouped_fp8. inductor until a GPU measures te faster: python -m fp8stack.bench.experts_breakdown --quantizer te."""
+    inductor (fp8stack's compiled quantizers), te (TE's Float8BlockQuantizer kernel, one pass for both forms, the same
+    bytes; needs TransformerEngine, DeepGEMM's expert kernels and the plan's blockwise experts on grouped_fp8), or
+    auto: te where it can run (measured the faster: python -m fp8stack.bench.experts_breakdown --quantizer te), else
+    inductor, the conversion notes saying why."""
 
     def validate(self) -> None:
         _choose("grouped_fp8.quantizer", self.quantizer, EXPERT_QUANTIZERS)
@@ -529,9 +530,9 @@ def _check_megatron(job: JobConfig) -> None:
                   "torchao.fsdp_float8_all_gather": (job.torchao.fsdp_float8_all_gather, "FSDP2's FP8 all-gather"),
                   "grouped_fp8.fp8_dispatch": (job.grouped_fp8.fp8_dispatch, "the plain MoE's FP8 dispatch (megatron's "
                                                                              "experts are TE GroupedLinear)"),
-                  "grouped_fp8.quantizer te": (job.grouped_fp8.quantizer != "inductor",
-                                               "grouped_fp8's expert quantizer (megatron's experts are TE "
-                                               "GroupedLinear, quantized by TE already)"),
+                  "grouped_fp8.quantizer": (job.grouped_fp8.quantizer != "auto",
+                                            "grouped_fp8's expert quantizer (megatron's experts are TE "
+                                            "GroupedLinear, quantized by TE already)"),
                   "te.local_amax": (job.te.local_amax is not None, "the plain path's TE scaling state (megatron "
                                                                      "reduces amaxes over its own groups)"),
                   "te.cache_fp8_weights false": (not job.te.cache_fp8_weights,

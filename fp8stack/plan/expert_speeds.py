@@ -82,7 +82,8 @@ class Measurement:
     source: str
     """The evidence file it comes from (profiles/runs/<folder>/<file>.json)."""
     kernels: str = ""
-    """The grouped GEMM kernels it ran on where the backend has a choice (deepgemm, torch), else ''."""
+    """The grouped GEMM kernels it ran on where the backend has a choice (deepgemm, torch, deepgemm+te-quantizer:
+    DeepGEMM on TE's quantizer's operands), else ''."""
 
     @classmethod
     def of(cls, row: dict) -> "Measurement":
@@ -117,7 +118,7 @@ def measured(arch: int, recipe: str, backend: str, gemm: ExpertGemm, table: dict
     path is unmeasured there. Read at the path's measured shape nearest the GEMM's (ExpertGemm.distance; its own
     where measured); there, per kernel choice the slowest device counts (the plan holds for every GPU measured), and
     of the kernel choices the fastest, which the backend runs when it can (grouped_fp8 takes DeepGEMM when
-    installed)."""
+    installed, and TE's quantizer with it where TE imports)."""
     rows = (table or load_table())["archs"].get(f"sm{arch}", {})
     prefix = table_key(recipe, backend)
     found = [(key, Measurement.of(m)) for key, devices in rows.items() if key == prefix or key.startswith(prefix + ":")

@@ -162,9 +162,9 @@ scaled_mm per expert; rowwise on torch's scaled grouped GEMM) or TE GroupedLinea
 
 BLOCKWISE_GEMMS = ("te", "deepgemm")
 """Where TE's blockwise (Float8BlockScaling) modules run their GEMMs: cuBLAS, or DeepGEMM's dense kernels."""
-EXPERT_QUANTIZERS = ("inductor", "te")
+EXPERT_QUANTIZERS = ("auto", "inductor", "te")
 """What quantizes grouped_fp8's blockwise expert activations and gradients: fp8stack's inductor-compiled quantizers,
-or TE's Float8BlockQuantizer kernel (DeepGEMM's expert kernels only)."""
+TE's Float8BlockQuantizer kernel (DeepGEMM's expert kernels only), or auto: TE's where it can run."""
 PARAM_DTYPES = ("fp32", "bf16", "fp8")
 """What a training run keeps its parameters in: FP32 (the master weights themselves), BF16 with FP32 masters in the
 optimizer, or BF16 with the TE FP8 linears' weights in FP8 only, FP32 masters in the optimizer

@@ -417,7 +417,7 @@ def _grouped_fp8_options(cfg: JobConfig, plan: Plan) -> dict:
     before the assembly when the plan runs no blockwise expert GEMM on grouped_fp8 (the experts the plan put on TE or
     kept BF16 take no FP8 rows and no quantizer of grouped_fp8's)."""
     options = {**({"fp8_dispatch": True} if cfg.grouped_fp8.fp8_dispatch else {}),
-               **({"quantizer": cfg.grouped_fp8.quantizer} if cfg.grouped_fp8.quantizer != "inductor" else {})}
+               **({"quantizer": cfg.grouped_fp8.quantizer} if cfg.grouped_fp8.quantizer != "auto" else {})}
     if options and not any(get_recipe(d.recipe).fp8_dispatch for d in plan.for_backend("grouped_fp8")):
         expert_paths = sorted({f"{d.backend}/{d.recipe}" for d in plan.decisions if d.component.kind == "expert"})
         flags = " and ".join(f"--grouped-fp8.{name.replace('_', '-')}" for name in options)
