@@ -238,6 +238,16 @@ def test_every_earlier_ab_flag_sets_its_field(flag):
     assert (",".join(got) if isinstance(got, tuple) else str(got)) == value
 
 
+def test_ab_keeps_a_gpu_listed_twice_and_drops_a_recipe_listed_twice():
+    """--gpus 0,0 runs two arms on GPU 0 at once; a repeated recipe is one arm."""
+    from fp8stack.ab.run import ab_config
+    from fp8stack.cli import build_parser
+    from fp8stack.config import parse_args
+
+    ab = ab_config(parse_args(build_parser(), ["ab", "--gpus", "0,0", "1", "--recipes", "delayed,delayed"]))
+    assert ab.gpus == ("0", "0", "1") and ab.recipes == ("delayed",)
+
+
 def test_earlier_ab_and_profile_switches():
     from fp8stack.ab.run import ab_config
     from fp8stack.cli import build_parser

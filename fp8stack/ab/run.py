@@ -65,7 +65,8 @@ class AbConfig:
     nproc: int = 1
     """Processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone."""
     gpus: tuple[str, ...] | None = None
-    """Run the arms side by side, one per listed GPU, in waves (long loss runs; step times then overlap)."""
+    """Run the arms side by side, one per listed GPU, in waves (long loss runs; step times then overlap). A GPU
+    listed twice runs two arms at once (loss runs on a GPU with room for both)."""
     continue_from: str | None = None
     """A partial evidence file of this same A/B (one stopped by a time limit): keep its runs, run the pending ones."""
     out_dir: str = "profiles"
@@ -125,7 +126,8 @@ def ab_config(args: argparse.Namespace) -> AbConfig:
     given = {k.removeprefix("ab."): v for k, v in vars(args).items() if k.startswith("ab.")}
     for name in ("recipes", "param_dtypes", "blockwise_gemms", "attention", "gpus"):
         if name in given:
-            given[name] = tuple(dict.fromkeys(part for item in given[name] for part in comma_separated(item)))
+            parts = [part for item in given[name] for part in comma_separated(item)]
+            given[name] = tuple(parts if name == "gpus" else dict.fromkeys(parts))  # a GPU listed twice runs 2 arms
     return AbConfig(**given)
 
 
