@@ -44,8 +44,10 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def encode_scale(amax: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
     """FP8_MAX / amax in FP32, as TE's block quantizers compute it (compute_scale_from_amax with no epsilon and exact
     scales): 1 where amax is 0, inf or NaN; input_dtype's largest finite value where the quotient overflows."""
-    # A true division: `FP8_MAX / amax` would be reciprocal(amax) * FP8_MAX in torch, rounded twice.
-    scale = torch.where((amax > 0) & torch.isfinite(amax), torch.full_like(amax, FP8_MAX) / amax, 1.0)
+    # A true division, in FP64: `FP8_MAX / amax` would be reciprocal(amax) * FP8_MAX in torch, rounded twice, and
+    # Triton divides FP32 approximately (div.full, 2 ulps); FP64's correctly rounded quotient rounds to FP32's.
+    quotient = (torch.full_like(amax, FP8_MAX, dtype=torch.float64) / amax.double()).to(amax.dtype)
+    scale = torch.where((amax > 0) & torch.isfinite(amax), quotient, 1.0)
     return torch.where(torch.isinf(scale), torch.finfo(input_dtype).max, scale)
 
 

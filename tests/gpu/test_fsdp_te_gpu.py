@@ -133,10 +133,12 @@ def test_bf16_compute_under_fully_shard_trains_as_the_unwrapped_fast_path(mesh):
 
 
 def test_fp8_weights_under_fully_shard_gather_fp8_keep_no_high_precision_copy_and_train_as_unwrapped(mesh):
-    gc.collect()
-    earlier = {t.data_ptr() for t in _live_cuda_tensors()}  # what earlier tests in this process left alive
     initial = {name: p.detach().clone() for name, p in assembled().named_parameters()}  # fused layout, FP32
     unwrapped = unwrapped_losses(fp8_weights=True)
+    # What earlier tests and the unwrapped run left alive cannot be a copy of the sharded model's weights. Known by
+    # identity, held weakly: a copy made later at a freed tensor's address is still counted.
+    gc.collect()
+    earlier = {id(t): weakref.ref(t) for t in _live_cuda_tensors()}
     model = assembled(mesh, fp8_weights=True)
     masters = ShardedMasterWeights(model)
     fp8 = fp8_weights_of(model)
@@ -208,12 +210,12 @@ def assert_fp8_all_gathers(model: nn.Module, fp8: dict[str, DTensor]) -> None:
 
 
 def high_precision_copies(model: nn.Module, masters, optimizer: torch.optim.Optimizer,
-                          fp8: dict[str, DTensor], earlier: set[int]) -> list[str]:
+                          fp8: dict[str, DTensor], earlier: dict[int, weakref.ref]) -> list[str]:
     """Live BF16 or FP32 CUDA tensors shaped as an FP8 weight that are not a parameter's shard, a gradient, a master
-    or optimizer state, nor alive before the test (`earlier`: their data pointers): a high-precision copy of an FP8
+    or optimizer state, nor alive before the sharded model was built (`earlier`): a high-precision copy of an FP8
     weight kept past backward (FSDP2 frees its unsharded parameters after backward, so those have no storage left)."""
     states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    known = set(earlier)
+    known = set()
     for tensor in [*model.parameters(), *masters.parameters(), *states,
                    *(p.grad for p in [*model.parameters(), *masters.parameters()])]:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -221,7 +223,8 @@ def high_precision_copies(model: nn.Module, masters, optimizer: torch.optim.Opti
             known.add(local.data_ptr())
     shapes = {tuple(p.shape) for p in fp8.values()}
     return [f"{t.dtype} {tuple(t.shape)}" for t in _live_cuda_tensors()
-            if t.dtype in (torch.bfloat16, torch.float32) and tuple(t.shape) in shapes and t.data_ptr() not in known]
+            if t.dtype in (torch.bfloat16, torch.float32) and tuple(t.shape) in shapes and t.data_ptr() not in known
+            and not (id(t) in earlier and earlier[id(t)]() is t)]
 
 
 def _live_cuda_tensors() -> list[torch.Tensor]:
