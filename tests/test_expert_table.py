@@ -60,7 +60,7 @@ def test_each_measurement_names_the_evidence_row_it_comes_from(monkeypatch):
                 assert arch == "sm" + record["environment"]["compute_capability"].replace(".", "")
                 recipe, backend = key.split(":")[0].split("/")
                 rows = [r for r in record["grouped"] if r["gemm"] == "experts" and r["recipe"] == recipe
-                        and r["backend"] == backend and r.get("options", {}).get("kernels", "") == m["kernels"]
+                        and r["backend"] == backend and expert_table.kernels_label(r.get("options", {})) == m["kernels"]
                         and all(r[field] == value for field, value in m["shape"].items())]
                 assert [r["speedup_vs_bf16"] for r in rows] == [m["speedup"]], (key, m["source"])
     shapes = [ExpertShape(**shape) for shape in load_table()["shapes"]]
@@ -317,7 +317,7 @@ def expert_decision(recipe: str, **policy):
 
 def test_blockwise_experts_take_the_fastest_path_measured_on_sm90():
     te, grouped = measured(90, "blockwise", "te", W13), measured(90, "blockwise", "grouped_fp8", W13)
-    assert te.speedup > 1 > grouped.speedup  # what the evidence says today; the plan follows it
+    assert te.speedup > grouped.speedup > 1  # what the evidence says today; the plan follows it
     d = expert_decision("blockwise")
     assert (d.backend, d.recipe) == ("te", "blockwise")
     assert f"expert_backend=auto: the fastest blockwise expert path on sm90, {te.describe()}" in d.reason
@@ -339,11 +339,21 @@ def test_a_choice_says_when_the_model_s_experts_are_not_a_measured_shape():
 
 
 def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
-    grouped = measured(90, "blockwise", "grouped_fp8", W13)
-    d = expert_decision("blockwise", expert_backend="grouped_fp8")
+    """deepseek-moe-medium's expert block (16 experts of 4096 -> 4096): every blockwise path measured slower than
+    BF16 there, so its experts stay BF16 unless a backend is named; grouped_fp8's fastest kernels are DeepGEMM on TE's
+    quantizer's operands."""
+    medium_w13 = ExpertGemm(experts=16, n=2 * 4096, k=4096, tokens_per_expert=1024)
+    grouped, te = (measured(90, "blockwise", backend, medium_w13) for backend in ("grouped_fp8", "te"))
+    assert grouped.speedup < 1 and te.speedup < 1  # what the evidence says today
+    plan = make_plan(moe_model(16, 4096, 4096, 4), PolicyConfig(recipe="blockwise", small_gemm_filter="off"))
+    assert (plan.decision("layers.0.moe.experts.w13").backend, plan.decision("layers.0.moe.experts.w13").recipe) \
+        == ("bf16", "bf16")
+    plan = make_plan(moe_model(16, 4096, 4096, 4), PolicyConfig(recipe="blockwise", small_gemm_filter="off",
+                                                                 expert_backend="grouped_fp8"))
+    d = plan.decision("layers.0.moe.experts.w13")
     assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise")
     assert d.reason.endswith(f"expert_backend=grouped_fp8, as asked: {grouped.describe()}")
-    assert grouped.kernels == "deepgemm" and "with deepgemm kernels" in d.reason
+    assert grouped.kernels == "deepgemm+te-quantizer" and "with deepgemm+te-quantizer kernels" in d.reason
 
 
 def test_rowwise_experts_stay_bf16_unless_asked_because_every_path_is_slower():

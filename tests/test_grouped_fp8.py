@@ -1318,7 +1318,7 @@ def test_quantizer_auto_takes_te_where_it_runs_and_says_why_not_elsewhere(monkey
     monkeypatch.setattr(te_quant, "load", lambda: (TEKernelInTELayout, ""))
     quantizer, [note] = backend._blockwise_quantizer(BLOCKWISE_KERNELS["deepgemm"](), "")
     assert isinstance(quantizer, TEBlockQuantizer) and note.startswith("quantizer auto: the blockwise experts'")
-    assert "experts-breakdown-deepgemm-h200-te-quantizer against" in note
+    assert "profiles/runs/2026-11-28-backends-moe-medium-quantizers-h200" in note
 
 
 def test_quantizer_flows_from_the_command_line_to_the_backend():

@@ -681,12 +681,11 @@ class GroupedFP8Backend(Backend):
         return deepgemm.DeepGemmKernels(library), ""  # kernels deepgemm without it: BackendUnavailable naming why
 
 
-TE_QUANTIZER_EVIDENCE = ("profiles/runs/2026-11-28-experts-breakdown-deepgemm-h200-te-quantizer",
-                         "profiles/runs/2026-11-28-experts-breakdown-deepgemm-h200")
-"""The expert block timed with TE's quantizer and with the inductor ones, in one lease (experts_breakdown)."""
+TE_QUANTIZER_EVIDENCE = "profiles/runs/2026-11-28-backends-moe-medium-quantizers-h200"
+"""The expert block timed on both quantizers in one run, at two shapes (fp8stack.bench.backends)."""
 TE_QUANTIZER_NOTE = ("the blockwise experts' activations and output gradients are quantized by TE's "
                      "Float8BlockQuantizer (1x128, exact scales, the inductor quantizers' bytes), rows and columns in "
-                     "one kernel: the faster quantizer (" + " against ".join(TE_QUANTIZER_EVIDENCE) + ")")
+                     f"one kernel: the faster quantizer ({TE_QUANTIZER_EVIDENCE})")
 
 
 def _expert_gemms(model: nn.Module, d: Decision) -> tuple[str, tuple[str, ...]]:
