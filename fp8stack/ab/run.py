@@ -265,7 +265,8 @@ def run_ab(args: argparse.Namespace) -> int:
         train_config = {"job": to_dict(replace(first, precision=replace(first.precision, recipe=BF16))),
                         "ab": {k: v for k, v in to_plain(ab).items()
                                if k not in NOT_THE_AB}}
-        runs, continued_from = (_earlier_runs(Path(ab.continue_from), train_config, recipes, ab.nproc)
+        runs, continued_from = (_earlier_runs(Path(ab.continue_from), train_config, recipes, ab.nproc,
+                                              dense=shape.moe is None)
                                 if ab.continue_from else ({}, []))
         # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
         claim_evidence(stem, ab.out_dir, ab.force or ab.continue_from is not None, suffixes=(".json", ".md", ".png"))
@@ -430,11 +431,16 @@ NOT_THE_AB = ("continue_from", "force", "out_dir", "label", "gpus")
 a continued A/B may change them."""
 
 
-def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
+MOE_ONLY = ("job.grouped_fp8.",)
+"""Configuration that reaches MoE experts only: it cannot change what an A/B of a dense model runs."""
+
+
+def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int, dense: bool = False
                   ) -> tuple[dict[str, dict | str], list[dict]]:
     """(the runs a partial evidence file holds, by arm name, and where they came from) for --continue-from, or
     ValueError when the file is not of this A/B (another configuration, other arms or process count, or written
-    before files kept their runs)."""
+    before files kept their runs). An option the file does not name was added since: it is this A/B's where it keeps
+    its default. A dense model's A/B ignores the MoE-only options."""
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -443,7 +449,10 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
         raise ValueError(f"{path} holds no runs to continue from (written before A/B files kept them): rerun the A/B")
     ours = _leaves(train_config)
     theirs = {k: v for k, v in _leaves(record["train_config"]).items() if k.removeprefix("ab.") not in NOT_THE_AB}
-    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    defaults = _leaves({"job": to_dict(JobConfig()), "ab": to_plain(AbConfig())})
+    added_at_default = {k for k in set(ours) - set(theirs) if k in defaults and ours[k] == defaults[k]}
+    moot = {k for k in set(ours) | set(theirs) if dense and k.startswith(MOE_ONLY)}
+    differ = sorted(k for k in (set(ours) | set(theirs)) - added_at_default - moot if ours.get(k) != theirs.get(k))
     if differ or record.get("recipes") != recipes or record.get("nproc") != nproc:
         what = (f"train_config differs in {', '.join(differ)}" if differ else
                 f"its arms are {record.get('recipes')} on {record.get('nproc')} process(es) each")
