@@ -31,3 +31,4 @@ def test_without_a_gpu_nothing_runs(capsys):
         pytest.skip("this machine has a GPU")
     assert experts_breakdown.main(["--moe"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
+

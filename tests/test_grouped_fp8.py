@@ -1342,3 +1342,28 @@ def test_quantizer_flows_from_the_command_line_to_the_backend():
         from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.quantizer": "te"})
     with pytest.raises(ConfigError, match="unknown grouped_fp8.quantizer 'fast': use auto, inductor, te"):
         from_overrides({"grouped_fp8.quantizer": "fast"})
+
+
+def test_the_breakdown_s_main_grad_steps_add_what_its_plain_steps_return():
+    """fp8stack.bench.experts_breakdown's steps into main_grad (as training runs them) add into the FP32 buffer the
+    weight gradient its plain steps hand autograd: BF16's GEMM, and the blockwise GEMMs' on the same operands."""
+    from fp8stack.bench import experts_breakdown
+
+    torch.manual_seed(0)
+    e, t, d, n = 2, 128, 256, 128
+    x = torch.randn(e * t, d, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(e, n, d) * 0.02).to(torch.bfloat16).requires_grad_()
+    offsets = torch.tensor([t, 2 * t], dtype=torch.int32)
+    grad = torch.randn(e * t, n, dtype=torch.bfloat16)
+    main_grad = torch.zeros(e, n, d)
+    steps = experts_breakdown.w13_steps(x, w, offsets, grad, BLOCKWISE_KERNELS["deepgemm"](), INDUCTOR_QUANTIZER,
+                                        main_grad)
+    for plain, into in (("bf16 step", experts_breakdown.BF16_MAIN_GRAD_STEP),
+                        ("fp8 step", experts_breakdown.FP8_MAIN_GRAD_STEP)):
+        w.grad = None
+        steps[plain]()
+        returned = w.grad.float()
+        main_grad.zero_()
+        w.grad = None
+        steps[into]()
+        assert w.grad is None and torch.allclose(main_grad, returned, rtol=1e-2, atol=1e-3), plain

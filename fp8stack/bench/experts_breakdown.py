@@ -2,9 +2,10 @@
 
 At the MoE target's expert shape (E experts x T tokens, D -> N, the w13 GEMM alone), forward + backward of
 grouped_fp8's BlockwiseGroupedMM on the chosen kernels against torch's BF16 grouped GEMM, on groups the caller
-aligned (what GroupedExperts under MoE hands it: no row moves) and through the padding path's row gathers, then
-each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand flattening its kernel
-needs), the quantizers and unpaddings of both paths, and the aligned step's CUDA kernels by time. Writes
+aligned (what GroupedExperts under MoE hands it: no row moves) and through the padding path's row gathers, both
+steps also with the weight gradient added into an FP32 main_grad (as fp8stack's training runs them), then each part
+alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand flattening its kernel needs), the
+quantizers and unpaddings of both paths, and the main_grad FP8 step's CUDA kernels by time. Writes
 profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te: activations and gradients
 quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on its operands).
 
@@ -26,7 +27,7 @@ from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, B
                                        TokenGroupPadding, TorchBlockwiseKernels)
 from fp8stack.bench.backends import time_steps
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
-from fp8stack.models.moe import MoE, MoEConfig, permute
+from fp8stack.models.moe import GroupedMMIntoMainGrad, MoE, MoEConfig, permute
 
 KERNELS = {"deepgemm": deepgemm.DeepGemmKernels, "torch": TorchBlockwiseKernels}
 QUANTIZERS = {"inductor": lambda: INDUCTOR_QUANTIZER, "te": te_quant.TEBlockQuantizer}
@@ -79,14 +80,8 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     padding = TokenGroupPadding.build(offsets, e * t, kernels.row_alignment)
     gemm_flop = 2 * e * t * d * n
 
-    def fp8_step(aligned: bool):
-        BlockwiseGroupedMM.apply(x, w, offsets, kernels, aligned, None, quantizer).backward(grad)
-
-    def bf16_step():
-        torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad)
-
-    steps = {"bf16 step": bf16_step, "fp8 step": lambda: fp8_step(aligned=True),
-             "fp8 step, groups padded by gathers": lambda: fp8_step(aligned=False)}
+    main_grad = torch.zeros(e, n, d, device="cuda")
+    steps = w13_steps(x, w, offsets, grad, kernels, quantizer, main_grad)
     weight_fp8 = fp8_quant.quantize_blocks_128x128(w.detach())
     # The GEMMs on the quantizer's operands: their scale layout decides whether DeepGEMM transposes the scales first.
     x_rows, x_cols = quantizer.quantize_both_1x128(groups, x.detach())
@@ -113,7 +108,7 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             x.grad = w.grad = None
-            fp8_step(aligned=True)
+            steps[FP8_MAIN_GRAD_STEP]()
         torch.cuda.synchronize()
     kernel_rows = [[e.key[:100], round(e.device_time_total / 3 / 1e3, 4), e.count // 3]
                    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]]
@@ -121,21 +116,44 @@ def w13_breakdown(args: argparse.Namespace) -> int:
             for name, ms in timings.items()]
     ratio = timings["bf16 step"] / timings["fp8 step"]
     gathered_ratio = timings["bf16 step"] / timings["fp8 step, groups padded by gathers"]
+    main_grad_ratio = timings[BF16_MAIN_GRAD_STEP] / timings[FP8_MAIN_GRAD_STEP]
     markdown = (f"Blockwise w13 at E={e} x {t} tokens, {d} -> {n}, kernels {kernels.name}, quantizer "
                 f"{quantizer.name}: forward + backward "
                 f"{ratio:.3f}x the BF16 grouped GEMM's speed on aligned groups (as GroupedExperts under MoE hands "
-                f"them), {gathered_ratio:.3f}x through the padding path's gathers.\n\n"
+                f"them), {gathered_ratio:.3f}x through the padding path's gathers; {main_grad_ratio:.3f}x with the "
+                "weight gradients added into an FP32 main_grad, as fp8stack's training runs both (master weights).\n\n"
                 + markdown_table(["part", "ms", "TF/s"], rows)
-                + "\nCUDA kernels of one FP8 step (mean of 3):\n\n"
+                + f"\nCUDA kernels of one '{FP8_MAIN_GRAD_STEP}' (mean of 3):\n\n"
                 + markdown_table(["kernel", "ms per step", "calls per step"], kernel_rows))
     payload = {"shape": {"experts": e, "tokens_per_expert": t, "dim": d, "out_features": n},
                "kernels": kernels.name, "quantizer": quantizer.name, "iters": args.iters, "ms": timings,
                "fp8_over_bf16": ratio,
                "fp8_gathered_over_bf16": gathered_ratio,
+               "fp8_over_bf16_into_main_grad": main_grad_ratio,
                "kernels_per_step": kernel_rows}
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
     return 0
+
+
+BF16_MAIN_GRAD_STEP = "bf16 step, wgrad into main_grad"
+FP8_MAIN_GRAD_STEP = "fp8 step, wgrad into main_grad"
+
+
+def w13_steps(x, w, offsets, grad, kernels, quantizer, main_grad) -> dict:
+    """The timed forward + backward steps of one grouped GEMM: BF16 and blockwise FP8 (on aligned groups, and through
+    the padding path's gathers), each returning the weight gradient as autograd's, and, as fp8stack's training runs
+    them (master weights), adding it into the FP32 `main_grad` instead (GroupedMMIntoMainGrad; grouped_fp8's wgrad
+    GEMM accumulating in place)."""
+
+    def fp8_step(aligned: bool, into=None):
+        BlockwiseGroupedMM.apply(x, w, offsets, kernels, aligned, into, quantizer).backward(grad)
+
+    return {"bf16 step": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad),
+            "fp8 step": lambda: fp8_step(aligned=True),
+            "fp8 step, groups padded by gathers": lambda: fp8_step(aligned=False),
+            BF16_MAIN_GRAD_STEP: lambda: GroupedMMIntoMainGrad.apply(x, w, offsets, main_grad).backward(grad),
+            FP8_MAIN_GRAD_STEP: lambda: fp8_step(aligned=True, into=main_grad)}
 
 
 def moe_breakdown(args: argparse.Namespace) -> int:
