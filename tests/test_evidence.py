@@ -286,3 +286,25 @@ def test_te_gemms_refuses_cpu(tmp_path, capsys):
 
     assert te_gemms.main(["--out", str(tmp_path)]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+def test_expert_blocks_are_timed_as_training_runs_them(monkeypatch):
+    """The backends benchmark's expert blocks train as fp8stack's training runs them (FP32 model -> apply_fp8 ->
+    MasterWeights): BF16 parameters, weight gradients in FP32 main_grads, none left in .grad; on CPU, BF16's."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    models = []
+
+    def run_twice(step, grads_of, iters, warmup):
+        step(0)
+        step(1)
+        models.append(grads_of)
+        return [1.0]
+
+    monkeypatch.setattr(bench, "time_steps", run_twice)
+    shape = {"source": "t", "experts": 2, "dim": 128, "hidden": 128, "tokens_per_expert": 128}
+    settings = bench.Settings(tokens=256, iters=1, warmup=0, arch=90, compile=False)
+    entry = bench.bench_experts(shape, "auto", "bf16", {}, "experts", settings)
+    assert "error" not in entry and entry["weight_gradients"] == "into FP32 main_grad (MasterWeights)"
+    weights = [t for t in models[0] if t.dim() == 3]
+    assert len(weights) == 2 and all(w.dtype == torch.bfloat16 and w.grad is None for w in weights)
+    assert all(w.main_grad.dtype == torch.float32 and w.main_grad.abs().sum() > 0 for w in weights)

@@ -6,7 +6,8 @@ this GPU runs, forward + backward (input and weight gradients), against BF16.
                                       [--out profiles] [--label L]
 
 Each variant is a one-component model converted by the backend the policy names, exactly as the
-assembly would convert it. Writes profiles/runs/<date>-backends-<device>/ (.json: every raw timing; .md).
+assembly would convert it; expert blocks then train as fp8stack's training runs them (MasterWeights: BF16
+parameters, weight gradients into FP32 main_grads), BF16's alike. Writes profiles/runs/<date>-backends-<device>/ (.json: every raw timing; .md).
 A variant that cannot run records its error instead of a number.
 """
 
@@ -21,11 +22,13 @@ import torch
 from torch import nn
 
 from fp8stack.ab import comma_separated
+from fp8stack.assembly import apply_fp8, assembly_state
 from fp8stack.backends import BackendUnavailable, get_backend
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Decision, Plan, PlanError, PolicyConfig, description_from_dict, load_description, make_plan
 from fp8stack.plan.recipes import BF16, is_fp8
+from fp8stack.precision import MasterWeights
 
 DENSE_VARIANTS: tuple[tuple[str, str], ...] = (
     ("auto", BF16),
@@ -111,6 +114,22 @@ def convert(model: nn.Module, plan: Plan, decisions: list[Decision], options: di
     entry["module"] = record.converted.get(decisions[0].fqn, "")
     if record.notes:
         entry["notes"] = list(record.notes)
+    return model
+
+
+def convert_as_trained(model: nn.Module, plan: Plan, decisions: list[Decision], options: dict,
+                       entry: dict) -> nn.Module:
+    """An FP32 model converted as fp8stack's training converts it: apply_fp8, then MasterWeights, whose BF16
+    parameters hand their weight gradients to FP32 main_grads (each backend's GEMMs adding into them where they can,
+    a hook elsewhere); note in `entry` what now runs the GEMMs."""
+    backend = decisions[0].backend
+    model = apply_fp8(model, plan, backend_options={backend: options} if options else None)
+    record = assembly_state(model).conversions[0]
+    entry["module"] = record.converted.get(decisions[0].fqn, "")
+    if record.notes:
+        entry["notes"] = list(record.notes)
+    entry["weight_gradients"] = "into FP32 main_grad (MasterWeights)"
+    MasterWeights(model)  # its hooks keep it alive as long as the model
     return model
 
 
@@ -210,9 +229,9 @@ def bench_experts(shape: dict, backend: str, recipe: str, options: dict, gemm: s
     flops = 6 * rows * (2 * f) * d if gemm == "w13" else 6 * rows * 3 * f * d
 
     def run() -> list[float]:
-        experts = GroupedExperts(d, f, e).to(device=DEVICE, dtype=torch.bfloat16)
+        experts = GroupedExperts(d, f, e).to(device=DEVICE)
         experts.init_weights(0.02)
-        model = convert(OneBlock("experts", experts), plan, decisions, options, entry)
+        model = convert_as_trained(OneBlock("experts", experts), plan, decisions, options, entry)
         offsets = torch.arange(1, e + 1, device=DEVICE, dtype=torch.int32) * tpe
         inputs = [torch.randn(rows, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
                   for _ in range(ROTATE)]
@@ -350,7 +369,8 @@ def run(args: argparse.Namespace) -> int:
                 f"median of the same shape (compiled alike) by the variant's.\n\n"
                 + markdown_table(["n x k", "backend", "recipe", "module", "ms", "TF/s", "vs bf16"], dense_rows)
                 + "\nGrouped experts (balanced routing; 'w13' is the first grouped GEMM alone, 'experts' the whole "
-                  "SwiGLU experts):\n\n"
+                  "SwiGLU experts; BF16 parameters whose weight gradients go into FP32 main_grads, MasterWeights, as "
+                  "fp8stack's training runs them):\n\n"
                 + markdown_table(["shape from", "E x rows, D, F", "GEMM", "backend", "recipe", "module", "ms", "TF/s",
                                   "vs bf16"], grouped_rows))
     settings = {k: v for k, v in vars(args).items() if k != "force"}
