@@ -243,6 +243,8 @@ MOE = ["--num-experts", "8"]
     ([*MOE, "--moe-layer-freq", "[0]+__import__"], "argument --moe-layer-freq: invalid moe_freq_type value"),
     (["--lr-warmup-iters", "50", "--train-iters", "50"], "leaves no step after the warm-up"),
     (["--clip-grad", "0"], "--clip-grad 0.0: give a positive norm"),
+    (["--embedding-init-method-std", "0"], "--embedding-init-method-std: give a positive standard deviation"),
+    (["--lr-warmup-init", "0.01"], "--lr-warmup-init 0.01: give 0 to --lr 0.001"),
     (["--hidden-size", "0"], "--hidden-size 0: give a positive number"),
     (["--fp8-recipe", "rowwise"], "invalid choice: 'rowwise'"),
     ([], "needs a CUDA GPU"),
