@@ -142,13 +142,17 @@ def test_train_py_builds_llama3s_vocabulary_rope_base_and_untied_head_and_recomp
     assert (plain.recompute_granularity, plain.recompute_method, plain.recompute_num_layers) == (None, None, None)
 
 
+TE_ONLY = (*peers.MEGATRON_FUSIONS, "--apply-layernorm-1p")
+"""The peers' flags megatron refuses without TE: its fusions, and zero-centred norm weights (torch's norm has none)."""
+
+
 def peers_megatron_flags(model: str, arm: str, nproc: int = 1) -> list[str]:
-    """The example's flags in fp8stack.bench.peers' command for `arm` at `model` on `nproc` ranks, less TE's fusions
-    and megatron's TE layer spec (no TE here: megatron refuses them on a CPU)."""
+    """The example's flags in fp8stack.bench.peers' command for `arm` at `model` on `nproc` ranks, less TE_ONLY and
+    megatron's TE layer spec (no TE here: megatron refuses them on a CPU)."""
     argv = peers.command(peers.ARMS[arm], peers.Shape(model, 1, 2 * nproc, 5, nproc), Path("r.json"), cuda=True)
     flags = [str(part) for part in argv[argv.index(str(peers.MEGATRON_EXAMPLE)) + 1:]]
     spec = flags.index("--layer-spec")
-    return [flag for flag in flags[:spec] + flags[spec + 2:] if flag not in peers.MEGATRON_FUSIONS]
+    return [flag for flag in flags[:spec] + flags[spec + 2:] if flag not in TE_ONLY]
 
 
 @pytest.mark.parametrize("model", ["tiny-moe", "deepseek-moe-medium"])
@@ -222,6 +226,31 @@ def test_train_py_builds_llama3_8b_as_peers_passes_it_on_two_ranks_and_computes_
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_train_py_draws_llama3_8b_as_peers_passes_it_with_the_llama3_recipes_init_and_an_n01_embedding(
+        cpu_megatron, monkeypatch):
+    """megatron's own init from the peers' llama3-8b flags, its 32 layers at LLAMA3_AT_CPU_WIDTH's width and a
+    4096-token vocabulary: the embedding N(0, 1), every other weight N(0, 0.0134), the blocks' output projections
+    over sqrt(2 x 32 layers), the head 0.0134; the norms zero-centred (TE's norms only: the config carries it, torch's
+    norm refuses it on this CPU)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # where megatron's RoPE goes
+    flags = peers_megatron_flags("llama3-8b", "megatron-bf16", nproc=2)
+    args = train.parse_args([*flags, "--apply-layernorm-1p"])
+    assert train.transformer_config(args).layernorm_zero_centered_gamma
+    width = LLAMA3_AT_CPU_WIDTH
+    args = train.parse_args([*flags, "--hidden-size", str(width["dim"]), "--ffn-hidden-size", str(width["ffn_dim"]),
+                             "--num-attention-heads", str(width["n_heads"]),
+                             "--num-query-groups", str(width["n_kv_heads"]), "--vocab-size", "4096"])
+    config = train.transformer_config(args)
+    config.use_cpu_initialization = True  # the example builds on the GPU; here megatron allocates on the CPU
+    torch.manual_seed(0)
+    model = provider.build_gpt_model(args, config, use_te=False)
+    block = model.decoder.layers[0]
+    stds = [weight.float().std().item() for weight in (
+        model.embedding.word_embeddings.weight, block.self_attention.linear_qkv.weight, block.mlp.linear_fc1.weight,
+        block.self_attention.linear_proj.weight, block.mlp.linear_fc2.weight, model.output_layer.weight)]
+    assert stds == pytest.approx([1.0, 0.0134, 0.0134, 0.0134 / 8, 0.0134 / 8, 0.0134], rel=0.05)
+
+
 MOE = ["--num-experts", "8"]
 """The least MoE launch."""
 
@@ -243,6 +272,8 @@ MOE = ["--num-experts", "8"]
     ([*MOE, "--moe-layer-freq", "[0]+__import__"], "argument --moe-layer-freq: invalid moe_freq_type value"),
     (["--lr-warmup-iters", "50", "--train-iters", "50"], "leaves no step after the warm-up"),
     (["--clip-grad", "0"], "--clip-grad 0.0: give a positive norm"),
+    (["--embedding-init-method-std", "0"], "--embedding-init-method-std: give a positive standard deviation"),
+    (["--lr-warmup-init", "0.01"], "--lr-warmup-init 0.01: give 0 to --lr 0.001"),
     (["--hidden-size", "0"], "--hidden-size 0: give a positive number"),
     (["--fp8-recipe", "rowwise"], "invalid choice: 'rowwise'"),
     ([], "needs a CUDA GPU"),

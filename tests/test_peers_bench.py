@@ -30,6 +30,8 @@ from fp8stack.evidence import run_folder
 from fp8stack.models import Llama, load_model_config
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.train.command import job_from_flags
+from fp8stack.train.defaults import ADAM_BETAS, ADAM_EPS
+from fp8stack.train.loop import lr_at
 from fp8stack.train.model import model_config
 from fp8stack.train.launch import NO_MULTICAST_ENV, TERMINATE_GRACE_S, launcher
 
@@ -105,7 +107,7 @@ def test_megatron_arms_are_read_by_the_example_as_megatrons_own_layers_with_pret
             args.seq_length, args.padded_vocab_size, args.rotary_base) == \
         (shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads, shape.seq_len, 32000, 500000)
     assert (args.micro_batch_size, args.global_batch_size, args.train_iters) == (2, 16, 20)
-    assert (args.lr, args.min_lr, args.lr_warmup_iters) == (schedule.lr, schedule.min_lr, schedule.warmup)
+    assert (args.lr, args.min_lr, args.lr_warmup_iters) == (schedule.lr, schedule.min_lr, schedule.warmup - 1)
     assert args.bias_swiglu_fusion and args.rope_fusion and args.bias_dropout_fusion
     assert (args.fp8_format, args.fp8_recipe if args.fp8_format else "bf16") == \
         (None if arm.recipe == "bf16" else "hybrid", arm.recipe)
@@ -113,6 +115,42 @@ def test_megatron_arms_are_read_by_the_example_as_megatrons_own_layers_with_pret
     assert not args.overlap_grad_reduce and not args.overlap_param_gather  # one rank: nothing to overlap
     assert args.result_json == tmp_path / "r.json"
     assert argv[:2] == [sys.executable, str(peers.MEGATRON_EXAMPLE)]  # one plain process, as before --nproc
+
+
+@pytest.mark.parametrize("name", [n for n, arm in ARMS.items() if arm.stack == "megatron"])
+def test_megatron_arms_take_fp8stacks_adam_and_the_llama3_recipes_init_with_an_n01_embedding(name, tmp_path):
+    """The example's OptimizerConfig from the arm's command: fp8stack's betas, epsilon, weight decay and clipping
+    (pretrain_gpt's default beta2 is 0.999); the init and norms of Megatron-LM's Llama-3 8B recipe, the token
+    embedding N(0, 1) as fp8stack and torchtitan draw it (the model they draw: tests/test_megatron_example.py)."""
+    argv = peers.command(ARMS[name], LLAMA3_8B_ON_2, tmp_path / "r.json", cuda=True)
+    args = megatron_train.parse_args(flags_of(argv, str(peers.MEGATRON_EXAMPLE)))
+    adam, trainer = megatron_train.optimizer_config(args), JobConfig().optimizer
+    assert (adam.optimizer, adam.adam_beta1, adam.adam_beta2, adam.adam_eps) == ("adam", *ADAM_BETAS, ADAM_EPS)
+    assert (adam.weight_decay, adam.clip_grad) == (trainer.weight_decay, trainer.grad_clip)
+    assert (args.init_method_std, args.embedding_init_method_std, args.apply_layernorm_1p) == (0.0134, 1.0, True)
+
+
+@pytest.mark.parametrize("shape", [LLAMA, LLAMA3_8B_ON_2], ids=["20 steps", "10 steps"])
+def test_megatrons_scheduler_steps_fp8stacks_warm_up_and_decays_less_than_a_step_ahead(shape, tmp_path):
+    """megatron's OptimizerParamScheduler as the example drives it (stepped after each optimizer step) from the arm's
+    flags: each warm-up step at fp8stack's rate (lr_at), no step at lr 0; after it the cosine at most a step ahead."""
+    argv = peers.command(ARMS["megatron-bf16"], shape, tmp_path / "r.json", cuda=True)
+    args = megatron_train.parse_args(flags_of(argv, str(peers.MEGATRON_EXAMPLE)))
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    scheduler = megatron_train.lr_scheduler(args, optimizer)
+    megatron = []
+    for _ in range(shape.steps):
+        megatron.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=1)
+    schedule = training_defaults(load_model_config(shape.model), shape.steps)
+    job = JobConfig(optimizer=replace(JobConfig().optimizer, lr=schedule.lr, min_lr=schedule.min_lr,
+                                      warmup=schedule.warmup),
+                    training=replace(JobConfig().training, steps=shape.steps))
+    fp8stack = [lr_at(step, job) for step in range(shape.steps + 1)]
+    warmup = schedule.warmup
+    assert megatron[:warmup] == pytest.approx(fp8stack[:warmup], rel=1e-12) and min(megatron) > 0
+    for step in range(warmup, shape.steps):
+        assert fp8stack[step + 1] <= megatron[step] <= fp8stack[step]
 
 
 @pytest.mark.parametrize("cuda", [True, False])

@@ -81,6 +81,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape.add_argument("--vocab-size", type=int, default=VOCAB, help=f"embedding rows and logits (at least {VOCAB}, "
                                                                     "the byte tokens' ids)")
     shape.add_argument("--rotary-base", type=int, default=10000, help="RoPE base frequency (Llama 3: 500000)")
+    shape.add_argument("--init-method-std", type=float, default=0.02,
+                       help="std of megatron's normal init of the weights; the attention and MLP output projections "
+                            "take it over sqrt(2 x layers) (Megatron-LM's Llama-3 8B recipe: 0.0134)")
+    shape.add_argument("--embedding-init-method-std", type=float, default=None,
+                       help="std of the token embedding's init (default: --init-method-std; megatron's docs: around "
+                            "1.0 may avoid loss spikes)")
+    shape.add_argument("--apply-layernorm-1p", action="store_true",
+                       help="norm weights zero-centred, applied as 1 + w (TE's norms; Megatron-LM's Llama-3 recipe)")
     shape.add_argument("--layer-spec", choices=LAYER_SPECS, default="fp8stack",
                        help="fp8stack: the model_provider's block_spec (fp8stack's plan from the --fp8* flags); "
                             "megatron: megatron's own get_gpt_layer_with_transformer_engine_spec")
@@ -121,8 +129,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--min-lr", type=float, default=1e-4)
     train.add_argument("--lr-warmup-iters", type=int, default=10)
+    train.add_argument("--lr-warmup-init", type=float, default=0.0,
+                       help="the learning rate the warm-up starts from, at the first step (megatron's default 0)")
     train.add_argument("--clip-grad", type=float, default=1.0)
     train.add_argument("--weight-decay", type=float, default=0.1)
+    train.add_argument("--adam-beta1", type=float, default=0.9)
+    train.add_argument("--adam-beta2", type=float, default=0.95,
+                       help="Llama's and Megatron-LM's Llama-3 recipe's (pretrain_gpt's default: 0.999)")
+    train.add_argument("--adam-eps", type=float, default=1e-8)
     train.add_argument("--tensor-model-parallel-size", type=int, default=1)
     train.add_argument("--seed", type=int, default=1234)
     out = parser.add_argument_group("evidence")
@@ -160,6 +174,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.clip_grad <= 0:
         parser.error(f"--clip-grad {args.clip_grad}: give a positive norm (the run reports the gradient norm the "
                      "clipping computes)")
+    stds = [flag for flag, std in (("--init-method-std", args.init_method_std),
+                                   ("--embedding-init-method-std", args.embedding_init_method_std))
+            if std is not None and std <= 0]
+    if stds:
+        parser.error(f"{' '.join(stds)}: give a positive standard deviation")
+    if not 0 <= args.lr_warmup_init <= args.lr:
+        parser.error(f"--lr-warmup-init {args.lr_warmup_init}: give 0 to --lr {args.lr} (the warm-up rises from it)")
     if args.lr_warmup_iters >= args.train_iters:
         parser.error(f"--lr-warmup-iters {args.lr_warmup_iters} leaves no step after the warm-up of "
                      f"--train-iters {args.train_iters}: lower it")
@@ -290,6 +311,8 @@ def transformer_config(args):
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p, init_method_std=args.init_method_std,
+        embedding_init_method_std=args.embedding_init_method_std,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, first_last_layers_bf16=args.first_last_layers_bf16,
@@ -362,8 +385,7 @@ def build(args, config):
     """The model as pretrain() builds it: GPTModel (through build_gpt_model), Float16Module, DDP; its optimizer
     and LR schedule."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(args.seed)
@@ -374,21 +396,37 @@ def build(args, config):
                                         overlap_grad_reduce=args.overlap_grad_reduce,
                                         overlap_param_gather=args.overlap_param_gather)
     model = DistributedDataParallel(config, ddp, module=Float16Module(config, gpt))
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                        adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad, bf16=True,
-                        params_dtype=torch.bfloat16, use_distributed_optimizer=args.use_distributed_optimizer,
-                        overlap_param_gather=args.overlap_param_gather),
-        [model])
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.train_iters, lr_decay_style="cosine", start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
+    optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     # What pretrain()'s setup gives the schedule: the gradient all-reduce and the loss scale.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     config.grad_scale_func = optimizer.scale_loss
-    return model, optimizer, scheduler, layers
+    return model, optimizer, lr_scheduler(args, optimizer), layers
+
+
+def optimizer_config(args):
+    """get_megatron_optimizer's configuration from pretrain_gpt's flags: Adam with FP32 master weights and moments,
+    decoupled weight decay (megatron's groups leave norms and biases undecayed), gradient clipping."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                           clip_grad=args.clip_grad, bf16=True, params_dtype=torch.bfloat16,
+                           use_distributed_optimizer=args.use_distributed_optimizer,
+                           overlap_param_gather=args.overlap_param_gather)
+
+
+def lr_scheduler(args, optimizer):
+    """megatron's OptimizerParamScheduler, stepped once per optimizer step: step s of the warm-up at
+    --lr-warmup-init + (--lr - --lr-warmup-init) x s / --lr-warmup-iters, then cosine decay to --min-lr at
+    --train-iters; constant weight decay."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.train_iters, lr_decay_style="cosine",
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
+        wd_incr_style="constant")
 
 
 def forward_step(data_iterator, model):

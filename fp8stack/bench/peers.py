@@ -16,11 +16,15 @@ Each peer is built as its users build it, with every speed feature its users get
   get_megatron_optimizer (Adam with FP32 master weights and moments), get_forward_backward_func (on one GPU
   forward_backward_no_pipelining over global / micro-batch micro-batches) and finalize_model_grads; the bias-SwiGLU,
   RoPE and bias-dropout-add fusions pretrain_gpt turns on by default; --fp8-format hybrid (E4M3 forward, E5M2
-  gradients), megatron's default amax history (1, most recent). Without apex, as the comparison is defined: no
-  gradient-accumulation fusion (megatron's output layer needs apex's fused_weight_gradient_mlp_cuda for it and refuses
-  to build without it). pretrain_gpt's NaN check of the gradients is left off: it only adds work. fp8stack's patches
-  are applied by the example; none touches the layers megatron's spec builds (the SwiGLU one is LayerNormMLP's, the
-  wgrad one refuses --no-fp8-wgrad, not used here; the recompute one re-enters FP8 in megatron's
+  gradients), megatron's default amax history (1, most recent). Init and norms as Megatron-LM's Llama-3 8B recipe
+  sets them (MEGATRON_LLAMA3_INIT: --init-method-std 0.0134, --apply-layernorm-1p), the token embedding N(0, 1) as
+  in the other stacks (MEGATRON_EMBEDDING_INIT: megatron's documented guard against loss spikes; with its default
+  0.02 the arms' loss rose at the bench's short warm-up), fp8stack's Adam and warm-up step for step
+  (megatron_optimizer; pretrain_gpt's defaults: beta2 0.999, a first step at lr 0). Without apex, as the comparison
+  is defined: no gradient-accumulation fusion (megatron's output layer needs apex's fused_weight_gradient_mlp_cuda
+  for it and refuses to build without it). pretrain_gpt's NaN check of the gradients is left off: it only adds work.
+  fp8stack's patches are applied by the example; none touches the layers megatron's spec builds (the SwiGLU one is
+  LayerNormMLP's, the wgrad one refuses --no-fp8-wgrad, not used here; the recompute one re-enters FP8 in megatron's
   tensor_parallel.checkpoint, which --recompute full runs in BF16 only, with no FP8 to re-enter: megatron's FP8 full
   recompute is TE's checkpoint). Arms: bf16, delayed, blockwise, and delayed with --fp8-param-gather and the
   distributed optimizer (FP8 weights cast from the FP32 shards). On N GPUs: megatron's
@@ -116,12 +120,13 @@ from fp8stack.ab import final_loss
 from fp8stack.ab.plot import pyplot
 from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, loss_panel, note_unmeasured,
                                   plot_only, refuse_flags_beside_plot_only, write_plot)
+from fp8stack.config import JobConfig
 from fp8stack.evidence import (add_force_option, claim_or_exit, device_slug, markdown_table, run_folder,
                                write_evidence)
 from fp8stack.models import LlamaConfig, load_model_config
-from fp8stack.models.training_defaults import training_defaults
+from fp8stack.models.training_defaults import TrainingDefaults, training_defaults
 from fp8stack.plan.recipes import BF16, is_fp8
-from fp8stack.train.defaults import parameter_count
+from fp8stack.train.defaults import ADAM_BETAS, ADAM_EPS, parameter_count
 from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, stop
 from fp8stack.train.timing import relative_spread, steady_state
 
@@ -333,9 +338,36 @@ def megatron_command(arm: Arm, shape: Shape, cuda: bool) -> list:
             "--num-attention-heads", config.n_heads, "--num-query-groups", config.n_kv_heads,
             "--seq-length", config.seq_len, "--vocab-size", config.vocab_size,
             "--rotary-base", int(config.rope_theta), "--micro-batch-size", shape.micro_batch,
-            "--global-batch-size", shape.global_batch, "--train-iters", shape.steps, "--lr", schedule.lr,
-            "--min-lr", schedule.min_lr, "--lr-warmup-iters", schedule.warmup, *MEGATRON_FUSIONS, *fp8,
+            "--global-batch-size", shape.global_batch, "--train-iters", shape.steps,
+            *megatron_optimizer(schedule), *MEGATRON_LLAMA3_INIT, *MEGATRON_EMBEDDING_INIT, *MEGATRON_FUSIONS, *fp8,
             *megatron_data_parallel(arm, shape.model, shape.nproc)]
+
+
+MEGATRON_LLAMA3_INIT = ("--init-method-std", "0.0134", "--apply-layernorm-1p")
+"""Megatron-LM's Llama-3 8B recipe's init and norms (examples/llama/train_llama3_8b_h100_fp8.sh) in place of
+megatron's defaults (0.02, norm weights stored as is): every weight N(0, 0.0134), the blocks' attention and MLP
+output projections 0.0134 / sqrt(2 x layers) (megatron's scaled init), the output head too (logits of std 0.86 at
+width 4096, where fp8stack's head gives 1); norm weights stored zero-centred, w for 1 + w, finer in BF16."""
+MEGATRON_EMBEDDING_INIT = ("--embedding-init-method-std", "1.0")
+"""The token embedding N(0, 1), as fp8stack and torchtitan draw it, where the recipe leaves it at 0.0134, which makes
+the residual stream entering the first block 75x smaller than theirs: an RMSNorm's gradient scales by 1 / its
+input's RMS, so the same Adam step moves the normalised activations much further (Takase et al., Spike No More,
+arXiv 2312.16903; megatron-core's TransformerConfig.embedding_init_method_std: "around 1.0 may avoid loss spikes").
+The recipe warms up over 30,518 steps, the bench over fp8stack's few (5 of a 10-step run), where the megatron arms'
+loss rose with megatron's default 0.02 embedding (12.3 to 14.9 at llama3-8b on 2 H200s,
+profiles/runs/2026-11-28-peers-llama3-8b-recompute-full-2gpu-h200)."""
+
+
+def megatron_optimizer(schedule: TrainingDefaults) -> list:
+    """fp8stack's optimizer and schedule (the trainer's AdamW defaults) in pretrain_gpt's flags: its betas and
+    epsilon (megatron's default beta2 is 0.999), weight decay and clipping, its peak and min LR, and its warm-up step
+    for step (fp8stack.train.loop.lr_at: step s at lr x (s + 1) / warmup). megatron's warm-up runs step s at
+    init + (lr - init) x s / iters, from init 0 by default: a first step at lr 0. Starting at lr / warmup over
+    warmup - 1 steps gives fp8stack's rates; the cosine decay then starts one step before fp8stack's."""
+    optimizer = JobConfig().optimizer
+    return ["--lr", schedule.lr, "--min-lr", schedule.min_lr, "--lr-warmup-init", schedule.lr / schedule.warmup,
+            "--lr-warmup-iters", schedule.warmup - 1, "--adam-beta1", ADAM_BETAS[0], "--adam-beta2", ADAM_BETAS[1],
+            "--adam-eps", ADAM_EPS, "--weight-decay", optimizer.weight_decay, "--clip-grad", optimizer.grad_clip]
 
 
 def megatron_moe_flags(config: LlamaConfig, fp8: bool) -> list:
