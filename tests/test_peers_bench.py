@@ -946,7 +946,7 @@ def test_the_torchtitan_fsdp2_path_trains_on_two_gloo_ranks_as_one_process_does(
     monkeypatch.setattr(sys, "argv", [*argv[1:], "--steps", "1"])
     args = loop.parse_args()
     model = loop.parallelize(loop.build_model(args), args)
-    one = loop.train(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1), args)
+    one = loop.train(model, torch.optim.AdamW(model.parameters(), **args.adamw), args)
     assert two["losses"][0] == pytest.approx(one["losses"][0], rel=1e-3)
 
 

@@ -53,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     args.rank, args.ranks = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     args.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
                    else torch.device("cpu"))
-    args.fused = args.device.type == "cuda"  # AdamW's fused kernel
+    # torchtitan's AdamW (its job_config Optimizer defaults: beta2 0.95, not torch's 0.999), fused on a GPU
+    args.adamw = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                  "fused": args.device.type == "cuda"}
     args.sdpa_backend = "cudnn" if args.device.type == "cuda" else None  # fp8stack: the attention kernel to run
     args.mesh = data_parallel_mesh(args)
     return args

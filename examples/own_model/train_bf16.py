@@ -9,5 +9,5 @@ from loop import build_model, parse_args, train
 args = parse_args()
 model = build_model(args)
 model = loop.parallelize(model, args)
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=args.fused)
+optimizer = torch.optim.AdamW(model.parameters(), **args.adamw)
 train(model, optimizer, args)

@@ -20,7 +20,7 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimi
     config = replace(Float8LinearConfig.from_recipe_name(args.recipe), enable_fsdp_float8_all_gather=fp8_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "output")
     model = parallelize(model, args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=args.fused)
+    optimizer = torch.optim.AdamW(model.parameters(), **args.adamw)
     if fp8_all_gather:
         optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     return model, optimizer
