@@ -562,7 +562,8 @@ def test_expert_only_override_with_torchao_backend():
     desc = description_from_dict({
         "name": "m", "seq_len": 128,
         "blocks": {"moe": [{"name": "wo", "kind": "linear", "n": 4096, "k": 4096},
-                           {"name": "moe.experts.w13", "kind": "expert", "n": 4096, "k": 7168, "experts": 8, "active": 2}]},
+                           {"name": "moe.experts.w13", "kind": "expert", "n": 4096, "k": 7168, "experts": 8,
+                            "active": 2}]},
         "layers": [{"block": "moe"}]})
     experts_blockwise = Override(fqn="*.experts.*", recipe="blockwise", source="r.yaml")
     plan = make_plan(desc, PolicyConfig(recipe="rowwise", backend="torchao", overrides=(experts_blockwise,)))

@@ -7,7 +7,8 @@ this GPU runs, forward + backward (input and weight gradients), against BF16.
 
 Each variant is a one-component model converted by the backend the policy names, exactly as the
 assembly would convert it; expert blocks then train as fp8stack's training runs them (MasterWeights: BF16
-parameters, weight gradients into FP32 main_grads), BF16's alike. Writes profiles/runs/<date>-backends-<device>/ (.json: every raw timing; .md).
+parameters, weight gradients into FP32 main_grads), BF16's alike. Writes profiles/runs/<date>-backends-<device>/
+(.json: every raw timing; .md).
 A variant that cannot run records its error instead of a number.
 """
 
