@@ -26,10 +26,11 @@ demo: $(VENV)/.installed-demo
 
 # Two pytest-xdist workers (one per core of CI's 2-core machine), each test file on one worker (its module fixtures
 # are computed once, and test_launch's fixed rendezvous ports never meet); tests/conftest.py gives each worker one
-# thread. pytest still exits 5 when no test ran. TEST_WORKERS=0 runs in one process.
+# thread and puts the longest files first, which --no-loadscope-reorder keeps (xdist would start the files with the
+# most tests first). pytest still exits 5 when no test ran. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-gpu: $(VENV)/.installed-test
 	$(PY) -m pytest -m gpu

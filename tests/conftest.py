@@ -59,3 +59,18 @@ def cpu_megatron(monkeypatch, model_parallel):
     GlobalMemoryBuffer.get_tensor allocates on CPU (megatron asks torch.cuda.current_device()), and the
     CUDA RNG tracker's fork is a no-op (there is no CUDA RNG state to fork): megatron_cpu.megatron_on_cpu."""
     megatron_on_cpu(monkeypatch)
+
+
+LONGEST_FIRST = ("test_multigpu_cpu.py", "test_ab.py", "test_training_defaults.py", "test_peers_bench.py",
+                 "test_training_defaults_wide.py", "test_grouped_fp8.py", "test_launch.py", "test_train.py",
+                 "test_train_data_parallel.py", "test_train_megatron.py", "test_config.py")
+"""The test files that take half a minute or more of `make test` (measured on 2 cores), longest first. Under
+pytest-xdist (`--dist loadfile --no-loadscope-reorder`) the workers take files in collection order: these start first,
+so that neither worker starts a long file while the other runs out of work (xdist's own order, most tests first, left
+the one-test width-2048 file to the last minute)."""
+
+
+def pytest_collection_modifyitems(items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: other files keep pytest's order

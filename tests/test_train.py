@@ -113,6 +113,16 @@ def test_cpu_fp8_gemms_take_torchs_emulation_with_onednns_results(rowwise):
             assert torch.backends.mkldnn.enabled
 
 
+@pytest.mark.parametrize(("recipe", "onednn"), [("bf16", True), ("tensorwise", False)])
+def test_a_cpu_run_keeps_onednn_off_only_where_its_plan_has_fp8_gemms(recipe, onednn):
+    """A plan without FP8 GEMMs runs its BF16 GEMMs on oneDNN (torch's fallback without it is dozens of times
+    slower); an FP8 plan's GEMMs take torch's FP8 emulation (cpu_fp8_gemms). The run leaves the setting as it was."""
+    before = torch.backends.mkldnn.enabled
+    with session(from_overrides({**FAST, "precision.recipe": recipe, "training.dtype": "bf16", "training.steps": 1})):
+        assert torch.backends.mkldnn.enabled is onednn
+    assert torch.backends.mkldnn.enabled is before
+
+
 def test_lr_warms_up_then_decays_to_min_lr():
     cfg = from_overrides({"training.steps": 20, "optimizer.warmup": 4, "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4})
     lrs = [lr_at(step, cfg) for step in range(cfg.training.steps + 1)]

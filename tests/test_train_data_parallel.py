@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule
 
 from fp8stack.backends.base import BackendUnavailable
@@ -22,6 +21,7 @@ from fp8stack.config import ConfigError, from_overrides
 from fp8stack.models import load_model_config
 from fp8stack.train.command import job_from_flags
 from fp8stack.train.loop import cpu_fp8_gemms, train
+from gloo_ranks import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def _resumed_under_the_other_wrapper(ddp_checkpoints: str, fsdp_checkpoints: str
 def two_ranks(tmp_path_factory) -> dict:
     """Every 2-rank run in one spawn: each process start costs seconds of imports."""
     folder = tmp_path_factory.mktemp("data_parallel")
-    mp.spawn(_ranks, args=(2, str(folder / "init"), str(folder)), nprocs=2, join=True)
+    spawn(_ranks, (2, str(folder / "init"), str(folder)), 2)
     return torch.load(folder / "out.pt", weights_only=False)
 
 

@@ -11,7 +11,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fp8stack.megatron import layer_precisions
 from fp8stack.megatron.block_spec import check_config
@@ -26,6 +25,7 @@ from fp8stack.train.megatron_checkpoint import MegatronTensors
 from fp8stack.train.model import build_model, model_config
 from fp8stack.train import checkpoint, megatron_model
 
+from gloo_ranks import spawn
 from megatron_cpu import drawn_gpt
 
 pytestmark = pytest.mark.filterwarnings("ignore:GPTModel IS DEPRECATED", "ignore:.*tp_group is None",
@@ -267,7 +267,7 @@ def _two_ranks(rank: int, init_file: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_start_from_the_tp1_weights_and_finish_gradients_like_megatron(tmp_path, model_parallel):
-    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), str(tmp_path / "rank")), nprocs=2, join=True)
+    spawn(_two_ranks, (str(tmp_path / "init"), str(tmp_path / "rank")), 2)
     ranks = [torch.load(tmp_path / f"rank{rank}", weights_only=False) for rank in (0, 1)]
     for found in ranks:  # sharded grads count from both ranks, the replicated one once; norm weights sum 1 + 2
         assert found["norm_weight_grad"] == 3.0
@@ -363,8 +363,7 @@ def test_a_tp2_checkpoint_resumes_on_each_rank_and_holds_the_whole_weights(tmp_p
     """Each TP rank resumes its shards exactly; read by one TP=1 process, the checkpoint gives the whole weights
     (the two ranks' shards joined in megatron's layout): each shard sits at its global offset."""
     folder = tmp_path / "ckpt"
-    mp.spawn(_two_rank_checkpoint, args=(str(tmp_path / "init"), str(folder), str(tmp_path / "rank")), nprocs=2,
-             join=True)
+    spawn(_two_rank_checkpoint, (str(tmp_path / "init"), str(folder), str(tmp_path / "rank")), 2)
     ranks = [torch.load(tmp_path / f"rank{rank}", weights_only=False) for rank in (0, 1)]
     assert all(found["resumed"] for found in ranks)
 
