@@ -304,3 +304,11 @@ def test_python_dash_m():
     assert bad.returncode == 2
     assert len(bad.stderr.splitlines()) == 1 and bad.stderr.startswith("fp8stack: error: ")
     assert "Traceback" not in bad.stderr
+
+
+def test_the_command_line_parses_without_importing_torch():
+    """`fp8stack --help`, `--version` and every subcommand's --help answer in a fraction of a second: building the
+    parser imports no torch (a command imports it when it runs), where importing torch takes seconds."""
+    code = "import sys, fp8stack.cli; fp8stack.cli.build_parser(); print('torch' in sys.modules)"
+    done = _run([sys.executable, "-c", code])
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
