@@ -90,7 +90,7 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
     if counts and not merged.get("first_last_layers_bf16"):
         verb = "applies" if len(counts) == 1 else "apply"
         raise PlanError(f"{' and '.join(counts)} only {verb} with --first-last-layers-bf16: add that flag")
-    arch = parse_arch(merged.pop("arch", local_arch()))
+    arch = parse_arch(merged.pop("arch") if "arch" in merged else local_arch())  # pop(key, default) would import torch
     return PolicyConfig(**merged, arch=arch, overrides=overrides)
 
 

@@ -304,3 +304,14 @@ def test_python_dash_m():
     assert bad.returncode == 2
     assert len(bad.stderr.splitlines()) == 1 and bad.stderr.startswith("fp8stack: error: ")
     assert "Traceback" not in bad.stderr
+
+
+def test_the_command_line_parses_and_plans_for_a_given_arch_without_importing_torch():
+    """`fp8stack --help`, `--version`, every subcommand's --help and `fp8stack plan --arch ...` answer in a fraction
+    of a second: building the parser imports no torch (a command imports it when it runs), nor does a plan whose
+    target is given (only the local GPU's needs torch), where importing torch takes seconds."""
+    code = ("import sys, fp8stack.cli as cli; cli.build_parser(); parsed = 'torch' in sys.modules; "
+            "cli.main(['plan', '--arch', 'sm90', '--fp8-recipe', 'rowwise', '--format', 'json']); "
+            "print(parsed, 'torch' in sys.modules)")
+    done = _run([sys.executable, "-c", code])
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "False False", done.stderr

@@ -28,7 +28,6 @@ from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_T
                                   GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
                                   Arm, arm_label, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms,
                                   repeat_note, verdict_cells)
-from fp8stack.backends import get_backend
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
 from fp8stack.config.flags import add_megatron_recompute_arguments, run_command
 from fp8stack.plan import PlanError, PolicyConfig
@@ -240,6 +239,7 @@ def run_ab(args: argparse.Namespace) -> int:
     """Run every arm, judge them, write and print the evidence. 0 when a bf16 arm ran, else 1."""
     import torch  # after argument parsing: --help stays fast
 
+    from fp8stack.backends import get_backend  # torch too
     from fp8stack.evidence import claim_evidence, device_slug, environment, markdown_table, write_evidence
     from fp8stack.train.data import load_split
     from fp8stack.train.model import model_shape
