@@ -18,10 +18,11 @@ from fp8stack.bench import expert_table
 from fp8stack.config import ConfigError, from_overrides
 from fp8stack.models import load_model_config
 from fp8stack.models.llama import Llama
-from fp8stack.plan import (ModelDescription, PlanWarning, PolicyConfig, description_from_dict, load_description,
-                           make_plan)
+from fp8stack.plan import (ModelDescription, PlanError, PlanWarning, PolicyConfig, description_from_dict,
+                           load_description, make_plan)
 from fp8stack.plan import expert_speeds
-from fp8stack.plan.expert_speeds import TABLE_PATH, ExpertGemm, ExpertShape, load_table, measured, shape_note
+from fp8stack.plan.expert_speeds import (TABLE_PATH, ExpertGemm, ExpertShape, load_table, measured, runnable_kernels,
+                                         shape_note)
 from fp8stack.train.command import main as train_main
 from fp8stack.train.loop import resolve_job
 
@@ -36,6 +37,16 @@ W13 = ExpertGemm(experts=8, n=2 * 2048, k=7168, tokens_per_expert=1024)
 
 def evidence_files() -> list[Path]:
     return sorted(Path().glob(EVIDENCE))
+
+
+LOOK_FOR_DEEP_GEMM = expert_speeds.deep_gemm_installed
+"""The plan's own check, which deep_gemm_installed() below stands in for."""
+
+
+@pytest.fixture(autouse=True)
+def deep_gemm_installed(monkeypatch):
+    """The plan reads the table as on a GPU machine with DeepGEMM, where grouped_fp8's measured best kernels run."""
+    monkeypatch.setattr(expert_speeds, "deep_gemm_installed", lambda: True)
 
 
 # --- the table, from the evidence ---------------------------------------------------------------------------
@@ -82,6 +93,21 @@ def test_the_table_keeps_one_measurement_per_device_and_shape_the_newest(tmp_pat
     assert table["shapes"] == [asdict(TARGET), small]
     assert [(m["speedup"], m["source"]) for m in table["archs"]["sm90"]["blockwise/te"]] == [
         (1.2, old.as_posix()), (0.6, new.as_posix())]
+
+
+def test_of_two_evidence_files_of_one_day_the_later_measured_wins_whatever_their_names(tmp_path):
+    def evidence(name, date, speedup):
+        path = tmp_path / name
+        path.write_text(json.dumps({"date": date, "environment": {"device": "H", "compute_capability": "9.0"},
+                                    "grouped": [{"gemm": "experts", "recipe": "blockwise", "backend": "te",
+                                                 "speedup_vs_bf16": speedup, **asdict(TARGET)}]}))
+        return path
+
+    later = evidence("a-later.json", "2026-11-28T13:40:07+00:00", 1.3)
+    earlier = evidence("b-earlier.json", "2026-11-28T05:12:00+00:00", 1.1)
+    for order in ([later, earlier], [earlier, later]):
+        [measurement] = expert_table.build_table(order)["archs"]["sm90"]["blockwise/te"]
+        assert (measurement["speedup"], measurement["date"]) == (1.3, "2026-11-28")
 
 
 def test_the_tool_writes_the_table_where_asked(monkeypatch, tmp_path, capsys):
@@ -316,14 +342,34 @@ def expert_decision(recipe: str, **policy):
 
 
 def test_blockwise_experts_take_the_fastest_path_measured_on_sm90():
-    te, grouped = measured(90, "blockwise", "te", W13), measured(90, "blockwise", "grouped_fp8", W13)
-    assert te.speedup > grouped.speedup > 1  # what the evidence says today; the plan follows it
+    paths = {backend: measured(90, "blockwise", backend, W13, kernels=runnable_kernels("deepgemm"))
+             for backend in ("te", "grouped_fp8")}
+    fastest = max(paths, key=lambda backend: paths[backend].speedup)
+    [other] = set(paths) - {fastest}
+    assert paths[fastest].speedup > 1  # what the evidence says today; the plan follows it
     d = expert_decision("blockwise")
-    assert (d.backend, d.recipe) == ("te", "blockwise")
-    assert f"expert_backend=auto: the fastest blockwise expert path on sm90, {te.describe()}" in d.reason
-    assert d.reason.endswith(f"; grouped_fp8: {grouped.speedup}x")  # the measured shape: no note on it
-    assert (REPO / te.folder).is_dir() and te.device in d.reason and f"{te.speedup}x BF16" in d.reason
+    assert (d.backend, d.recipe) == (fastest, "blockwise")
+    best = paths[fastest]
+    assert f"expert_backend=auto: the fastest blockwise expert path on sm90, {best.describe()}" in d.reason
+    assert d.reason.endswith(f"; {other}: {paths[other].speedup}x")  # the measured shape: no note on it
+    assert (REPO / best.folder).is_dir() and best.device in d.reason and f"{best.speedup}x BF16" in d.reason
     assert "at 8 experts of 7168 -> 2048 with 4096 tokens each" in d.reason
+
+
+def test_where_deep_gemm_is_missing_the_plan_counts_no_speed_measured_on_it(no_deep_gemm, monkeypatch):
+    """grouped_fp8 runs torch's scaled GEMMs there, so its DeepGEMM measurements must not pick it; auto finds out,
+    and grouped_kernels names the kernels for a plan made on another machine."""
+    monkeypatch.setattr(expert_speeds, "deep_gemm_installed", LOOK_FOR_DEEP_GEMM)
+    assert runnable_kernels("auto") == runnable_kernels("torch") == frozenset({"", "torch"})
+    grouped = measured(90, "blockwise", "grouped_fp8", W13, kernels=runnable_kernels("auto"))
+    assert grouped.kernels == "torch" and grouped.speedup < 1
+    d = expert_decision("blockwise")
+    assert (d.backend, d.recipe) == ("te", "blockwise") and "grouped_fp8: " + str(grouped.speedup) + "x" in d.reason
+    on_deepgemm = expert_decision("blockwise", grouped_kernels="deepgemm")
+    best = measured(90, "blockwise", "grouped_fp8", W13, kernels=runnable_kernels("deepgemm"))
+    assert best.kernels.startswith("deepgemm") and f"{best.speedup}x" in on_deepgemm.reason
+    with pytest.raises(PlanError, match="grouped_kernels='cutlass': use one of auto, deepgemm, torch"):
+        PolicyConfig(recipe="blockwise", grouped_kernels="cutlass")
 
 
 def test_a_choice_says_when_the_model_s_experts_are_not_a_measured_shape():
@@ -339,21 +385,31 @@ def test_a_choice_says_when_the_model_s_experts_are_not_a_measured_shape():
 
 
 def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
-    """deepseek-moe-medium's expert block (16 experts of 4096 -> 4096): every blockwise path measured slower than
-    BF16 there, so its experts stay BF16 unless a backend is named; grouped_fp8's fastest kernels are DeepGEMM on TE's
-    quantizer's operands."""
-    medium_w13 = ExpertGemm(experts=16, n=2 * 4096, k=4096, tokens_per_expert=1024)
-    grouped, te = (measured(90, "blockwise", backend, medium_w13) for backend in ("grouped_fp8", "te"))
+    """deepseek-moe-small's expert block (32 experts of 2048 -> 1536): every blockwise path measured slower than
+    BF16 there, so its experts stay BF16 unless a backend is named; grouped_fp8's fastest kernels there are
+    DeepGEMM's."""
+    small_w13 = ExpertGemm(experts=32, n=2 * 1536, k=2048, tokens_per_expert=1024)
+    grouped, te = (measured(90, "blockwise", backend, small_w13) for backend in ("grouped_fp8", "te"))
     assert grouped.speedup < 1 and te.speedup < 1  # what the evidence says today
-    plan = make_plan(moe_model(16, 4096, 4096, 4), PolicyConfig(recipe="blockwise", small_gemm_filter="off"))
+    plan = make_plan(moe_model(32, 2048, 1536, 8), PolicyConfig(recipe="blockwise", small_gemm_filter="off"))
     assert (plan.decision("layers.0.moe.experts.w13").backend, plan.decision("layers.0.moe.experts.w13").recipe) \
         == ("bf16", "bf16")
-    plan = make_plan(moe_model(16, 4096, 4096, 4), PolicyConfig(recipe="blockwise", small_gemm_filter="off",
+    plan = make_plan(moe_model(32, 2048, 1536, 8), PolicyConfig(recipe="blockwise", small_gemm_filter="off",
                                                                  expert_backend="grouped_fp8"))
     d = plan.decision("layers.0.moe.experts.w13")
     assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise")
     assert d.reason.endswith(f"expert_backend=grouped_fp8, as asked: {grouped.describe()}")
-    assert grouped.kernels == "deepgemm+te-quantizer" and "with deepgemm+te-quantizer kernels" in d.reason
+    assert grouped.kernels == "deepgemm" and "with deepgemm kernels" in d.reason
+
+
+def test_deepseek_moe_medium_s_blockwise_experts_take_the_path_measured_faster_at_their_shape():
+    medium_w13 = ExpertGemm(experts=16, n=2 * 4096, k=4096, tokens_per_expert=1024)
+    paths = {backend: measured(90, "blockwise", backend, medium_w13) for backend in ("te", "grouped_fp8")}
+    fastest = max(paths, key=lambda backend: paths[backend].speedup)
+    assert paths[fastest].speedup > 1  # what the evidence says today
+    d = make_plan(moe_model(16, 4096, 4096, 4), PolicyConfig(recipe="blockwise", small_gemm_filter="off")).decision(
+        "layers.0.moe.experts.w13")
+    assert (d.backend, d.recipe) == (fastest, "blockwise") and paths[fastest].describe() in d.reason
 
 
 def test_rowwise_experts_stay_bf16_unless_asked_because_every_path_is_slower():

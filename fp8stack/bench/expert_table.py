@@ -47,7 +47,7 @@ def rows_of(path: Path) -> list[tuple[str, str, dict]]:
         kernels = kernels_label(row.get("options", {}))
         rows.append((arch, table_key(row["recipe"], row["backend"], kernels),
                      {"speedup": row["speedup_vs_bf16"], "shape": asdict(shape), "device": environment["device"],
-                      "date": date[:10], "source": path.as_posix(), "kernels": kernels}))
+                      "date": date, "source": path.as_posix(), "kernels": kernels}))
     return rows
 
 
@@ -60,7 +60,8 @@ def kernels_label(options: dict) -> str:
 
 def build_table(paths: list[Path]) -> dict:
     """The table from these evidence files: per arch and key, the newest measurement of each device at each shape
-    (a later file of the same date wins), ordered by shape then device; with the shapes it holds."""
+    (by the evidence's timestamp; of two of the same time, the later file), ordered by shape then device; with the
+    shapes it holds. The table gives each measurement's day."""
     newest: dict[tuple[str, str, ExpertShape, str], dict] = {}
     for path in paths:
         for arch, key, measurement in rows_of(path):
@@ -69,7 +70,7 @@ def build_table(paths: list[Path]) -> dict:
                 newest[slot] = measurement
     archs: dict[str, dict[str, list[dict]]] = {}
     for (arch, key, _, _), measurement in sorted(newest.items()):
-        archs.setdefault(arch, {}).setdefault(key, []).append(measurement)
+        archs.setdefault(arch, {}).setdefault(key, []).append({**measurement, "date": measurement["date"][:10]})
     shapes = sorted({shape for _, _, shape, _ in newest})
     return {"generated_by": COMMAND, "measures": "whole expert block (w13, SwiGLU, w2) forward + backward, "
             "quantization included, over BF16 grouped GEMMs; balanced routing",

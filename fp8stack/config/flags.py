@@ -24,6 +24,7 @@ from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_PARALLEL, DATA_SOURCES,
                                  ConfigError, JobConfig)
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.description import CONFIGS_DIR
+from fp8stack.plan.expert_speeds import GROUPED_KERNELS
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES, Override
 from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, EXPERT_BACKENDS, EXPERT_QUANTIZERS,
                                    FP8_FORMATS, PARAM_DTYPES, RECIPES, parse_arch, recipe_name)
@@ -35,6 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.backend": BACKEND_PREFERENCES,
     "precision.small_gemm_filter": SMALL_GEMM_CHOICES,
     "precision.expert_backend": ("auto", *EXPERT_BACKENDS),
+    "precision.grouped_kernels": GROUPED_KERNELS,
     "te.blockwise_gemms": BLOCKWISE_GEMMS,
     "grouped_fp8.quantizer": EXPERT_QUANTIZERS,
     "training.device": DEVICES,

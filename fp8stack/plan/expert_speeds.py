@@ -8,6 +8,7 @@ reads a model's expert GEMMs at their own shape where measured, else at the near
 Pure data: no torch, no CUDA.
 """
 
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("expert_speeds.json")
 """The packaged table."""
+GROUPED_KERNELS = ("auto", "deepgemm", "torch")
+"""What grouped_fp8's blockwise GEMMs can run on where the model trains (PolicyConfig.grouped_kernels)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -113,16 +116,35 @@ def load_table(path: Path = TABLE_PATH) -> dict:
     return json.loads(path.read_text())
 
 
-def measured(arch: int, recipe: str, backend: str, gemm: ExpertGemm, table: dict | None = None) -> Measurement | None:
+def deep_gemm_installed() -> bool:
+    """Whether this Python has a deep_gemm package (found, not imported: the plan loads no GPU library)."""
+    return importlib.util.find_spec("deep_gemm") is not None
+
+
+def runnable_kernels(grouped_kernels: str) -> frozenset[str]:
+    """The kernel choices (Measurement.kernels) whose measurements count where grouped_fp8's blockwise GEMMs run on
+    `grouped_kernels` (GROUPED_KERNELS): auto is deepgemm where this Python can import deep_gemm (looked up, not
+    imported), else torch. With DeepGEMM the backend runs TE's quantizer where TE imports, so its measurements count
+    too; '' is a path without a kernel choice (TE's)."""
+    if grouped_kernels not in GROUPED_KERNELS:
+        raise ValueError(f"grouped_kernels={grouped_kernels!r}: use one of {', '.join(GROUPED_KERNELS)}")
+    if grouped_kernels == "auto":
+        grouped_kernels = "deepgemm" if deep_gemm_installed() else "torch"
+    return frozenset({"", "torch"} | ({"deepgemm", "deepgemm+te-quantizer"} if grouped_kernels == "deepgemm" else set()))
+
+
+def measured(arch: int, recipe: str, backend: str, gemm: ExpertGemm, table: dict | None = None,
+             kernels: frozenset[str] | None = None) -> Measurement | None:
     """What one expert path (the expert GEMMs' recipe on `backend`) is worth for `gemm` on sm`arch`, None when the
     path is unmeasured there. Read at the path's measured shape nearest the GEMM's (ExpertGemm.distance; its own
     where measured); there, per kernel choice the slowest device counts (the plan holds for every GPU measured), and
     of the kernel choices the fastest, which the backend runs when it can (grouped_fp8 takes DeepGEMM when
-    installed, and TE's quantizer with it where TE imports)."""
+    installed, and TE's quantizer with it where TE imports). kernels: only the kernel choices that can run where the
+    model trains (runnable_kernels; None: every one)."""
     rows = (table or load_table())["archs"].get(f"sm{arch}", {})
     prefix = table_key(recipe, backend)
     found = [(key, Measurement.of(m)) for key, devices in rows.items() if key == prefix or key.startswith(prefix + ":")
-             for m in devices]
+             for m in devices if kernels is None or m["kernels"] in kernels]
     if not found:
         return None
     nearest = min({m.shape for _, m in found}, key=lambda shape: (gemm.distance(shape), shape))

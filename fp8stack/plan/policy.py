@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fp8stack.plan.description import Component, ModelDescription, NormFeed, SwiGLUFeed
 from fp8stack.plan.errors import PlanError, PlanWarning
 from fp8stack.plan.plan import Decision, Fusion, Plan
-from fp8stack.plan.expert_speeds import ExpertGemm, measured, shape_note
+from fp8stack.plan.expert_speeds import GROUPED_KERNELS, ExpertGemm, measured, runnable_kernels, shape_note
 from fp8stack.plan.recipes import (BACKEND_LABELS, BACKEND_PREFERENCES, BF16, EXPERT_BACKENDS, FP8_FORMATS,
                                    GROUPED_ALIGNMENT, Recipe, dense_backend, expert_paths,
                                    fp8_attention_head_dim_problem, fp8_attention_recipes, get_recipe)
@@ -116,6 +116,11 @@ class PolicyConfig:
     measured path is slower than BF16; TE's, else grouped_fp8's, where none is measured), te (TE GroupedLinear) or
     grouped_fp8 (fp8stack's grouped kernels: blockwise on DeepGEMM when installed, else torch's). A named backend is
     planned even where measured slower than BF16, with that measurement in the reason."""
+    grouped_kernels: str = "auto"
+    """What grouped_fp8's blockwise expert GEMMs run on where the model trains, so that expert_backend auto counts only
+    measurements of kernels that run there: deepgemm (DeepGEMM, with TE's quantizer where TE imports), torch (torch's
+    scaled GEMMs), or auto: deepgemm where this Python has deep_gemm installed, else torch. Name it to plan for
+    another machine."""
     head_on_te: bool | None = None
     """The output head (BF16 by rule) runs as a TE module without FP8 beside the plan's TE linears, so TE's fused
     weight-gradient accumulation covers it too, as megatron's output layer accumulates into main_grad, and the final
@@ -141,6 +146,8 @@ class PolicyConfig:
             _require_name(getattr(self, name), name)
         if self.expert_backend not in ("auto", *EXPERT_BACKENDS):
             raise PlanError(f"expert_backend={self.expert_backend!r}: use auto, {' or '.join(EXPERT_BACKENDS)}")
+        if self.grouped_kernels not in GROUPED_KERNELS:
+            raise PlanError(f"grouped_kernels={self.grouped_kernels!r}: use one of {', '.join(GROUPED_KERNELS)}")
         if self.fp8_format is not None:
             _require_name(self.fp8_format, "fp8_format")
         for name in ("first_last_layers_bf16", "fuse_norm", "fuse_mlp", "fp8_attention"):
@@ -523,7 +530,8 @@ def _expert_choice(c: Component, cfg: PolicyConfig, model: ModelDescription) -> 
     preference = override.backend if override and override.backend else cfg.backend
     dense = preference if preference in recipe.dense_backends else recipe.dense_backends[0]
     gemm = _expert_gemm(c, model)
-    timed = [(backend, expert_recipe, measured(cfg.arch, expert_recipe, backend, gemm))
+    kernels = runnable_kernels(cfg.grouped_kernels)
+    timed = [(backend, expert_recipe, measured(cfg.arch, expert_recipe, backend, gemm, kernels=kernels))
              for backend, expert_recipe in expert_paths(recipe, dense)]
     if cfg.expert_backend != "auto":
         return _asked_expert_path(cfg, recipe, dense, timed, gemm)
