@@ -114,6 +114,15 @@ def test_a_run_writes_json_markdown_and_figure_and_fails_on_a_failed_check(tmp_p
                                                                          is not None)
 
 
+def test_a_label_names_a_second_run_of_the_day_beside_the_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling, "run_all", lambda workdir, planned, nproc, common, gpus, models: {
+        scaling.run_name(*run): RECORDS[scaling.run_name(*run)] for run in planned})
+    scaling.main(["--nproc", "2", "--steps", str(STEPS), "--out-dir", str(tmp_path)])
+    scaling.main(["--nproc", "2", "--steps", str(STEPS), "--out-dir", str(tmp_path), "--label", "reduce-each"])
+    for name in ("scaling-llama-1b-like-2gpu-cpu", "scaling-llama-1b-like-reduce-each-2gpu-cpu"):
+        assert (run_folder(name, tmp_path) / f"{name}.json").is_file()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "1"], "--nproc 1: the wrapped runs need at least 2 GPUs"),
     (["--wrappers", "ddp,zero"], "--wrappers 'ddp,zero': name some of ddp,fsdp,fsdp_gather_once,fsdp_fp8_params,"),

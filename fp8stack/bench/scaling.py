@@ -237,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipe", default="delayed", help="the FP8 recipe set against BF16")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="passed to every run (default: auto)")
     parser.add_argument("--out-dir", default="profiles", help="evidence folder")
+    parser.add_argument("--label", default="", help="added to the evidence's name, scaling-<model>-<label>-<N>gpu-"
+                        "<device> (runs of one day that differ in their flags)")
     parser.add_argument("train_flags", nargs="*", metavar="-- FLAGS",
                         help="after --: fp8stack train flags every run takes (a model that needs recompute, say)")
     add_force_option(parser)
@@ -251,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "python -m fp8stack.bench.data_parallel)")
     if args.recipe == BF16:
         parser.error("--recipe bf16: name the FP8 recipe set against BF16 (delayed, tensorwise, blockwise, ...)")
-    name = f"scaling-{args.model}-{args.nproc}gpu-{device_slug()}"
+    name = f"scaling-{args.model}{'-' + args.label if args.label else ''}-{args.nproc}gpu-{device_slug()}"
     claim_or_exit(PROG, name, args.out_dir, args.force)
     common = ["--train-iters", str(args.steps), "--eval-iters", "0", "--log-interval", "10",
               "--profile-collectives", str(PROFILED_STEPS), *(("--device", args.device) if args.device else ()),
