@@ -21,6 +21,9 @@ from fp8stack.train.loop import train
 
 STEPS, MICRO_BATCHES = 3, 2
 """Optimizer steps, each accumulating this many micro-batches."""
+BUCKET_BYTES = 2048
+"""Small buckets (a layer's main_grads or fewer each; WithUnused.unused's alone), so that each is allocated by the
+backward that reaches it."""
 
 
 class WithUnused(nn.Module):
@@ -30,7 +33,7 @@ class WithUnused(nn.Module):
     def __init__(self):
         super().__init__()
         self.embedding = nn.Embedding(32, 16)
-        self.hidden, self.out, self.unused = nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(16, 16)
+        self.unused, self.hidden, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 32)
 
     def forward(self, tokens):
         return self.out(torch.relu(self.hidden(self.embedding(tokens)))).float()
@@ -59,7 +62,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def _steps(model: nn.Module, release: bool, mesh=None, rank: int = 0, world: int = 1) -> dict:
     """STEPS AdamW steps of MICRO_BATCHES micro-batches each (under no_sync but the last); the masters' gradients
     before each step, the masters and parameters after each, and what was alive when."""
-    masters = MasterWeights(model, data_parallel=mesh, release_main_grads=release)
+    masters = MasterWeights(model, data_parallel=mesh, bucket_bytes=BUCKET_BYTES, release_main_grads=release)
     optimizer = masters.track(torch.optim.AdamW(masters.parameters(), lr=1e-2, weight_decay=0.1))
     generator = torch.Generator().manual_seed(1)
     out = {"grads": [], "masters": [], "params": [], "allocated_before_backward": [], "alive_after_step": [],
@@ -110,6 +113,7 @@ def test_a_parameter_no_backward_reached_is_stepped_with_a_zero_gradient():
     model = _plain_model()
     before = model.unused.weight.detach().clone()
     released = _steps(model, release=True)
+    assert released["buckets"] == 5, "the unused linear's main_grads are a bucket of their own"
     unused = list(dict(model.named_parameters())).index("unused.weight")
     assert all(not grads[unused].any() for grads in released["grads"])
     assert not torch.equal(released["masters"][-1][unused], before), "weight decay moved it"
