@@ -317,7 +317,8 @@ class BlockwiseGroupedMM(torch.autograd.Function):
     once, whole (1x128 tiles never cross an aligned group). Whether the group sizes are read on the host is the
     kernels' affair (their capturable flags).
     main_grad: the weight's FP32 gradient buffer, which the wgrad GEMM adds into in place (no weight gradient is
-    returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch).
+    returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch), or a function the backward calls for it
+    (GroupedExperts.main_grad_of).
     quantizer: what quantizes x and the output gradient in 1x128 tiles (InductorQuantizer, or TE's)."""
 
     @staticmethod
@@ -409,7 +410,7 @@ def _blockwise_grads(ctx, grad_y: torch.Tensor, weight_fp8: Fp8Tensor,
         weight_t = fp8_quant.transpose_blocks(weight_fp8)  # the forward's, transposed
         grad_x = groups.unpad(kernels.m_grouped(grad_fp8, weight_t, groups)).to(ctx.x_dtype)
     if need_w and ctx.main_grad is not None:
-        kernels.k_grouped(grad_t, x_t, groups, into=ctx.main_grad)
+        kernels.k_grouped(grad_t, x_t, groups, into=ctx.main_grad() if callable(ctx.main_grad) else ctx.main_grad)
     elif need_w:
         grad_w = kernels.k_grouped(grad_t, x_t, groups).to(ctx.weight_dtype)
     return grad_x, grad_w

@@ -5,10 +5,11 @@ from fp8stack.config.flags import (add_config_arguments, add_section_arguments, 
 from fp8stack.config.job import (ActivationCheckpointConfig, CheckpointConfig, ConfigError, DataConfig,
                                  DeepGemmConfig, JobConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelismConfig, TEConfig,
                                  TorchaoConfig, TrainingConfig, check_data_parallel_levers, check_expert_parallel,
-                                 check_optimizer_moments, recompute_blocks)
+                                 check_optimizer_moments, check_release_main_grads, recompute_blocks)
 
 __all__ = ["ActivationCheckpointConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DeepGemmConfig", "JobConfig",
            "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig", "TEConfig", "TorchaoConfig",
            "TrainingConfig", "add_config_arguments", "add_section_arguments", "check_data_parallel_levers",
-           "check_expert_parallel", "check_optimizer_moments", "from_dict", "from_overrides", "job_from_args", "load_config", "parse_args", "preset_names",
-           "recompute_blocks", "to_dict"]
+           "check_expert_parallel", "check_optimizer_moments", "check_release_main_grads", "from_dict",
+           "from_overrides", "job_from_args", "load_config", "parse_args", "preset_names", "recompute_blocks",
+           "to_dict"]

@@ -187,6 +187,11 @@ class TrainingConfig:
     mixed-precision policy), fp32 in FP32, fp8 as TE's FP8 weights; under DDP each rank keeps masters of its replica.
     On the Megatron path bf16 is megatron's own (Float16Module, FP32 masters in megatron's optimizer) and fp8 is
     refused. None: bf16 where activations are BF16 on the plain path (measured faster on one H200), else fp32."""
+    release_main_grads: bool = False
+    """With BF16 or FP8 parameters on the plain path, unsharded (fp8stack.precision.MasterWeights): free the FP32
+    main_grads (4 bytes per parameter) after each optimizer step, and allocate each bucket again, zeroed, when the
+    next backward first needs it, as torchtitan sets its gradients to None after each step: less memory between
+    steps and at the start of each backward, the same gradients. Off until a GPU measures its peak memory and speed."""
     compile: bool | None = None
     """torch.compile each block and the loss. None: on for CUDA (measured faster on one H200), off on a CPU."""
     sdpa_backend: str | None = None
@@ -485,11 +490,23 @@ def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
         raise ConfigError("te.gradient_accumulation_fusion: TE writes weight gradients into main_grad outside "
                           "autograd, and FSDP2 reduce-scatters autograd's gradients: pass --parallelism.data-parallel "
                           "ddp (or --no-gradient-accumulation-fusion)")
+    check_release_main_grads(job.training, fsdp)
     if parallel.tensor_parallel > 1 and (param_dtype == "fp8" or (param_dtype == "bf16" and fsdp is False)):
         raise ConfigError(f"training.param_dtype {param_dtype} keeps FP32 masters of whole parameters, which tensor "
                           "parallelism shards; under it only FSDP2's mixed precision keeps BF16 parameters "
                           "(param_dtype bf16 with more ranks than --tensor-model-parallel-size): use "
                           "--training.param-dtype fp32, or add data-parallel ranks")
+
+
+def check_release_main_grads(training: TrainingConfig, fsdp: bool | None) -> None:
+    """training.release_main_grads needs the main_grads of MasterWeights: BF16 or FP8 parameters without FSDP2 (fsdp
+    None while the process count is unknown; param_dtype None until resolved)."""
+    if training.release_main_grads and (training.param_dtype == "fp32" or fsdp):
+        kept = ("FP32 parameters take autograd's gradients" if training.param_dtype == "fp32"
+                else "FSDP2 reduces its own")
+        raise ConfigError(f"training.release_main_grads frees the FP32 main_grads MasterWeights keeps for BF16 or "
+                          f"FP8 parameters, and this run keeps none ({kept}): drop --training.release-main-grads, "
+                          "or pass --training.param-dtype bf16 without FSDP2")
 
 
 def check_optimizer_moments(job: JobConfig, device: str | None) -> None:
@@ -541,6 +558,9 @@ def _check_megatron(job: JobConfig) -> None:
                   "training.param_dtype fp8": (job.training.param_dtype == "fp8",
                                                "TE weights held in FP8 (megatron's --fp8-param-gather is not wired "
                                                "here; bf16 is megatron's own BF16 parameters)"),
+                  "training.release_main_grads": (job.training.release_main_grads,
+                                                  "fp8stack's MasterWeights (megatron's DDP keeps its own FP32 "
+                                                  "gradient buffers)"),
                   "training.sdpa_backend": (job.training.sdpa_backend not in (None, "auto"),
                                             "torch SDPA kernels (megatron's attention is TE's DotProductAttention)")}
     given = [f"{name} ({what})" for name, (value, what) in plain_only.items() if value]

@@ -17,6 +17,7 @@ torchtitan's optimizer hook does. A loop of one's own calls it after optimizer.s
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -192,9 +193,13 @@ class GroupedExperts(nn.Module):
             return GroupedMMIntoMainGrad.apply(x, weight, offsets, main_grad)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
 
-    def main_grad_of(self, weight: nn.Parameter) -> torch.Tensor | None:
-        """The FP32 buffer the weight's wgrad GEMM adds into, if it takes one (wgrad_into_main_grad)."""
-        return weight.main_grad if self.wgrad_into_main_grad and weight.requires_grad else None
+    def main_grad_of(self, weight: nn.Parameter) -> torch.Tensor | Callable[[], torch.Tensor] | None:
+        """The FP32 buffer the weight's wgrad GEMM adds into, if it takes one (wgrad_into_main_grad); where master
+        weights allocate it only when a backward needs it (MasterWeights' release_main_grads), the function giving it,
+        which the backward calls."""
+        if not (self.wgrad_into_main_grad and weight.requires_grad):
+            return None
+        return weight.get_main_grad if hasattr(weight, "get_main_grad") else weight.main_grad
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w13, std=0.02)
@@ -203,7 +208,8 @@ class GroupedExperts(nn.Module):
 
 class GroupedMMIntoMainGrad(torch.autograd.Function):
     """torch._grouped_mm(x, weight^T) per row group, whose backward adds the weight gradient into `main_grad` (the
-    weight's FP32 buffer) in place and returns none. torch._grouped_mm writes its input dtype only (no FP32 output for
+    weight's FP32 buffer, or a function the backward calls for it: GroupedExperts.main_grad_of) in place and returns
+    none. torch._grouped_mm writes its input dtype only (no FP32 output for
     BF16 operands), so the BF16 product is added right away: one add, as the hook's, but the BF16 gradient is freed
     at once instead of passing through the parameter's .grad to a hook."""
 
@@ -217,7 +223,8 @@ class GroupedMMIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight, offsets = ctx.saved_tensors
         grad_x = torch._grouped_mm(grad_y, weight, offs=offsets) if ctx.needs_input_grad[0] else None
-        ctx.main_grad.add_(torch._grouped_mm(grad_y.t(), x, offs=offsets))
+        main_grad = ctx.main_grad() if callable(ctx.main_grad) else ctx.main_grad
+        main_grad.add_(torch._grouped_mm(grad_y.t(), x, offs=offsets))
         return grad_x, None, None, None
 
 

@@ -29,8 +29,16 @@ autograd a placeholder gradient (Megatron's grad_added_to_main_grad protocol), w
     for i, batch in enumerate(micro_batches):
         with masters.no_sync() if i < len(micro_batches) - 1 else nullcontext():
             loss_fn(model(batch)).backward()
+
+With release_main_grads the main_grads live only from a step's first backward to its optimizer step (across its
+micro-batches), as torchtitan's gradients set to None after each step do: after_step() frees them, and each bucket is
+allocated again, zeroed, when the next backward first needs it (4 bytes per parameter fewer between steps and at the
+start of each backward). The GEMMs that write main_grad themselves fetch it in their backward: TE's through
+get_main_grad(), which TE calls for a weight marked __fsdp_param__ (its Megatron-FSDP hook), grouped experts through
+get_main_grad() too (GroupedExperts.main_grad_of).
 """
 
+import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
 
@@ -78,7 +86,7 @@ class MasterWeights(SteppedMasters):
     after_step() must run: track(optimizer) makes the optimizer run it (with the assembly's post-step hook)."""
 
     def __init__(self, model: nn.Module, data_parallel: dist.ProcessGroup | DeviceMesh | None = None,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, release_main_grads: bool = False):
         named = {name: p for name, p in model.named_parameters() if p.requires_grad}
         wrong = sorted({str(p.dtype) for p in named.values()} - {"torch.float32"})
         if wrong:
@@ -99,6 +107,7 @@ class MasterWeights(SteppedMasters):
         """The FP32 masters, in the order of params."""
         self.module = _holding(masters)
         """An nn.Module with the FP32 masters under the model's parameter names."""
+        self._master_of = {id(param): master for param, master in zip(self.params, self.masters, strict=True)}
         for backend in backends:  # main_grads a backend's modules accumulate into are ours from here on
             backend.hand_over_main_grads(model)
         ours = set(map(id, self.params))
@@ -106,11 +115,26 @@ class MasterWeights(SteppedMasters):
             if isinstance(module, nn.Embedding) and id(module.weight) in ours:
                 module.sparse = True
         written_by_backend = {id(p) for p in self.params if getattr(p, "main_grad", None) is not None}
-        self.buffers, members = _main_grad_buffers(self.params, bucket_bytes)
-        """The FP32 buffers every main_grad is a view into: zeroed, and averaged over the replicas, whole."""
+        self.release_main_grads = release_main_grads
+        """The main_grads are freed by after_step() and allocated again by the next backward (see the module)."""
+        self._members = buckets(self.params, bucket_bytes, element_size=4)  # FP32 main_grads
+        self._bucket_of = {id(param): index for index, run in enumerate(self._members) for param in run}
+        self.buffers: list[torch.Tensor | None] = [None] * len(self._members)
+        """The FP32 buffers every main_grad is a view into: zeroed, and averaged over the replicas, whole. With
+        release_main_grads a bucket's is None from after_step() until a backward needs it."""
+        if release_main_grads:
+            _drop_backend_main_grads([p for p in self.params if id(p) in written_by_backend])
+            for param in self.params:
+                param.get_main_grad = functools.partial(self._main_grad, param)
+                if id(param) in written_by_backend:  # TE fetches main_grad in its backward from get_main_grad()
+                    param.__fsdp_param__ = True
+        else:
+            for index in range(len(self.buffers)):
+                self._allocate(index)
         self.group = process_group(data_parallel) if data_parallel is not None else None
         """The replicas' process group (data_parallel), or None."""
-        self._average = OverlappedAverage(self.buffers, members, self.group) if self.group is not None else None
+        self._average = (OverlappedAverage(self.buffers, self._members, self.group) if self.group is not None
+                         else None)
         for param in self.params:
             if id(param) not in written_by_backend:
                 param.register_post_accumulate_grad_hook(self._into_main_grad)
@@ -125,19 +149,25 @@ class MasterWeights(SteppedMasters):
                     param.data = param.data.to(torch.bfloat16)
                 if self.group is not None:
                     param.copy_(master)
-        self._at_backward_end = (AtBackwardEnd(model, self.reduce_grads, at_forward=self._average.arm)
-                                 if self._average is not None else None)
-        self._link_grads()
+        # Released main_grads: every bucket exists at a backward's end, so that the optimizer steps a parameter the
+        # backward did not reach with a zero gradient, as it does the persistent buffers'.
+        self._at_backward_end = (AtBackwardEnd(model, self.reduce_grads,
+                                               at_forward=self._average.arm if self._average is not None else None)
+                                 if self._average is not None or release_main_grads else None)
         model.register_forward_pre_hook(self._link_unlinked_grads)
 
     def after_step(self) -> None:
         """The BF16 (and FP8) parameters from the stepped masters; main_grads zeroed for the next step (and the masters'
-        .grad, which optimizer.zero_grad(set_to_none=True) let go, pointed at them again)."""
+        .grad, which optimizer.zero_grad(set_to_none=True) let go, pointed at them again), or freed with
+        release_main_grads (the masters' .grad None until the next backward)."""
         with torch.no_grad():
             for param, master in zip(self.params, self.masters, strict=True):
                 param.copy_(master)
-            for buffer in self.buffers:
-                buffer.zero_()
+            if self.release_main_grads:
+                self._release()
+            else:
+                for buffer in self.buffers:
+                    buffer.zero_()
         self._link_grads()
 
     def no_sync(self):
@@ -147,7 +177,11 @@ class MasterWeights(SteppedMasters):
 
     def reduce_grads(self) -> None:
         """Average the main_grads over data_parallel's ranks now (what the end of a backward outside no_sync does,
-        having started the buckets whose gradients were final on the way)."""
+        having started the buckets whose gradients were final on the way); released buckets the backward did not
+        reach are allocated (zero) first."""
+        for index in range(len(self.buffers)):
+            if self.buffers[index] is None:
+                self._allocate(index)
         if self._average is not None:
             self._average.finish()
 
@@ -159,9 +193,10 @@ class MasterWeights(SteppedMasters):
         if grad is None:
             pass
         elif grad.is_sparse:  # an embedding's looked-up rows, one per token (uncoalesced: repeated rows add up here)
-            param.main_grad.index_add_(0, grad._indices()[0], grad._values().to(param.main_grad.dtype))
+            main_grad = self._main_grad(param)
+            main_grad.index_add_(0, grad._indices()[0], grad._values().to(main_grad.dtype))
         else:
-            param.main_grad.add_(grad)
+            self._main_grad(param).add_(grad)
         param.grad = None
         if self._average is not None:
             self._average.ready(param)
@@ -171,23 +206,17 @@ class MasterWeights(SteppedMasters):
         param.grad = None
         self._average.ready(param)
 
-    def _link_grads(self) -> None:
-        for param, master in zip(self.params, self.masters, strict=True):
-            master.grad = param.main_grad
+    def _main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """param's main_grad, its bucket allocated first if released (param.get_main_grad with release_main_grads)."""
+        index = self._bucket_of[id(param)]
+        if self.buffers[index] is None:
+            self._allocate(index)
+        return param.main_grad
 
-    def _link_unlinked_grads(self, *_hook_args) -> None:
-        """Before a forward: optimizer.zero_grad(set_to_none=True) let the masters' .grad go; point them at the
-        main_grads the coming backward accumulates into."""
-        if self.masters and self.masters[0].grad is None:
-            self._link_grads()
-
-
-def _main_grad_buffers(params: list[nn.Parameter], bucket_bytes: int
-                       ) -> tuple[list[torch.Tensor], list[list[nn.Parameter]]]:
-    """Flat FP32 buffers, in buckets of about bucket_bytes, with each parameter's main_grad a view into one (starting
-    from the values of any main_grad a backend made); and each buffer's parameters."""
-    flats, runs = [], buckets(params, bucket_bytes, element_size=4)  # FP32 main_grads
-    for run in runs:
+    def _allocate(self, index: int) -> None:
+        """Bucket `index`'s flat FP32 buffer, zeroed, with each parameter's main_grad a view into it (starting from
+        the values of any main_grad a backend made) and its master's .grad that view."""
+        run = self._members[index]
         flat = torch.zeros(sum(p.numel() for p in run), dtype=torch.float32, device=run[0].device)
         offset = 0
         for param in run:
@@ -196,8 +225,40 @@ def _main_grad_buffers(params: list[nn.Parameter], bucket_bytes: int
                 view.copy_(param.main_grad)
             param.main_grad = view
             offset += param.numel()
-        flats.append(flat)
-    return flats, runs
+        self.buffers[index] = flat
+        for param in run:
+            self._master_of[id(param)].grad = param.main_grad
+
+    def _release(self) -> None:
+        """Free every bucket: neither a parameter's main_grad (where TE's backward set it too) nor this holds one
+        (_link_grads then lets the masters' .grad go)."""
+        for index, run in enumerate(self._members):
+            if self.buffers[index] is not None:
+                for param in run:
+                    del param.main_grad
+                self.buffers[index] = None
+
+    def _link_grads(self) -> None:
+        """Each master's .grad: its parameter's main_grad, where allocated."""
+        for param, master in zip(self.params, self.masters, strict=True):
+            master.grad = getattr(param, "main_grad", None)
+
+    def _link_unlinked_grads(self, *_hook_args) -> None:
+        """Before a forward: optimizer.zero_grad(set_to_none=True) let the masters' .grad go; point them at the
+        main_grads the coming backward accumulates into."""
+        if self.masters and self.masters[0].grad is None:
+            self._link_grads()
+
+
+def _drop_backend_main_grads(params: list[nn.Parameter]) -> None:
+    """Free the main_grads a backend made (TE's fuse_wgrad_accumulation, at conversion): released main_grads start
+    each step from zero, and a gradient accumulated there before master weights took over would be lost."""
+    if params and torch.stack([p.main_grad.any() for p in params]).any():
+        raise RuntimeError("release_main_grads starts each step's main_grads from zero, and a backward already "
+                           "accumulated gradients into the main_grads of this model's TE weights: build MasterWeights "
+                           "before the first backward, or keep the main_grads (release_main_grads=False)")
+    for param in params:
+        del param.main_grad
 
 
 def _holding(named: dict[str, nn.Parameter]) -> nn.Module:

@@ -471,13 +471,14 @@ def _optimizer_side(cfg: JobConfig, model: torch.nn.Module, env: "_Distributed"
     data-parallel wrapper ask: (masters, gradients averaged over DDP's ranks without masters). FSDP2 reduces its
     own gradients and its sharded FP32 parameters are the masters; weights held in FP8 get sharded FP32 ones."""
     param_dtype = cfg.training.param_dtype  # BF16 or FP8 ones with BF16 activations only (TrainingConfig.validate)
+    release = cfg.training.release_main_grads  # only where MasterWeights runs (config.check_release_main_grads)
     if env.fsdp_mesh is not None:
         return (ShardedMasterWeights(model) if param_dtype == "fp8" else None), None
     if env.ddp_mesh is not None:
         if param_dtype == "fp32":
             return None, DataParallelGradients(model, env.ddp_mesh)
-        return MasterWeights(model, data_parallel=env.ddp_mesh), None
-    return (MasterWeights(model) if param_dtype != "fp32" else None), None
+        return MasterWeights(model, data_parallel=env.ddp_mesh, release_main_grads=release), None
+    return (MasterWeights(model, release_main_grads=release) if param_dtype != "fp32" else None), None
 
 
 def _fsdp_mixed_precision(cfg: JobConfig) -> MixedPrecisionPolicy:

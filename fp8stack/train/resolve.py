@@ -9,7 +9,7 @@ import torch
 
 from fp8stack.backends import deepgemm
 from fp8stack.config import (ConfigError, JobConfig, TrainingConfig, check_data_parallel_levers,
-                             check_expert_parallel, check_optimizer_moments)
+                             check_expert_parallel, check_optimizer_moments, check_release_main_grads)
 from fp8stack.models import LlamaConfig
 from fp8stack.models.training_defaults import training_defaults
 from fp8stack.plan.recipes import BF16
@@ -57,6 +57,8 @@ def resolve(job: JobConfig, shape: LlamaConfig | None, world_size: int) -> JobCo
                                              and _bf16_parameters_serve(job, world_size) else "fp32"),
         compile=training.compile if training.compile is not None else on_gpu and job.model.impl == "torch",
         sdpa_backend=training.sdpa_backend or _sdpa_backend(on_gpu, arch, job.model.impl))
+    if plain:  # param_dtype resolved
+        check_release_main_grads(training, fsdp_wrapped(job, world_size))
     optimizer = job.optimizer
     if shape is not None:  # a factory model's schedule is chosen once it is built (its width)
         defaults = training_defaults(shape, training.steps)
