@@ -1348,7 +1348,8 @@ def test_quantizer_flows_from_the_command_line_to_the_backend():
 
 def test_the_breakdown_s_main_grad_steps_add_what_its_plain_steps_return():
     """fp8stack.bench.experts_breakdown's steps into main_grad (as training runs them) add into the FP32 buffer the
-    weight gradient its plain steps hand autograd: BF16's GEMM, and the blockwise GEMMs' on the same operands."""
+    weight gradient its plain steps hand autograd: BF16's GEMM, and the blockwise GEMMs' on the same operands; its
+    step with the FP8 weight cached gives the uncached step's gradients bit for bit."""
     from fp8stack.bench import experts_breakdown
 
     torch.manual_seed(0)
@@ -1366,9 +1367,16 @@ def test_the_breakdown_s_main_grad_steps_add_what_its_plain_steps_return():
         steps[plain]()
         returned = w.grad.float()
         main_grad.zero_()
-        w.grad = None
+        w.grad = x.grad = None
         steps[into]()
+        x_grad_uncached = x.grad
         assert w.grad is None and torch.allclose(main_grad, returned, rtol=1e-2, atol=1e-3), plain
+    uncached = main_grad.clone()  # the FP8 step's
+    for call in range(2):  # the first makes the cached blocks, the second reuses them: both add the same bits
+        main_grad.zero_()
+        x.grad = None
+        steps[experts_breakdown.FP8_CACHED_WEIGHT_STEP]()
+        assert torch.equal(main_grad, uncached) and torch.equal(x.grad, x_grad_uncached), call
 
 
 # ---- cache_fp8_weights: the blockwise weights' FP8 blocks made once per optimizer step -------------------------
