@@ -19,6 +19,8 @@ eager quantizer costs ~7 FP32 passes of its input instead):
   are; others are gathered into aligned groups inside the same kernel (an index load per row, far slower).
 - backward: grad -> along N and along T transposed from one read (2TN + 2TN); blockwise dgrad transposes
   the saved FP8 weight (2ENK); rowwise re-quantizes w per K column (2ENK + ENK).
+- blockwise with cache_fp8_weights (WeightBlocks): w's quantization and its transpose once per optimizer step, the
+  step's later micro-batches reading the kept copies (2ENK bytes held between steps).
 - GEMMs: FP8 operands (1 byte/element) and BF16 outputs; blockwise per-expert slices copy the output
   once (2 x 2TN) and wgrad operands once (T(N + K)). Aligned groups hand y and grad_x back as the GEMMs wrote them
   (rows past the last group unspecified, GroupedExperts' contract; copied where x's rows are not whole tiles, never
