@@ -27,6 +27,7 @@ from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, B
                                        RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels, TokenGroupPadding,
                                        rhs_block_scale, token_groups)
 from fp8stack.backends import fp8_quant
+from fp8stack.backends.base import optimizer_steps
 from fp8stack.backends.fp8_quant import quantize_rowwise, quantize_token_groups
 from fp8stack.backends.te_quant import TEBlockQuantizer, deepgemm_operands
 from fp8stack.models.llama import Llama
@@ -1110,7 +1111,7 @@ def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
     model = build_model(cfg, torch.device("cpu"))
     plan = build_plan(cfg, model)
     options = _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"]
-    assert options == {"fp8_dispatch": True}
+    assert options == {"fp8_dispatch": True, "cache_fp8_weights": False}
     GroupedFP8Backend(kernels="torch", **options).convert(model, plan.for_backend("grouped_fp8"), plan)
     assert all(model.layers[i].moe.experts.permutes_tokens for i in (1, 2, 3))
     for flags, runs_on in [(("--fp8-recipe", "rowwise", "--expert-backend", "grouped_fp8"), "grouped_fp8/rowwise"),
@@ -1332,7 +1333,8 @@ def test_quantizer_flows_from_the_command_line_to_the_backend():
     cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.quantizer", "te")
     assert cfg.grouped_fp8.quantizer == "te" and _job().grouped_fp8.quantizer == "auto"
     plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
-    assert _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"] == {"quantizer": "te"}
+    options = _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"]
+    assert options == {"quantizer": "te", "cache_fp8_weights": False}
     cfg = _job("--fp8-recipe", "rowwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.quantizer", "te")
     plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
     with pytest.raises(ConfigError, match="runs its experts on grouped_fp8/rowwise: pass --fp8-recipe blockwise "
@@ -1346,7 +1348,8 @@ def test_quantizer_flows_from_the_command_line_to_the_backend():
 
 def test_the_breakdown_s_main_grad_steps_add_what_its_plain_steps_return():
     """fp8stack.bench.experts_breakdown's steps into main_grad (as training runs them) add into the FP32 buffer the
-    weight gradient its plain steps hand autograd: BF16's GEMM, and the blockwise GEMMs' on the same operands."""
+    weight gradient its plain steps hand autograd: BF16's GEMM, and the blockwise GEMMs' on the same operands; its
+    step with the FP8 weight cached gives the uncached step's gradients bit for bit."""
     from fp8stack.bench import experts_breakdown
 
     torch.manual_seed(0)
@@ -1364,6 +1367,180 @@ def test_the_breakdown_s_main_grad_steps_add_what_its_plain_steps_return():
         steps[plain]()
         returned = w.grad.float()
         main_grad.zero_()
-        w.grad = None
+        w.grad = x.grad = None
         steps[into]()
+        x_grad_uncached = x.grad
         assert w.grad is None and torch.allclose(main_grad, returned, rtol=1e-2, atol=1e-3), plain
+    uncached = main_grad.clone()  # the FP8 step's
+    for call in range(2):  # the first makes the cached blocks, the second reuses them: both add the same bits
+        main_grad.zero_()
+        x.grad = None
+        steps[experts_breakdown.FP8_CACHED_WEIGHT_STEP]()
+        assert torch.equal(main_grad, uncached) and torch.equal(x.grad, x_grad_uncached), call
+
+
+# ---- cache_fp8_weights: the blockwise weights' FP8 blocks made once per optimizer step -------------------------
+
+class SpyKernels:
+    """Blockwise kernels on the contract, recording the weight operand (FP8 data tensor) each GEMM reads."""
+
+    def __init__(self, kernels):
+        self.kernels, self.weights_read = kernels, []
+        self.name, self.row_alignment = kernels.name, kernels.row_alignment
+        self.capturable, self.capturable_backward = kernels.capturable, kernels.capturable_backward
+
+    def m_grouped(self, a, b, groups):
+        self.weights_read.append(b.data)
+        return self.kernels.m_grouped(a, b, groups)
+
+    def k_grouped(self, a, b, groups, into=None):
+        return self.kernels.k_grouped(a, b, groups, into=into)
+
+
+def _moe_on_contract(cache: bool, kernels: str = "torch", fp8_dispatch: bool = False):
+    """tiny-moe's layer-1 MoE converted to blockwise grouped_fp8 with or without the FP8 weight cache, its GEMMs on the
+    kernels' contract (recorded by SpyKernels), and an input needing a gradient (both GEMMs then run their dgrad)."""
+    model, plan = _tiny_moe_and_plan()
+    decisions = [plan.decision("layers.1.moe.experts.w13"), plan.decision("layers.1.moe.experts.w2")]
+    _, record = GroupedFP8Backend(kernels="torch", cache_fp8_weights=cache, fp8_dispatch=fp8_dispatch).convert(
+        model, decisions, plan)
+    moe = model.layers[1].moe
+    moe.experts.blockwise_kernels = SpyKernels(BLOCKWISE_KERNELS[kernels]())
+    return moe, record, torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+
+def _count_weight_work(monkeypatch) -> dict[str, int]:
+    """Calls of the 128x128 weight quantizer and of the FP8 block transpose, counted from now on."""
+    calls = {"quantize": 0, "transpose": 0}
+    for name, fn, key in (("quantize_blocks_128x128", fp8_quant.quantize_blocks_128x128, "quantize"),
+                          ("transpose_blocks", fp8_quant.transpose_blocks, "transpose")):
+        def counted(*args, _fn=fn, _key=key):
+            calls[_key] += 1
+            return _fn(*args)
+        monkeypatch.setattr(fp8_quant, name, counted)
+    return calls
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, foreach=False),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),  # leaves _version alone
+}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_cached_weight_blocks_are_made_once_per_optimizer_step(optimizer, monkeypatch):
+    """With the cache, a step's second micro-batch reads the FP8 weight blocks (the same tensors) its first made, and
+    its backward the transpose the first made; any torch.optim step, fused AdamW's included (no version bump), or an
+    in-place write to a weight makes the next forward quantize again."""
+    moe, _, x = _moe_on_contract(cache=True)
+    optim = OPTIMIZERS[optimizer](moe.parameters())
+    calls = _count_weight_work(monkeypatch)
+    kernels = moe.experts.blockwise_kernels
+    for micro_batch in range(2):
+        moe(x).square().mean().backward()
+    assert calls == {"quantize": 2, "transpose": 2}, "w13 and w2, once each for both micro-batches"
+    first, second = kernels.weights_read[:4], kernels.weights_read[4:]  # fprop w13, fprop w2, dgrad w2, dgrad w13
+    assert all(a is b for a, b in zip(first, second)) and len(second) == 4
+    optim.step()
+    optim.zero_grad()
+    moe(x).square().mean().backward()
+    assert calls == {"quantize": 4, "transpose": 4}
+    assert kernels.weights_read[-4] is not first[0]
+    with torch.no_grad():
+        moe.experts.w13.mul_(1.01)
+    moe(x).square().mean().backward()
+    assert calls == {"quantize": 5, "transpose": 5}, "w13 alone was written"
+
+
+def test_uncached_experts_quantize_at_every_forward(monkeypatch):
+    moe, record, x = _moe_on_contract(cache=False)
+    calls = _count_weight_work(monkeypatch)
+    for micro_batch in range(2):
+        moe(x).square().mean().backward()
+    assert calls == {"quantize": 4, "transpose": 4}
+    assert not moe.experts.caches_fp8_weights and "cache_fp8_weights" not in repr(moe.experts)
+    assert not any(note.startswith("cache_fp8_weights") for note in record.notes)
+
+
+@pytest.mark.parametrize("kernels", list(BLOCKWISE_KERNELS))
+@pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["bf16-dispatch", "fp8-dispatch"])
+def test_cached_blocks_train_as_fresh_ones_bit_for_bit(kernels, fp8_dispatch):
+    """Two steps of two micro-batches with fused AdamW: the cached run's losses, parameters and FP8 blocks equal the
+    run quantizing at every forward bit for bit; a cache kept past the steps (taken for current after each step)
+    trains on the first step's blocks, so the comparison can fail."""
+    def train(variant: str):
+        moe, _, x = _moe_on_contract(cache=variant != "uncached", kernels=kernels, fp8_dispatch=fp8_dispatch)
+        optim = torch.optim.AdamW(moe.parameters(), lr=1e-2, fused=True)
+        losses = []
+        for step in range(2):
+            for micro_batch in range(2):
+                loss = moe(x[micro_batch:micro_batch + 1]).square().mean()
+                loss.backward()
+                losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+            if variant == "stale":
+                for weight, blocks in ((moe.experts.w13, moe.experts.weight_blocks["w13"]),
+                                       (moe.experts.w2, moe.experts.weight_blocks["w2"])):
+                    blocks._made_at = (optimizer_steps(), weight._version)
+        return losses, [p.detach().clone() for p in moe.parameters()], moe.experts
+
+    cached, uncached, stale = train("cached"), train("uncached"), train("stale")
+    assert cached[0] == uncached[0]
+    assert all(torch.equal(a, b) for a, b in zip(cached[1], uncached[1]))
+    assert stale[0][:2] == cached[0][:2] and stale[0][2:] != cached[0][2:]
+    experts = cached[2]
+    for gemm in ("w13", "w2"):  # the blocks of the weights as trained, made after the last step
+        weight, cache = getattr(experts, gemm), experts.weight_blocks[gemm]
+        blocks, fresh = cache.of(weight), fp8_quant.quantize_blocks_128x128(weight)
+        assert cache.of(weight) is blocks
+        assert torch.equal(blocks.data.view(torch.uint8), fresh.data.view(torch.uint8))
+        assert torch.equal(blocks.scale, fresh.scale)
+
+
+def test_the_cache_is_a_grouped_fp8_option_noted_and_dropped_before_fully_shard():
+    """On by default (as TE's), noted in the conversion record and the module's repr, for blockwise weights only;
+    before_fully_shard switches it off and lets go of the blocks, with a note; nothing to say where nothing caches."""
+    assert GroupedFP8Backend().cache_fp8_weights
+    moe, record, x = _moe_on_contract(cache=True)
+    note = [n for n in record.notes if n.startswith("cache_fp8_weights")]
+    assert note == ["cache_fp8_weights: 2 blockwise expert weight(s) quantized to FP8 blocks once per optimizer step "
+                    "and reused, with their transpose, by the step's other micro-batches"]
+    assert "cache_fp8_weights=True" in repr(moe.experts)
+    moe(x).sum().backward()
+    backend = GroupedFP8Backend(kernels="torch")
+    assert backend.before_fully_shard(moe, torch.bfloat16) == [
+        "cache_fp8_weights: off for 1 experts module(s) under fully_shard: the cache would keep a full-size FP8 copy "
+        "of each sharded expert weight on every rank between steps"]
+    assert not moe.experts.caches_fp8_weights
+    assert all(blocks._blocks is None for blocks in moe.experts.weight_blocks.values())
+    assert backend.before_fully_shard(moe, torch.bfloat16) == []
+    model, plan = _tiny_moe_and_plan(recipe="rowwise", fp8_format="e4m3")
+    _, record = GroupedFP8Backend(cache_fp8_weights=True).convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert not model.layers[1].moe.experts.caches_fp8_weights  # rowwise quantizes at every forward
+    assert not any(n.startswith("cache_fp8_weights") for n in record.notes)
+
+
+def test_the_cache_flows_from_the_command_line_with_several_micro_batches_only():
+    """grouped_fp8.cache_fp8_weights (on by default) reaches the backend on when a step has micro-batches to reuse the
+    blocks, off with one (the cache would only hold memory) or --no-grouped-fp8.cache-fp8-weights; the Megatron path,
+    whose experts are TE's, refuses it off."""
+    from fp8stack.config import ConfigError, from_overrides
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    def cached(micro_batches: int, *flags: str) -> bool:
+        cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", *flags)
+        plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+        return _backend_options(cfg, plan, micro_batches)["grouped_fp8"]["cache_fp8_weights"]
+
+    assert _job().grouped_fp8.cache_fp8_weights
+    assert cached(2) and not cached(1)
+    assert not cached(2, "--no-grouped-fp8.cache-fp8-weights")
+    cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "te")
+    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+    assert "grouped_fp8" not in (_backend_options(cfg, plan, 2) or {})  # no grouped_fp8 experts: no options for it
+    with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.cache_fp8_weights false"):
+        from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise",
+                        "grouped_fp8.cache_fp8_weights": False})

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8stack.plan import Decision, Plan, PlanError
 
@@ -40,6 +41,30 @@ def check_plan_fits(model: nn.Module, decisions: Sequence[Decision], plan_name: 
             raise PlanError(f"the plan for {plan_name} sizes {d.fqn} as {' x '.join(map(str, wanted))}, but this "
                             f"{type(model).__name__}'s is {' x '.join(map(str, found))}: make the plan from this model "
                             "(describe_module)")
+
+
+_OPTIMIZER_STEPS = [0]
+"""Optimizer steps taken in this process, counted by a global torch.optim post-step hook (count_optimizer_steps)."""
+
+
+def count_optimizer_steps() -> None:
+    """Count every torch.optim optimizer's steps from now on (once per process): a cached FP8 weight is cast again
+    after any step, whichever optimizer and loop the user runs. The backends' FP8 weight caches (TE's modules,
+    grouped_fp8's experts) register it when they are armed."""
+    if getattr(count_optimizer_steps, "registered", False):
+        return
+
+    def count(*_optimizer_hook_args) -> None:
+        _OPTIMIZER_STEPS[0] += 1
+
+    register_optimizer_step_post_hook(count)
+    count_optimizer_steps.registered = True
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps counted so far (count_optimizer_steps): an FP8 weight cache keys on it beside the weights'
+    versions, which fused optimizers (fused AdamW) leave alone."""
+    return _OPTIMIZER_STEPS[0]
 
 
 class BackendUnavailable(RuntimeError):

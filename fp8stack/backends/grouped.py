@@ -19,6 +19,8 @@ eager quantizer costs ~7 FP32 passes of its input instead):
   are; others are gathered into aligned groups inside the same kernel (an index load per row, far slower).
 - backward: grad -> along N and along T transposed from one read (2TN + 2TN); blockwise dgrad transposes
   the saved FP8 weight (2ENK); rowwise re-quantizes w per K column (2ENK + ENK).
+- blockwise with cache_fp8_weights (WeightBlocks): w's quantization and its transpose once per optimizer step, the
+  step's later micro-batches reading the kept copies (2ENK bytes held between steps).
 - GEMMs: FP8 operands (1 byte/element) and BF16 outputs; blockwise per-expert slices copy the output
   once (2 x 2TN) and wgrad operands once (T(N + K)). Aligned groups hand y and grad_x back as the GEMMs wrote them
   (rows past the last group unspecified, GroupedExperts' contract; copied where x's rows are not whole tiles, never
@@ -40,13 +42,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fp8stack.backends import deepgemm, fp8_quant
-from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, swap_module
+from fp8stack.backends.base import (Backend, BackendUnavailable, ConversionRecord, count_optimizer_steps,
+                                   optimizer_steps, swap_module)
 from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts, new_or_into
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK
 from fp8stack.models.moe import GroupedExperts
@@ -308,6 +312,54 @@ def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Te
     return torch.where(empty[:, None, None], 0, grad_w)
 
 
+class WeightBlocks:
+    """One blockwise expert weight's FP8 operands: the weight in 128x128 blocks (the forward GEMM's) and those blocks
+    transposed (the dgrad GEMM's). Uncached, every forward quantizes the weight and every backward transposes the
+    blocks. Cached (GroupedFP8Backend.cache_fp8_weights), the blocks are made at the first forward after an optimizer
+    step (any torch.optim optimizer's: base.optimizer_steps, as fused AdamW leaves the weight's version alone) or an
+    in-place write to the weight (its _version), their transpose at the first backward that needs it, and a step's
+    other micro-batches reuse both; they stay allocated between steps. While a CUDA graph is captured the cache is
+    bypassed: the captured forward quantizes the weight at every replay, and no tensor of the graph's pool is kept."""
+
+    def __init__(self, cached: bool = False):
+        self.cached = cached
+        self._blocks: Fp8Tensor | None = None
+        self._transposed: Fp8Tensor | None = None
+        self._made_at: tuple[int, int] | None = None
+        """(optimizer steps, the weight's version) when the blocks were made."""
+        self._weight: weakref.ref | None = None
+        """The weight they were made from (weakly): another weight may take its version numbers."""
+
+    @torch.compiler.disable  # host state: traced, each optimizer step would recompile the graph
+    def of(self, weight: torch.Tensor) -> Fp8Tensor:
+        """weight [E, N, K] in 128x128 FP8 blocks: the cached blocks while they are current."""
+        if not self.cached or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return fp8_quant.quantize_blocks_128x128(weight)
+        now = (optimizer_steps(), weight._version)
+        if self._blocks is None or now != self._made_at or self._weight() is not weight:
+            self._blocks, self._transposed = fp8_quant.quantize_blocks_128x128(weight), None
+            self._made_at, self._weight = now, weakref.ref(weight)
+        return self._blocks
+
+    @torch.compiler.disable
+    def transposed(self, blocks: Fp8Tensor) -> Fp8Tensor:
+        """`blocks` (what of() gave a forward) transposed into w^T's blocks, made once while they are the cached
+        blocks; afresh for others (uncached, or made before the cache moved on)."""
+        if self._blocks is None or blocks.data is not self._blocks.data:
+            return fp8_quant.transpose_blocks(blocks)
+        if self._transposed is None:
+            self._transposed = fp8_quant.transpose_blocks(blocks)
+        return self._transposed
+
+    def stop_caching(self) -> None:
+        """From now on quantize at every forward, and let go of the cached blocks."""
+        self.cached, self._blocks, self._transposed, self._made_at, self._weight = False, None, None, None, None
+
+
+UNCACHED = WeightBlocks()
+"""The blockwise GEMMs' default: the weight quantized at every forward (keeps no state)."""
+
+
 class BlockwiseGroupedMM(torch.autograd.Function):
     """y = x @ w[e]^T per expert row group, with forward, dgrad and wgrad block-scaled FP8 GEMMs.
     aligned: the caller's groups start on multiples of the kernels' row alignment, so the GEMMs read x and the
@@ -319,12 +371,14 @@ class BlockwiseGroupedMM(torch.autograd.Function):
     main_grad: the weight's FP32 gradient buffer, which the wgrad GEMM adds into in place (no weight gradient is
     returned then: no FP32 -> BF16 cast and no add by a hook per micro-batch), or a function the backward calls for it
     (GroupedExperts.main_grad_of).
-    quantizer: what quantizes x and the output gradient in 1x128 tiles (InductorQuantizer, or TE's)."""
+    quantizer: what quantizes x and the output gradient in 1x128 tiles (InductorQuantizer, or TE's).
+    weight_blocks: where the weight's FP8 blocks and their transpose come from (WeightBlocks, cached or not)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, kernels, aligned=False, main_grad=None, quantizer=INDUCTOR_QUANTIZER):
+    def forward(ctx, x, weight, offsets, kernels, aligned=False, main_grad=None, quantizer=INDUCTOR_QUANTIZER,
+                weight_blocks=UNCACHED):
         groups = token_groups(offsets, x.shape[0], kernels.row_alignment, aligned)
-        weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
+        weight_fp8 = weight_blocks.of(weight)
         if ctx.needs_input_grad[1]:
             # The wgrad operand x^T (1x128 tiles along the tokens) comes from the same read of x.
             x_fp8, x_t = quantizer.quantize_both_1x128(groups, x)
@@ -334,7 +388,7 @@ class BlockwiseGroupedMM(torch.autograd.Function):
             ctx.save_for_backward(weight_fp8.data, weight_fp8.scale)
         y = kernels.m_grouped(x_fp8, weight_fp8, groups)
         ctx.groups, ctx.kernels, ctx.main_grad, ctx.quantizer = groups, kernels, main_grad, quantizer
-        ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
+        ctx.x_dtype, ctx.weight_dtype, ctx.weight_blocks = x.dtype, weight.dtype, weight_blocks
         return groups.unpad(y).to(_activation_dtype(x))
 
     @staticmethod
@@ -342,7 +396,7 @@ class BlockwiseGroupedMM(torch.autograd.Function):
         weight_data, weight_scale, *x_t = ctx.saved_tensors
         grad_x, grad_w = _blockwise_grads(ctx, grad_y, Fp8Tensor(weight_data, weight_scale),
                                           Fp8Tensor(*x_t) if x_t else None)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
@@ -363,19 +417,22 @@ class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
 
     No host read of its own (the index has a static size); the kernels' as in BlockwiseGroupedMM. Groups start on
     multiples of kernels.row_alignment (the MoE pads them to the experts' group_alignment). quantizer quantizes the
-    output gradient; the tokens and the wgrad operand stay fp8_quant's (a quantizer fused with the row gather)."""
+    output gradient; the tokens and the wgrad operand stay fp8_quant's (a quantizer fused with the row gather).
+    weight_blocks: as BlockwiseGroupedMM's."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, row_token, kernels, main_grad=None, quantizer=INDUCTOR_QUANTIZER):
+    def forward(ctx, x, weight, offsets, row_token, kernels, main_grad=None, quantizer=INDUCTOR_QUANTIZER,
+                weight_blocks=UNCACHED):
         groups = AlignedTokenGroups(offsets, row_token.numel(), kernels.row_alignment)
         source = fp8_quant.dispatch_source(row_token, x.shape[0], kernels.row_alignment)
         rows_fp8 = fp8_quant.gather_fp8_rows(fp8_quant.quantize_rows_1x128(x), source)
-        weight_fp8 = fp8_quant.quantize_blocks_128x128(weight)
+        weight_fp8 = weight_blocks.of(weight)
         y = kernels.m_grouped(rows_fp8, weight_fp8, groups)
         ctx.save_for_backward(weight_fp8.data, weight_fp8.scale, row_token, source,
                               x if ctx.needs_input_grad[1] else None)
         ctx.groups, ctx.kernels, ctx.main_grad, ctx.quantizer = groups, kernels, main_grad, quantizer
         ctx.x_dtype, ctx.weight_dtype, ctx.num_tokens = x.dtype, weight.dtype, x.shape[0]
+        ctx.weight_blocks = weight_blocks
         return groups.unpad(y).to(_activation_dtype(x))
 
     @staticmethod
@@ -389,14 +446,15 @@ class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
             # included, whatever the GEMM left in them) into a dropped row.
             grad_x = grad_rows.new_zeros(ctx.num_tokens + 1, grad_rows.shape[1]).index_put_(
                 (row_token,), grad_rows, accumulate=True)[:ctx.num_tokens]
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def _blockwise_grads(ctx, grad_y: torch.Tensor, weight_fp8: Fp8Tensor,
                      x_t: Fp8Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(gradient of the GEMM's rows, of the weight) for a blockwise forward whose ctx holds its token groups, kernels,
-    main_grad, quantizer and dtypes; weight_fp8: the forward's; x_t: the wgrad operand, x^T in 1x128 tiles along the
-    tokens, where the weight needs a gradient. The weight's is None when the wgrad GEMM added it into main_grad."""
+    main_grad, quantizer, weight blocks and dtypes; weight_fp8: the forward's; x_t: the wgrad operand, x^T in 1x128
+    tiles along the tokens, where the weight needs a gradient. The weight's is None when the wgrad GEMM added it into
+    main_grad."""
     groups, kernels, quantizer = ctx.groups, ctx.kernels, ctx.quantizer
     need_x, need_w = ctx.needs_input_grad[:2]
     if need_x and need_w:
@@ -407,7 +465,7 @@ def _blockwise_grads(ctx, grad_y: torch.Tensor, weight_fp8: Fp8Tensor,
         grad_t = quantizer.quantize_cols_1x128(groups, grad_y)
     grad_x = grad_w = None
     if need_x:
-        weight_t = fp8_quant.transpose_blocks(weight_fp8)  # the forward's, transposed
+        weight_t = ctx.weight_blocks.transposed(weight_fp8)  # the forward's, transposed
         grad_x = groups.unpad(kernels.m_grouped(grad_fp8, weight_t, groups)).to(ctx.x_dtype)
     if need_w and ctx.main_grad is not None:
         kernels.k_grouped(grad_t, x_t, groups, into=ctx.main_grad() if callable(ctx.main_grad) else ctx.main_grad)
@@ -474,9 +532,11 @@ class Float8GroupedExperts(GroupedExperts):
     wgrad_into_main_grad (GroupedFP8Backend.hand_over_main_grads) the blockwise and BF16 wgrad GEMMs add into their
     weights' FP32 main_grad; the rowwise recipes' still return their weight gradients. With permutes_tokens (the
     backend's fp8_dispatch, for a blockwise w13) the MoE hands it the tokens, and w13 reads their rows in FP8
-    (DispatchedBlockwiseGroupedMM). blockwise_quantizer quantizes the blockwise GEMMs' activations and gradients."""
+    (DispatchedBlockwiseGroupedMM). blockwise_quantizer quantizes the blockwise GEMMs' activations and gradients.
+    weight_blocks: each blockwise GEMM's WeightBlocks ('w13', 'w2'), cached with the backend's cache_fp8_weights."""
 
     blockwise_quantizer = INDUCTOR_QUANTIZER
+    weight_blocks: dict[str, WeightBlocks] = {}
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, row_token: torch.Tensor | None = None) -> torch.Tensor:
         """GroupedExperts.forward; with row_token (permutes_tokens), x is the tokens [T, D] and row_token [R] the token
@@ -492,7 +552,8 @@ class Float8GroupedExperts(GroupedExperts):
         if recipe == "blockwise":
             aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
             return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned,
-                                            self.main_grad_of(weight), self.blockwise_quantizer)
+                                            self.main_grad_of(weight), self.blockwise_quantizer,
+                                            self.weight_blocks.get("w13" if weight is self.w13 else "w2", UNCACHED))
         aligned = self.group_alignment % RECIPE_ALIGNMENT[recipe] == 0
         return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp", aligned)
 
@@ -503,15 +564,17 @@ class Float8GroupedExperts(GroupedExperts):
                              f"start, so they must start on multiples of {kernels.row_alignment} ({kernels.name}'s "
                              "rows): set group_alignment to a multiple of it")
         return DispatchedBlockwiseGroupedMM.apply(tokens, self.w13, offsets, row_token, kernels,
-                                                  self.main_grad_of(self.w13), self.blockwise_quantizer)
+                                                  self.main_grad_of(self.w13), self.blockwise_quantizer,
+                                                  self.weight_blocks.get("w13", UNCACHED))
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipes: dict[str, str], blockwise_kernels,
-                     rowwise_kernels, fp8_dispatch: bool = False,
-                     blockwise_quantizer=INDUCTOR_QUANTIZER) -> "Float8GroupedExperts":
+                     rowwise_kernels, fp8_dispatch: bool = False, blockwise_quantizer=INDUCTOR_QUANTIZER,
+                     cache_fp8_weights: bool = False) -> "Float8GroupedExperts":
         """Wrap `experts`' parameters; `recipes` maps 'w13' / 'w2' to an expert recipe. fp8_dispatch: permute the
         tokens in FP8 into a blockwise w13 (permutes_tokens; no effect on another w13). blockwise_quantizer: what
-        quantizes the blockwise GEMMs' activations and gradients (InductorQuantizer, or te_quant's)."""
+        quantizes the blockwise GEMMs' activations and gradients (InductorQuantizer, or te_quant's).
+        cache_fp8_weights: the blockwise weights' FP8 blocks made once per optimizer step (WeightBlocks)."""
         with torch.device("meta"):
             new = cls(experts.w13.shape[2], experts.w2.shape[2], experts.num_experts)
         new.w13, new.w2 = experts.w13, experts.w2
@@ -521,6 +584,10 @@ class Float8GroupedExperts(GroupedExperts):
             blockwise_kernels.row_alignment if r == "blockwise" else RECIPE_ALIGNMENT[r] for r in recipes.values())])
         new.permutes_tokens = fp8_dispatch and recipes.get("w13") == "blockwise"
         new.blockwise_quantizer = blockwise_quantizer
+        new.weight_blocks = {gemm: WeightBlocks(cache_fp8_weights) for gemm, recipe in recipes.items()
+                             if recipe == "blockwise"}
+        if cache_fp8_weights:
+            count_optimizer_steps()
         new.train(experts.training)
         return new
 
@@ -542,7 +609,14 @@ class Float8GroupedExperts(GroupedExperts):
         dispatch = ", fp8_dispatch=True" if self.permutes_tokens else ""
         quantizer = self.blockwise_quantizer.name
         quantizer = "" if quantizer == INDUCTOR_QUANTIZER.name else f", quantizer={quantizer}"
-        return f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}{dispatch}{quantizer}"
+        cache = ", cache_fp8_weights=True" if self.caches_fp8_weights else ""
+        return (f"recipes={self.recipes}, kernels={kernels}, group_alignment={self.group_alignment}{dispatch}"
+                f"{quantizer}{cache}")
+
+    @property
+    def caches_fp8_weights(self) -> bool:
+        """Whether a blockwise weight's FP8 blocks are kept across a step's micro-batches (WeightBlocks)."""
+        return any(blocks.cached for blocks in self.weight_blocks.values())
 
 
 @dataclass
@@ -561,6 +635,14 @@ class GroupedFP8Backend(Backend):
     inductor (fp8_quant's compiled quantizers), te (TE's Float8BlockQuantizer kernel; DeepGEMM's kernels only,
     te_quant), or auto: te where TE imports and the blockwise GEMMs run on DeepGEMM, else inductor, with the reason
     in the conversion notes. te is the faster (TE_QUANTIZER_EVIDENCE) and writes the same bytes."""
+    cache_fp8_weights: bool = True
+    """Quantize each blockwise expert weight to its 128x128 FP8 blocks at the first forward after an optimizer step
+    (any torch.optim optimizer's) or a write to the weight, transpose them at the first backward, and reuse both for
+    the step's other micro-batches (WeightBlocks; TE's is_first_microbatch for its modules): one quantization and one
+    transpose per step instead of one per micro-batch, the same bytes. The copies stay allocated between steps (2
+    bytes per weight element); fp8stack's trainer turns it on with more than one micro-batch per step only. Bypassed
+    while a CUDA graph is captured, off under fully_shard (before_fully_shard says why); the rowwise recipes quantize
+    their weights at every forward."""
 
     name = "grouped_fp8"
 
@@ -617,13 +699,31 @@ class GroupedFP8Backend(Backend):
         dispatch_notes = self._dispatch_notes(recipes)
         for module_fqn, gemm_recipes in recipes.items():
             new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
-                                                    blockwise_kernels, rowwise_kernels, self.fp8_dispatch, quantizer)
+                                                    blockwise_kernels, rowwise_kernels, self.fp8_dispatch, quantizer,
+                                                    self.cache_fp8_weights)
             model = swap_module(model, module_fqn, new)
+        cached = sum(recipe == "blockwise" for gemm_recipes in recipes.values() for recipe in gemm_recipes.values())
+        cache_notes = [f"cache_fp8_weights: {cached} blockwise expert weight(s) quantized to FP8 blocks once per "
+                       "optimizer step and reused, with their transpose, by the step's other micro-batches"
+                       ] if self.cache_fp8_weights and cached else []
         record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
                                   converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
                                   notes=_notes(plan, blockwise_kernels, rowwise_kernels, without_deepgemm)
-                                  + dispatch_notes + quantizer_notes if used else [])
+                                  + dispatch_notes + quantizer_notes + cache_notes if used else [])
         return model, record
+
+    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None) -> list[str]:
+        """Switch the FP8 weight cache off: fully_shard frees each gathered weight after its use, and the cache would
+        keep a full-size FP8 copy of every sharded expert weight, and its transpose, on every rank between steps."""
+        cached = [module for module in model.modules()
+                  if isinstance(module, Float8GroupedExperts) and module.caches_fp8_weights]
+        for module in cached:
+            for blocks in module.weight_blocks.values():
+                blocks.stop_caching()
+        if not cached:
+            return []
+        return [f"cache_fp8_weights: off for {len(cached)} experts module(s) under fully_shard: the cache would keep "
+                "a full-size FP8 copy of each sharded expert weight on every rank between steps"]
 
     def _blockwise_quantizer(self, blockwise_kernels, without_deepgemm: str) -> tuple[object, list[str]]:
         """(the blockwise experts' 1x128 quantizer, its conversion notes): INDUCTOR_QUANTIZER, or TE's. Quantizer te

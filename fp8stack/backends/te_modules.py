@@ -19,29 +19,12 @@ import torch
 import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformer_engine.common.recipe import Recipe
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, get_align_size_for_quantization
 
+from fp8stack.backends.base import count_optimizer_steps, optimizer_steps
 from fp8stack.plan import PlanError
-
-
-_OPTIMIZER_STEPS = [0]
-"""Optimizer steps taken in this process, counted by a global torch.optim post-step hook (_count_optimizer_steps)."""
-
-
-def _count_optimizer_steps() -> None:
-    """Count every torch.optim optimizer's steps from now on (once per process): a cached FP8 weight is cast again
-    after any step, whichever optimizer and loop the user runs."""
-    if getattr(_count_optimizer_steps, "registered", False):
-        return
-
-    def count(*_optimizer_hook_args) -> None:
-        _OPTIMIZER_STEPS[0] += 1
-
-    register_optimizer_step_post_hook(count)
-    _count_optimizer_steps.registered = True
 
 
 class _WeightCache:
@@ -72,7 +55,7 @@ class _WeightCache:
                 weight.grad = weight.main_grad
         if self.cached_weights:
             # Fused AdamW writes the weights without bumping their versions: the step count catches it.
-            now = (_OPTIMIZER_STEPS[0], tuple(w._version for w in self.cached_weights))
+            now = (optimizer_steps(), tuple(w._version for w in self.cached_weights))
             kwargs["is_first_microbatch"] = now != self._cast_at
             self._cast_at = now
         with te.autocast(enabled=self.autocast_recipe is not None, recipe=self.autocast_recipe):
@@ -289,7 +272,7 @@ def _arm(module: _WeightCache, recipe: Recipe | None, cache_weights: bool, fuse_
     recipe) and, with fuse_wgrad_accumulation, FP32 main_grads for the module's `weights` (see _add_main_grads)."""
     module.autocast_recipe = recipe
     if cache_weights and recipe is not None:
-        _count_optimizer_steps()
+        count_optimizer_steps()
         module.cached_weights = tuple(weights)
     _add_main_grads(module, weights if fuse_wgrad_accumulation else [], name)
 

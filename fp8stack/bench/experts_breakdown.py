@@ -3,11 +3,13 @@
 At the MoE target's expert shape (E experts x T tokens, D -> N, the w13 GEMM alone), forward + backward of
 grouped_fp8's BlockwiseGroupedMM on the chosen kernels against torch's BF16 grouped GEMM, on groups the caller
 aligned (what GroupedExperts under MoE hands it: no row moves) and through the padding path's row gathers, both
-steps also with the weight gradient added into an FP32 main_grad (as fp8stack's training runs them), then each part
-alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand flattening its kernel needs), the
-quantizers and unpaddings of both paths, and the main_grad FP8 step's CUDA kernels by time. Writes
-profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te: activations and gradients
-quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on its operands).
+steps also with the weight gradient added into an FP32 main_grad (as fp8stack's training runs them), the FP8 one
+also with the weight's FP8 blocks and their transpose cached (grouped_fp8's cache_fp8_weights: what a step's later
+micro-batches run), then each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand
+flattening its kernel needs), the quantizers and unpaddings of both paths, and the main_grad FP8 step's CUDA kernels
+by time. Writes profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te:
+activations and gradients quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on
+its operands).
 
 With --moe, one whole MoE layer instead (router, permutation, SwiGLU experts, weighted combine; experts x tokens /
 top_k tokens): forward + backward with BF16 experts, blockwise experts on the BF16 dispatch and on the FP8 dispatch
@@ -24,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fp8stack.backends import deepgemm, fp8_quant, te_quant
 from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM, Float8GroupedExperts,
-                                       TokenGroupPadding, TorchBlockwiseKernels)
+                                       TokenGroupPadding, TorchBlockwiseKernels, UNCACHED, WeightBlocks)
 from fp8stack.bench.backends import time_steps
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import GroupedMMIntoMainGrad, MoE, MoEConfig, permute
@@ -117,11 +119,14 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     ratio = timings["bf16 step"] / timings["fp8 step"]
     gathered_ratio = timings["bf16 step"] / timings["fp8 step, groups padded by gathers"]
     main_grad_ratio = timings[BF16_MAIN_GRAD_STEP] / timings[FP8_MAIN_GRAD_STEP]
+    cached_ratio = timings[BF16_MAIN_GRAD_STEP] / timings[FP8_CACHED_WEIGHT_STEP]
     markdown = (f"Blockwise w13 at E={e} x {t} tokens, {d} -> {n}, kernels {kernels.name}, quantizer "
                 f"{quantizer.name}: forward + backward "
                 f"{ratio:.3f}x the BF16 grouped GEMM's speed on aligned groups (as GroupedExperts under MoE hands "
                 f"them), {gathered_ratio:.3f}x through the padding path's gathers; {main_grad_ratio:.3f}x with the "
-                "weight gradients added into an FP32 main_grad, as fp8stack's training runs both (master weights).\n\n"
+                "weight gradients added into an FP32 main_grad, as fp8stack's training runs both (master weights); "
+                f"{cached_ratio:.3f}x with the weight's FP8 blocks also cached (cache_fp8_weights: a step's later "
+                "micro-batches).\n\n"
                 + markdown_table(["part", "ms", "TF/s"], rows)
                 + f"\nCUDA kernels of one '{FP8_MAIN_GRAD_STEP}' (mean of 3):\n\n"
                 + markdown_table(["kernel", "ms per step", "calls per step"], kernel_rows))
@@ -130,6 +135,7 @@ def w13_breakdown(args: argparse.Namespace) -> int:
                "fp8_over_bf16": ratio,
                "fp8_gathered_over_bf16": gathered_ratio,
                "fp8_over_bf16_into_main_grad": main_grad_ratio,
+               "fp8_over_bf16_into_main_grad_weight_cached": cached_ratio,
                "kernels_per_step": kernel_rows}
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
@@ -138,22 +144,27 @@ def w13_breakdown(args: argparse.Namespace) -> int:
 
 BF16_MAIN_GRAD_STEP = "bf16 step, wgrad into main_grad"
 FP8_MAIN_GRAD_STEP = "fp8 step, wgrad into main_grad"
+FP8_CACHED_WEIGHT_STEP = "fp8 step, wgrad into main_grad, FP8 weight cached"
 
 
 def w13_steps(x, w, offsets, grad, kernels, quantizer, main_grad) -> dict:
     """The timed forward + backward steps of one grouped GEMM: BF16 and blockwise FP8 (on aligned groups, and through
     the padding path's gathers), each returning the weight gradient as autograd's, and, as fp8stack's training runs
     them (master weights), adding it into the FP32 `main_grad` instead (GroupedMMIntoMainGrad; grouped_fp8's wgrad
-    GEMM accumulating in place)."""
+    GEMM accumulating in place); the FP8 one into main_grad also with the weight's FP8 blocks and their transpose
+    cached (WeightBlocks, made at its first call: no optimizer step comes between the calls, so every later call
+    runs what a step's later micro-batches run under cache_fp8_weights)."""
+    cached = WeightBlocks(cached=True)
 
-    def fp8_step(aligned: bool, into=None):
-        BlockwiseGroupedMM.apply(x, w, offsets, kernels, aligned, into, quantizer).backward(grad)
+    def fp8_step(aligned: bool, into=None, weight_blocks=UNCACHED):
+        BlockwiseGroupedMM.apply(x, w, offsets, kernels, aligned, into, quantizer, weight_blocks).backward(grad)
 
     return {"bf16 step": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad),
             "fp8 step": lambda: fp8_step(aligned=True),
             "fp8 step, groups padded by gathers": lambda: fp8_step(aligned=False),
             BF16_MAIN_GRAD_STEP: lambda: GroupedMMIntoMainGrad.apply(x, w, offsets, main_grad).backward(grad),
-            FP8_MAIN_GRAD_STEP: lambda: fp8_step(aligned=True, into=main_grad)}
+            FP8_MAIN_GRAD_STEP: lambda: fp8_step(aligned=True, into=main_grad),
+            FP8_CACHED_WEIGHT_STEP: lambda: fp8_step(aligned=True, into=main_grad, weight_blocks=cached)}
 
 
 def moe_breakdown(args: argparse.Namespace) -> int:

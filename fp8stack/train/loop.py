@@ -417,15 +417,16 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str
                "delayed_margin": cfg.te.delayed_margin, "fuse_wgrad_accumulation": cfg.te.gradient_accumulation_fusion,
                "local_amax": cfg.te.local_amax,
                **({"blockwise_gemms": cfg.te.blockwise_gemms} if cfg.te.blockwise_gemms != "te" else {})}
-    grouped_fp8 = _grouped_fp8_options(cfg, plan)
+    grouped_fp8 = _grouped_fp8_options(cfg, plan, micro_batches)
     return {**({"te": options} if plan.for_backend("te") else {}),
             **({"grouped_fp8": grouped_fp8} if grouped_fp8 else {})} or None
 
 
-def _grouped_fp8_options(cfg: JobConfig, plan: Plan) -> dict:
+def _grouped_fp8_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict:
     """fp8_dispatch and quantizer where grouped_fp8.fp8_dispatch and grouped_fp8.quantizer ask for them, refused
     before the assembly when the plan runs no blockwise expert GEMM on grouped_fp8 (the experts the plan put on TE or
-    kept BF16 take no FP8 rows and no quantizer of grouped_fp8's)."""
+    kept BF16 take no FP8 rows and no quantizer of grouped_fp8's); and, where the plan has experts on grouped_fp8,
+    cache_fp8_weights: on with grouped_fp8.cache_fp8_weights and more than one micro-batch per step, as TE's."""
     options = {**({"fp8_dispatch": True} if cfg.grouped_fp8.fp8_dispatch else {}),
                **({"quantizer": cfg.grouped_fp8.quantizer} if cfg.grouped_fp8.quantizer != "auto" else {})}
     if options and not any(get_recipe(d.recipe).fp8_dispatch for d in plan.for_backend("grouped_fp8")):
@@ -435,6 +436,8 @@ def _grouped_fp8_options(cfg: JobConfig, plan: Plan) -> dict:
                           f"{cfg.precision.recipe!r} runs its experts on "
                           f"{', '.join(expert_paths) or 'nothing (no MoE)'}: pass --fp8-recipe blockwise "
                           f"--expert-backend grouped_fp8, or drop {flags}")
+    if plan.for_backend("grouped_fp8"):
+        options["cache_fp8_weights"] = cfg.grouped_fp8.cache_fp8_weights and micro_batches > 1
     return options
 
 

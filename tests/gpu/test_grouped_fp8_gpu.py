@@ -17,6 +17,7 @@ from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, BlockwiseGroupedMM, F
                                        GroupedFP8Backend, RowwiseGroupedMM, TokenGroupPadding, TorchBlockwiseKernels,
                                        TorchRowwiseKernels)
 from fp8stack.backends.fp8_quant import quantize_rowwise
+from fp8stack.backends.base import optimizer_steps
 from fp8stack.models import Llama
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 
@@ -310,9 +311,9 @@ def test_fused_quantizers_match_the_eager_references_on_cuda():
             assert codes.max() <= 1, fn.__name__
 
 
-def _moe_layer(experts: str, fp8_dispatch: bool, dim: int = 1024, ffn: int = 512):
+def _moe_layer(experts: str, fp8_dispatch: bool, dim: int = 1024, ffn: int = 512, cache_fp8_weights: bool = False):
     """A DeepSeek-style BF16 MoE layer on the GPU (16 experts top-4, sigmoid router, a shared expert) with blockwise
-    experts on `experts` kernels, the same weights whatever fp8_dispatch."""
+    experts on `experts` kernels, the same weights whatever fp8_dispatch and cache_fp8_weights."""
     from fp8stack.models.moe import MoE, MoEConfig
 
     torch.manual_seed(0)
@@ -323,7 +324,8 @@ def _moe_layer(experts: str, fp8_dispatch: bool, dim: int = 1024, ffn: int = 512
     moe.init_weights(0.02)
     moe = moe.to(torch.bfloat16)
     moe.experts = Float8GroupedExperts.from_experts(moe.experts, {"w13": "blockwise", "w2": "blockwise"},
-                                                    KERNELS[experts](), None, fp8_dispatch)
+                                                    KERNELS[experts](), None, fp8_dispatch,
+                                                    cache_fp8_weights=cache_fp8_weights)
     return moe
 
 
@@ -382,6 +384,74 @@ def test_fp8_dispatch_moe_layer_compiles_like_eager():
         if seed == 1:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "a new routing recompiled the layer"
+
+
+# ---- cache_fp8_weights: the blockwise weights' FP8 blocks made once per optimizer step -------------------------
+
+def _kernels_or_skip(kernels: str) -> str:
+    if kernels not in KERNELS:
+        pytest.skip(deepgemm.load()[1] or "deep_gemm is not importable")
+    return kernels
+
+
+@pytest.mark.parametrize("kernels", ["torch", "deepgemm"])
+@pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["bf16-dispatch", "fp8-dispatch"])
+def test_cached_fp8_weights_train_as_uncached_bit_for_bit(kernels, fp8_dispatch):
+    """Three steps of two micro-batches, fused AdamW between them (it leaves the weights' versions alone): the MoE
+    layer with cache_fp8_weights gives the uncached layer's losses and parameters bit for bit (the uncached run
+    repeats itself first: the comparison assumes deterministic kernels); a cache kept past the steps (taken for
+    current after each step) trains on the first step's blocks, so the comparison can fail."""
+    kernels = _kernels_or_skip(kernels)
+
+    def train(variant: str) -> tuple[list[float], list[torch.Tensor]]:
+        moe = _moe_layer(kernels, fp8_dispatch, cache_fp8_weights=variant != "uncached")
+        optimizer = torch.optim.AdamW(moe.parameters(), lr=1e-3, fused=True)
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        losses = []
+        for _ in range(3):
+            for _ in range(2):
+                x = torch.randn(1024, 1024, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+                loss = moe(x).float().square().mean()
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+            if variant == "stale":
+                for gemm, blocks in moe.experts.weight_blocks.items():
+                    blocks._made_at = (optimizer_steps(), getattr(moe.experts, gemm)._version)
+        return losses, [p.detach().clone() for p in moe.parameters()]
+
+    uncached, again, cached, stale = (train(v) for v in ("uncached", "uncached", "cached", "stale"))
+    assert again[0] == uncached[0], "the uncached run does not repeat itself: bit-for-bit comparisons cannot hold"
+    assert cached[0] == uncached[0], (cached[0], uncached[0])
+    assert all(torch.equal(a, b) for a, b in zip(cached[1], uncached[1], strict=True))
+    assert stale[0][:2] == cached[0][:2] and stale[0][2:] != cached[0][2:]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kernels", ["torch", "deepgemm"])
+def test_the_trainer_s_weight_cache_trains_as_uncached(kernels, compile, monkeypatch):
+    """fp8stack's trainer with two micro-batches per step (grouped_fp8.cache_fp8_weights on, as by default): the
+    tiny MoE Llama's blockwise experts on grouped_fp8, weight gradients into the master weights' main_grads, train
+    with the losses of --no-grouped-fp8.cache-fp8-weights, bit for bit, eager and in compiled blocks (where the
+    cache's lookup runs outside the graph)."""
+    from fp8stack.config import from_overrides
+    from fp8stack.train.loop import session, train
+
+    if _kernels_or_skip(kernels) == "torch":  # grouped_fp8's kernels auto take DeepGEMM wherever it imports
+        monkeypatch.setattr(deepgemm, "load", lambda: (None, "the test runs torch's kernels"))
+    settings = {"model.name": "tiny-moe", "precision.recipe": "blockwise", "precision.expert_backend": "grouped_fp8",
+                "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 3,
+                "optimizer.warmup": 1, "training.micro_batch": 2, "training.global_batch": 4,
+                "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20,
+                "logging.progress": False, "training.compile": compile}
+    with session(from_overrides(settings)) as run:
+        experts = [m for m in run.model.modules() if isinstance(m, Float8GroupedExperts)]
+        assert run.micro_batches == 2 and experts and all(m.caches_fp8_weights for m in experts)
+        assert {m.blockwise_kernels.name for m in experts} == {KERNELS[kernels].name}
+    cached = train(from_overrides(settings)).losses
+    uncached = train(from_overrides({**settings, "grouped_fp8.cache_fp8_weights": False})).losses
+    assert cached == uncached, (cached, uncached)
 
 
 # ---- quantizer te: TE's Float8BlockQuantizer kernel for the activations and gradients, on DeepGEMM ----------

@@ -5,8 +5,9 @@ inputs of the same shape (new routing, new expert group sizes) against the same 
 - BF16 GroupedExperts (torch._grouped_mm) and grouped_fp8 rowwise / rowwise_gw_hp (torch._scaled_grouped_mm):
   forward and forward + backward captured.
 - grouped_fp8 blockwise on DeepGEMM, with the BF16 and with the FP8 dispatch (fp8_dispatch): forward captured
-  (rows labelled with their experts on the GPU, the FP8 rows gathered through an index of static size); its
-  backward reads the group sizes for the K-grouped wgrad, so the guard refuses a training-step capture.
+  (rows labelled with their experts on the GPU, the FP8 rows gathered through an index of static size), with
+  cache_fp8_weights too (bypassed under capture: a replay quantizes the current weights); its backward reads the
+  group sizes for the K-grouped wgrad, so the guard refuses a training-step capture.
 - grouped_fp8 blockwise on torch's per-expert scaled_mm, and TE GroupedLinear: the guard refuses, with the
   reason and the fix; their forward does read the host (checked with torch's sync debug mode).
 
@@ -51,7 +52,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
 
 
-def _moe(experts: str) -> MoE:
+def _moe(experts: str, cache_fp8_weights: bool = False) -> MoE:
     """A DeepSeek-style MoE layer (sigmoid router, renormalised top-k, a shared expert) in BF16 on the GPU,
     its routed experts on `experts`: bf16, rowwise, rowwise_gw_hp, blockwise-deepgemm, blockwise-deepgemm-fp8-dispatch,
     blockwise-torch, te."""
@@ -67,7 +68,8 @@ def _moe(experts: str) -> MoE:
         moe.experts = Float8GroupedExperts.from_experts(moe.experts, both, None, TorchRowwiseKernels())
     elif experts.startswith("blockwise-deepgemm"):
         moe.experts = Float8GroupedExperts.from_experts(moe.experts, both, deepgemm.DeepGemmKernels(), None,
-                                                        fp8_dispatch=experts.endswith("fp8-dispatch"))
+                                                        fp8_dispatch=experts.endswith("fp8-dispatch"),
+                                                        cache_fp8_weights=cache_fp8_weights)
     elif experts == "blockwise-torch":
         moe.experts = Float8GroupedExperts.from_experts(moe.experts, both, TorchBlockwiseKernels(), None)
     elif experts == "te":
@@ -141,6 +143,29 @@ def test_captured_forward_replays_like_eager_on_new_routings(experts):
         group_sizes_seen.add(tuple(torch.bincount(chosen.flatten(), minlength=EXPERTS).tolist()))
         assert rel_err(static_out, expected) < REPLAY_REL_ERR, f"{experts} replay {seed}"
     assert len(group_sizes_seen) == REPLAYS  # every replay had other expert group sizes than the others
+
+
+@NEEDS_SM90
+@NEEDS_DEEPGEMM
+@pytest.mark.parametrize("experts", ["blockwise-deepgemm", "blockwise-deepgemm-fp8-dispatch"])
+def test_a_captured_forward_quantizes_cached_weights_at_every_replay(experts):
+    """cache_fp8_weights is bypassed while a graph is captured: the graph holds the weights' quantization, so a replay
+    after the weights changed (as an optimizer step changes them) computes with the new weights, as eager does."""
+    moe = _moe(experts, cache_fp8_weights=True)
+    assert moe.experts.caches_fp8_weights
+    eager = copy.deepcopy(moe)
+    static_x = _inputs(0)[0].clone()
+    graph, static_out = _capture_forward(moe, static_x)
+    graph.replay()
+    before = static_out.clone()
+    with torch.no_grad():
+        for model in (moe, eager):
+            for weight in (model.experts.w13, model.experts.w2):
+                weight.mul_(-1.5)
+        graph.replay()
+        expected = eager(static_x)
+    assert rel_err(static_out, before) > 100 * REPLAY_REL_ERR, "the weights' change must show in the output"
+    assert rel_err(static_out, expected) < REPLAY_REL_ERR
 
 
 @pytest.mark.parametrize("experts", CAPTURABLE_FORWARD)

@@ -119,7 +119,7 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
     forward cast the updated weights. Tensorwise scales come from the weights alone, so the cached run computes
     exactly what a run casting at every micro-batch computes, and a run whose cache is kept past the steps
     trains on step 0's FP8 weights."""
-    from fp8stack.backends import te_modules
+    from fp8stack.backends.base import optimizer_steps
 
     cfg = from_overrides({**{**SETTINGS, "precision.recipe": "tensorwise", "training.steps": 3, "training.global_batch": 4, "precision.fuse_mlp": fuse_mlp}})
 
@@ -133,7 +133,7 @@ def test_fp8_weights_are_cast_once_per_step_and_again_after_each_optimizer_step(
                     module.cached_weights = ()
             elif variant == "stale":  # every cache taken for current after each step
                 run.after_optimizer_step = lambda: [setattr(
-                    m, "_cast_at", (te_modules._OPTIMIZER_STEPS[0], tuple(w._version for w in m.cached_weights)))
+                    m, "_cast_at", (optimizer_steps(), tuple(w._version for w in m.cached_weights)))
                     for m in caches]
             return [float(run.step(cfg.optimizer.grad_clip)[0]) for _ in range(cfg.training.steps)]
 
