@@ -247,6 +247,11 @@ def test_grouped_only_times_the_expert_blocks_of_the_named_models_and_no_linear(
                        ("grouped_fp8", "blockwise", "deepgemm"), ("grouped_fp8", "rowwise", ""),
                        ("grouped_fp8", "rowwise_gw_hp", ""), ("te", "tensorwise", ""), ("te", "delayed", ""),
                        ("te", "blockwise", "")}
+    # no optimizer step between the timed steps: a weight cache would time no weight cast
+    cached = {(d.backend, recipe) for backend, recipe, options in blocks if options.get("cache_fp8_weights", True)
+              for d in bench.expert_plan(32, 2048, 1536, recipe, backend)[1]
+              if d.backend == "te" or d.recipe == "blockwise"}
+    assert cached == set()
     assert len(bench.dense_runs(bench.parse_args(["--shapes", "deepseek-moe-small"]))) == 6 * len(
         bench.DENSE_VARIANTS)  # without the flag: its six linear shapes too
 

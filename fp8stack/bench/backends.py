@@ -8,8 +8,8 @@ this GPU runs, forward + backward (input and weight gradients), against BF16.
 Each variant is a one-component model converted by the backend the policy names, exactly as the
 assembly would convert it; expert blocks then train as fp8stack's training runs them (MasterWeights: BF16
 parameters, weight gradients into FP32 main_grads), BF16's alike. Each timed step is one micro-batch and no
-optimizer steps: grouped_fp8's blockwise experts run without their FP8 weight cache (UNCACHED), which would hit at
-every step. Writes profiles/runs/<date>-backends-<device>/
+optimizer steps: TE's modules and grouped_fp8's blockwise experts run without their FP8 weight cache (UNCACHED),
+which would hit at every step. Writes profiles/runs/<date>-backends-<device>/
 (.json: every raw timing; .md).
 A variant that cannot run records its error instead of a number.
 """
@@ -42,9 +42,10 @@ DENSE_VARIANTS: tuple[tuple[str, str], ...] = (
 """(dense backend preference, recipe) for nn.Linear shapes; bf16 first, it is the baseline."""
 
 UNCACHED = {"cache_fp8_weights": False}
-"""grouped_fp8's blockwise experts quantize their weight at every timed step: each step here is one micro-batch and
-no optimizer steps between them, so a weight cache would be made once and hit ever after, timing no quantization,
-whereas training with one micro-batch per step runs without it (fp8stack.bench.experts_breakdown times the cache)."""
+"""TE's modules and grouped_fp8's blockwise experts cast their weights to FP8 at every timed step: each step here is
+one micro-batch and no optimizer steps between them, so a weight cache would be made once and hit ever after, timing
+no weight cast, whereas training with one micro-batch per step runs without it (fp8stack.bench.experts_breakdown
+times grouped_fp8's cache)."""
 
 EXPERT_VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("auto", BF16, {}),
@@ -53,9 +54,9 @@ EXPERT_VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("auto", "blockwise", {"kernels": "deepgemm", "quantizer": "te", **UNCACHED}),
     ("auto", "rowwise", {}),
     ("auto", "rowwise_gw_hp", {}),
-    ("te", "tensorwise", {}),
-    ("te", "delayed", {}),
-    ("te", "blockwise", {}),
+    ("te", "tensorwise", UNCACHED),
+    ("te", "delayed", UNCACHED),
+    ("te", "blockwise", UNCACHED),
 )
 """(dense backend preference, recipe, expert backend options) for GroupedExperts; the preference
 decides the expert backend as in a real plan (te -> TE GroupedLinear, auto -> grouped_fp8)."""
@@ -211,7 +212,7 @@ def bench_linear(n: int, k: int, backend: str, recipe: str, compiled: bool, s: S
 
     def run() -> list[float]:
         model = OneBlock("linear", nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16))
-        model = convert(model, plan, decisions, {}, entry)
+        model = convert(model, plan, decisions, UNCACHED if decisions[0].backend == "te" else {}, entry)
         if compiled:
             torch._dynamo.reset()  # past its recompile limit dynamo would quietly run eager
         forward = torch.compile(model) if compiled else model
@@ -383,8 +384,8 @@ def run(args: argparse.Namespace) -> int:
                 + markdown_table(["n x k", "backend", "recipe", "module", "ms", "TF/s", "vs bf16"], dense_rows)
                 + "\nGrouped experts (balanced routing; 'w13' is the first grouped GEMM alone, 'experts' the whole "
                   "SwiGLU experts; BF16 parameters whose weight gradients go into FP32 main_grads, MasterWeights, as "
-                  "fp8stack's training runs them; grouped_fp8's blockwise weights quantized at every step, "
-                  "cache_fp8_weights=False, as no optimizer step comes between the timed steps):\n\n"
+                  "fp8stack's training runs them; TE's and grouped_fp8's blockwise weights cast to FP8 at every "
+                  "step, cache_fp8_weights=False, as no optimizer step comes between the timed steps):\n\n"
                 + markdown_table(["shape from", "E x rows, D, F", "GEMM", "backend", "recipe", "module", "ms", "TF/s",
                                   "vs bf16"], grouped_rows))
     settings = {k: v for k, v in vars(args).items() if k != "force"}
