@@ -130,7 +130,8 @@ def runnable_kernels(grouped_kernels: str) -> frozenset[str]:
         raise ValueError(f"grouped_kernels={grouped_kernels!r}: use one of {', '.join(GROUPED_KERNELS)}")
     if grouped_kernels == "auto":
         grouped_kernels = "deepgemm" if deep_gemm_installed() else "torch"
-    return frozenset({"", "torch"} | ({"deepgemm", "deepgemm+te-quantizer"} if grouped_kernels == "deepgemm" else set()))
+    on_deepgemm = {"deepgemm", "deepgemm+te-quantizer"} if grouped_kernels == "deepgemm" else set()
+    return frozenset({"", "torch"} | on_deepgemm)
 
 
 def measured(arch: int, recipe: str, backend: str, gemm: ExpertGemm, table: dict | None = None,
