@@ -1,10 +1,13 @@
 """fp8stack.bench.experts_breakdown on CPU: what runs without a GPU (the MoE dispatch parts it times)."""
 
+import argparse
+
 import pytest
 import torch
 
 from fp8stack.backends.grouped import TorchBlockwiseKernels
 from fp8stack.bench import experts_breakdown
+from fp8stack.evidence import device_slug
 from fp8stack.models.moe import MoE, MoEConfig
 
 
@@ -32,3 +35,17 @@ def test_without_a_gpu_nothing_runs(capsys):
     assert experts_breakdown.main(["--moe"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
+
+
+def test_the_evidence_name_marks_the_options_off_their_defaults_and_the_label():
+    def stem(kind, **options):
+        args = argparse.Namespace(**{"kernels": "deepgemm", "quantizer": "inductor", "compile": False, "label": "",
+                                     **options})
+        return experts_breakdown.evidence_stem(kind, args)
+
+    device = device_slug()
+    assert stem("experts-breakdown") == f"experts-breakdown-deepgemm-{device}"
+    assert stem("experts-breakdown", quantizer="te", label="r3") == (
+        f"experts-breakdown-deepgemm-{device}-te-quantizer-r3")
+    assert stem("moe-dispatch", compile=True, kernels="torch") == f"moe-dispatch-torch-{device}-compiled"
+    assert stem("experts-breakdown", compile=True) == f"experts-breakdown-deepgemm-{device}"  # --moe only

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help="--moe: torch.compile the layer, as the trainer compiles its blocks on a GPU")
     parser.add_argument("--out", default="profiles")
+    parser.add_argument("--label", default="", help="added to the evidence's name (a later run of the same day "
+                        "beside an earlier one, e.g. after a change)")
     add_force_option(parser)
     args = parser.parse_args(argv)
     if args.quantizer == "te" and args.kernels != "deepgemm":
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def w13_breakdown(args: argparse.Namespace) -> int:
-    stem = f"experts-breakdown-{args.kernels}-{device_slug()}{_quantizer_suffix(args)}"
+    stem = evidence_stem("experts-breakdown", args)
     claim_or_exit("fp8stack.bench.experts_breakdown", stem, args.out, args.force)
     e, t, d, n = args.experts, args.tokens, args.dim, args.out_features
     torch.manual_seed(0)
@@ -168,7 +170,7 @@ def w13_steps(x, w, offsets, grad, kernels, quantizer, main_grad) -> dict:
 
 
 def moe_breakdown(args: argparse.Namespace) -> int:
-    stem = f"moe-dispatch-{args.kernels}-{device_slug()}{'-compiled' if args.compile else ''}{_quantizer_suffix(args)}"
+    stem = evidence_stem("moe-dispatch", args)
     claim_or_exit("fp8stack.bench.experts_breakdown", stem, args.out, args.force)
     e, top_k, d, f = args.experts, args.top_k, args.dim, args.out_features // 2
     tokens = e * args.tokens // top_k
@@ -211,9 +213,12 @@ def moe_breakdown(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quantizer_suffix(args: argparse.Namespace) -> str:
-    """The evidence folder's mark of a quantizer other than the default."""
-    return "" if args.quantizer == "inductor" else f"-{args.quantizer}-quantizer"
+def evidence_stem(kind: str, args: argparse.Namespace) -> str:
+    """'<kind>-<kernels>-<device>', marked with the options that differ from the defaults and the label."""
+    compiled = "-compiled" if kind == "moe-dispatch" and args.compile else ""
+    quantizer = "" if args.quantizer == "inductor" else f"-{args.quantizer}-quantizer"
+    label = f"-{args.label}" if args.label else ""
+    return f"{kind}-{args.kernels}-{device_slug()}{compiled}{quantizer}{label}"
 
 
 def _moe_layer(experts: int, top_k: int, dim: int, ffn: int) -> MoE:
