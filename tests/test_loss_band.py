@@ -112,3 +112,30 @@ def test_runs_past_one_pass_over_the_text_are_no_gate(tmp_path):
     assert record["memorised"] == [f.name for f in files] and record["bf16_band"]["runs"] == 4
     markdown = written(tmp_path, "loss-band-llama-1b-like-seq1024-gb4-h200.md").read_text()
     assert "NOT A GATE" in markdown and "(not a gate)" in markdown
+
+
+def test_the_validation_losses_stand_beside_the_gate(tmp_path):
+    """The completed 2000-step gate of 2026-11-28: each run's held-out loss at the end (the A/B's runs hold it, the
+    BF16 repeats' included) beside the training-loss gate, with the FP8 runs' gap to the BF16 runs' mean."""
+    gate = committed("ab-llama-1b-like-loss-gate-2000steps-h200.json")
+    assert main(["--label", "gate", "--out-dir", str(tmp_path), str(gate)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-llama-1b-like-gate-h200.json").read_text())
+    runs = json.loads(gate.read_text())["runs"]
+    val = record["bf16_validation_band"]
+    assert val["runs"] == 3 and val["mean"] == pytest.approx(
+        sum(runs[name]["val_loss"] for name in ("bf16", "bf16 (repeat)", "bf16 (repeat 2)")) / 3)
+    blockwise = next(r for r in record["fp8_runs"] if r["run"].startswith("blockwise"))
+    assert blockwise["val_gap_to_mean"] == pytest.approx(runs["blockwise"]["val_loss"] / val["mean"] - 1)
+    markdown = written(tmp_path, "loss-band-llama-1b-like-gate-h200.md").read_text()
+    assert "Validation loss (the held-out split at the end; beside the gate, not in it)" in markdown
+    assert f"{runs['blockwise']['val_loss']:.4f} ({blockwise['val_gap_to_mean']:+.2%})" in markdown
+
+
+def test_without_every_bf16_run_s_validation_loss_there_is_no_validation_band(tmp_path):
+    """The seq1024 file predates the runs' records: its BF16 run has no validation loss, so no band (the e4m3 file's
+    FP8 runs keep theirs, without a gap)."""
+    assert main(["--label", "seq1024-lr3e-4", "--out-dir", str(tmp_path), *map(str, SEQ1024_LR3E4)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-llama-1b-like-seq1024-lr3e-4-h200.json").read_text())
+    assert None in [r["val_loss"] for r in record["bf16_runs"]] and record["bf16_validation_band"] is None
+    e4m3 = [r for r in record["fp8_runs"] if r["file"] == SEQ1024_LR3E4[2].name]
+    assert e4m3 and all(r["val_loss"] is not None and r["val_gap_to_mean"] is None for r in e4m3)

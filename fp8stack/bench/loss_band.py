@@ -74,10 +74,12 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
                              "a band compares runs of one setting only")
         fp8_format, margin = config.get("fp8_format") or "recipe default format", config.get("fp8_margin") or 0
         fused = ", fused wgrad accumulation" if config.get("gradient_accumulation_fusion") else ""
+        validation = {name: own.get("val_loss") for name, own in (record.get("runs") or {}).items()
+                      if isinstance(own, dict)}
         for arm in record["arms"]:
             if arm["final_loss"] is None:
                 continue
-            run = {"file": Path(path).name, "final_loss": arm["final_loss"]}
+            run = {"file": Path(path).name, "final_loss": arm["final_loss"], "val_loss": validation.get(arm["recipe"])}
             if is_bf16_arm(arm["recipe"]):
                 bf16_runs.append({**run, "run": arm["recipe"]})
             else:
@@ -92,8 +94,8 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
                 fp8_runs.append({**run, "run": f"{arm['recipe']} ({options})"})
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
             [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
-        bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"]}
-                      for r in repeats if "error" not in r]
+        bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"],
+                       "val_loss": validation.get(r["run"])} for r in repeats if "error" not in r]
     return {**settings, "device": device}, bf16_runs, fp8_runs, sources
 
 
@@ -122,6 +124,25 @@ def gate_limit(bf16: dict) -> float:
     return bf16["mean"] + max(GATE_FLOOR * bf16["mean"], GATE_STDEVS * bf16["stdev"])
 
 
+def validation_band(bf16_runs: list[dict], fp8_runs: list[dict]) -> tuple[dict | None, list[dict]]:
+    """The BF16 runs' band of validation losses (the held-out split's loss at the end) where every BF16 run has one,
+    and each FP8 run with its gap to that band's mean (None where either is missing). Beside the gate, not in it:
+    the gate is on the training loss, as the issue sets it."""
+    losses = [r["val_loss"] for r in bf16_runs]
+    if len(losses) < 2 or None in losses:
+        return None, [{**r, "val_gap_to_mean": None} for r in fp8_runs]
+    val = band(losses)
+    return val, [{**r, "val_gap_to_mean": None if r["val_loss"] is None else r["val_loss"] / val["mean"] - 1.0}
+                 for r in fp8_runs]
+
+
+def _loss_cell(loss: float | None, gap: float | None = None) -> str:
+    """'0.8297', with its gap to the BF16 mean where given, '-' where unmeasured."""
+    if loss is None:
+        return "-"
+    return f"{loss:.4f}" + (f" ({gap:+.2%})" if gap is not None else "")
+
+
 def past_one_pass(sources: list[dict]) -> list[str]:
     """The files whose runs read their training text more than once (they memorise it: not a loss gate)."""
     return [Path(s["file"]).name for s in sources if (s.get("train_split_passes") or 0) > 1]
@@ -141,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"loss_band: error: {err}", file=sys.stderr)
         return 2
     fp8_runs = [{**r, **place(r["final_loss"], bf16)} for r in fp8_runs]
+    val, fp8_runs = validation_band(bf16_runs, fp8_runs)
     stem = f"loss-band-{settings['model']}-{args.label}-{device_slug(settings['device'])}"
     claim_or_exit("loss_band", stem, args.out_dir, args.force)
     memorised = past_one_pass(sources)
@@ -152,19 +174,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = (f"{bf16['runs']} BF16 runs: final loss mean {bf16['mean']:.4f}, {bf16['min']:.4f} to {bf16['max']:.4f} "
                f"(span {bf16['span']:.2%} of the mean), standard deviation {bf16['stdev']:.4f} "
                f"({bf16['stdev'] / bf16['mean']:.2%}). {gate}.\n\n")
+    if val is not None:
+        summary += (f"Validation loss (the held-out split at the end; beside the gate, not in it): BF16 mean "
+                    f"{val['mean']:.4f}, {val['min']:.4f} to {val['max']:.4f}, standard deviation "
+                    f"{val['stdev'] / val['mean']:.2%} of the mean.\n\n")
     markdown = (f"Computed on this machine from {len(sources)} A/B files whose runs were measured on "
                 f"{settings['device']} (their dates and commands are in the JSON). Settings: "
                 f"{', '.join(f'{k} {v}' for k, v in settings.items() if k != 'device')}. Final loss = mean training "
                 "loss over the last 10% of steps (as `fp8stack ab` computes it).\n\n" + summary
-                + markdown_table(["file", "run", "final loss"],
-                                 [[r["file"], r["run"], f"{r['final_loss']:.4f}"] for r in bf16_runs]) + "\n"
-                + markdown_table(["file", "FP8 run", "final loss", "vs BF16 mean", "BF16 std devs", "position", "gate"],
+                + markdown_table(["file", "run", "final loss", "validation loss"],
+                                 [[r["file"], r["run"], f"{r['final_loss']:.4f}", _loss_cell(r["val_loss"])]
+                                  for r in bf16_runs]) + "\n"
+                + markdown_table(["file", "FP8 run", "final loss", "vs BF16 mean", "BF16 std devs", "position", "gate",
+                                  "validation loss (vs BF16 mean)"],
                                  [[r["file"], r["run"], f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}",
                                    f"{r['stdevs']:+.1f}", r["position"],
-                                   f"{r['gate'] or '-'}{' (not a gate)' if memorised and r['gate'] else ''}"]
+                                   f"{r['gate'] or '-'}{' (not a gate)' if memorised and r['gate'] else ''}",
+                                   _loss_cell(r["val_loss"], r["val_gap_to_mean"])]
                                   for r in fp8_runs]))
     payload = {"settings": settings, "sources": sources, "bf16_band": bf16, "gate_limit": gate_limit(bf16),
-               "memorised": memorised, "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
+               "bf16_validation_band": val, "memorised": memorised, "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
     json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
     print(summary + f"wrote {json_path}, {md_path}")
     return 0
