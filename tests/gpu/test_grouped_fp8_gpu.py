@@ -431,10 +431,10 @@ def test_cached_fp8_weights_train_as_uncached_bit_for_bit(kernels, fp8_dispatch)
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("kernels", ["torch", "deepgemm"])
 def test_the_trainer_s_weight_cache_trains_as_uncached(kernels, compile, monkeypatch):
-    """fp8stack's trainer with two micro-batches per step (grouped_fp8.cache_fp8_weights on, as by default): the
-    tiny MoE Llama's blockwise experts on grouped_fp8, weight gradients into the master weights' main_grads, train
-    with the losses of --no-grouped-fp8.cache-fp8-weights, bit for bit, eager and in compiled blocks (where the
-    cache's lookup runs outside the graph)."""
+    """fp8stack's trainer with two micro-batches per step and --grouped-fp8.cache-fp8-weights: the tiny MoE Llama's
+    blockwise experts on grouped_fp8, weight gradients into the master weights' main_grads, train with the losses of
+    the uncached run (the default), bit for bit, eager and in compiled blocks (where the cache's lookup runs outside
+    the graph)."""
     from fp8stack.config import from_overrides
     from fp8stack.train.loop import session, train
 
@@ -444,7 +444,7 @@ def test_the_trainer_s_weight_cache_trains_as_uncached(kernels, compile, monkeyp
                 "precision.small_gemm_filter": "off", "training.device": "cuda", "training.steps": 3,
                 "optimizer.warmup": 1, "training.micro_batch": 2, "training.global_batch": 4,
                 "training.seq_len": 128, "training.eval_batches": 0, "data.max_bytes": 1 << 20,
-                "logging.progress": False, "training.compile": compile}
+                "logging.progress": False, "training.compile": compile, "grouped_fp8.cache_fp8_weights": True}
     with session(from_overrides(settings)) as run:
         experts = [m for m in run.model.modules() if isinstance(m, Float8GroupedExperts)]
         assert run.micro_batches == 2 and experts and all(m.caches_fp8_weights for m in experts)
