@@ -53,7 +53,7 @@ from fp8stack.backends.base import (Backend, BackendUnavailable, ConversionRecor
                                    optimizer_steps, swap_module)
 from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts, new_or_into
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK
-from fp8stack.models.moe import GroupedExperts
+from fp8stack.models.moe import GroupedExperts, main_grad_now
 from fp8stack.plan import Decision, Plan, PlanError
 from fp8stack.plan.recipes import BF16, EXPERT_QUANTIZERS
 
@@ -468,7 +468,7 @@ def _blockwise_grads(ctx, grad_y: torch.Tensor, weight_fp8: Fp8Tensor,
         weight_t = ctx.weight_blocks.transposed(weight_fp8)  # the forward's, transposed
         grad_x = groups.unpad(kernels.m_grouped(grad_fp8, weight_t, groups)).to(ctx.x_dtype)
     if need_w and ctx.main_grad is not None:
-        kernels.k_grouped(grad_t, x_t, groups, into=ctx.main_grad() if callable(ctx.main_grad) else ctx.main_grad)
+        kernels.k_grouped(grad_t, x_t, groups, into=main_grad_now(ctx.main_grad))
     elif need_w:
         grad_w = kernels.k_grouped(grad_t, x_t, groups).to(ctx.weight_dtype)
     return grad_x, grad_w
@@ -546,14 +546,15 @@ class Float8GroupedExperts(GroupedExperts):
         return self.grouped_mm(self.act(self._dispatched_w13(x, offsets, row_token)), self.w2, offsets)
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        recipe = self.recipes.get("w13" if weight is self.w13 else "w2")
+        gemm = "w13" if weight is self.w13 else "w2"
+        recipe = self.recipes.get(gemm)
         if recipe is None:
             return super().grouped_mm(x, weight, offsets)
         if recipe == "blockwise":
             aligned = self.group_alignment % self.blockwise_kernels.row_alignment == 0
             return BlockwiseGroupedMM.apply(x, weight, offsets, self.blockwise_kernels, aligned,
                                             self.main_grad_of(weight), self.blockwise_quantizer,
-                                            self.weight_blocks.get("w13" if weight is self.w13 else "w2", UNCACHED))
+                                            self.weight_blocks.get(gemm, UNCACHED))
         aligned = self.group_alignment % RECIPE_ALIGNMENT[recipe] == 0
         return RowwiseGroupedMM.apply(x, weight, offsets, self.rowwise_kernels, recipe == "rowwise_gw_hp", aligned)
 

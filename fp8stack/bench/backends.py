@@ -8,8 +8,8 @@ this GPU runs, forward + backward (input and weight gradients), against BF16.
 Each variant is a one-component model converted by the backend the policy names, exactly as the
 assembly would convert it; expert blocks then train as fp8stack's training runs them (MasterWeights: BF16
 parameters, weight gradients into FP32 main_grads), BF16's alike. Each timed step is one micro-batch and no
-optimizer steps: TE's modules and grouped_fp8's blockwise experts run without their FP8 weight cache (UNCACHED),
-which would hit at every step. Writes profiles/runs/<date>-backends-<device>/
+optimizer steps: TE's modules and grouped_fp8's blockwise experts run without their FP8 weight cache
+(NO_WEIGHT_CACHE), which would hit at every step. Writes profiles/runs/<date>-backends-<device>/
 (.json: every raw timing; .md).
 A variant that cannot run records its error instead of a number.
 """
@@ -41,7 +41,7 @@ DENSE_VARIANTS: tuple[tuple[str, str], ...] = (
 )
 """(dense backend preference, recipe) for nn.Linear shapes; bf16 first, it is the baseline."""
 
-UNCACHED = {"cache_fp8_weights": False}
+NO_WEIGHT_CACHE = {"cache_fp8_weights": False}
 """TE's modules and grouped_fp8's blockwise experts cast their weights to FP8 at every timed step: each step here is
 one micro-batch and no optimizer steps between them, so a weight cache would be made once and hit ever after, timing
 no weight cast, whereas training with one micro-batch per step runs without it (fp8stack.bench.experts_breakdown
@@ -49,14 +49,14 @@ times grouped_fp8's cache)."""
 
 EXPERT_VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("auto", BF16, {}),
-    ("auto", "blockwise", {"kernels": "torch", **UNCACHED}),
-    ("auto", "blockwise", {"kernels": "deepgemm", "quantizer": "inductor", **UNCACHED}),
-    ("auto", "blockwise", {"kernels": "deepgemm", "quantizer": "te", **UNCACHED}),
+    ("auto", "blockwise", {"kernels": "torch", **NO_WEIGHT_CACHE}),
+    ("auto", "blockwise", {"kernels": "deepgemm", "quantizer": "inductor", **NO_WEIGHT_CACHE}),
+    ("auto", "blockwise", {"kernels": "deepgemm", "quantizer": "te", **NO_WEIGHT_CACHE}),
     ("auto", "rowwise", {}),
     ("auto", "rowwise_gw_hp", {}),
-    ("te", "tensorwise", UNCACHED),
-    ("te", "delayed", UNCACHED),
-    ("te", "blockwise", UNCACHED),
+    ("te", "tensorwise", NO_WEIGHT_CACHE),
+    ("te", "delayed", NO_WEIGHT_CACHE),
+    ("te", "blockwise", NO_WEIGHT_CACHE),
 )
 """(dense backend preference, recipe, expert backend options) for GroupedExperts; the preference
 decides the expert backend as in a real plan (te -> TE GroupedLinear, auto -> grouped_fp8)."""
@@ -212,7 +212,7 @@ def bench_linear(n: int, k: int, backend: str, recipe: str, compiled: bool, s: S
 
     def run() -> list[float]:
         model = OneBlock("linear", nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16))
-        model = convert(model, plan, decisions, UNCACHED if decisions[0].backend == "te" else {}, entry)
+        model = convert(model, plan, decisions, NO_WEIGHT_CACHE if decisions[0].backend == "te" else {}, entry)
         if compiled:
             torch._dynamo.reset()  # past its recompile limit dynamo would quietly run eager
         forward = torch.compile(model) if compiled else model

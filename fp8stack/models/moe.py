@@ -206,6 +206,12 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w2, std=init_std)
 
 
+def main_grad_now(main_grad: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The FP32 buffer a wgrad GEMM adds into, in its backward: what GroupedExperts.main_grad_of gave, or what the
+    function it gave returns now (allocated where released)."""
+    return main_grad() if callable(main_grad) else main_grad
+
+
 class GroupedMMIntoMainGrad(torch.autograd.Function):
     """torch._grouped_mm(x, weight^T) per row group, whose backward adds the weight gradient into `main_grad` (the
     weight's FP32 buffer, or a function the backward calls for it: GroupedExperts.main_grad_of) in place and returns
@@ -223,8 +229,7 @@ class GroupedMMIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight, offsets = ctx.saved_tensors
         grad_x = torch._grouped_mm(grad_y, weight, offs=offsets) if ctx.needs_input_grad[0] else None
-        main_grad = ctx.main_grad() if callable(ctx.main_grad) else ctx.main_grad
-        main_grad.add_(torch._grouped_mm(grad_y.t(), x, offs=offsets))
+        main_grad_now(ctx.main_grad).add_(torch._grouped_mm(grad_y.t(), x, offs=offsets))
         return grad_x, None, None, None
 
 
