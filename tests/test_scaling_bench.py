@@ -41,6 +41,19 @@ def test_the_runs_are_each_wrappers_bf16_and_fp8_pair_beside_one_gpus_and_fp8_we
     assert [scaling.run_name(*run) for run in planned] == list(RECORDS)
 
 
+def test_an_fp8_weight_wrapper_asked_alone_brings_its_twins_bf16_run_and_is_judged_over_it():
+    planned = scaling.runs(["fsdp_fp8_params_gather_once"], "delayed")
+    assert [scaling.run_name(*run) for run in planned] == [
+        "one_gpu/bf16", "one_gpu/delayed", "fsdp_gather_once/bf16", "fsdp_fp8_params_gather_once/delayed"]
+    records = {"one_gpu/bf16": RECORDS["one_gpu/bf16"], "one_gpu/delayed": RECORDS["one_gpu/delayed"],
+               "fsdp_gather_once/bf16": RECORDS["fsdp/bf16"],
+               "fsdp_fp8_params_gather_once/delayed": RECORDS["fsdp_fp8_params/delayed"]}
+    result = scaling.judge(records, planned, "delayed", 2, STEPS)
+    assert result["figures"]["fp8_over_bf16"]["fsdp_fp8_params_gather_once"] == pytest.approx(240 / 170)
+    assert result["figures"]["all_gather_bytes_fp8_over_bf16_blocks"] == pytest.approx(
+        {"fsdp_fp8_params_gather_once": 0.5})  # over the BF16 run's gathered BF16 weights
+
+
 @pytest.mark.parametrize("wrapper, data_parallel, param_dtype, reshard", [
     ("ddp", "ddp", None, None), ("fsdp", "fsdp", None, None), ("fsdp_gather_once", "fsdp", None, False),
     ("fsdp_fp8_params", "fsdp", "fp8", None), ("fsdp_fp8_params_gather_once", "fsdp", "fp8", False)])

@@ -19,7 +19,7 @@ is what the wrapper adds. Runs:
   fsdp (FSDP2: sharded FP32 masters, BF16 all-gathered copies, FP32 reduce-scatter),
   fsdp_gather_once (fsdp with --no-parallelism.fsdp-reshard-after-forward: one all-gather per step),
   fsdp_fp8_params (fsdp with --param-dtype fp8: TE's FP8 weights all-gathered in FP8; the recipe only, as BF16 has
-  no FP8 weights), fsdp_fp8_params_gather_once (both).
+  no FP8 weights, beside fsdp's BF16 run even where fsdp is not asked for), fsdp_fp8_params_gather_once (both).
 TE keeps no FP8 weight cache under FSDP2 (it quantizes each gathered BF16 weight in every forward and backward), so
 the FSDP2 runs that gather once per step still cast per micro-batch; FP8 parameters gather what is already FP8.
 Judged: each wrapper's FP8/BF16 tokens/s within RATIO_TOLERANCE of one_gpu's (what the wrapper costs must not eat
@@ -71,10 +71,16 @@ PROFILED_STEPS = 2
 
 
 def runs(wrappers: Sequence[str], recipe: str) -> list[tuple[str, str]]:
-    """(wrapper, recipe) of every run, the one-GPU pair first."""
+    """(wrapper, recipe) of every run, the one-GPU pair first. An FP8-weight wrapper brings its twin's BF16 run, the
+    run its FP8/BF16 is over, where the twin is not asked for."""
     recipes = (BF16, recipe)
-    return [(ONE_GPU, r) for r in recipes] + [(w, r) for w in wrappers for r in recipes
-                                              if r != BF16 or w not in FP8_ONLY]
+    planned = [(ONE_GPU, r) for r in recipes]
+    for wrapper in wrappers:
+        if wrapper in FP8_ONLY:
+            planned += [(FP8_ONLY[wrapper], BF16), (wrapper, recipe)]
+        else:
+            planned += [(wrapper, r) for r in recipes]
+    return list(dict.fromkeys(planned))
 
 
 def run_name(wrapper: str, recipe: str) -> str:
@@ -128,8 +134,9 @@ def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str,
                        f"{ratios[ONE_GPU]:.3f}"] = abs(ratio - ratios[ONE_GPU]) <= RATIO_TOLERANCE
     gathers = {}
     for fp8_params, twin in FP8_ONLY.items():
-        fp8_gather, bf16_gather = (block_all_gather_bytes(records.get(run_name(w, recipe), {}))
-                                   for w in (fp8_params, twin))
+        fp8_gather = block_all_gather_bytes(records.get(run_name(fp8_params, recipe), {}))
+        twin_run = records.get(run_name(twin, recipe)) or records.get(run_name(twin, BF16), {})
+        bf16_gather = block_all_gather_bytes(twin_run)  # the twin gathers BF16 weights under either recipe
         if bf16_gather and fp8_gather:
             gathers[fp8_params] = fp8_gather / bf16_gather
             checks[f"{fp8_params}: blocks' all-gather bytes at most {ALL_GATHER_RATIO}x {twin}'s"] = \
