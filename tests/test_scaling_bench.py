@@ -201,3 +201,47 @@ def test_a_model_too_big_for_one_gpu_is_set_against_fewer_layers_of_it_on_one_gp
     text = scaling.render({"model": "llama3-8b", "one_gpu_model": "llama3-8b-16-layers", "recipe": "delayed",
                            "steps": STEPS, "nproc": 2, "runs": records, **result})
     assert "The one-GPU runs trained llama3-8b-16-layers, the same blocks at fewer layers" in text
+
+
+def test_the_fsdp2_bound_runs_on_one_gpu_without_tes_two_fsdp2_levers_and_judges_each_fsdp2_wrapper(tmp_path,
+                                                                                                   monkeypatch):
+    """one_gpu_fsdp2_bound: one process per run, two at a time on two GPUs beside the one-GPU pair, without fused
+    weight-gradient accumulation and the FP8 weight cache; the FSDP2 wrappers' ratios are judged against it as well
+    as against one GPU's, DDP's against one GPU's only."""
+    batches, running = [], []
+
+    def started(name, workdir, nproc, flags, env=None):
+        running.append((name, nproc, env and env["CUDA_VISIBLE_DEVICES"], flags))
+        return SimpleNamespace(name=name)
+
+    def waited(run):
+        if running:
+            batches.append(list(running))
+            running.clear()
+        return run
+
+    monkeypatch.setattr(scaling, "start", started)
+    monkeypatch.setattr(scaling, "launch", lambda *args: waited(started(*args)))
+    monkeypatch.setattr(scaling, "wait", waited)
+    monkeypatch.setattr(scaling, "run_record", lambda run: run)
+    planned = scaling.runs(["ddp", "fsdp", scaling.FSDP2_BOUND], "delayed")
+    scaling.run_all(tmp_path, planned, 2, ["--train-iters", "6"], 2, {scaling.ONE_GPU: "m", None: "m"})
+    assert [[(name, nproc, gpu) for name, nproc, gpu, _ in batch] for batch in batches] == [
+        [("one_gpu/bf16", 1, "0"), ("one_gpu/delayed", 1, "1")],
+        [("one_gpu_fsdp2_bound/bf16", 1, "0"), ("one_gpu_fsdp2_bound/delayed", 1, "1")],
+        *([(name, 2, None)] for name in ("ddp/bf16", "ddp/delayed", "fsdp/bf16", "fsdp/delayed"))]
+    bound = job_from_flags(batches[1][1][3])
+    assert bound.te.gradient_accumulation_fusion is False and bound.te.cache_fp8_weights is False
+    records = {**{name: RECORDS[name] for name in ("one_gpu/bf16", "one_gpu/delayed", "ddp/bf16", "ddp/delayed",
+                                                   "fsdp/bf16", "fsdp/delayed")},
+               "one_gpu_fsdp2_bound/bf16": measured(92_000, 24.7, 1),
+               "one_gpu_fsdp2_bound/delayed": measured(122_000, 25.0, 1)}
+    result = scaling.judge(records, planned, "delayed", 2, STEPS)
+    checks = result["checks"]
+    assert result["figures"]["fp8_over_bf16"]["one_gpu_fsdp2_bound"] == pytest.approx(122 / 92)
+    assert checks[f"fsdp: FP8/BF16 {225 / 170:.3f} within 0.03 of the FSDP2 bound's {122 / 92:.3f} (one GPU "
+                  "without the TE levers FSDP2 takes away)"] is True
+    assert not any("bound's" in name for name in checks if name.startswith("ddp"))
+    assert not any(name.startswith("one_gpu_fsdp2_bound: FP8/BF16") for name in checks)
+    assert "one_gpu_fsdp2_bound/delayed" not in result["figures"]["scaling_efficiency"]
+    assert result["figures"]["per_gpu_tokens_per_s"]["one_gpu_fsdp2_bound/delayed"] == 122_000

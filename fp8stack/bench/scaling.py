@@ -21,7 +21,10 @@ is what the wrapper adds. Runs:
   fsdp_fp8_params (fsdp with --param-dtype fp8: TE's FP8 weights all-gathered in FP8; the recipe only, as BF16 has
   no FP8 weights, beside fsdp's BF16 run even where fsdp is not asked for), fsdp_fp8_params_gather_once (both).
 TE keeps no FP8 weight cache under FSDP2 (it quantizes each gathered BF16 weight in every forward and backward), so
-the FSDP2 runs that gather once per step still cast per micro-batch; FP8 parameters gather what is already FP8.
+the FSDP2 runs that gather once per step still cast per micro-batch; FP8 parameters gather what is already FP8. Nor
+does TE accumulate weight gradients into main_grad there. one_gpu_fsdp2_bound (asked for like a wrapper) measures
+what that costs: one process, BF16 and the recipe, without those two levers (--no-te.gradient-accumulation-fusion
+--no-te.cache-fp8-weights); each FSDP2 wrapper's FP8/BF16 is then also judged against its ratio.
 Judged: each wrapper's FP8/BF16 tokens/s within RATIO_TOLERANCE of one_gpu's (what the wrapper costs must not eat
 FP8's gain; an FP8-parameter wrapper over its BF16-parameter twin's BF16 run, FP8_ONLY), and an FP8-parameter
 wrapper's all-gather bytes over the transformer blocks at most ALL_GATHER_RATIO of its twin's with the same recipe
@@ -50,13 +53,17 @@ from fp8stack.plan.recipes import BF16
 PROG = "python -m fp8stack.bench.scaling"
 ONE_GPU = "one_gpu"
 """The reference runs: one process, no wrapper."""
+FSDP2_BOUND = "one_gpu_fsdp2_bound"
+"""One process without the two TE levers FSDP2 takes away (TEBackend.before_fully_shard): fused weight-gradient
+accumulation into main_grad and the FP8 weight cache. Its FP8/BF16 is the most an FSDP2 wrapper can reach with TE."""
 WRAPPERS = {"ddp": ["--parallelism.data-parallel", "ddp"],
             "fsdp": ["--parallelism.data-parallel", "fsdp"],
             "fsdp_gather_once": ["--parallelism.data-parallel", "fsdp", "--no-parallelism.fsdp-reshard-after-forward"],
             "fsdp_fp8_params": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8"],
             "fsdp_fp8_params_gather_once": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8",
-                                            "--no-parallelism.fsdp-reshard-after-forward"]}
-"""Wrapper -> its flags beside the common ones, at NPROC=N."""
+                                            "--no-parallelism.fsdp-reshard-after-forward"],
+            FSDP2_BOUND: ["--no-te.gradient-accumulation-fusion", "--no-te.cache-fp8-weights"]}
+"""Wrapper -> its flags beside the common ones, at NPROC=N (FSDP2_BOUND at NPROC=1)."""
 DEFAULT_WRAPPERS = ("ddp", "fsdp", "fsdp_fp8_params")
 FP8_ONLY = {"fsdp_fp8_params": "fsdp", "fsdp_fp8_params_gather_once": "fsdp_gather_once"}
 """Wrappers that hold FP8 weights, run with the recipe only -> the wrapper whose BF16 run their FP8/BF16 is over
@@ -87,25 +94,32 @@ def run_name(wrapper: str, recipe: str) -> str:
     return f"{wrapper}/{recipe}"
 
 
+def is_single(wrapper: str) -> bool:
+    """A run of one process: the reference, or the FSDP2 bound."""
+    return wrapper in (ONE_GPU, FSDP2_BOUND)
+
+
 def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: Sequence[str], gpus: int,
             models: dict[str, str]) -> dict[str, dict]:
-    """The one-GPU runs side by side when there are GPUs for both (else one after another), then the N-GPU runs one
-    after another (their step times are compared). models: ONE_GPU's model and the wrapped runs' (key None)."""
+    """The one-process runs side by side, as many at once as there are GPUs (one after another without two), then
+    the N-GPU runs one after another (their step times are compared). models: ONE_GPU's model and the wrapped runs'
+    (key None)."""
     def flags(wrapper: str, recipe: str) -> list[str]:
-        model = models[ONE_GPU if wrapper == ONE_GPU else None]
+        model = models[ONE_GPU if is_single(wrapper) else None]
         return ["--model", model, *common, "--fp8-recipe", recipe, *WRAPPERS.get(wrapper, [])]
 
-    singles = [run for run in planned if run[0] == ONE_GPU]
+    singles = [run for run in planned if is_single(run[0])]
     records = {}
-    if gpus >= len(singles):
-        started = [start(run_name(*run), workdir, 1, flags(*run), {"CUDA_VISIBLE_DEVICES": str(gpu)})
-                   for gpu, run in enumerate(singles)]
-        records.update((run.name, run_record(run)) for run in map(wait, started))
+    if gpus >= 2:
+        for first in range(0, len(singles), gpus):
+            started = [start(run_name(*run), workdir, 1, flags(*run), {"CUDA_VISIBLE_DEVICES": str(gpu)})
+                       for gpu, run in enumerate(singles[first:first + gpus])]
+            records.update((run.name, run_record(run)) for run in map(wait, started))
     else:
         records.update((run_name(*run), run_record(launch(run_name(*run), workdir, 1, flags(*run))))
                        for run in singles)
     for run in planned:
-        if run[0] != ONE_GPU:
+        if not is_single(run[0]):
             records[run_name(*run)] = run_record(launch(run_name(*run), workdir, nproc, flags(*run)))
     return records
 
@@ -117,21 +131,24 @@ def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str,
     checks = {f"{name} ran {steps} steps": len(records[name].get("losses", ())) == steps
               for name in (run_name(*run) for run in planned)}
     tokens = {name: record["tokens_per_s"] for name, record in records.items() if "tokens_per_s" in record}
-    figures: dict = {"per_gpu_tokens_per_s": {name: value / (1 if name.startswith(ONE_GPU) else nproc)
+    figures: dict = {"per_gpu_tokens_per_s": {name: value / (1 if is_single(name.split("/")[0]) else nproc)
                                               for name, value in tokens.items()}}
     one = {r: tokens.get(run_name(ONE_GPU, r)) for r in (BF16, recipe)}
     figures["scaling_efficiency"] = {name: value / (nproc * one[name.split("/")[1]])
                                      for name, value in tokens.items()
-                                     if same_model and not name.startswith(ONE_GPU) and one[name.split("/")[1]]}
+                                     if same_model and not is_single(name.split("/")[0]) and one[name.split("/")[1]]}
     ratios = {wrapper: tokens[run_name(wrapper, recipe)] / tokens[run_name(FP8_ONLY.get(wrapper, wrapper), BF16)]
               for wrapper in dict.fromkeys(w for w, _ in planned)
               if run_name(wrapper, recipe) in tokens and run_name(FP8_ONLY.get(wrapper, wrapper), BF16) in tokens}
     figures["fp8_over_bf16"] = ratios
-    if ONE_GPU in ratios:
-        for wrapper, ratio in ratios.items():
-            if wrapper != ONE_GPU:
-                checks[f"{wrapper}: FP8/BF16 {ratio:.3f} within {RATIO_TOLERANCE} of one GPU's "
-                       f"{ratios[ONE_GPU]:.3f}"] = abs(ratio - ratios[ONE_GPU]) <= RATIO_TOLERANCE
+    for wrapper, ratio in ratios.items():
+        if ONE_GPU in ratios and not is_single(wrapper):
+            checks[f"{wrapper}: FP8/BF16 {ratio:.3f} within {RATIO_TOLERANCE} of one GPU's "
+                   f"{ratios[ONE_GPU]:.3f}"] = abs(ratio - ratios[ONE_GPU]) <= RATIO_TOLERANCE
+        if FSDP2_BOUND in ratios and wrapper.startswith("fsdp"):
+            checks[f"{wrapper}: FP8/BF16 {ratio:.3f} within {RATIO_TOLERANCE} of the FSDP2 bound's "
+                   f"{ratios[FSDP2_BOUND]:.3f} (one GPU without the TE levers FSDP2 takes away)"] = \
+                abs(ratio - ratios[FSDP2_BOUND]) <= RATIO_TOLERANCE
     gathers = {}
     for fp8_params, twin in FP8_ONLY.items():
         fp8_gather = block_all_gather_bytes(records.get(run_name(fp8_params, recipe), {}))
