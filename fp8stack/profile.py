@@ -261,6 +261,19 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
         return profiled, run.plan
 
 
+def _free_finished_run() -> None:
+    """Let the next profiled run start on an empty GPU: a converted model and its MasterWeights hold each other
+    through hooks, a cycle only the collector frees (the BF16 run's model otherwise stays, and at deepseek-moe-medium
+    the FP8 run that follows it ran out of memory on an H200)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _is_annotation(event) -> bool:
     """A record_function range (ProfilerStep#N, Optimizer.step#AdamW.step) rather than a kernel: on
     CUDA its device time spans the kernels inside it, so counting it would count them twice."""
@@ -349,6 +362,7 @@ def run_profile(args: argparse.Namespace) -> int:
             print(f"profiling {cfg.model.name} {cfg.precision.recipe}: {options.warmup_steps} + 1 warm-up and "
                   f"{options.steps} profiled steps", flush=True)
             runs[cfg.precision.recipe], plan = profile_run(cfg, options.warmup_steps, options.steps)
+            _free_finished_run()
     except (ConfigError, PlanError, EvidenceError) as err:
         print(f"fp8stack profile: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

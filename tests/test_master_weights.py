@@ -163,3 +163,25 @@ def test_under_ddp_each_bucket_is_averaged_as_soon_as_its_gradients_are_final_no
         dist.all_reduce = all_reduce
     assert events == [("start", 16 * 16 + 16)] * 4 + [("backward end",)]
     assert all(p.grad is None for p in masters.params)
+
+
+def test_a_model_and_its_masters_are_freed_once_the_user_lets_go_of_them():
+    """The gradient hooks on the parameters hold their MasterWeights weakly: a tensor's hooks live in C++, where the
+    collector cannot follow a cycle, so a strong hook would keep both alive for the rest of the process."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from fp8stack.precision import MasterWeights
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    masters = MasterWeights(model)
+    optimizer = masters.track(torch.optim.AdamW(masters.parameters()))
+    model(torch.randn(4, 16).bfloat16()).float().sum().backward()
+    optimizer.step()
+    model_alive, masters_alive = weakref.ref(model), weakref.ref(masters)
+    del model, masters, optimizer
+    gc.collect()
+    assert model_alive() is None and masters_alive() is None
+

@@ -1,6 +1,8 @@
 """`fp8stack profile`: the kernel classifier on real kernel names, the Amdahl bound, and a CPU run."""
 
+import contextlib
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -231,3 +233,24 @@ def test_quantize_overhead_counts_fused_kernels_by_their_excess_over_bf16():
     assert overhead == pytest.approx(1.9 + 0.0 + 4.2)
     assert [f["family"] for f in fused] == ["transformer_engine::gated_act_kernel",
                                             "transformer_engine::dgated_act_kernel"]
+
+
+def test_each_profiled_run_starts_after_the_one_before_it_is_freed(tmp_path, monkeypatch):
+    """The BF16 run's model (held in a cycle with its master weights through hooks) is gone before the FP8 run
+    builds its own: on a GPU both would not fit at deepseek-moe-medium."""
+    from fp8stack.train import loop
+
+    earlier, real_session = [], loop.session
+
+    @contextlib.contextmanager
+    def watched(cfg):
+        with real_session(cfg) as run:
+            assert all(model() is None for model in earlier), "the previous profiled run's model is still alive"
+            earlier.append(weakref.ref(run.model))
+            yield run
+
+    monkeypatch.setattr(loop, "session", watched)
+    code = main(["--model", "tiny", "--fp8-recipe", "tensorwise", "--steps", "1", "--profile.warmup-steps", "0",
+                 "--micro-batch", "2", "--global-batch-size", "4", "--seq-len", "64", "--device", "cpu",
+                 "--param-dtype", "bf16", "--dtype", "bf16", "--out-dir", str(tmp_path)])
+    assert code == 0 and len(earlier) == 2

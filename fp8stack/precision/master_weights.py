@@ -39,7 +39,8 @@ get_main_grad() too (GroupedExperts.main_grad_of).
 """
 
 import functools
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import torch
@@ -78,6 +79,15 @@ class SteppedMasters:
         after_assembly = post_optimizer_step_hook(self.model)
         optimizer.register_step_post_hook(lambda *_hook_args: (self.after_step(), after_assembly()))
         return optimizer
+
+
+def _held_weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """`method` as a parameter's gradient hook that holds its MasterWeights weakly. A tensor keeps its hooks in C++,
+    where the collector cannot follow a cycle: a strong hook would keep the model, its masters and its main_grads
+    alive for the rest of the process (a second model built in it, as a profile's FP8 run after its BF16 one, then
+    finds the GPU full). The model's forward pre-hook holds the MasterWeights as long as the model lives."""
+    held = weakref.WeakMethod(method)
+    return lambda param: held()(param)
 
 
 class MasterWeights(SteppedMasters):
@@ -137,10 +147,10 @@ class MasterWeights(SteppedMasters):
                          else None)
         for param in self.params:
             if id(param) not in written_by_backend:
-                param.register_post_accumulate_grad_hook(self._into_main_grad)
+                param.register_post_accumulate_grad_hook(_held_weakly(self._into_main_grad))
             elif self._average is not None:  # TE hands autograd a placeholder once its GEMM wrote the main_grad
                 param.grad_added_to_main_grad = False
-                param.register_post_accumulate_grad_hook(self._written_by_backend)
+                param.register_post_accumulate_grad_hook(_held_weakly(self._written_by_backend))
         if self.group is not None:
             broadcast_from_first(self.masters, self.group)
         with torch.no_grad():
