@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Device side: run several commands at once in one call to a lent GPU machine, each in a lane of its own (its own
+# GPUs and its own copy of the checkout, so that benches writing profiles/runs/ never collide), all cut at one
+# deadline inside the call's time limit, and bring back their evidence and logs as one archive ($OUT returns a few
+# files only).
+#   source scripts/gpu-lanes.sh SECONDS      # the deadline, from now
+#   lane NAME GPUS 'command'                 # e.g. lane tests 0 'python -m fp8stack.bench.gpu_tests ...'
+#   lane_seq NAME GPUS 'command' 'command'   # commands one after another in one lane
+#   finish                                   # wait; $OUT/results.tgz: lanes-logs/ and the new profiles/runs files
+# Evidence names the commit: export FP8STACK_COMMIT (and FP8STACK_DIRTY=0 for a clean tree) before sourcing; a lane's
+# copy has no .git. PYTHONPATH puts /tmp/dgsite (DeepGEMM, launch/build_deepgemm.sh) and /tmp/site (the staged
+# stack, scripts/stage-gpu.sh) before the lane's checkout.
+START=$(date +%s)
+DEADLINE=$((START + ${1:?seconds until the deadline}))
+ROOT=$(pwd)
+STAMP=/tmp/lanes-stamp-$START
+touch "$STAMP"
+sleep 1
+mkdir -p /tmp/lanes-logs
+
+lane() {
+  local name=$1 gpus=$2 dir=/tmp/lane-$1
+  shift 2
+  if [ ! -d "$dir" ]; then
+    mkdir -p "$dir"
+    tar -C "$ROOT" --exclude=./.git --exclude=./.gpu --exclude=./.venv -cf - . | tar -C "$dir" -xf -
+  fi
+  local left=$((DEADLINE - $(date +%s)))
+  [ "$left" -lt 5 ] && left=5
+  (
+    cd "$dir" || exit 1
+    echo "== $name start $(date +%T), ${left}s left: $*" >> "/tmp/lanes-logs/$name.log"
+    CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=/tmp/dgsite:/tmp/site:$dir FP8STACK_DIRTY=${FP8STACK_DIRTY:-0} \
+      timeout -k 10 "$left" bash -c "$*" >> "/tmp/lanes-logs/$name.log" 2>&1
+    echo "== $name rc=$? end $(date +%T)" >> "/tmp/lanes-logs/$name.log"
+  ) &
+}
+
+lane_seq() {
+  local name=$1 gpus=$2 joined=""
+  shift 2
+  for command in "$@"; do joined="$joined ( $command ); echo \"-- step rc=\$?\";"; done
+  lane "$name" "$gpus" "$joined"
+}
+
+finish() {
+  wait
+  local files
+  files=$(cd /tmp && find lane-*/profiles/runs -newer "$STAMP" -type f 2>/dev/null)
+  # shellcheck disable=SC2086  # one path per word
+  tar -C /tmp -czf "$OUT/results.tgz" lanes-logs $files
+  for log in /tmp/lanes-logs/*.log; do echo "######## $log"; tail -n 25 "$log"; done
+}
