@@ -46,6 +46,14 @@ def _arms(*flags: str, recipes: tuple[str, ...] = ("bf16", "delayed"), te_runs: 
     return arm_configs(ab, base_job(args, ab), list(recipes), te_runs)
 
 
+def test_a_recipe_files_overrides_go_to_the_fp8_arms_and_the_bf16_arms_stay_without_fp8():
+    arms = _arms("--model", "tiny-moe", "--recipe-file", "moe-only-fp8", recipes=("bf16", "delayed", "blockwise"),
+                 te_runs=True)
+    assert set(arms) == {"bf16", "bf16 on te", "delayed", "blockwise"}
+    assert all(not arms[name].precision.overrides for name in ("bf16", "bf16 on te"))
+    assert all(len(arms[name].precision.overrides) == 2 for name in ("delayed", "blockwise"))
+
+
 TWO_ARMS = ["--model", "tiny", "--recipes", "tensorwise", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
             "--device", "cpu", "--recompute-modules", "mlp"]
 """The CPU A/B that the module fixtures below run one after another and side by side: the same arms, so the same

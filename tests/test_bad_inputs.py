@@ -146,6 +146,8 @@ TRAIN_BAD = [
     (["--config", "{tmp}/unknown-section.json"], "unknown section(s) speed: use model, precision,"),
     (["--config", "{tmp}/flat-field.json"], "unknown section(s) steps: use model, precision,"),
     (["--config", "{tmp}/nan-lr.json"], "optimizer.lr must be a finite number, got nan"),
+    (["--recipe-file", "{tmp}/no-such-recipe.yaml"], "--recipe-file: recipe file '{tmp}/no-such-recipe.yaml' not "
+     "found: give a YAML path or a name in configs/recipes/"),
     (["--load", "{tmp}/no-such-checkpoint"], "checkpoint {tmp}/no-such-checkpoint does not exist"),
     (["--save", "{tmp}/empty-ckpts", "--load", "latest"], "no step-* checkpoint under {tmp}/empty-ckpts"),
     (["--use-distributed-optimizer"], "optimizer.distributed is megatron-core's distributed optimizer, for "

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,34 @@ def test_toml_overrides_json_round_trip_to_the_same_run(tmp_path):
     assert from_dict(recorded) == job
     (tmp_path / "run.json").write_text(json.dumps(recorded))
     assert job_from_flags(["--config", str(tmp_path / "run.json")]) == job
+
+
+MIXED_RECIPE_FILE = """recipe: delayed
+expert_backend: grouped_fp8
+small_gemm_filter: "off"
+overrides:
+  - {block: moe, fqn: "*.experts.*", recipe: blockwise, reason: routed experts in block scales}
+"""
+
+
+def test_a_recipe_file_sets_the_runs_precision_over_config_and_under_the_flags(tmp_path):
+    """--recipe-file on train/ab/profile, as fp8stack plan takes it: its settings over --config's, the flags given
+    over both, its overrides in the plan the trainer makes; recorded, the run resolves to itself."""
+    recipe_file = tmp_path / "mixed.yaml"
+    recipe_file.write_text(MIXED_RECIPE_FILE)
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\nname = "tiny-moe"\n\n[precision]\nrecipe = "tensorwise"\nexpert_backend = "te"\n')
+    job = job_from_flags(["--config", str(toml), "--recipe-file", str(recipe_file), "--small-gemm-filter", "auto"])
+    assert (job.precision.recipe, job.precision.expert_backend, job.precision.small_gemm_filter) == (
+        "delayed", "grouped_fp8", "auto")
+    assert [(o.block, o.fqn, o.recipe, o.source) for o in job.precision.overrides] == [
+        ("moe", "*.experts.*", "blockwise", "mixed.yaml")]
+    assert from_dict(json.loads(json.dumps(to_dict(job)))) == job
+    from fp8stack.plan import load_description, make_plan
+
+    plan = make_plan(load_description("tiny-moe"), replace(job.precision, small_gemm_filter="off"))
+    recipes = {(d.component.kind, d.backend, d.recipe) for d in plan.decisions if d.recipe != "bf16"}
+    assert recipes == {("linear", "te", "delayed"), ("expert", "grouped_fp8", "blockwise")}
 
 
 def test_a_recorded_run_resolves_to_itself():

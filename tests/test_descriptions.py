@@ -12,8 +12,8 @@ from fp8stack.plan.description import CONFIGS_DIR, Routing
 MODEL_FILES = sorted((CONFIGS_DIR / "models").glob("*.yaml"))
 RECIPE_FILES = sorted((CONFIGS_DIR / "recipes").glob("*.yaml"))
 HIGH_PRECISION_KINDS = ("embedding", "head", "router", "norm", "attn_core", "ssm_scan")
-RECIPE_TARGETS = {"moe-only-fp8": {"deepseek-v3-like-moe", "hybrid-mamba-moe", "tiny-moe",
-                                   "deepseek-moe-small", "deepseek-moe-medium"},
+MOE_MODELS = {"deepseek-v3-like-moe", "hybrid-mamba-moe", "tiny-moe", "deepseek-moe-small", "deepseek-moe-medium"}
+RECIPE_TARGETS = {"moe-only-fp8": MOE_MODELS, "blockwise-experts-delayed-dense": MOE_MODELS,
                   "torchao-rowwise-gw-hp-dense": {"hybrid-mamba-moe"}}
 """The models a recipe file's overrides are written for (every model where not listed): on the others an
 override matches no component, which make_plan refuses."""

@@ -254,3 +254,21 @@ def test_each_profiled_run_starts_after_the_one_before_it_is_freed(tmp_path, mon
                  "--micro-batch", "2", "--global-batch-size", "4", "--seq-len", "64", "--device", "cpu",
                  "--param-dtype", "bf16", "--dtype", "bf16", "--out-dir", str(tmp_path)])
     assert code == 0 and len(earlier) == 2
+
+
+def test_a_recipe_files_overrides_go_to_the_fp8_run_and_the_bf16_run_stays_without_fp8(monkeypatch):
+    profiled = []
+
+    class Stop(Exception):
+        pass
+
+    def record(cfg, warmup, steps):
+        profiled.append((cfg.precision.recipe, len(cfg.precision.overrides)))
+        if cfg.precision.recipe != "bf16":
+            raise Stop
+        return None, None
+
+    monkeypatch.setattr("fp8stack.profile.profile_run", record)
+    with pytest.raises(Stop):
+        main(["--model", "tiny-moe", "--recipe-file", "moe-only-fp8", "--out-dir", "unused"])
+    assert profiled == [("bf16", 0), ("blockwise", 2)]

@@ -116,6 +116,7 @@ def test_llama3_8b_16_layers_maps_onto_megatrons_config_and_plan():
     (["--backend", "torchao"], "--backend te"),
     (["--small-gemm-filter", "rowwise"], "precision.small_gemm_filter='rowwise'"),
     (["--no-fused-projections"], "model.fused_projections false shapes the plain Llama"),
+    (["--recipe-file", "moe-only-fp8"], "does not take --recipe-file's overrides (per-block / per-fqn overrides"),
 ])
 def test_options_the_megatron_path_cannot_honour_are_refused(flags, names, capsys):
     assert train_main(["--model-impl", "megatron", *flags]) == 2

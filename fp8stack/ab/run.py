@@ -201,7 +201,8 @@ def _arm(base: JobConfig, recipe: str, backend: str, library: str, param_dtype: 
     fp8 = is_fp8(recipe)
     wgrad = base.te.gradient_accumulation_fusion
     return replace(
-        base, precision=replace(base.precision, recipe=recipe, backend=backend, fp8_attention=fp8_attention),
+        base, precision=replace(base.precision, recipe=recipe, backend=backend, fp8_attention=fp8_attention,
+                                overrides=base.precision.overrides if fp8 else ()),  # a BF16 arm is the plan without FP8
         te=replace(base.te, delayed_margin=base.te.delayed_margin if fp8 and get_recipe(recipe).scales_from_history
                    else 0, blockwise_gemms=library,
                    gradient_accumulation_fusion=wgrad if on_te or base.model.impl == "megatron" or not wgrad else None),

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from fp8stack.config.job import (ACTIVATION_DTYPES, DATA_PARALLEL, DATA_SOURCES, DEVICES, MODEL_IMPLS, OPTIMIZER_MOMENTS,
                                  ConfigError, JobConfig)
-from fp8stack.plan import PlanError, PolicyConfig
+from fp8stack.plan import PlanError, PolicyConfig, load_recipe_file
 from fp8stack.plan.description import CONFIGS_DIR
 from fp8stack.plan.expert_speeds import GROUPED_KERNELS
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES, Override
@@ -168,7 +168,7 @@ def sections(root: type = JobConfig) -> dict[str, type]:
 
 
 DERIVED_FIELDS = ("precision.arch", "precision.overrides")
-"""Fields a run sets itself (the GPU's arch) or takes from elsewhere (recipe files), not flags of train/ab/profile."""
+"""Fields a run sets itself (the GPU's arch) or takes from elsewhere (--recipe-file), not flags of train/ab/profile."""
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, only: Sequence[str] | None = None,
@@ -178,6 +178,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: Sequence[str] | 
     parser.add_argument("--config", metavar="FILE|PRESET",
                         help="a TOML or JSON file of these sections, or a preset name in configs/presets "
                              f"({', '.join(preset_names())}); the flags given override it")
+    parser.add_argument("--recipe-file", metavar="PATH_OR_NAME",
+                        help="a recipe file: YAML of precision settings and per-block / per-fqn overrides (a path, "
+                             "or a name in configs/recipes, as fp8stack plan takes it); over --config, under the "
+                             "flags given")
     defaults = JobConfig()
     for name, cls in sections().items():
         if only is None or name in only:
@@ -223,9 +227,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 
 
 def job_from_args(args: argparse.Namespace) -> JobConfig:
-    """The JobConfig of --config (if any) with the flags given on top; Megatron's recompute flags translated."""
+    """The JobConfig of --config (if any), then --recipe-file's precision settings and overrides, with the flags
+    given on top; Megatron's recompute flags translated."""
     given = {k: v for k, v in vars(args).items() if "." in k and not k.startswith(("ab.", "profile."))}
     base = load_config(args.config) if getattr(args, "config", None) else JobConfig()
+    if getattr(args, "recipe_file", None):
+        given = {**_recipe_file_options(args.recipe_file), **given}
     _megatron_recompute(args, given)
     job = from_overrides(given, base)
     counts = [ALIASES[name][0] for name in ("precision.num_layers_at_start_in_bf16",
@@ -234,6 +241,15 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         verb = "applies" if len(counts) == 1 else "apply"
         raise ConfigError(f"{' and '.join(counts)} only {verb} with --first-last-layers-bf16: add that flag")
     return job
+
+
+def _recipe_file_options(name_or_path: str) -> dict[str, Any]:
+    """A recipe file's settings and overrides as precision options."""
+    try:
+        settings, overrides = load_recipe_file(name_or_path)
+    except PlanError as err:
+        raise ConfigError(f"--recipe-file: {err}") from None
+    return {**{f"precision.{key}": value for key, value in settings.items()}, "precision.overrides": overrides}
 
 
 def from_overrides(dotted: Mapping[str, Any], base: JobConfig | None = None) -> JobConfig:

@@ -571,7 +571,10 @@ def _check_megatron(job: JobConfig) -> None:
                                                   "fp8stack's MasterWeights (megatron's DDP keeps its own FP32 "
                                                   "gradient buffers)"),
                   "training.sdpa_backend": (job.training.sdpa_backend not in (None, "auto"),
-                                            "torch SDPA kernels (megatron's attention is TE's DotProductAttention)")}
+                                            "torch SDPA kernels (megatron's attention is TE's DotProductAttention)"),
+                  "--recipe-file's overrides": (bool(job.precision.overrides),
+                                                "per-block / per-fqn overrides (megatron's plan comes from its own "
+                                                "flags)")}
     given = [f"{name} ({what})" for name, (value, what) in plain_only.items() if value]
     if given:
         raise ConfigError(f"--model.impl megatron does not take {', '.join(given)}: drop those options or use "
