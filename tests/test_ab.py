@@ -479,6 +479,9 @@ def test_options_apply_to_every_arm_whose_plan_uses_them():
     dispatch = _arms("--grouped-fp8.fp8-dispatch", "--expert-backend", "grouped_fp8",
                      recipes=("bf16", "rowwise", "blockwise"))
     assert [cfg.grouped_fp8.fp8_dispatch for cfg in dispatch.values()] == [False, False, True]
+    mixed = _arms("--grouped-fp8.fp8-dispatch", "--model", "tiny-moe", "--recipe-file",
+                  "blockwise-experts-delayed-dense", recipes=("bf16", "delayed"))  # experts blockwise by override
+    assert [cfg.grouped_fp8.fp8_dispatch for cfg in mixed.values()] == [False, True]
     for impl, in_bf16 in (("torch", None), ("megatron", True)):  # the plain BF16 run has no TE layers to fuse
         arms = _arms("--gradient-accumulation-fusion", "--model-impl", impl, "--backend", "te")
         assert [cfg.te.gradient_accumulation_fusion for cfg in arms.values()] == [in_bf16, True]
