@@ -21,7 +21,7 @@ from fp8stack.backends.base import optimizer_steps
 from fp8stack.models import Llama
 from fp8stack.plan import PolicyConfig, load_description, make_plan
 
-from gpu_skips import require_cuda
+from gpu_skips import require_cuda, te_mark
 
 pytestmark = pytest.mark.gpu
 
@@ -454,6 +454,24 @@ def test_the_trainer_s_weight_cache_trains_as_uncached(kernels, compile, monkeyp
                        for _ in range(2))
     assert again == uncached, f"the uncached run does not repeat itself ({uncached} vs {again}): bit for bit fails"
     assert cached == uncached, (cached, uncached)
+
+
+@te_mark(["delayed"])
+def test_a_recipe_file_trains_blockwise_experts_beside_delayed_linears():
+    """configs/recipes/blockwise-experts-delayed-dense through the trainer: tiny-moe's routed experts on grouped_fp8
+    in block scales, its other linears on TE's delayed scaling, one model; the loss falls."""
+    from fp8stack.train.command import job_from_flags
+    from fp8stack.train.loop import session, train
+
+    job = job_from_flags(["--model", "tiny-moe", "--recipe-file", "blockwise-experts-delayed-dense",
+                          "--small-gemm-filter", "off", "--device", "cuda", "--train-iters", "30",
+                          "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "128",
+                          "--eval-iters", "0", "--max-data-bytes", str(1 << 20), "--no-progress"])
+    with session(job) as run:
+        paths = {(d.component.kind, d.backend, d.recipe) for d in run.plan.decisions if d.recipe != "bf16"}
+    assert {("expert", "grouped_fp8", "blockwise"), ("linear", "te", "delayed")} <= paths
+    losses = train(job).losses
+    assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
 
 
 # ---- quantizer te: TE's Float8BlockQuantizer kernel for the activations and gradients, on DeepGEMM ----------
