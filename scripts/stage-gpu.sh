@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Stage the pinned FP8 stack for the GPU machine (../shared/gpu/stage.sh), then cut its TransformerEngine wheel into
-# 30 MiB parts and give small.tar a part of its own: each call carries one part plus this working tree, under the
-# device's 64 MiB per call while the tree stays under 34 MiB (25 MB now, growing with profiles/; the 40 MiB parts
-# stopped fitting at 25 MB, the 48 MiB parts of stage.sh at 16.5 MB). receive.sh installs once every part has arrived, in any order, joining
-# the parts in name order. Prints the parts to send.
+# 24 MiB parts and give small.tar a part of its own: each call carries one part plus this working tree, under the
+# device's 64 MiB per call while the tree stays under 40 MiB (32.4 MiB at 2026-11-28, growing with profiles/; the
+# 30 MiB parts had 1.6 MiB left then). receive.sh installs once every part has arrived, in any order, joining the
+# parts in name order. Prints the parts to send.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 bash ../shared/gpu/stage.sh > /dev/null
@@ -12,7 +12,7 @@ mkdir -p "$work"
 cat $(ls .gpu/p*/core.part.* | awk -F/ '{print $NF " " $0}' | sort | cut -d' ' -f2) > "$work/core"
 mv .gpu/p0/core.sha256 .gpu/p0/receive.sh .gpu/p0/small.tar "$work/"
 rm -rf .gpu/p[0-9]*
-split -b 30m -d "$work/core" "$work/core.part."
+split -b 24m -d "$work/core" "$work/core.part."
 parts=0
 for piece in $(ls "$work"/core.part.* | sort); do
   mkdir -p ".gpu/p$parts" && mv "$piece" ".gpu/p$parts/" && cp "$work/receive.sh" ".gpu/p$parts/"
