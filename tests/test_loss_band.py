@@ -1,6 +1,7 @@
 """The BF16 band tool on the committed A/B evidence of one setting (8 x 1024, LR 3e-4, 300 steps on an H200)."""
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,21 @@ def test_without_every_bf16_run_s_validation_loss_there_is_no_validation_band(tm
     assert None in [r["val_loss"] for r in record["bf16_runs"]] and record["bf16_validation_band"] is None
     e4m3 = [r for r in record["fp8_runs"] if r["file"] == SEQ1024_LR3E4[2].name]
     assert e4m3 and all(r["val_loss"] is not None and r["val_gap_to_mean"] is None for r in e4m3)
+
+
+def test_each_runs_gradient_norms_stand_against_the_clip(tmp_path):
+    """The 2000-step gate's runs: the share of steps whose norm the clip (1.0) shortened, from each run's recorded
+    norms, and the median norm of the last quarter of the steps, the FP8 runs' against the BF16 runs' mean."""
+    gate = committed("ab-llama-1b-like-loss-gate-2000steps-h200.json")
+    assert main(["--label", "gate", "--out-dir", str(tmp_path), str(gate)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-llama-1b-like-gate-h200.json").read_text())
+    runs = json.loads(gate.read_text())["runs"]
+    norms = runs["blockwise"]["grad_norms"]
+    blockwise = next(r for r in record["fp8_runs"] if r["run"].startswith("blockwise"))
+    assert blockwise["clipped_share"] == pytest.approx(sum(n > 1.0 for n in norms) / len(norms))
+    assert len(norms) == 2000 and blockwise["late_grad_norm"] == pytest.approx(statistics.median(norms[1500:]))
+    bf16_late = [r["late_grad_norm"] for r in record["bf16_runs"]]
+    assert len(bf16_late) == 3 and record["bf16_late_grad_norm"] == pytest.approx(sum(bf16_late) / 3)
+    assert blockwise["late_norm_gap"] == pytest.approx(blockwise["late_grad_norm"] / record["bf16_late_grad_norm"] - 1)
+    markdown = written(tmp_path, "loss-band-llama-1b-like-gate-h200.md").read_text()
+    assert "The clip (1) shortened" in markdown and "Median gradient norm over the last quarter" in markdown

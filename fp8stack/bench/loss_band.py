@@ -7,8 +7,10 @@ order), so one repeat is a poor measure of the band; several A/B files of one se
 
 Writes profiles/runs/<date>-loss-band-<model>-<label>-<device>/ (.json and .md): every BF16 run's final loss,
 their mean, span and standard deviation, and each FP8 run's gap to the BF16 mean, in standard deviations and against
-the band's edges. Files of different settings (anything both arms share: model, shape, batch, LR schedule, steps,
-seed, data) are refused.
+the band's edges; beside them each run's validation loss and its gradient norms against the clip (how many steps the
+clip shortened, and the median norm over the last quarter of the steps): where the clip shortens every step, each
+update has the same length, and a noisier gradient points less of it along the descent. Files of different
+settings (anything both arms share: model, shape, batch, LR schedule, steps, seed, data) are refused.
 """
 
 import argparse
@@ -74,12 +76,14 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
                              "a band compares runs of one setting only")
         fp8_format, margin = config.get("fp8_format") or "recipe default format", config.get("fp8_margin") or 0
         fused = ", fused wgrad accumulation" if config.get("gradient_accumulation_fusion") else ""
-        validation = {name: own.get("val_loss") for name, own in (record.get("runs") or {}).items()
-                      if isinstance(own, dict)}
+        own_runs = {name: own for name, own in (record.get("runs") or {}).items() if isinstance(own, dict)}
+        validation = {name: own.get("val_loss") for name, own in own_runs.items()}
+        norms = {name: gradient_norms(own.get("grad_norms"), config["grad_clip"]) for name, own in own_runs.items()}
         for arm in record["arms"]:
             if arm["final_loss"] is None:
                 continue
-            run = {"file": Path(path).name, "final_loss": arm["final_loss"], "val_loss": validation.get(arm["recipe"])}
+            run = {"file": Path(path).name, "final_loss": arm["final_loss"], "val_loss": validation.get(arm["recipe"]),
+                   **norms.get(arm["recipe"], NO_NORMS)}
             if is_bf16_arm(arm["recipe"]):
                 bf16_runs.append({**run, "run": arm["recipe"]})
             else:
@@ -95,8 +99,46 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
             [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
         bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"],
-                       "val_loss": validation.get(r["run"])} for r in repeats if "error" not in r]
+                       "val_loss": validation.get(r["run"]), **norms.get(r["run"], NO_NORMS)}
+                      for r in repeats if "error" not in r]
     return {**settings, "device": device}, bf16_runs, fp8_runs, sources
+
+
+NO_NORMS = {"clipped_share": None, "late_grad_norm": None}
+"""A run whose gradient norms the A/B file does not hold (files before the runs' records)."""
+
+
+def gradient_norms(norms: Sequence[float] | None, clip: float | None) -> dict:
+    """clipped_share: the share of steps whose gradient norm exceeded the clip (None without a clip);
+    late_grad_norm: the median norm over the last quarter of the steps."""
+    if not norms:
+        return NO_NORMS
+    late = norms[len(norms) - max(1, len(norms) // 4):]
+    return {"clipped_share": sum(n > clip for n in norms) / len(norms) if clip else None,
+            "late_grad_norm": statistics.median(late)}
+
+
+def late_norm_gaps(bf16_runs: list[dict], fp8_runs: list[dict]) -> tuple[float | None, list[dict]]:
+    """The BF16 runs' mean late gradient norm (where every BF16 run has one), and each FP8 run with its gap to it."""
+    norms = [r["late_grad_norm"] for r in bf16_runs]
+    mean = None if not norms or None in norms else statistics.fmean(norms)
+    return mean, [{**r, "late_norm_gap": None if mean is None or r["late_grad_norm"] is None
+                   else r["late_grad_norm"] / mean - 1.0} for r in fp8_runs]
+
+
+def clipping_summary(clip: float | None, bf16_runs: list[dict], fp8_runs: list[dict], bf16_late_norm: float) -> str:
+    """One paragraph: how often the clip shortened the steps of each side, and the FP8 runs' late gradient norms
+    against the BF16 runs'."""
+    def shares(runs: list[dict]) -> str:
+        values = [r["clipped_share"] for r in runs if r["clipped_share"] is not None]
+        return f"{min(values):.0%} to {max(values):.0%}" if values else "-"
+
+    gaps = [r["late_norm_gap"] for r in fp8_runs if r["late_norm_gap"] is not None]
+    spread = f", the FP8 runs' {min(gaps):+.1%} to {max(gaps):+.1%} of it" if gaps else ""
+    clipped = (f"The clip ({clip:g}) shortened {shares(bf16_runs)} of the BF16 runs' steps and {shares(fp8_runs)} of "
+               "the FP8 runs'. " if clip else "No clip. ")
+    return (f"{clipped}Median gradient norm over the last quarter of the steps: BF16 runs' mean "
+            f"{bf16_late_norm:.3f}{spread}.\n\n")
 
 
 def band(bf16_losses: list[float]) -> dict:
@@ -143,6 +185,10 @@ def _loss_cell(loss: float | None, gap: float | None = None) -> str:
     return f"{loss:.4f}" + (f" ({gap:+.2%})" if gap is not None else "")
 
 
+def _share_cell(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
 def past_one_pass(sources: list[dict]) -> list[str]:
     """The files whose runs read their training text more than once (they memorise it: not a loss gate)."""
     return [Path(s["file"]).name for s in sources if (s.get("train_split_passes") or 0) > 1]
@@ -163,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     fp8_runs = [{**r, **place(r["final_loss"], bf16)} for r in fp8_runs]
     val, fp8_runs = validation_band(bf16_runs, fp8_runs)
+    bf16_late_norm, fp8_runs = late_norm_gaps(bf16_runs, fp8_runs)
     stem = f"loss-band-{settings['model']}-{args.label}-{device_slug(settings['device'])}"
     claim_or_exit("loss_band", stem, args.out_dir, args.force)
     memorised = past_one_pass(sources)
@@ -178,22 +225,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary += (f"Validation loss (the held-out split at the end; beside the gate, not in it): BF16 mean "
                     f"{val['mean']:.4f}, {val['min']:.4f} to {val['max']:.4f}, standard deviation "
                     f"{val['stdev'] / val['mean']:.2%} of the mean.\n\n")
+    if bf16_late_norm is not None:
+        summary += clipping_summary(settings["grad_clip"], bf16_runs, fp8_runs, bf16_late_norm)
     markdown = (f"Computed on this machine from {len(sources)} A/B files whose runs were measured on "
                 f"{settings['device']} (their dates and commands are in the JSON). Settings: "
                 f"{', '.join(f'{k} {v}' for k, v in settings.items() if k != 'device')}. Final loss = mean training "
                 "loss over the last 10% of steps (as `fp8stack ab` computes it).\n\n" + summary
-                + markdown_table(["file", "run", "final loss", "validation loss"],
-                                 [[r["file"], r["run"], f"{r['final_loss']:.4f}", _loss_cell(r["val_loss"])]
+                + markdown_table(["file", "run", "final loss", "validation loss", "steps clipped",
+                                  "grad norm, last quarter"],
+                                 [[r["file"], r["run"], f"{r['final_loss']:.4f}", _loss_cell(r["val_loss"]),
+                                   _share_cell(r["clipped_share"]), _loss_cell(r["late_grad_norm"])]
                                   for r in bf16_runs]) + "\n"
                 + markdown_table(["file", "FP8 run", "final loss", "vs BF16 mean", "BF16 std devs", "position", "gate",
-                                  "validation loss (vs BF16 mean)"],
+                                  "validation loss (vs BF16 mean)", "steps clipped",
+                                  "grad norm, last quarter (vs BF16 mean)"],
                                  [[r["file"], r["run"], f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}",
                                    f"{r['stdevs']:+.1f}", r["position"],
                                    f"{r['gate'] or '-'}{' (not a gate)' if memorised and r['gate'] else ''}",
-                                   _loss_cell(r["val_loss"], r["val_gap_to_mean"])]
+                                   _loss_cell(r["val_loss"], r["val_gap_to_mean"]), _share_cell(r["clipped_share"]),
+                                   _loss_cell(r["late_grad_norm"], r["late_norm_gap"])]
                                   for r in fp8_runs]))
     payload = {"settings": settings, "sources": sources, "bf16_band": bf16, "gate_limit": gate_limit(bf16),
-               "bf16_validation_band": val, "memorised": memorised, "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
+               "bf16_validation_band": val, "bf16_late_grad_norm": bf16_late_norm, "memorised": memorised,
+               "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
     json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
     print(summary + f"wrote {json_path}, {md_path}")
     return 0
