@@ -471,7 +471,7 @@ def test_a_recipe_file_trains_blockwise_experts_beside_delayed_linears():
         paths = {(d.component.kind, d.backend, d.recipe) for d in run.plan.decisions if d.recipe != "bf16"}
     assert {("expert", "grouped_fp8", "blockwise"), ("linear", "te", "delayed")} <= paths
     losses = train(job).losses
-    assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
+    assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) / 5 < losses[0] - 0.2, losses
 
 
 # ---- quantizer te: TE's Float8BlockQuantizer kernel for the activations and gradients, on DeepGEMM ----------
