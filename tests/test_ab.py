@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.ab import add_ab_parser, arm_configs, final_loss, main, run_ab
-from fp8stack.ab.run import _earlier_runs, ab_config, base_job
+from fp8stack.ab.run import _as_they_end, _earlier_runs, _RunningArm, ab_config, base_job
 from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
                                   loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
@@ -373,6 +373,28 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     assert whole["baseline_repeats"][0]["rel_loss_gap"] == 0.0  # the new repeat matches it: same seed, CPU kernels
     assert [c["runs"] for c in whole["continued_from"]] == [["bf16"]]
     assert "Runs bf16 from an earlier call" in _evidence(tmp_path, "ab-tiny-killed-cpu.md").read_text()
+
+
+def test_a_wave_s_arms_are_taken_as_their_processes_end(tmp_path):
+    """Arms side by side are collected (and their evidence recorded) as each process ends, not in their order: a
+    wave cut by a time limit keeps the arms that had ended. An arm that never started comes first."""
+    def arm(seconds: float) -> _RunningArm:
+        running = _RunningArm.__new__(_RunningArm)
+        running.process = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+        return running
+
+    outcomes = {"bf16": arm(3.0), "tensorwise": arm(0.0), "rowwise": "planned on no backend"}
+    assert [name for name, _ in _as_they_end(outcomes, poll_s=0.05)] == ["rowwise", "tensorwise", "bf16"]
+
+
+def test_gpus_past_those_cuda_visible_devices_leaves_are_refused_before_any_arm(tmp_path, monkeypatch, capsys):
+    """--gpus counts the GPUs this process sees: under CUDA_VISIBLE_DEVICES=4,5 (a scheduler's or a lane's) GPU 1 is
+    the device 5, and GPU 2 is refused with one line, exit 2, and no evidence."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert main([*TWO_ARMS, "--gpus", "0,2", "--out-dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "GPU 2: CUDA_VISIBLE_DEVICES=4,5 leaves 2 GPU(s) visible" in error
+    assert not list(tmp_path.rglob("*.json"))
 
 
 def test_a_continued_ab_may_run_its_arms_on_other_gpus_but_not_with_other_settings(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.train.command import job_from_flags
-from fp8stack.train.launch import NO_MULTICAST_ENV
+from fp8stack.train.launch import NO_MULTICAST_ENV, on_gpu
 from fp8stack.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +102,15 @@ def test_ab_sh_passes_its_flags_through():
     done = subprocess.run(["launch/ab.sh", "--help"], cwd=ROOT, env=launch_env(29614), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "--recipes" in done.stdout
+
+
+def test_a_child_s_gpu_counts_among_the_gpus_this_process_sees(monkeypatch):
+    """on_gpu: with CUDA_VISIBLE_DEVICES inherited (a scheduler gave this process GPUs 2 and 3), GPU 1 is device 3 and
+    GPU 2 does not exist; without it the number is the device; a UUID passes as it is."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert on_gpu(1) == {"CUDA_VISIBLE_DEVICES": "1"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert on_gpu("1") == {"CUDA_VISIBLE_DEVICES": "3"} and on_gpu(0) == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert on_gpu("GPU-d4a16625") == {"CUDA_VISIBLE_DEVICES": "GPU-d4a16625"}
+    with pytest.raises(ValueError, match="GPU 2: CUDA_VISIBLE_DEVICES=2,3 leaves 2 GPU"):
+        on_gpu(2)

@@ -208,6 +208,7 @@ def test_the_fsdp2_bound_runs_on_one_gpu_without_tes_two_fsdp2_levers_and_judges
     """one_gpu_fsdp2_bound: one process per run, two at a time on two GPUs beside the one-GPU pair, without fused
     weight-gradient accumulation and the FP8 weight cache; the FSDP2 wrappers' ratios are judged against it as well
     as against one GPU's, DDP's against one GPU's only."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")  # a lane's GPUs: the one-GPU runs go to them
     batches, running = [], []
 
     def started(name, workdir, nproc, flags, env=None):
@@ -227,8 +228,8 @@ def test_the_fsdp2_bound_runs_on_one_gpu_without_tes_two_fsdp2_levers_and_judges
     planned = scaling.runs(["ddp", "fsdp", scaling.FSDP2_BOUND], "delayed")
     scaling.run_all(tmp_path, planned, 2, ["--train-iters", "6"], 2, {scaling.ONE_GPU: "m", None: "m"})
     assert [[(name, nproc, gpu) for name, nproc, gpu, _ in batch] for batch in batches] == [
-        [("one_gpu/bf16", 1, "0"), ("one_gpu/delayed", 1, "1")],
-        [("one_gpu_fsdp2_bound/bf16", 1, "0"), ("one_gpu_fsdp2_bound/delayed", 1, "1")],
+        [("one_gpu/bf16", 1, "6"), ("one_gpu/delayed", 1, "7")],
+        [("one_gpu_fsdp2_bound/bf16", 1, "6"), ("one_gpu_fsdp2_bound/delayed", 1, "7")],
         *([(name, 2, None)] for name in ("ddp/bf16", "ddp/delayed", "fsdp/bf16", "fsdp/delayed"))]
     bound = job_from_flags(batches[1][1][3])
     assert bound.te.gradient_accumulation_fusion is False and bound.te.cache_fp8_weights is False

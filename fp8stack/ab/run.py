@@ -33,7 +33,7 @@ from fp8stack.config.flags import add_megatron_recompute_arguments, run_command
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
                                    fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
-from fp8stack.train.launch import NO_MULTICAST_ENV, launcher
+from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, on_gpu
 
 
 @dataclass
@@ -409,14 +409,16 @@ def run_ab(args: argparse.Namespace) -> int:
                     print(f"    skipped: {outcomes[name]}", flush=True)
                 else:
                     outcomes[name] = _RunningArm(cfg, Path(scratch), ab.nproc, gpu, name)
-            for name, outcome in outcomes.items():  # in job order: bf16 stays first
+            for name, outcome in _as_they_end(outcomes):  # recorded at once: a killed wave keeps its ended arms
                 result = outcome.result() if isinstance(outcome, _RunningArm) else outcome
                 if name in repeat_names:
                     repeats[name] = result
                 else:
                     results[name] = result
-            if pending():
-                record()
+                    ordered = {arm: results.pop(arm) for arm in configs if arm in results}  # bf16 stays first
+                    results.update(ordered)
+                if pending():
+                    record()
 
     arms, repeat_records, table, markdown, json_path, md_path = record()
     if json_path is None:
@@ -495,6 +497,8 @@ def _check(ab: AbConfig, tolerance: float) -> None:
     if ab.gpus and ab.nproc > 1:
         raise ConfigError("--gpus runs one single-process arm per GPU; --nproc > 1 gives each arm several: use one of "
                           "them")
+    for gpu in ab.gpus or ():
+        on_gpu(gpu)  # refuses a GPU past those CUDA_VISIBLE_DEVICES leaves, before any arm runs
     unknown = [d for d in ab.param_dtypes or () if d not in PARAM_DTYPES]
     unknown += [g for g in ab.blockwise_gemms if g not in BLOCKWISE_GEMMS]
     unknown += [a for a in ab.attention or () if a not in ATTENTION_PRECISIONS]
@@ -545,7 +549,7 @@ class _RunningArm:
         self.config_path.write_text(json.dumps(to_dict(cfg)))
         command = [*launcher(nproc), "-m", "fp8stack", "train", "--config", str(self.config_path),
                    "--result-json", str(self.result_path)]
-        env = {**os.environ, **NO_MULTICAST_ENV, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
+        env = {**os.environ, **NO_MULTICAST_ENV, **(on_gpu(gpu) if gpu else {})}
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: arms side by side never block on it
         self.process = subprocess.Popen(command, stderr=self.stderr, text=True, env=env)
         self.ran_between = [time.time()]
@@ -566,6 +570,18 @@ class _RunningArm:
             print(f"    failed: {why}", flush=True)
             return why.removeprefix("fp8stack train: error: ")
         return {**json.loads(self.result_path.read_text()), "ran_between": self.ran_between}
+
+
+def _as_they_end(outcomes: dict[str, "_RunningArm | str"], poll_s: float = 1.0):
+    """(name, outcome) of a wave's arms in the order their processes end; an arm that never started first."""
+    waiting = dict(outcomes)
+    while waiting:
+        ended = [name for name, outcome in waiting.items()
+                 if not isinstance(outcome, _RunningArm) or outcome.process.poll() is not None]
+        for name in ended:
+            yield name, waiting.pop(name)
+        if waiting and not ended:
+            time.sleep(poll_s)
 
 
 def _table(arms: list[Arm]) -> tuple[list[str], list[list]]:

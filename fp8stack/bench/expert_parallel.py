@@ -22,7 +22,6 @@ holds the exact launch commands; exit status 1 when a check fails.
 """
 
 import argparse
-import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LOSS_RTOL,
                                      launch, loss_checks, run_record, start, wait)
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.plan.recipes import BF16, is_fp8
+from fp8stack.train.launch import on_gpu
 
 PROG = "python -m fp8stack.bench.expert_parallel"
 
@@ -96,11 +96,9 @@ def run_expert_parallel(workdir: Path, model: str, fp8_recipe: str, steps: int, 
     gpus = torch.cuda.device_count()
     if gpus < EXPERT_PARALLEL:
         return {**base, "checks": {"two GPUs visible": False}, "error": f"{gpus} CUDA GPU(s) visible: run on two"}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
     # EP=1 side by side, one per GPU (each has its GPU to itself); then each EP=2 run on both in turn.
     started = [start(f"{recipe}-ep1", workdir, 1, train_flags(model, recipe, 1, steps, seed),
-                     {"CUDA_VISIBLE_DEVICES": ids[i]}) for i, recipe in enumerate(recipes)]
+                     on_gpu(i)) for i, recipe in enumerate(recipes)]
     runs = {(recipe, 1): run_record(wait(run)) for recipe, run in zip(recipes, started)}
     for recipe in recipes:
         runs[recipe, EXPERT_PARALLEL] = run_record(launch(

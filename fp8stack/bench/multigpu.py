@@ -37,6 +37,7 @@ from fp8stack.bench.multigpu_tp import TP, label, processes, run_tp
 from fp8stack.evidence import (add_force_option, claim_or_exit, device_slug, environment, markdown_table,
                                provenance, write_evidence)
 from fp8stack.train.fault import KILL_AT_ENV
+from fp8stack.train.launch import on_gpu
 
 PARTS = ("fsdp", "tp", "restart")
 TITLES = {"fsdp": "FSDP2 with FP8 all-gather", "tp": "tensor parallel 2", "restart": "kill a rank, restart"}
@@ -97,7 +98,7 @@ def run_fsdp(workdir: Path, steps: int, model: str = "llama-1b-like", micro_batc
     side, one per GPU; then judge_fsdp."""
     planned = fsdp_arms(steps, model, micro_batch, seq_len, seed, extra)
     runs = {name: launch(name, workdir, nproc, flags) for name, (nproc, _, flags) in planned.items() if nproc == 2}
-    twins = [start(name, workdir, 1, planned[name][2], {"CUDA_VISIBLE_DEVICES": str(gpu)})
+    twins = [start(name, workdir, 1, planned[name][2], on_gpu(gpu))
              for gpu, name in enumerate(ONE_RANK_TWINS.values())]
     runs.update((run.name, run) for run in map(wait, twins))
     base = {"model": model, "seq_len": seq_len, "micro_batch_per_rank": micro_batch, "steps": steps, "seed": seed,

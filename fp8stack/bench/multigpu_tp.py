@@ -38,13 +38,13 @@ run's precision policy (as fp8stack.bench.multigpu's ONE_RANK_TWINS).
 
 import argparse
 import json
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from fp8stack.bench.launches import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, LOSS_STEPS, LR, LR_WARMUP,
                                      compare_losses, loss_checks, run_record, start, wait)
+from fp8stack.train.launch import on_gpu
 
 MODEL, SEQ, MICRO_BATCH = "llama-1b-like", 1024, 4
 TP = 2
@@ -111,11 +111,9 @@ def run_tp(workdir: Path, steps: int, seed: int = 0, dp: int = 1) -> dict:
     if gpus < needed:
         return {**base, "checks": {f"{needed} GPUs visible": False},
                 "error": f"{gpus} CUDA GPU(s) visible: run on {needed}"}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
     # TP=1 runs side by side, spread over the TP runs' GPUs (losses, not times, are compared); then the TP runs in turn.
     started = [start(f"{arm.name}-tp1", workdir, 1, train_flags(arm, 1, steps, seed, dp),
-                     {"CUDA_VISIBLE_DEVICES": ids[i % needed]}) for i, arm in enumerate(ARMS)]
+                     on_gpu(i % needed)) for i, arm in enumerate(ARMS)]
     runs = {(arm.name, 1): run_record(wait(run)) for arm, run in zip(ARMS, started)}
     name = f"tp{TP}" if dp == 1 else f"tp{TP}-dp{dp}"
     for arm in ARMS:

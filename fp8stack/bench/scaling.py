@@ -49,6 +49,7 @@ from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_hei
                                   refuse_flags_beside_plot_only, write_plot)
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.plan.recipes import BF16
+from fp8stack.train.launch import on_gpu
 
 PROG = "python -m fp8stack.bench.scaling"
 ONE_GPU = "one_gpu"
@@ -112,7 +113,7 @@ def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: S
     records = {}
     if gpus >= 2:
         for first in range(0, len(singles), gpus):
-            started = [start(run_name(*run), workdir, 1, flags(*run), {"CUDA_VISIBLE_DEVICES": str(gpu)})
+            started = [start(run_name(*run), workdir, 1, flags(*run), on_gpu(gpu))
                        for gpu, run in enumerate(singles[first:first + gpus])]
             records.update((run.name, run_record(run)) for run in map(wait, started))
     else:

@@ -1,12 +1,26 @@
 """How the tools start training processes on this node: the interpreter, under torchrun for several processes, and
 the environment every child gets (what launch/env.sh exports for the shell launchers). Pure Python: no torch import."""
 
+import os
 import subprocess
 import sys
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in every child: on a shared multi-GPU host a program using it can take the host's GPUs
 out of service for everyone."""
+
+
+def on_gpu(gpu: str | int) -> dict[str, str]:
+    """The environment that puts a child on one GPU of this process's: `gpu` counts among the GPUs an inherited
+    CUDA_VISIBLE_DEVICES leaves visible (a scheduler or a lane gave this process those), as torch numbers them; a
+    name that is not a number (a GPU UUID) is taken as it is. ValueError for a number past the visible GPUs."""
+    visible = [name.strip() for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
+    if not visible or not str(gpu).isdigit():
+        return {"CUDA_VISIBLE_DEVICES": str(gpu)}
+    if int(gpu) >= len(visible):
+        raise ValueError(f"GPU {gpu}: CUDA_VISIBLE_DEVICES={','.join(visible)} leaves {len(visible)} GPU(s) visible, "
+                         f"numbered from 0: name GPUs below {len(visible)}")
+    return {"CUDA_VISIBLE_DEVICES": visible[int(gpu)]}
 
 
 def launcher(nproc: int) -> list[str]:
