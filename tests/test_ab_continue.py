@@ -39,15 +39,15 @@ def test_moe_only_options_do_not_part_the_a_b_of_a_dense_model(tmp_path):
         _earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)
 
 
-def test_an_moe_a_b_written_before_the_grouped_fp8_weight_cache_continues_with_it_at_its_default(tmp_path):
-    """grouped_fp8.cache_fp8_weights came after MoE A/Bs were written; at its default (off) such a partial run
-    continues; turned on, the continuation names it."""
+def test_an_moe_a_b_written_before_the_grouped_fp8_weight_cache_continues_only_without_it(tmp_path):
+    """grouped_fp8.cache_fp8_weights came after MoE A/Bs were written, and is on by default since: such a partial
+    run (its runs uncached) continues with the cache off; at the default, the continuation names it."""
     ours = {"job": to_dict(JobConfig()), "ab": to_plain(AbConfig())}
-    assert ours["job"]["grouped_fp8"]["cache_fp8_weights"] is False
+    assert ours["job"]["grouped_fp8"]["cache_fp8_weights"] is True
     written_before = json.loads(json.dumps(ours))
     del written_before["job"]["grouped_fp8"]["cache_fp8_weights"]
     path = _partial(tmp_path, written_before)
-    assert list(_earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)[0]) == ["bf16"]
-    ours["job"]["grouped_fp8"]["cache_fp8_weights"] = True
     with pytest.raises(ValueError, match="train_config differs in job.grouped_fp8.cache_fp8_weights"):
         _earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)
+    ours["job"]["grouped_fp8"]["cache_fp8_weights"] = False
+    assert list(_earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)[0]) == ["bf16"]

@@ -436,6 +436,11 @@ NOT_THE_AB = ("continue_from", "force", "out_dir", "label", "gpus")
 a continued A/B may change them."""
 
 
+RAN_BEFORE_THE_OPTION = {"job.grouped_fp8.cache_fp8_weights": False}
+"""Options whose default changed after they were added, with what runs written before them did: their continuation
+must do the same."""
+
+
 MOE_ONLY = ("job.grouped_fp8.",)
 """Configuration that reaches MoE experts only: it cannot change what an A/B of a dense model runs."""
 
@@ -445,7 +450,7 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
     """(the runs a partial evidence file holds, by arm name, and where they came from) for --continue-from, or
     ValueError when the file is not of this A/B (another configuration, other arms or process count, or written
     before files kept their runs). An option the file does not name was added since: it is this A/B's where it keeps
-    its default. A dense model's A/B ignores the MoE-only options."""
+    its default (or, for RAN_BEFORE_THE_OPTION, what the file's runs did). A dense model's A/B ignores the MoE-only options."""
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -455,7 +460,8 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
     ours = _leaves(train_config)
     theirs = {k: v for k, v in _leaves(record["train_config"]).items() if k.removeprefix("ab.") not in NOT_THE_AB}
     defaults = _leaves({"job": to_dict(JobConfig()), "ab": to_plain(AbConfig())})
-    added_at_default = {k for k in set(ours) - set(theirs) if k in defaults and ours[k] == defaults[k]}
+    added_at_default = {k for k in set(ours) - set(theirs)
+                        if k in defaults and ours[k] == RAN_BEFORE_THE_OPTION.get(k, defaults[k])}
     moot = {k for k in set(ours) | set(theirs) if dense and k.startswith(MOE_ONLY)}
     differ = sorted(k for k in (set(ours) | set(theirs)) - added_at_default - moot if ours.get(k) != theirs.get(k))
     if differ or record.get("recipes") != recipes or record.get("nproc") != nproc:

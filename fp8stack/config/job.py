@@ -138,12 +138,13 @@ class GroupedFP8Config:
     bytes; needs TransformerEngine, DeepGEMM's expert kernels and the plan's blockwise experts on grouped_fp8), or
     auto: te where it can run (measured the faster: python -m fp8stack.bench.experts_breakdown --quantizer te), else
     inductor, the conversion notes saying why."""
-    cache_fp8_weights: bool = False
+    cache_fp8_weights: bool = True
     """With more than one micro-batch per step, the blockwise expert weights are quantized to their 128x128 FP8 blocks
     at a step's first micro-batch, and the blocks (and their transpose, for the input gradient) reused by the others,
     the same bytes (grouped_fp8's twin of te.cache_fp8_weights). The copies stay allocated between steps (2 bytes per
-    expert weight element); off under FSDP2. Off until a GPU measures what it saves: python -m
-    fp8stack.bench.experts_breakdown (its cached row)."""
+    expert weight element); off under FSDP2. Measured faster on one H200, whole model and expert block
+    (profiles/runs/2026-11-28-ab-deepseek-moe-medium-moe-cache-h200 against -moe-nocache-, and
+    2026-11-28-experts-breakdown-deepgemm-h200-te-quantizer-cache)."""
 
     def validate(self) -> None:
         _choose("grouped_fp8.quantizer", self.quantizer, EXPERT_QUANTIZERS)
@@ -561,9 +562,10 @@ def _check_megatron(job: JobConfig) -> None:
                   "te.cache_fp8_weights false": (not job.te.cache_fp8_weights,
                                                  "the plain path's FP8 weight cache (megatron passes its own "
                                                  "is_first_microbatch)"),
-                  "grouped_fp8.cache_fp8_weights": (job.grouped_fp8.cache_fp8_weights,
-                                                    "grouped_fp8's FP8 weight cache (megatron's experts are TE "
-                                                    "GroupedLinear, which megatron's is_first_microbatch drives)"),
+                  "grouped_fp8.cache_fp8_weights false": (not job.grouped_fp8.cache_fp8_weights,
+                                                          "grouped_fp8's FP8 weight cache (megatron's experts are TE "
+                                                          "GroupedLinear, which megatron's is_first_microbatch "
+                                                          "drives)"),
                   "training.param_dtype fp8": (job.training.param_dtype == "fp8",
                                                "TE weights held in FP8 (megatron's --fp8-param-gather is not wired "
                                                "here; bf16 is megatron's own BF16 parameters)"),
