@@ -434,12 +434,15 @@ def test_deepgemm_m_indices_have_the_static_size_whatever_the_groups():
 def test_deepgemm_k_grouped_flattening():
     data = torch.arange(2 * 5).view(2, 5)  # [dim 2, tokens 5], experts own 2, 0, 3 tokens
     assert flatten_k_grouped(data, [2, 0, 3]).tolist() == [0, 1, 5, 6, 2, 3, 4, 7, 8, 9]
-    # FP8 in groups of 8-token multiples moves as 8-byte words, other counts byte by byte: the same layout.
-    for counts in ([128, 0, 256, 16], [130, 0, 7, 3]):
-        fp8 = torch.randn(3, sum(counts)).to(torch.float8_e4m3fn)
-        blocks = fp8.view(torch.uint8).split(counts, dim=1)
+    # Pieces as large as every boundary allows (1 KiB for 128-token groups, bytes for odd counts), from a buffer
+    # that may run past the groups (a static size) or be a strided view: the same layout.
+    for counts, past in (([128, 0, 256, 1024], 256), ([128, 0, 256, 16], 0), ([130, 0, 7, 3], 5), ([0, 0], 128)):
+        fp8 = torch.randn(3, sum(counts) + past).to(torch.float8_e4m3fn)
+        blocks = fp8.view(torch.uint8)[:, :sum(counts)].split(counts, dim=1)
         expected = torch.cat([block.contiguous().view(-1) for block in blocks])
-        assert torch.equal(flatten_k_grouped(fp8, counts).view(torch.uint8), expected), counts
+        for operand in (fp8, fp8.t().contiguous().t()):
+            flat = flatten_k_grouped(operand, counts)
+            assert flat.dtype == fp8.dtype and torch.equal(flat.view(torch.uint8), expected), (counts, past)
 
 
 # ---- the autograd functions on the kernels' contracts ---------------------------------------------------
