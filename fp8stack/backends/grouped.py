@@ -31,7 +31,7 @@ eager quantizer costs ~7 FP32 passes of its input instead):
   quantizes them both ways (2RK + 2RK), and holds x^T in FP8 (RK bytes) from forward to backward.
 - host syncs: none in the rowwise recipes. Blockwise pads groups (if any) on the GPU and DeepGEMM's
   forward labels rows with their experts on the GPU (a capturable forward); its K-grouped wgrad takes the group
-  sizes as a Python list, read once in the backward. The torch blockwise kernels slice per expert on the host, so
+  sizes as a Python list, read once in the backward from a copy the forward started (TokenGroups.prefetch_counts). The torch blockwise kernels slice per expert on the host, so
   they read the group sizes once per forward (reused by the backward): torch's grouped FP8 GEMM takes rowwise and
   MX scales only, never 1x128 / 128x128 blocks. Each kernels object says so (capturable, capturable_backward,
   capture_note), and Float8GroupedExperts.cuda_graph_blocker tells the CUDA-graph guard. The FP8 dispatch builds
@@ -162,8 +162,28 @@ class TokenGroups:
 
     @functools.cached_property
     def counts(self) -> tuple[int, ...]:
-        """Rows per group, read on the host on first use (a device sync) and kept for the backward."""
-        return tuple(group_counts(self.offsets))
+        """Rows per group, read on the host on first use (a device sync, unless prefetch_counts copied them ahead)
+        and kept for the backward."""
+        prefetched = self.__dict__.get("_host_offsets")
+        if prefetched is None:
+            return tuple(group_counts(self.offsets))
+        host_offsets, copied = prefetched
+        copied.synchronize()
+        return tuple(group_counts(host_offsets))
+
+    @torch.compiler.disable
+    def prefetch_counts(self) -> None:
+        """Copy the group ends to pinned host memory behind the forward's kernels, for a backward that reads counts
+        (DeepGEMM's K-grouped wgrad plans on the CPU): read only then, they stop the host until the GPU has drained
+        its queue, and the GPU idles while the host refills it (profile-deepseek-moe-medium). Nothing on the CPU or
+        while a CUDA graph is captured (a replay would not refresh the copy)."""
+        if not self.offsets.is_cuda or torch.cuda.is_current_stream_capturing():
+            return
+        host_offsets = torch.empty(self.offsets.shape, dtype=self.offsets.dtype, pin_memory=True)
+        host_offsets.copy_(self.offsets, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.__dict__["_host_offsets"] = (host_offsets, copied)  # frozen: set as cached_property sets its value
 
 
 @dataclass(frozen=True)
@@ -306,6 +326,13 @@ def token_groups(offsets: torch.Tensor, num_tokens: int, alignment: int,
     return TokenGroupPadding.build(offsets, num_tokens, alignment)
 
 
+def _prefetch_counts_for_wgrad(ctx, groups: TokenGroups, kernels) -> None:
+    """Where the forward reads nothing on the host and the weight gradient's kernel will (DeepGEMM's), the group
+    sizes start their way to the host now (TokenGroups.prefetch_counts)."""
+    if ctx.needs_input_grad[1] and kernels.capturable and not kernels.capturable_backward:
+        groups.prefetch_counts()
+
+
 def _zero_empty_experts(grad_w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """An expert without tokens gets a zero weight gradient, whatever the kernel leaves there."""
     empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
@@ -378,6 +405,7 @@ class BlockwiseGroupedMM(torch.autograd.Function):
     def forward(ctx, x, weight, offsets, kernels, aligned=False, main_grad=None, quantizer=INDUCTOR_QUANTIZER,
                 weight_blocks=UNCACHED):
         groups = token_groups(offsets, x.shape[0], kernels.row_alignment, aligned)
+        _prefetch_counts_for_wgrad(ctx, groups, kernels)
         weight_fp8 = weight_blocks.of(weight)
         if ctx.needs_input_grad[1]:
             # The wgrad operand x^T (1x128 tiles along the tokens) comes from the same read of x.
@@ -424,6 +452,7 @@ class DispatchedBlockwiseGroupedMM(torch.autograd.Function):
     def forward(ctx, x, weight, offsets, row_token, kernels, main_grad=None, quantizer=INDUCTOR_QUANTIZER,
                 weight_blocks=UNCACHED):
         groups = AlignedTokenGroups(offsets, row_token.numel(), kernels.row_alignment)
+        _prefetch_counts_for_wgrad(ctx, groups, kernels)
         source = fp8_quant.dispatch_source(row_token, x.shape[0], kernels.row_alignment)
         rows_fp8 = fp8_quant.gather_fp8_rows(fp8_quant.quantize_rows_1x128(x), source)
         weight_fp8 = weight_blocks.of(weight)

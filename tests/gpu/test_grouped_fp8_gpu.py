@@ -91,6 +91,31 @@ def test_blockwise_fwd_dgrad_wgrad_match_the_reference(kernels, quantizer, count
         assert (w.grad[counts.index(0)] == 0).all()
 
 
+def test_prefetched_group_counts_are_read_without_a_device_sync():
+    """TokenGroups.prefetch_counts copies the group ends to the host behind the queued kernels: the backward's read
+    of counts then synchronises nothing (torch's sync debug mode would raise), and gives what a synced read gives.
+    Under CUDA-graph capture it copies nothing (a replay would not refresh the copy)."""
+    from fp8stack.backends.grouped import AlignedTokenGroups
+
+    offsets = offsets_of([128, 0, 256, 384])
+    prefetched, synced = (AlignedTokenGroups(offsets, 768, 128) for _ in range(2))
+    prefetched.prefetch_counts()
+    torch.cuda._sleep(10_000_000)  # the GPU still busy when the counts are read
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counts = prefetched.counts
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            synced.counts
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert counts == synced.counts == (128, 0, 256, 384)
+    captured = AlignedTokenGroups(offsets, 768, 128)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        captured.prefetch_counts()
+    assert "_host_offsets" not in captured.__dict__
+
+
 @pytest.mark.parametrize("kernels", list(KERNELS))
 def test_blockwise_wgrad_adds_into_main_grad_as_autograd_would(kernels):
     """The wgrad GEMM given the weight's FP32 main_grad (what master weights hand over) adds two micro-batches'
