@@ -1,6 +1,10 @@
 """BF16 parameters with FP32 master weights (training.param_dtype = "bf16") on a CPU; the TE path is a GPU test
 (tests/gpu/test_master_weights_gpu.py)."""
 
+import gc
+import weakref
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -165,23 +169,62 @@ def test_under_ddp_each_bucket_is_averaged_as_soon_as_its_gradients_are_final_no
     assert all(p.grad is None for p in masters.params)
 
 
-def test_a_model_and_its_masters_are_freed_once_the_user_lets_go_of_them():
-    """The gradient hooks on the parameters hold their MasterWeights weakly: a tensor's hooks live in C++, where the
-    collector cannot follow a cycle, so a strong hook would keep both alive for the rest of the process."""
-    import gc
-    import weakref
+@contextmanager
+def _without_the_collector():
+    """Only reference counting frees objects in here: a cycle stays (the collector seldom visits a finished run's
+    objects, which have grown old, so a run's model could stay on the GPU while the next one starts)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
+
+@pytest.mark.parametrize("keeper", ["masters", "masters-released", "masters-ddp", "masters-ddp-released", "grads-ddp"])
+def test_a_model_and_its_gradient_keeper_are_freed_once_the_user_lets_go_of_them(keeper, mesh):
+    """Nothing the model holds (forward hooks, gradient hooks, get_main_grad) makes a cycle with its MasterWeights
+    (or DataParallelGradients): model, masters, parameters and main_grads go with the last reference to them."""
     from torch import nn
 
-    from fp8stack.precision import MasterWeights
+    from fp8stack.precision import DataParallelGradients, MasterWeights
 
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
-    masters = MasterWeights(model)
-    optimizer = masters.track(torch.optim.AdamW(masters.parameters()))
-    model(torch.randn(4, 16).bfloat16()).float().sum().backward()
-    optimizer.step()
-    model_alive, masters_alive = weakref.ref(model), weakref.ref(masters)
-    del model, masters, optimizer
-    gc.collect()
-    assert model_alive() is None and masters_alive() is None
+    with _without_the_collector():
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        data_parallel = mesh if "ddp" in keeper else None
+        if keeper == "grads-ddp":
+            keeper = DataParallelGradients(model, data_parallel)
+            optimizer = torch.optim.AdamW(model.parameters())
+            tensors = [*model.parameters()]
+        else:
+            keeper = MasterWeights(model, data_parallel=data_parallel, release_main_grads="released" in keeper)
+            optimizer = keeper.track(torch.optim.AdamW(keeper.parameters()))
+        for _ in range(2):
+            with keeper.no_sync():
+                model(torch.randn(4, 16).to(model[0].weight.dtype)).float().sum().backward()
+            model(torch.randn(4, 16).to(model[0].weight.dtype)).float().sum().backward()
+            if isinstance(keeper, MasterWeights):
+                tensors = [*keeper.params, *keeper.masters, *(b for b in keeper.buffers if b is not None)]
+            optimizer.step()
+        alive = [weakref.ref(o) for o in (model, keeper, optimizer, *tensors)]
+        del model, keeper, optimizer, tensors
+        assert [ref() is not None for ref in alive] == [False] * len(alive)
 
+
+@pytest.mark.parametrize("settings", [{}, {"training.release_main_grads": True},
+                                      {"parallelism.data_parallel": "ddp", "parallelism.data_parallel_one_rank": True,
+                                       "training.release_main_grads": True}],
+                         ids=["persistent", "released", "ddp-released"])
+def test_a_finished_session_frees_its_model_and_masters_with_its_last_reference(settings):
+    """As the GPU memory test runs two sessions one after the other: once the caller lets go of a finished session,
+    its model, optimizer, masters and main_grads are gone before the next session starts."""
+    with _without_the_collector():
+        with session(from_overrides({**FAST, "training.param_dtype": "bf16", "precision.recipe": "tensorwise",
+                                     "training.global_batch": 4, "training.steps": 2, **settings})) as run:
+            for _ in range(2):
+                run.step(1.0)
+            masters = run.masters
+            alive = [weakref.ref(o) for o in (run.model, run.optimizer, masters, *masters.params, *masters.masters,
+                                              *(b for b in masters.buffers if b is not None))]
+        del run, masters
+        assert [ref() is not None for ref in alive] == [False] * len(alive)

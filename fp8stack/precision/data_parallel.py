@@ -17,8 +17,9 @@ in flight at once; MasterWeights starts each bucket's average during the last mi
 gradients are final (OverlappedAverage), so the communication hides behind the rest of the backward.
 """
 
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -189,12 +190,14 @@ class DataParallelGradients:
         self.group = process_group(data_parallel)
         self.bucket_bytes = bucket_bytes
         broadcast_from_first([*self.params, *model.buffers()], self.group)
-        self._at_backward_end = AtBackwardEnd(model, self.reduce_grads)
+        # Held weakly: the model's hook holds it (and it this), so the model keeps both alive and nothing else.
+        self._at_backward_end = weakref.ref(AtBackwardEnd(model, self.reduce_grads))
 
     def no_sync(self):
         """Forwards and backwards in here accumulate gradients without averaging them (all micro-batches but a step's
         last)."""
-        return self._at_backward_end.no_sync()
+        at_backward_end = self._at_backward_end()
+        return at_backward_end.no_sync() if at_backward_end else nullcontext()
 
     def reduce_grads(self) -> None:
         """Average the parameters' gradients over the ranks now (a parameter without one gets zeros, so that every

@@ -38,7 +38,6 @@ get_main_grad(), which TE calls for a weight marked __fsdp_param__ (its Megatron
 get_main_grad() too (GroupedExperts.main_grad_of).
 """
 
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -57,10 +56,23 @@ class SteppedMasters:
     """What a keeper of FP32 masters offers the optimizer: the masters to step, and the hook that copies them into the
     model after each step. Subclasses set model, masters and after_step()."""
 
-    model: nn.Module
     masters: list[nn.Parameter]
     model_holds: str = "BF16 copies"
     """What the model's own parameters are, for the error that names them."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The model these are the masters of, held weakly: its hooks hold this for as long as it lives, and a strong
+        reference back would make a cycle only the collector frees, which keeps a finished run's model, masters and
+        main_grads on the GPU while the next run starts (the collector seldom visits objects that old)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of these master weights is gone")
+        return model
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
 
     def after_step(self) -> None:
         raise NotImplementedError
@@ -88,6 +100,13 @@ def _held_weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tens
     finds the GPU full). The model's forward pre-hook holds the MasterWeights as long as the model lives."""
     held = weakref.WeakMethod(method)
     return lambda param: held()(param)
+
+
+def _main_grad_getter(masters: "MasterWeights", param: nn.Parameter) -> Callable[[], torch.Tensor]:
+    """param.get_main_grad() with release_main_grads, holding both weakly: the parameter holds it, and a strong
+    reference would make a cycle (through the parameter itself, or the MasterWeights holding the parameters)."""
+    main_grad_of, held = weakref.WeakMethod(masters._main_grad), weakref.ref(param)
+    return lambda: main_grad_of()(held())
 
 
 class MasterWeights(SteppedMasters):
@@ -135,7 +154,7 @@ class MasterWeights(SteppedMasters):
         if release_main_grads:
             _drop_backend_main_grads([p for p in self.params if id(p) in written_by_backend])
             for param in self.params:
-                param.get_main_grad = functools.partial(self._main_grad, param)
+                param.get_main_grad = _main_grad_getter(self, param)
                 if id(param) in written_by_backend:  # TE fetches main_grad in its backward from get_main_grad()
                     param.__fsdp_param__ = True
         else:
@@ -160,9 +179,10 @@ class MasterWeights(SteppedMasters):
                 if self.group is not None:
                     param.copy_(master)
         # Released main_grads: every bucket exists at a backward's end, so that the optimizer steps a parameter the
-        # backward did not reach with a zero gradient, as it does the persistent buffers'.
-        self._at_backward_end = (AtBackwardEnd(model, self.reduce_grads,
-                                               at_forward=self._average.arm if self._average is not None else None)
+        # backward did not reach with a zero gradient, as it does the persistent buffers'. The model's hook holds it
+        # (and it this), so this holds it weakly.
+        self._at_backward_end = (weakref.ref(AtBackwardEnd(model, self.reduce_grads, at_forward=self._average.arm
+                                                           if self._average is not None else None))
                                  if self._average is not None or release_main_grads else None)
         model.register_forward_pre_hook(self._link_unlinked_grads)
 
@@ -183,7 +203,8 @@ class MasterWeights(SteppedMasters):
     def no_sync(self):
         """With data_parallel: forwards and backwards in here accumulate into the main_grads without averaging them
         (all micro-batches but a step's last). Without, nothing to hold back."""
-        return self._at_backward_end.no_sync() if self._at_backward_end else nullcontext()
+        at_backward_end = self._at_backward_end() if self._at_backward_end else None
+        return at_backward_end.no_sync() if at_backward_end else nullcontext()
 
     def reduce_grads(self) -> None:
         """Average the main_grads over data_parallel's ranks now (what the end of a backward outside no_sync does,
