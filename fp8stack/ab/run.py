@@ -450,7 +450,8 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
     """(the runs a partial evidence file holds, by arm name, and where they came from) for --continue-from, or
     ValueError when the file is not of this A/B (another configuration, other arms or process count, or written
     before files kept their runs). An option the file does not name was added since: it is this A/B's where it keeps
-    its default (or, for RAN_BEFORE_THE_OPTION, what the file's runs did). A dense model's A/B ignores the MoE-only options."""
+    its default (or, for RAN_BEFORE_THE_OPTION, what the file's runs did). A dense model's A/B ignores the MoE-only
+    options."""
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:

@@ -29,13 +29,13 @@ eager quantizer costs ~7 FP32 passes of its input instead):
   once (2TK + TK) and their FP8 rows gathered (RK + RK), the wgrad operand quantized in the backward from the
   tokens through the index (2RK + RK); the BF16 dispatch instead gathers BF16 rows in the MoE (2RK + 2RK) and
   quantizes them both ways (2RK + 2RK), and holds x^T in FP8 (RK bytes) from forward to backward.
-- host syncs: none in the rowwise recipes. Blockwise pads groups (if any) on the GPU and DeepGEMM's
-  forward labels rows with their experts on the GPU (a capturable forward); its K-grouped wgrad takes the group
-  sizes as a Python list, read once in the backward from a copy the forward started (TokenGroups.prefetch_counts). The torch blockwise kernels slice per expert on the host, so
-  they read the group sizes once per forward (reused by the backward): torch's grouped FP8 GEMM takes rowwise and
-  MX scales only, never 1x128 / 128x128 blocks. Each kernels object says so (capturable, capturable_backward,
-  capture_note), and Float8GroupedExperts.cuda_graph_blocker tells the CUDA-graph guard. The FP8 dispatch builds
-  its row index on the GPU with a static size: it reads nothing on the host itself.
+- host syncs: none in the rowwise recipes. Blockwise pads groups (if any) on the GPU and DeepGEMM's forward labels
+  rows with their experts on the GPU (a capturable forward); its K-grouped wgrad takes the group sizes as a Python
+  list, read once in the backward from a copy the forward started (TokenGroups.prefetch_counts). The torch blockwise
+  kernels slice per expert on the host, so they read the group sizes once per forward (reused by the backward):
+  torch's grouped FP8 GEMM takes rowwise and MX scales only, never 1x128 / 128x128 blocks. Each kernels object says so
+  (capturable, capturable_backward, capture_note), and Float8GroupedExperts.cuda_graph_blocker tells the CUDA-graph
+  guard. The FP8 dispatch builds its row index on the GPU with a static size: it reads nothing on the host itself.
 """
 
 from collections.abc import Sequence
