@@ -246,3 +246,32 @@ def test_the_fsdp2_bound_runs_on_one_gpu_without_tes_two_fsdp2_levers_and_judges
     assert not any(name.startswith("one_gpu_fsdp2_bound: FP8/BF16") for name in checks)
     assert "one_gpu_fsdp2_bound/delayed" not in result["figures"]["scaling_efficiency"]
     assert result["figures"]["per_gpu_tokens_per_s"]["one_gpu_fsdp2_bound/delayed"] == 122_000
+
+
+def test_each_lever_of_the_fsdp2_bound_runs_alone_on_one_gpu_and_is_reported_not_judged(tmp_path, monkeypatch):
+    """one_gpu_uncached and one_gpu_unfused: one process each, BF16 and the recipe, without one of the bound's two TE
+    levers; their FP8/BF16 is in the figures and no check names them."""
+    started_runs = []
+
+    def started(name, workdir, nproc, flags, env=None):
+        started_runs.append((name, nproc, flags))
+        return SimpleNamespace(name=name)
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(scaling, "start", started)
+    monkeypatch.setattr(scaling, "launch", lambda *args: started(*args))
+    monkeypatch.setattr(scaling, "wait", lambda run: run)
+    monkeypatch.setattr(scaling, "run_record", lambda run: run)
+    parts = list(scaling.BOUND_PARTS)
+    planned = scaling.runs(["fsdp", *parts], "delayed")
+    scaling.run_all(tmp_path, planned, 2, ["--train-iters", "6"], 2, {scaling.ONE_GPU: "m", None: "m"})
+    flags = {name: job_from_flags(flags) for name, nproc, flags in started_runs if nproc == 1}
+    uncached, unfused = (flags[f"{part}/delayed"].te for part in parts)
+    assert not uncached.cache_fp8_weights and uncached.gradient_accumulation_fusion is not False
+    assert unfused.gradient_accumulation_fusion is False and unfused.cache_fp8_weights
+    records = {**{name: RECORDS[name] for name in ("one_gpu/bf16", "one_gpu/delayed", "fsdp/bf16", "fsdp/delayed")},
+               **{f"{part}/{recipe}": measured(tokens, 24.7, 1) for part in parts
+                  for recipe, tokens in (("bf16", 93_000), ("delayed", 127_000))}}
+    result = scaling.judge(records, planned, "delayed", 2, STEPS)
+    assert result["figures"]["fp8_over_bf16"]["one_gpu_uncached"] == pytest.approx(127 / 93)
+    assert not any(part in name for name in result["checks"] for part in parts if "ran" not in name)

@@ -24,7 +24,8 @@ TE keeps no FP8 weight cache under FSDP2 (it quantizes each gathered BF16 weight
 the FSDP2 runs that gather once per step still cast per micro-batch; FP8 parameters gather what is already FP8. Nor
 does TE accumulate weight gradients into main_grad there. one_gpu_fsdp2_bound (asked for like a wrapper) measures
 what that costs: one process, BF16 and the recipe, without those two levers (--no-te.gradient-accumulation-fusion
---no-te.cache-fp8-weights); each FSDP2 wrapper's FP8/BF16 is then also judged against its ratio.
+--no-te.cache-fp8-weights); each FSDP2 wrapper's FP8/BF16 is then also judged against its ratio. one_gpu_uncached and
+one_gpu_unfused (BOUND_PARTS) drop one lever each: what each costs, reported.
 Judged: each wrapper's FP8/BF16 tokens/s within RATIO_TOLERANCE of one_gpu's (what the wrapper costs must not eat
 FP8's gain; an FP8-parameter wrapper over its BF16-parameter twin's BF16 run, FP8_ONLY), and an FP8-parameter
 wrapper's all-gather bytes over the transformer blocks at most ALL_GATHER_RATIO of its twin's with the same recipe
@@ -57,14 +58,18 @@ ONE_GPU = "one_gpu"
 FSDP2_BOUND = "one_gpu_fsdp2_bound"
 """One process without the two TE levers FSDP2 takes away (TEBackend.before_fully_shard): fused weight-gradient
 accumulation into main_grad and the FP8 weight cache. Its FP8/BF16 is the most an FSDP2 wrapper can reach with TE."""
+BOUND_PARTS = {"one_gpu_uncached": ["--no-te.cache-fp8-weights"],
+               "one_gpu_unfused": ["--no-te.gradient-accumulation-fusion"]}
+"""One process without one of FSDP2_BOUND's two levers each, reported beside it (not judged): what each costs, so
+that a way to keep one of them under FSDP2 can be weighed before it is built."""
 WRAPPERS = {"ddp": ["--parallelism.data-parallel", "ddp"],
             "fsdp": ["--parallelism.data-parallel", "fsdp"],
             "fsdp_gather_once": ["--parallelism.data-parallel", "fsdp", "--no-parallelism.fsdp-reshard-after-forward"],
             "fsdp_fp8_params": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8"],
             "fsdp_fp8_params_gather_once": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8",
                                             "--no-parallelism.fsdp-reshard-after-forward"],
-            FSDP2_BOUND: ["--no-te.gradient-accumulation-fusion", "--no-te.cache-fp8-weights"]}
-"""Wrapper -> its flags beside the common ones, at NPROC=N (FSDP2_BOUND at NPROC=1)."""
+            FSDP2_BOUND: ["--no-te.gradient-accumulation-fusion", "--no-te.cache-fp8-weights"], **BOUND_PARTS}
+"""Wrapper -> its flags beside the common ones, at NPROC=N (FSDP2_BOUND and BOUND_PARTS at NPROC=1)."""
 DEFAULT_WRAPPERS = ("ddp", "fsdp", "fsdp_fp8_params")
 FP8_ONLY = {"fsdp_fp8_params": "fsdp", "fsdp_fp8_params_gather_once": "fsdp_gather_once"}
 """Wrappers that hold FP8 weights, run with the recipe only -> the wrapper whose BF16 run their FP8/BF16 is over
@@ -96,8 +101,8 @@ def run_name(wrapper: str, recipe: str) -> str:
 
 
 def is_single(wrapper: str) -> bool:
-    """A run of one process: the reference, or the FSDP2 bound."""
-    return wrapper in (ONE_GPU, FSDP2_BOUND)
+    """A run of one process: the reference, the FSDP2 bound or one of its parts."""
+    return wrapper in (ONE_GPU, FSDP2_BOUND, *BOUND_PARTS)
 
 
 def run_all(workdir: Path, planned: list[tuple[str, str]], nproc: int, common: Sequence[str], gpus: int,
