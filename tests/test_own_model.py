@@ -302,6 +302,31 @@ def test_merged_projections_under_compile_run_the_gemm_once_per_forward():
     assert len(calls) == 2
 
 
+def test_a_compiled_block_takes_its_slices_of_the_merged_output_in_the_graph():
+    """The slices are taken in traced code: compiled graphs read the merged output whole, so the merged gradient
+    leaves them in one piece (no concatenation of the slices' gradients by autograd outside the graph), and the
+    gradients are eager's."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(16, 16, bias=False) for _ in range(3)]
+    fused = nn.Linear(16, 48, bias=False)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([linear.weight for linear in linears]))
+    block = nn.Module()
+    block.q, block.k, block.v = merged_projections(fused, linears)
+    graph_inputs = []
+
+    def recording(graph, example_inputs):
+        graph_inputs.extend(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
+        return graph.forward
+
+    compiled = torch.compile(lambda x: block.q(x) * 2 + block.k(x) - block.v(x), backend=recording)
+    x = torch.randn(2, 16)
+    compiled(x).sum().backward()
+    assert (2, 48) in graph_inputs
+    (linears[0](x) * 2 + linears[1](x) - linears[2](x)).sum().backward()
+    torch.testing.assert_close(fused.weight.grad, torch.cat([linear.weight.grad for linear in linears]))
+
+
 def test_state_keys_load_the_users_keys_and_write_them_back():
     model = torchtitan_model()
     user = {k: v.clone() for k, v in model.state_dict().items()}

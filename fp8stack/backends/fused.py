@@ -38,20 +38,22 @@ class _MergedOutputs:
         self.fused = fused
         self.widths = list(widths)
         self.input: torch.Tensor | None = None
-        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.merged: torch.Tensor | None = None
         self.taken: set[int] = set()
 
     @torch.compiler.disable  # the identity of the input decides whether to run: a Python-level decision
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Projection `index`'s output for input x: from the fused module's output for x while the group has not
-        taken it yet, else from a new call (another input, or a projection called twice)."""
+        """The fused module's whole output for input x, for projection `index` to take its slice of: the output
+        already computed for x while the group has not taken it yet, else a new call (another input, or a projection
+        called twice). The slices are taken by the caller, in traced code, so that a compiled block writes the merged
+        gradient in one piece instead of autograd concatenating the slices' gradients outside the graph."""
         if self.input is not x or index in self.taken:
-            self.input, self.outputs, self.taken = x, self.fused(x).split(self.widths, dim=-1), set()
+            self.input, self.merged, self.taken = x, self.fused(x), set()
         self.taken.add(index)
-        out = self.outputs[index]
+        merged = self.merged
         if len(self.taken) == len(self.widths):  # every projection has its output: hold nothing between calls
-            self.input, self.outputs = None, ()
-        return out
+            self.input, self.merged = None, None
+        return merged
 
 
 class ProjectionSlice(nn.Module):
@@ -64,11 +66,12 @@ class ProjectionSlice(nn.Module):
             self.fused = shared.fused
         self._shared = shared  # a plain object: not a submodule
         self.index = index
+        self.start = sum(shared.widths[:index])
         self.in_features = in_features
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._shared.output(self.index, x)
+        return self._shared.output(self.index, x).narrow(-1, self.start, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, slice {self.index} of a merged GEMM"
