@@ -66,6 +66,13 @@ def m_indices(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.where(expert < offsets.numel(), expert, -1)
 
 
+def host_ints_on(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A few host integers on `device` without waiting for it: torch.tensor(..., device=cuda) copies from pageable
+    memory and synchronises the stream, which drains the launch queue; through pinned memory the copy is
+    non-blocking."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 PIECE_BYTES = 1024
 """The most bytes flatten_k_grouped moves as one gathered piece (a row of index_select)."""
 
@@ -87,7 +94,7 @@ def flatten_k_grouped(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -
     firsts = [sum(widths[:e]) for e in range(len(widths))]
     ends = [dim * (first + width) for first, width in zip(firsts, widths)]
     # Per expert: where its block ends in the output, its width and its first piece in a row of data, in pieces.
-    ends_d, widths_d, firsts_d = torch.tensor([ends, widths, firsts], device=data.device)
+    ends_d, widths_d, firsts_d = host_ints_on([ends, widths, firsts], data.device)
     out_piece = torch.arange(dim * sum(widths), device=data.device)
     expert = torch.searchsorted(ends_d, out_piece, right=True)
     width = widths_d[expert]
@@ -145,5 +152,5 @@ class DeepGemmKernels:
         a_scale, b_scale = a.scale[:, :tiles].contiguous(), b.scale[:, :tiles].contiguous()
         self.k_grouped_gemm(
             (flatten_k_grouped(a.data, ks), a_scale), (flatten_k_grouped(b.data, ks), b_scale), out, ks,
-            torch.tensor(ks, dtype=torch.int32, device=a.data.device), out, recipe=(1, 1, BLOCK))
+            host_ints_on(ks, a.data.device, torch.int32), out, recipe=(1, 1, BLOCK))
         return out

@@ -91,24 +91,29 @@ def test_blockwise_fwd_dgrad_wgrad_match_the_reference(kernels, quantizer, count
         assert (w.grad[counts.index(0)] == 0).all()
 
 
-def test_prefetched_group_counts_are_read_without_a_device_sync():
+def test_the_wgrad_s_host_reads_and_operand_layout_wait_for_nothing_on_the_gpu():
     """TokenGroups.prefetch_counts copies the group ends to the host behind the queued kernels: the backward's read
-    of counts then synchronises nothing (torch's sync debug mode would raise), and gives what a synced read gives.
-    Under CUDA-graph capture it copies nothing (a replay would not refresh the copy)."""
+    of counts then synchronises nothing (torch's sync debug mode would raise), and gives what a synced read gives;
+    flattening the wgrad operands by those counts synchronises nothing either. Under CUDA-graph capture
+    prefetch_counts copies nothing (a replay would not refresh the copy)."""
     from fp8stack.backends.grouped import AlignedTokenGroups
 
     offsets = offsets_of([128, 0, 256, 384])
     prefetched, synced = (AlignedTokenGroups(offsets, 768, 128) for _ in range(2))
+    operand = torch.randn(256, 768, device=DEVICE).to(torch.float8_e4m3fn)
     prefetched.prefetch_counts()
     torch.cuda._sleep(10_000_000)  # the GPU still busy when the counts are read
     torch.cuda.set_sync_debug_mode("error")
     try:
         counts = prefetched.counts
+        flat = deepgemm.flatten_k_grouped(operand, counts)
         with pytest.raises(RuntimeError, match="synchroniz"):
             synced.counts
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert counts == synced.counts == (128, 0, 256, 384)
+    expected = torch.cat([block.contiguous().view(-1) for block in operand.view(torch.uint8).split(counts, dim=1)])
+    assert torch.equal(flat.view(torch.uint8), expected)
     captured = AlignedTokenGroups(offsets, 768, 128)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
