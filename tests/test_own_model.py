@@ -284,7 +284,9 @@ def test_merged_projections_compute_what_the_linears_did_with_their_weights_copi
     assert [n for n, _ in nn.ModuleList(slices).named_parameters()] == ["0.fused.weight", "0.fused.bias"]
 
 
-def test_merged_projections_under_compile_run_the_gemm_once_per_forward():
+def _merged_block() -> tuple[list[nn.Linear], nn.Linear, nn.Module]:
+    """Three 16 -> 16 linears, the 16 -> 48 linear they merge into (weights copied), and a block whose forward reads
+    the three slices: (linears, fused, block)."""
     torch.manual_seed(0)
     linears = [nn.Linear(16, 16, bias=False) for _ in range(3)]
     fused = nn.Linear(16, 48, bias=False)
@@ -293,6 +295,11 @@ def test_merged_projections_under_compile_run_the_gemm_once_per_forward():
     block = nn.Module()
     block.q, block.k, block.v = merged_projections(fused, linears)
     block.forward = lambda x: block.q(x) * 2 + block.k(x) - block.v(x)
+    return linears, fused, block
+
+
+def test_merged_projections_under_compile_run_the_gemm_once_per_forward():
+    linears, fused, block = _merged_block()
     calls = []
     fused.register_forward_hook(lambda *_: calls.append(1))
     compiled = torch.compile(block.forward)
@@ -306,20 +313,14 @@ def test_a_compiled_block_takes_its_slices_of_the_merged_output_in_the_graph():
     """The slices are taken in traced code: compiled graphs read the merged output whole, so the merged gradient
     leaves them in one piece (no concatenation of the slices' gradients by autograd outside the graph), and the
     gradients are eager's."""
-    torch.manual_seed(0)
-    linears = [nn.Linear(16, 16, bias=False) for _ in range(3)]
-    fused = nn.Linear(16, 48, bias=False)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([linear.weight for linear in linears]))
-    block = nn.Module()
-    block.q, block.k, block.v = merged_projections(fused, linears)
+    linears, fused, block = _merged_block()
     graph_inputs = []
 
     def recording(graph, example_inputs):
         graph_inputs.extend(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
         return graph.forward
 
-    compiled = torch.compile(lambda x: block.q(x) * 2 + block.k(x) - block.v(x), backend=recording)
+    compiled = torch.compile(block.forward, backend=recording)
     x = torch.randn(2, 16)
     compiled(x).sum().backward()
     assert (2, 48) in graph_inputs
