@@ -262,9 +262,8 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
 
 
 def _free_finished_run() -> None:
-    """Let the next profiled run start on an empty GPU: a converted model and its MasterWeights hold each other
-    through hooks, a cycle only the collector frees (the BF16 run's model otherwise stays, and at deepseek-moe-medium
-    the FP8 run that follows it ran out of memory on an H200)."""
+    """Let the next profiled run start on an empty GPU: torch.compile's leftovers hold some of a compiled model's
+    parameters in cycles only the collector frees."""
     import gc
 
     import torch

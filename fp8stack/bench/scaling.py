@@ -44,7 +44,7 @@ from pathlib import Path
 
 from fp8stack.ab import chosen_names
 from fp8stack.ab.plot import pyplot
-from fp8stack.bench.data_parallel import block_all_gather_bytes
+from fp8stack.bench.data_parallel import ARMS as ONE_RANK_ARMS, BOUND, block_all_gather_bytes
 from fp8stack.bench.launches import launch, run_record, start, wait
 from fp8stack.bench.plots import (FIGURE_WIDTH, add_plot_only_option, figure_height, note_unmeasured, plot_only,
                                   refuse_flags_beside_plot_only, write_plot)
@@ -68,7 +68,7 @@ WRAPPERS = {"ddp": ["--parallelism.data-parallel", "ddp"],
             "fsdp_fp8_params": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8"],
             "fsdp_fp8_params_gather_once": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8",
                                             "--no-parallelism.fsdp-reshard-after-forward"],
-            FSDP2_BOUND: ["--no-te.gradient-accumulation-fusion", "--no-te.cache-fp8-weights"], **BOUND_PARTS}
+            FSDP2_BOUND: ONE_RANK_ARMS[BOUND], **BOUND_PARTS}
 """Wrapper -> its flags beside the common ones, at NPROC=N (FSDP2_BOUND and BOUND_PARTS at NPROC=1)."""
 DEFAULT_WRAPPERS = ("ddp", "fsdp", "fsdp_fp8_params")
 FP8_ONLY = {"fsdp_fp8_params": "fsdp", "fsdp_fp8_params_gather_once": "fsdp_gather_once"}

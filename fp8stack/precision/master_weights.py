@@ -41,6 +41,7 @@ get_main_grad() too (GroupedExperts.main_grad_of).
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,8 +94,9 @@ class SteppedMasters:
         return optimizer
 
 
-def _held_weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    """`method` as a parameter's gradient hook that holds its MasterWeights weakly. A tensor keeps its hooks in C++,
+def _held_weakly(method: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """`method`, a MasterWeights' method of a parameter, as a callable that holds the MasterWeights weakly (for a
+    parameter's gradient hook or its get_main_grad). A tensor keeps its hooks in C++,
     where the collector cannot follow a cycle: a strong hook would keep the model, its masters and its main_grads
     alive for the rest of the process (a second model built in it, as a profile's FP8 run after its BF16 one, then
     finds the GPU full). The model's forward pre-hook holds the MasterWeights as long as the model lives."""
@@ -105,8 +107,8 @@ def _held_weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tens
 def _main_grad_getter(masters: "MasterWeights", param: nn.Parameter) -> Callable[[], torch.Tensor]:
     """param.get_main_grad() with release_main_grads, holding both weakly: the parameter holds it, and a strong
     reference would make a cycle (through the parameter itself, or the MasterWeights holding the parameters)."""
-    main_grad_of, held = weakref.WeakMethod(masters._main_grad), weakref.ref(param)
-    return lambda: main_grad_of()(held())
+    main_grad_of, held = _held_weakly(masters._main_grad), weakref.ref(param)
+    return lambda: main_grad_of(held())
 
 
 class MasterWeights(SteppedMasters):
