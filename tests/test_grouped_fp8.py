@@ -21,7 +21,7 @@ from fp8stack.backends import BackendUnavailable
 from fp8stack.backends.blockwise import (BLOCK, FP8, FP8_MAX, Fp8Tensor, cast_to_fp8, decode_scale, dequantize_1x128,
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
-from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices
+from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices, mn_major_scales
 from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM,
                                        DispatchedBlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
                                        RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels, TokenGroupPadding,
@@ -136,6 +136,8 @@ class ContractDeepGemm:
         assert ks_tensor.tolist() == ks and all(k % 128 == 0 for k in ks)
         (a_flat, a_scale), (b_flat, b_scale) = a, b
         m, n = d.shape[1:]
+        # DeepGEMM takes any layout, but transposes others with a kernel it compiles per tile count: ours come ready.
+        assert all(scale.stride() == (1, -(-rows // 4) * 4) for scale, rows in ((a_scale, m), (b_scale, n)))
         assert a_flat.dim() == b_flat.dim() == 1 and a_scale.shape == (m, sum(ks) // 128)
         start = 0
         for e, k in enumerate(ks):
@@ -434,8 +436,8 @@ def test_deepgemm_m_indices_have_the_static_size_whatever_the_groups():
 def test_deepgemm_k_grouped_flattening():
     data = torch.arange(2 * 5).view(2, 5)  # [dim 2, tokens 5], experts own 2, 0, 3 tokens
     assert flatten_k_grouped(data, [2, 0, 3]).tolist() == [0, 1, 5, 6, 2, 3, 4, 7, 8, 9]
-    # Pieces as large as every boundary allows (1 KiB for 128-token groups, bytes for odd counts), from a buffer
-    # that may run past the groups (a static size) or be a strided view: the same layout.
+    # In 8-byte words (128-token groups) or bytes (odd counts), from a buffer that may run past the groups (a static
+    # size) or be a strided view: the same layout.
     for counts, past in (([128, 0, 256, 1024], 256), ([128, 0, 256, 16], 0), ([130, 0, 7, 3], 5), ([0, 0], 128)):
         fp8 = torch.randn(3, sum(counts) + past).to(torch.float8_e4m3fn)
         blocks = fp8.view(torch.uint8)[:, :sum(counts)].split(counts, dim=1)
@@ -443,6 +445,18 @@ def test_deepgemm_k_grouped_flattening():
         for operand in (fp8, fp8.t().contiguous().t()):
             flat = flatten_k_grouped(operand, counts)
             assert flat.dtype == fp8.dtype and torch.equal(flat.view(torch.uint8), expected), (counts, past)
+
+
+def test_deepgemm_scales_are_mn_major_and_tma_aligned_without_a_copy_where_te_wrote_them_so():
+    """TE's columnwise 1x128 scales, [tiles, K padded to 4] transposed and sliced to the groups' tiles, go to
+    DeepGEMM as they are; row-major ones are copied once into that layout, the same values."""
+    for rows in (6, 8):
+        storage = torch.randn(5, -(-rows // 4) * 4)
+        te_like = storage.t()[:rows, :3]
+        assert mn_major_scales(te_like) is te_like
+        row_major = torch.randn(rows, 5)[:, :3]
+        laid_out = mn_major_scales(row_major)
+        assert laid_out.stride() == (1, -(-rows // 4) * 4) and torch.equal(laid_out, row_major)
 
 
 # ---- the autograd functions on the kernels' contracts ---------------------------------------------------

@@ -73,35 +73,42 @@ def host_ints_on(values: list, device: torch.device, dtype: torch.dtype = torch.
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
-PIECE_BYTES = 1024
-"""The most bytes flatten_k_grouped moves as one gathered piece (a row of index_select)."""
-
-
 def flatten_k_grouped(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
     """[dim, tokens] -> 1-D: expert by expert, its [dim, expert_tokens] block, K (tokens) innermost.
-    One gather of the largest pieces every block boundary allows (1 KiB, 8-byte words inside, for DeepGEMM's
-    128-token groups of FP8), with its index computed on the GPU: a copy per expert cost a launch and Python's
-    slicing each, 2 x E per wgrad, and left the GPU idle between them (profile-deepseek-moe-medium: 2268 copies a
-    step, the longest run of idle gaps)."""
+    Each block is copied straight into place, in 8-byte words where the token counts allow it (DeepGEMM's groups
+    are 128-token multiples): torch copies a strided FP8 tensor one byte per element, ~8x slower. One index_select
+    of 128-byte pieces for all blocks at once ran several times longer on an H200 than these copies together
+    (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-gather-h200, its gather kernels)."""
     dim, tokens = data.shape
-    size = data.element_size()
-    piece = math.gcd(tokens * size, PIECE_BYTES, *(count * size for count in counts))
-    pieces = data.contiguous().view(torch.uint8).view(-1, piece)  # [dim * per_row, piece]
-    if piece % 8 == 0:
-        pieces = pieces.view(torch.int64)
-    per_row = tokens * size // piece
-    widths = [count * size // piece for count in counts]
-    firsts = [sum(widths[:e]) for e in range(len(widths))]
-    ends = [dim * (first + width) for first, width in zip(firsts, widths)]
-    # Per expert: where its block ends in the output, its width and its first piece in a row of data, in pieces.
-    ends_d, widths_d, firsts_d = host_ints_on([ends, widths, firsts], data.device)
-    out_piece = torch.arange(dim * sum(widths), device=data.device)
-    expert = torch.searchsorted(ends_d, out_piece, right=True)
-    width = widths_d[expert]
-    inside = out_piece - (ends_d - dim * widths_d)[expert]  # the piece's place in its expert's [dim, width] block
-    row = inside // width
-    source = row * per_row + firsts_d[expert] + inside - row * width
-    return pieces.index_select(0, source).view(data.dtype).view(-1)
+    out = data.new_empty(dim * sum(counts))
+    per_word = max(1, 8 // data.element_size())
+    if data.is_contiguous() and all(n % per_word == 0 for n in (tokens, *counts)):
+        source, target = data.view(torch.int64), out.view(torch.int64)
+    else:
+        source, target, per_word = data, out, 1
+    start = 0
+    for count in counts:
+        words, first = count // per_word, start // per_word
+        target[dim * first:dim * (first + words)].view(dim, words).copy_(source[:, first:first + words])
+        start += count
+    return out
+
+
+TMA_ALIGNED_FP32 = 4
+"""FP32 scales per 16 bytes: DeepGEMM's TMA reads a scale column from a multiple of 16 bytes."""
+
+
+def mn_major_scales(scale: torch.Tensor) -> torch.Tensor:
+    """FP32 scales [MN, tiles] in the layout DeepGEMM's Hopper kernels read, MN-major with columns TMA-aligned:
+    `scale` itself when laid out so (TE's columnwise 1x128 scales, sliced to any tile count), else one copy by torch.
+    Given another layout, DeepGEMM transposes with a kernel it JIT-compiles per tile count, and the K-grouped wgrad's
+    tile count follows the routing: a new compile for every new count."""
+    mn, tiles = scale.shape
+    column = -(-mn // TMA_ALIGNED_FP32) * TMA_ALIGNED_FP32
+    if scale.stride() == (1, column):
+        return scale
+    out = torch.empty_strided((mn, tiles), (1, column), dtype=scale.dtype, device=scale.device)
+    return out.copy_(scale)
 
 
 class DeepGemmKernels:
@@ -149,7 +156,7 @@ class DeepGemmKernels:
         out = new_or_into(into, (len(ks), a.data.shape[0], b.data.shape[0]), a.data.device)
         # The operands may run past the groups (a static buffer): DeepGEMM takes exactly sum(ks) tokens.
         tiles = sum(ks) // BLOCK
-        a_scale, b_scale = a.scale[:, :tiles].contiguous(), b.scale[:, :tiles].contiguous()
+        a_scale, b_scale = mn_major_scales(a.scale[:, :tiles]), mn_major_scales(b.scale[:, :tiles])
         self.k_grouped_gemm(
             (flatten_k_grouped(a.data, ks), a_scale), (flatten_k_grouped(b.data, ks), b_scale), out, ks,
             host_ints_on(ks, a.data.device, torch.int32), out, recipe=(1, 1, BLOCK))
