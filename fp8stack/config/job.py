@@ -198,7 +198,9 @@ class TrainingConfig:
     """With BF16 or FP8 parameters on the plain path, unsharded (fp8stack.precision.MasterWeights): free the FP32
     main_grads (4 bytes per parameter) after each optimizer step, and allocate each bucket again, zeroed, when the
     next backward first needs it, as torchtitan sets its gradients to None after each step: less memory between
-    steps and at the start of each backward, the same gradients. Off until a GPU measures its peak memory and speed."""
+    steps, the same gradients. The peak falls only where a step runs one micro-batch: with more, a later
+    micro-batch's forward holds them anyway (measured on one H200:
+    profiles/runs/2026-11-28-ab-llama-1b-like-release-main-grads-h200 against -persistent-main-grads-), hence off."""
     compile: bool | None = None
     """torch.compile each block and the loss. None: on for CUDA (measured faster on one H200), off on a CPU."""
     sdpa_backend: str | None = None
