@@ -161,6 +161,13 @@ def test_gpu_tests_runs_only_gpu_tests_and_writes_evidence(tmp_path):
     assert rerender(json_path, gpu_tests.render).read_text() == written
 
 
+def test_gpu_tests_help_prints_both_helps_and_writes_no_evidence(tmp_path, capsys):
+    assert gpu_tests.run(["--help"], out_dir=tmp_path / "profiles") == pytest.ExitCode.OK
+    printed = capsys.readouterr().out
+    assert "--label NAME" in printed and "-k EXPRESSION" in printed
+    assert not (tmp_path / "profiles").exists()
+
+
 def test_gpu_tests_stopped_by_sigterm_still_writes_the_tests_that_finished(tmp_path):
     """A device call's `timeout` sends SIGTERM: the evidence keeps what ran before it, marked interrupted."""
     (tmp_path / "test_slow.py").write_text(

@@ -6,7 +6,7 @@ Writes profiles/runs/<date>-gpu-tests[-NAME]-<device>/ (.json and .md: every tes
 tails) and exits with pytest's exit code. A label names a part of the suite, so that parts run side by side (one per
 GPU, CUDA_VISIBLE_DEVICES) or one after another on a day keep their own evidence. SIGTERM (`timeout` running out
 on a device call) stops pytest as Ctrl-C does, and the evidence still holds the tests that finished, marked
-interrupted.
+interrupted. -h/--help prints this and pytest's help, and writes nothing.
 """
 
 import re
@@ -61,7 +61,10 @@ def _note(result: dict) -> str:
 
 def run(args: list[str], out_dir: str = "profiles", force: bool = False, label: str = "") -> int:
     """pytest -m gpu <args> in this process; write the evidence (replacing an earlier one only with `force`);
-    return pytest's exit code."""
+    return pytest's exit code. With -h or --help: the help of both, no tests and no evidence."""
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return int(pytest.main(["--help"]))
     stem = f"gpu-tests-{label + '-' if label else ''}{device_slug()}"
     claim_or_exit("fp8stack.bench.gpu_tests", stem, out_dir, force)
     collector = OutcomeCollector()
