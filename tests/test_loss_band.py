@@ -158,3 +158,21 @@ def test_each_runs_gradient_norms_stand_against_the_clip(tmp_path):
     assert blockwise["late_norm_gap"] == pytest.approx(blockwise["late_grad_norm"] / record["bf16_late_grad_norm"] - 1)
     markdown = written(tmp_path, "loss-band-llama-1b-like-gate-h200.md").read_text()
     assert "The clip (1) shortened" in markdown and "Median gradient norm over the last quarter" in markdown
+
+
+def test_the_figure_draws_each_runs_window_means_against_the_bf16_band(tmp_path):
+    """The 2000-step A/Bs without clipping (two files, four BF16 runs): each run's loss as 50 window means of 40
+    steps, the last ending at step 2000, and the figure beside the JSON."""
+    pytest.importorskip("matplotlib")
+    files = [committed(f"ab-llama-1b-like-loss-probe-clip0{suffix}-h200.json") for suffix in ("", "-b")]
+    assert main(["--label", "clip0", "--out-dir", str(tmp_path), *map(str, files)]) == 0
+    json_path = written(tmp_path, "loss-band-llama-1b-like-clip0-h200.json")
+    record = json.loads(json_path.read_text())
+    for run in record["bf16_runs"] + record["fp8_runs"]:
+        windows = run["window_losses"]
+        assert len(windows) == 50 and [end for end, _ in windows[:2]] == [40, 80] and windows[-1][0] == 2000
+    first = record["bf16_runs"][0]
+    (source,) = [f for f in files if f.name == first["file"]]
+    losses = json.loads(source.read_text())["runs"][first["run"]]["losses"]
+    assert first["window_losses"][0][1] == pytest.approx(statistics.fmean(losses[:40]))
+    assert json_path.with_suffix(".png").stat().st_size > 10_000

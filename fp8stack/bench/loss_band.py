@@ -5,12 +5,14 @@ order), so one repeat is a poor measure of the band; several A/B files of one se
     python -m fp8stack.bench.loss_band --label seq1024-lr3e-4 \\
         profiles/runs/*/ab-llama-1b-like-loss-300steps-seq1024*-h200.json
 
-Writes profiles/runs/<date>-loss-band-<model>-<label>-<device>/ (.json and .md): every BF16 run's final loss,
+Writes profiles/runs/<date>-loss-band-<model>-<label>-<device>/ (.json, .md and .png): every BF16 run's final loss,
 their mean, span and standard deviation, and each FP8 run's gap to the BF16 mean, in standard deviations and against
 the band's edges; beside them each run's validation loss and its gradient norms against the clip (how many steps the
 clip shortened, and the median norm over the last quarter of the steps): where the clip shortens every step, each
 update has the same length, and a noisier gradient points less of it along the descent. Files of different
-settings (anything both arms share: model, shape, batch, LR schedule, steps, seed, data) are refused.
+settings (anything both arms share: model, shape, batch, LR schedule, steps, seed, data) are refused. The figure
+plots each run's loss through training against the BF16 runs' band (window means, relative to the BF16 mean), and
+the final losses against the band and the gate.
 """
 
 import argparse
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from fp8stack.ab.verdicts import REPEAT_ARM, is_bf16_arm
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
+from fp8stack.bench.plots import write_plot
 from fp8stack.bench.targets import plan_recipe
 from fp8stack.plan.recipes import get_recipe, is_fp8
 
@@ -79,11 +82,12 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
         own_runs = {name: own for name, own in (record.get("runs") or {}).items() if isinstance(own, dict)}
         validation = {name: own.get("val_loss") for name, own in own_runs.items()}
         norms = {name: gradient_norms(own.get("grad_norms"), config["grad_clip"]) for name, own in own_runs.items()}
+        windows = {name: window_means(own.get("losses")) for name, own in own_runs.items()}
         for arm in record["arms"]:
             if arm["final_loss"] is None:
                 continue
             run = {"file": Path(path).name, "final_loss": arm["final_loss"], "val_loss": validation.get(arm["recipe"]),
-                   **norms.get(arm["recipe"], NO_NORMS)}
+                   "window_losses": windows.get(arm["recipe"]), **norms.get(arm["recipe"], NO_NORMS)}
             if is_bf16_arm(arm["recipe"]):
                 bf16_runs.append({**run, "run": arm["recipe"]})
             else:
@@ -99,13 +103,71 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
             [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
         bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"],
-                       "val_loss": validation.get(r["run"]), **norms.get(r["run"], NO_NORMS)}
+                       "val_loss": validation.get(r["run"]), "window_losses": windows.get(r["run"]),
+                       **norms.get(r["run"], NO_NORMS)}
                       for r in repeats if "error" not in r]
     return {**settings, "device": device}, bf16_runs, fp8_runs, sources
 
 
 NO_NORMS = {"clipped_share": None, "late_grad_norm": None}
 """A run whose gradient norms the A/B file does not hold (files before the runs' records)."""
+
+
+WINDOWS = 50
+"""The figure's loss curves: each run's training loss as the means of this many windows of steps (per-step batch
+noise, several % at a few sequences per step, would hide a drift of a fraction of one)."""
+
+
+def window_means(losses: Sequence[float] | None) -> list[list[float]] | None:
+    """[[last step of the window, mean loss over it], ...] of WINDOWS windows of whole steps (fewer for a shorter run);
+    None without per-step losses (files before the runs' records)."""
+    if not losses:
+        return None
+    size = max(1, len(losses) // WINDOWS)
+    return [[end, statistics.fmean(losses[end - size:end])] for end in range(size, len(losses) + 1, size)]
+
+
+def draw(record: dict):
+    """The band's figure: each run's window-mean loss relative to the BF16 runs' mean window by window, the BF16
+    runs' span shaded; and every final loss against the BF16 band, its mean and the gate's limit."""
+    from fp8stack.ab.plot import pyplot
+
+    plt = pyplot()
+    fig, (curves, finals) = plt.subplots(1, 2, figsize=(16, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    bf16 = [r["window_losses"] for r in record["bf16_runs"] if r.get("window_losses")]
+    if bf16 and len({len(w) for w in bf16}) == 1:
+        steps = [end for end, _ in bf16[0]]
+        means = [statistics.fmean(w[i][1] for w in bf16) for i in range(len(steps))]
+        relative = [[100 * (w[i][1] / means[i] - 1) for i in range(len(steps))] for w in bf16]
+        curves.fill_between(steps, [min(c) for c in zip(*relative)], [max(c) for c in zip(*relative)],
+                            color="silver", alpha=0.6, label=f"{len(bf16)} BF16 runs (span)")
+        for run in record["fp8_runs"]:
+            if run.get("window_losses") and len(run["window_losses"]) == len(steps):
+                curves.plot(steps, [100 * (w[1] / m - 1) for w, m in zip(run["window_losses"], means)],
+                            linewidth=1.2, label=run["run"].split(" (")[0])
+        curves.axhline(0, color="tab:gray", linewidth=0.8)
+        curves.legend(fontsize="small")
+    else:
+        curves.text(0.5, 0.5, "the files hold no per-step losses of every BF16 run", transform=curves.transAxes,
+                    ha="center", color="tab:gray")
+    curves.set(xlabel="step", ylabel="training loss vs the BF16 runs' mean (%)",
+               title=f"training loss, means of {WINDOWS} windows of steps")
+    band_stats, runs = record["bf16_band"], [*record["bf16_runs"], *record["fp8_runs"]]
+    finals.axvspan(band_stats["min"], band_stats["max"], color="silver", alpha=0.6, label="BF16 runs (span)")
+    finals.axvline(band_stats["mean"], color="tab:gray", linewidth=1, label="BF16 mean")
+    if band_stats["runs"] >= GATE_MIN_RUNS:
+        finals.axvline(record["gate_limit"], color="tab:red", linestyle="--", linewidth=1, label="gate limit")
+    rows = range(len(runs))
+    finals.scatter([r["final_loss"] for r in runs], rows,
+                   c=["tab:gray" if r in record["bf16_runs"] else "tab:blue" for r in runs], zorder=3)
+    finals.set_yticks(list(rows), [r["run"].split(" (recipe")[0] for r in runs], fontsize="small")
+    finals.invert_yaxis()
+    finals.set(xlabel="final loss (mean of the last 10% of steps)", title="final loss against the BF16 band")
+    finals.legend(fontsize="small")
+    fig.suptitle(f"{record['settings']['model']}, {record['settings']['steps']} steps, on "
+                 f"{record['settings']['device']}")
+    fig.tight_layout()
+    return fig
 
 
 def gradient_norms(norms: Sequence[float] | None, clip: float | None) -> dict:
@@ -249,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "bf16_validation_band": val, "bf16_late_grad_norm": bf16_late_norm, "memorised": memorised,
                "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
     json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
-    print(summary + f"wrote {json_path}, {md_path}")
+    png = write_plot(json_path, draw)
+    print(summary + f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0
 
 
