@@ -60,8 +60,9 @@ def test_an_ab_stopped_by_sigterm_resumes_its_arm_from_its_checkpoint(tmp_path, 
 
     partial = tmp_path / "partial.json"
     _evidence(tmp_path, ".json").rename(partial)
+    # side by side (--gpus only sets CUDA_VISIBLE_DEVICES on a CPU), which a continuation may change
     assert main([*FLAGS, "--arm-checkpoints", str(checkpoints), "--out-dir", str(tmp_path),
-                 "--continue-from", str(partial)]) == 0
+                 "--continue-from", str(partial), "--gpus", "0,1"]) == 0
     assert f"bf16 (24 steps, fresh process, resumed from {checkpoints / 'bf16'}" in capsys.readouterr().out
     whole = json.loads(_evidence(tmp_path, ".json").read_text())
     assert whole["complete"] and [arm["recipe"] for arm in whole["arms"]] == ["bf16", "tensorwise"]
