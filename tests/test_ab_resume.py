@@ -123,3 +123,15 @@ def test_bad_arm_checkpoints_are_refused_before_any_arm_runs(tmp_path, capsys):
             "continue the A/B that wrote them with --continue-from its evidence") in _refused(
         capsys, "--arm-checkpoints", str(tmp_path / "earlier"), *out)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_arm_saves_no_checkpoint_after_its_last_step():
+    """The A/B's arms keep checkpoints only to resume a cut run: save_last off, the interval's saves kept."""
+    from fp8stack.ab.run import _checkpointed
+    from fp8stack.train.loop import _checkpoint_due
+
+    arm = _checkpointed(from_dict({"training": {"steps": 8}, "checkpoint": {"interval": 4}}), "folder", None)
+    assert [step for step in range(1, 9) if _checkpoint_due(step, arm)] == [4, 8]  # 8: the interval's
+    arm = _checkpointed(from_dict({"training": {"steps": 6}, "checkpoint": {"interval": 4}}), "folder", None)
+    assert [step for step in range(1, 7) if _checkpoint_due(step, arm)] == [4]
+    assert _checkpoint_due(6, from_dict({"training": {"steps": 6}})), "a plain run saves after its last step"

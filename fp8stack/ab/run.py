@@ -15,10 +15,10 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 import tempfile
 import threading
 import time
@@ -603,9 +603,9 @@ def _resume_points(ab: AbConfig, names: Sequence[str], runs: dict[str, dict | st
 
 def _checkpointed(cfg: JobConfig, folder: Path, resume: Path | None) -> JobConfig:
     """An arm's configuration keeping its checkpoints in `folder` and resuming from `resume`, trusted: the A/B
-    wrote it."""
+    wrote it. No save after the last step: a finished arm's checkpoints would be removed at once."""
     return replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(folder), resume=str(resume) if resume else None,
-                                           trust=resume is not None))
+                                           trust=resume is not None, save_last=False))
 
 
 def _drop_checkpoints(folder: Path) -> None:

@@ -590,7 +590,8 @@ def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def _checkpoint_due(done: int, cfg: JobConfig) -> bool:
-    return done == cfg.training.steps or (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0)
+    last = done == cfg.training.steps
+    return (last and cfg.checkpoint.save_last) or (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0)
 
 
 def _stop_on_nonfinite(run: Session, cfg: JobConfig, step: int, position: int, rng: dict,
