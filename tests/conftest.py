@@ -63,7 +63,7 @@ def cpu_megatron(monkeypatch, model_parallel):
 
 LONGEST_FIRST = ("test_multigpu_cpu.py", "test_ab.py", "test_training_defaults.py", "test_peers_bench.py",
                  "test_training_defaults_wide.py", "test_grouped_fp8.py", "test_launch.py", "test_train.py",
-                 "test_train_data_parallel.py", "test_train_megatron.py", "test_config.py")
+                 "test_train_data_parallel.py", "test_train_megatron.py", "test_config.py", "test_ab_resume.py")
 """The test files that take half a minute or more of `make test` (measured on 2 cores), longest first. Under
 pytest-xdist (`--dist loadfile --no-loadscope-reorder`) the workers take files in collection order: these start first,
 so that neither worker starts a long file while the other runs out of work (xdist's own order, most tests first, left

@@ -93,11 +93,14 @@ def test_a_signal_ends_the_run_with_a_checkpoint_it_resumes_from_exactly(tmp_pat
     handler = signal.getsignal(stop)
     with monkeypatch.context() as patch:
         _hook_after_assembly(patch, "layers.0.attention", signal_in_the_second_step)
-        code = train_main(flags)
+        code = train_main([*flags, "--result-json", str(tmp_path / "stopped.json")])
     err = capsys.readouterr().err
     assert code == 128 + stop and err.count("\n") == 1 and "Traceback" not in err, err
     assert f"stopped by {stop.name} after step 2 of 4: checkpoint {tmp_path / 'ckpt' / 'step-00000002'} saved" in err
     assert signal.getsignal(stop) is handler, "the run gives the signal back"
+    stopped = json.loads((tmp_path / "stopped.json").read_text())  # the steps taken, marked stopped
+    assert stopped["stopped_after"] == 2 and stopped["losses"] == uninterrupted.losses[:2]
+    assert stopped["tokens_per_s"] > 0 and stopped["val_loss"] is None and uninterrupted.stopped_after is None
     assert train_main([*flags, "--load", "latest", "--result-json", str(tmp_path / "resumed.json")]) == 0
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert resumed["first_step"] == 2 and resumed["losses"] == uninterrupted.losses[2:]

@@ -4,7 +4,9 @@ fresh process, and say per FP8 arm whether to ship it or roll back, with the num
 This module is the command: its options, the arms as fresh `python -m fp8stack.train` processes (in waves
 over --gpus), and the evidence: profiles/ab-<model>-<device>.json and .md after every arm ("complete": false
 and the pending arms until the last one has run, so a killed run keeps what it measured, and --continue-from
-runs the pending arms later), and a .png at the end (with matplotlib installed). Evidence of the same name is
+runs the pending arms later), and a .png at the end (with matplotlib installed). SIGTERM or SIGINT stops the running
+arms after their current step (exit code 128 + the signal); with --arm-checkpoints each saves a checkpoint there and
+the evidence keeps the steps it ran, which --continue-from resumes from that checkpoint. Evidence of the same name is
 replaced only with --force (or when --continue-from continues it), checked before any arm runs; a run in
 which no arm measured anything writes none. How arms are judged: fp8stack.ab.verdicts.
 """
@@ -13,10 +15,12 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -34,6 +38,7 @@ from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
                                    fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
 from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, on_gpu
+from fp8stack.train.timing import tokens_per_s
 
 
 @dataclass
@@ -68,6 +73,10 @@ class AbConfig:
     listed twice runs two arms at once (loss runs on a GPU with room for both)."""
     continue_from: str | None = None
     """A partial evidence file of this same A/B (one stopped by a time limit): keep its runs, run the pending ones."""
+    arm_checkpoints: str | None = None
+    """Keep each arm's checkpoints in DIR/<arm> (saved when the A/B is stopped by SIGTERM or SIGINT, and every
+    --save-interval steps if given; removed once the arm has run all its steps), so that --continue-from resumes an
+    arm cut by a time limit from its checkpoint instead of step 0."""
     out_dir: str = "profiles"
     """Where the evidence goes."""
     label: str | None = None
@@ -81,7 +90,8 @@ AB_ALIASES = {"ab.recipes": ("--recipes",), "ab.fastest_bf16": ("--fastest-bf16"
               "ab.attention": ("--attention",),
               "ab.baseline_runs": ("--baseline-runs",), "ab.loss_tolerance": ("--loss-tolerance",),
               "ab.nproc": ("--nproc",), "ab.gpus": ("--gpus",), "ab.continue_from": ("--continue-from",),
-              "ab.out_dir": ("--out-dir",), "ab.label": ("--label",), "ab.force": ("--force",)}
+              "ab.arm_checkpoints": ("--arm-checkpoints",), "ab.out_dir": ("--out-dir",), "ab.label": ("--label",),
+              "ab.force": ("--force",)}
 """The A/B's own flags by their earlier names (the training flags have theirs in fp8stack.config.flags)."""
 
 
@@ -258,6 +268,7 @@ def run_ab(args: argparse.Namespace) -> int:
         tolerance = ab.loss_tolerance if ab.loss_tolerance is not None else (
             GPU_LOSS_TOLERANCE if on_gpu else CPU_LOSS_TOLERANCE)
         _check(ab, tolerance)
+        _check_arm_checkpoints(ab, base)
         recipes = _recipes(ab.recipes or AB_RECIPES["te" if te_runs else "torchao"])
         shape = model_shape(base)
         configs = {name: resolve(cfg, shape, ab.nproc)
@@ -275,6 +286,8 @@ def run_ab(args: argparse.Namespace) -> int:
         claim_evidence(stem, ab.out_dir, ab.force or ab.continue_from is not None, suffixes=(".json", ".md", ".png"))
         for cfg in configs.values():  # what each arm's process would refuse, before any runs
             preflight(cfg, model_shape(cfg))
+        repeat_names = repeat_arms(ab.baseline_runs)
+        resume_from = _resume_points(ab, [*configs, *repeat_names], runs)
     except (ValueError, PlanError) as err:  # ConfigError and EvidenceError are ValueErrors
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -285,9 +298,11 @@ def run_ab(args: argparse.Namespace) -> int:
     passes = tokens / split_bytes
     if passes > MAX_PASSES:
         print(f"fp8stack ab: warning: {repeated_text(tokens, split_bytes)}", file=sys.stderr, flush=True)
-    repeat_names = repeat_arms(ab.baseline_runs)
-    results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in configs}
-    repeats: dict[str, dict | str] = {name: runs[name] for name in repeat_names if name in runs}
+    results: dict[str, dict | str] = {name: run for name, run in runs.items() if name in configs and not stopped(run)}
+    repeats: dict[str, dict | str] = {name: runs[name] for name in repeat_names
+                                      if name in runs and not stopped(runs[name])}
+    partials: dict[str, dict] = {name: runs[name] for name in resume_from}
+    """Runs a stop cut, by arm name: pending, each resumed from its checkpoint (in --arm-checkpoints)."""
     backends: dict[str, str | PlanError] = {}
     for name, cfg in configs.items():
         try:
@@ -329,7 +344,7 @@ def run_ab(args: argparse.Namespace) -> int:
                           f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
                           f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
             "arms": [asdict(arm) for arm in arms],
-            "runs": {**results, **repeats},
+            "runs": {**results, **repeats, **partials},
         }
         table = _table(arms)
         side_by_side = (f" (arms side by side on GPUs {','.join(ab.gpus)})" if ab.gpus and len(ab.gpus) > 1 else
@@ -376,7 +391,8 @@ def run_ab(args: argparse.Namespace) -> int:
                            for c in continued_from) + "\n")
         markdown = markdown_table(*table)
         banner = (f"**Partial: the run has not finished.** Measured: {', '.join(results)}; pending: "
-                  f"{', '.join(todo)}. Verdicts may change once they have run (the bf16 repeats set the "
+                  f"{', '.join(_pending_label(name, partials.get(name), first.training.steps) for name in todo)}. "
+                  "Verdicts may change once they have run (the bf16 repeats set the "
                   "noise).\n\n") if todo else ""
         if not any(isinstance(run, dict) for run in payload["runs"].values()):
             return arms, repeat_records, table, markdown, None, None
@@ -391,11 +407,13 @@ def run_ab(args: argparse.Namespace) -> int:
     phases = [[name for name in configs], repeat_names] if several else [[*configs, *repeat_names]]
     phases = [[name for name in phase if name in pending()] for phase in phases]  # not those an earlier call ran
     jobs = sum(phases, [])
-    with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="fp8stack-ab-") as scratch, _ArmStop() as stop:
         waves = (phase[start:start + len(slots)] for phase in phases for start in range(0, len(phase), len(slots)))
         for wave in waves:
             outcomes: dict[str, _RunningArm | str] = {}
             for name, gpu in zip(wave, slots):
+                if stop.received:
+                    break  # no arm starts once the A/B is stopped
                 if name in repeat_names and name not in pending():
                     continue  # every BF16 configuration failed: nothing to repeat
                 # A repeat reruns the reference (bf16 while, the only BF16 configuration, it still runs beside it).
@@ -403,24 +421,46 @@ def run_ab(args: argparse.Namespace) -> int:
                 cfg = configs[arm]
                 print(f"[{jobs.index(name) + 1}/{len(jobs)}] {cfg.model.name} {name} ({cfg.training.steps} steps, "
                       "fresh process"
+                      + (f", resumed from {resume_from[name]}" if name in resume_from else "")
                       + (f", GPU {gpu})" if gpu else ")"), flush=True)
                 if isinstance(backends[arm], PlanError):
                     outcomes[name] = " ".join(str(backends[arm]).split())
                     print(f"    skipped: {outcomes[name]}", flush=True)
                 else:
-                    outcomes[name] = _RunningArm(cfg, Path(scratch), ab.nproc, gpu, name)
+                    if ab.arm_checkpoints:
+                        cfg = _checkpointed(cfg, _arm_folder(ab, name), resume_from.get(name))
+                    # With checkpoints, in a process group of their own: a signal to the A/B's group (`timeout`'s)
+                    # reaches them once, forwarded, where a second ends a training run without its checkpoint.
+                    outcomes[name] = stop.started(_RunningArm(cfg, Path(scratch), ab.nproc, gpu, name,
+                                                              own_group=ab.arm_checkpoints is not None))
             for name, outcome in _as_they_end(outcomes):  # recorded at once: a killed wave keeps its ended arms
                 result = outcome.result() if isinstance(outcome, _RunningArm) else outcome
-                if name in repeat_names:
+                partial = partials.pop(name, None)
+                if stop.received and isinstance(result, str):
+                    if partial:  # ended by the stop, maybe: pending, as it was
+                        partials[name] = partial
+                    continue
+                if partial and isinstance(result, dict):
+                    result = stitched(partial, result)
+                if stopped(result):
+                    if ab.arm_checkpoints:  # pending: --continue-from resumes it from its checkpoint
+                        partials[name] = result
+                elif name in repeat_names:
                     repeats[name] = result
                 else:
                     results[name] = result
                     ordered = {arm: results.pop(arm) for arm in configs if arm in results}  # bf16 stays first
                     results.update(ordered)
+                if ab.arm_checkpoints and isinstance(result, dict) and not stopped(result):
+                    _drop_checkpoints(_arm_folder(ab, name))
                 if pending():
                     record()
 
     arms, repeat_records, table, markdown, json_path, md_path = record()
+    if stop.received:
+        _print_table(table, markdown)
+        print(f"fp8stack ab: {_stopped_text(stop.received, partials, json_path, ab)}", file=sys.stderr)
+        return 128 + stop.received
     if json_path is None:
         _print_table(table, markdown)
         print("no arm measured anything: no evidence written", file=sys.stderr)
@@ -431,9 +471,9 @@ def run_ab(args: argparse.Namespace) -> int:
     return 0 if any(arm.verdict == "baseline" for arm in arms) else 1
 
 
-NOT_THE_AB = ("continue_from", "force", "out_dir", "label", "gpus")
-"""A/B options that change where its evidence goes or where and how many of its arms run at once, not what they run:
-a continued A/B may change them."""
+NOT_THE_AB = ("continue_from", "force", "out_dir", "label", "gpus", "arm_checkpoints")
+"""A/B options that change where its evidence (and its arms' checkpoints) go or where and how many of its arms run at
+once, not what they run: a continued A/B may change them."""
 
 
 RAN_BEFORE_THE_OPTION = {"job.grouped_fp8.cache_fp8_weights": False}
@@ -515,6 +555,109 @@ def _check(ab: AbConfig, tolerance: float) -> None:
                           f"{', '.join(ATTENTION_PRECISIONS)}")
 
 
+def _check_arm_checkpoints(ab: AbConfig, base: JobConfig) -> None:
+    """--arm-checkpoints names a folder that can be written in, and no other checkpoint option competes with it."""
+    from fp8stack.train.preflight import check_output_dir
+
+    if ab.arm_checkpoints is None:
+        return
+    check_output_dir(ab.arm_checkpoints, "--arm-checkpoints")
+    if base.checkpoint.dir or base.checkpoint.resume:
+        raise ConfigError("--arm-checkpoints keeps each arm's checkpoints in a folder of its own and resumes them "
+                          "itself: drop --save and --load")
+
+
+def _arm_folder(ab: AbConfig, name: str) -> Path:
+    """Where arm `name` keeps its checkpoints: <--arm-checkpoints>/<its file stem>."""
+    return Path(ab.arm_checkpoints) / arm_stem(name)
+
+
+def _resume_points(ab: AbConfig, names: Sequence[str], runs: dict[str, dict | str]) -> dict[str, Path]:
+    """Arm name -> the checkpoint it resumes from: of an arm whose run in the continued evidence a stop cut, the
+    newest checkpoint in its folder at or before the step the run stopped after (a hard kill may have left later
+    ones). A cut run without one reruns from step 0, said in a line. ConfigError for arm folders that hold
+    checkpoints where no A/B is continued: another run's, which the arms would take for their own."""
+    from fp8stack.train.checkpoint import saved_steps
+
+    points = {}
+    for name in names:
+        saved = saved_steps(_arm_folder(ab, name)) if ab.arm_checkpoints else {}
+        if saved and not ab.continue_from:
+            raise ConfigError(f"--arm-checkpoints {ab.arm_checkpoints}: {_arm_folder(ab, name)} holds checkpoints "
+                              "of an earlier run: pass an empty folder, or continue the A/B that wrote them with "
+                              "--continue-from its evidence")
+        run = runs.get(name)
+        if not stopped(run):
+            continue
+        reached = run["first_step"] + len(run["losses"])
+        usable = [step for step in saved if run["first_step"] <= step <= reached]
+        if usable:
+            points[name] = saved[max(usable)]
+        else:
+            where = (f"no checkpoint at or before step {reached} in {_arm_folder(ab, name)}" if ab.arm_checkpoints
+                     else "no --arm-checkpoints to resume it from")
+            print(f"{name}: its run in {ab.continue_from} stopped after step {reached}, and {where}: it reruns from "
+                  "step 0", flush=True)
+    return points
+
+
+def _checkpointed(cfg: JobConfig, folder: Path, resume: Path | None) -> JobConfig:
+    """An arm's configuration keeping its checkpoints in `folder` and resuming from `resume`, trusted: the A/B
+    wrote it. No save after the last step: a finished arm's checkpoints would be removed at once."""
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(folder), resume=str(resume) if resume else None,
+                                           trust=resume is not None, save_last=False))
+
+
+def _drop_checkpoints(folder: Path) -> None:
+    """Remove the checkpoints of an arm that has run all its steps (nothing resumes them, and a long A/B's would fill
+    the disk), and its folder when that empties it."""
+    from fp8stack.train.checkpoint import saved_steps
+
+    for path in saved_steps(folder).values():
+        shutil.rmtree(path)
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+
+
+def stopped(run: dict | str | None) -> bool:
+    """Whether an arm's recorded run is one a stop cut (TrainResult.stopped_after): partial, so still pending."""
+    return isinstance(run, dict) and run.get("stopped_after") is not None
+
+
+PER_STEP = ("losses", "step_ms", "lrs", "grad_norms", "router")
+"""The TrainResult lists with one entry per step."""
+
+
+def stitched(partial: dict, resumed: dict) -> dict:
+    """An arm's run cut by a stop and the run resumed from its checkpoint, as one run: the cut run's steps before the
+    checkpoint's (where the resumed run began), then the resumed run's; the throughput over them all, as the trainer
+    measures it; the larger memory peaks; everything else (the validation loss, stopped_after) the resumed run's.
+    resumed_at lists the steps it resumed at."""
+    kept = resumed["first_step"] - partial["first_step"]
+    run = {**resumed, **{key: partial[key][:kept] + resumed[key] for key in PER_STEP},
+           "first_step": partial["first_step"], "resumed_at": [*partial.get("resumed_at", []), resumed["first_step"]],
+           "zero_fp8_weight_grads": partial["zero_fp8_weight_grads"]}  # the checks of the run's first steps
+    run["tokens_per_s"] = tokens_per_s(run["tokens_per_step"], run["step_ms"])
+    for key in ("peak_mem_gib", "max_rss_gib"):
+        run[key] = max((value for value in (partial[key], resumed[key]) if value is not None), default=None)
+    return run
+
+
+def _pending_label(name: str, partial: dict | None, steps: int) -> str:
+    """A pending arm as the partial evidence names it: with the step a stop cut its run after, if one did."""
+    return f"{name} (stopped after step {partial['stopped_after']} of {steps})" if partial else name
+
+
+def _stopped_text(number: int, partials: dict[str, dict], json_path: Path | None, ab: AbConfig) -> str:
+    """What a stopped A/B says: the signal, the arms it cut and where they resume from, and how to continue."""
+    kept = "; ".join(f"{name} after step {run['stopped_after']}" for name, run in partials.items())
+    resume = f" --arm-checkpoints {ab.arm_checkpoints}" if ab.arm_checkpoints else ""
+    return (f"stopped by {signal.Signals(number).name}" + (f" ({kept}, checkpoints in {ab.arm_checkpoints})"
+                                                           if kept else "")
+            + (f": continue with --continue-from {json_path}{resume}" if json_path
+               else ": no arm measured anything, no evidence written"))
+
+
 def repeated_text(tokens: int, split_bytes: int) -> str:
     """Why an A/B reading its training text more than MAX_PASSES times will not compare final losses, and the fix
     (said before any run: a 2 000-step loss A/B found it out after its GPU time was spent)."""
@@ -528,6 +671,10 @@ def _planned_backend(recipe: str, preference: str) -> str:
     if not is_fp8(recipe):
         return "te" if preference == "te" else BF16
     return dense_backend(get_recipe(recipe), preference)
+
+
+STOP_WAIT_S = 900
+"""Seconds an arm told to stop has to end its step and save its checkpoint (GBs on a GPU) before it is killed."""
 
 
 FAILURE_TAIL_LINES = 20
@@ -547,28 +694,97 @@ def ended_without_error(code: int, wrote_result: bool) -> str:
     return f"{ended}, {'after writing' if wrote_result else 'without'} its result"
 
 
-class _RunningArm:
-    """Fresh `python -m fp8stack.train` process(es) for one arm, started on construction (on `gpu` alone when given)."""
+def arm_stem(name: str) -> str:
+    """An arm's name as a file or folder name."""
+    return name.replace(" ", "_")
 
-    def __init__(self, cfg, scratch: Path, nproc: int, gpu: str | None = None, name: str = ""):
-        stem = (name or cfg.precision.recipe).replace(" ", "_")  # the bf16 repeat runs bf16's config under its own name
+
+class _ArmStop:
+    """While inside: SIGTERM and SIGINT stop the A/B after its running arms' current steps: the signal is forwarded
+    to each arm started (once: a second ends a training run at once, without its checkpoint), and no further arm
+    starts. The same signal again ends the A/B at once, as without this. From the main thread only (elsewhere Python
+    delivers no signals)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        """The signal that stopped the A/B, None while none has."""
+        self._arms: list[_RunningArm] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_ArmStop":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._record) for number in (signal.SIGTERM,
+                                                                                         signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def started(self, arm: "_RunningArm") -> "_RunningArm":
+        """Track `arm`; an arm started as the signal came is stopped too. Returns it."""
+        self._arms.append(arm)
+        if self.received:  # the handler ran before the arm was tracked (it runs once, whole, before this line)
+            arm.stop(self.received)
+        return arm
+
+    def _record(self, number: int, _frame) -> None:
+        if self.received is not None:
+            self._restore()  # asked twice: the default behaviour, now
+            signal.raise_signal(number)
+            return
+        self.received = number
+        for arm in self._arms:
+            arm.stop(number)
+
+    def _restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+
+class _RunningArm:
+    """Fresh `python -m fp8stack.train` process(es) for one arm, started on construction (on `gpu` alone when given;
+    in a process group of its own with `own_group`, so that only what the A/B forwards reaches it)."""
+
+    def __init__(self, cfg, scratch: Path, nproc: int, gpu: str | None = None, name: str = "", own_group: bool = False):
+        stem = arm_stem(name or cfg.precision.recipe)  # the bf16 repeat runs bf16's config under its own name
         self.config_path, self.result_path = (scratch / f"{stem}.{kind}.json" for kind in ("config", "result"))
         self.config_path.write_text(json.dumps(to_dict(cfg)))
         command = [*launcher(nproc), "-m", "fp8stack", "train", "--config", str(self.config_path),
                    "--result-json", str(self.result_path)]
         env = {**os.environ, **NO_MULTICAST_ENV, **(on_gpu(gpu) if gpu else {})}
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: arms side by side never block on it
-        self.process = subprocess.Popen(command, stderr=self.stderr, text=True, env=env)
+        self.process = subprocess.Popen(command, stderr=self.stderr, text=True, env=env,
+                                        process_group=0 if own_group else None)
         self.ran_between = [time.time()]
         """[start, collection] in seconds since the epoch; collection is when result() returned."""
+        self._kill: threading.Timer | None = None
+        """Once stop() has sent its signal: what kills the arm if it has not ended STOP_WAIT_S later."""
+
+    def stop(self, number: int) -> None:
+        """Send the signal `number` (once) to the arm's process, if it still runs: it stops after its current step,
+        and is killed if it has not ended STOP_WAIT_S later."""
+        if self._kill is None and self.process.poll() is None:
+            self.process.send_signal(number)
+            self._kill = threading.Timer(STOP_WAIT_S, self.process.kill)
+            self._kill.daemon = True
+            self._kill.start()
 
     def result(self) -> dict | str:
-        """Wait for the arm: its TrainResult dict (with ran_between), or the error it ended with."""
+        """Wait for the arm: its TrainResult dict (with ran_between; stopped_after set when a signal stopped it), or
+        the error it ended with."""
         code = self.process.wait()
+        if self._kill:
+            self._kill.cancel()
         self.ran_between.append(time.time())
         self.stderr.seek(0)
         stderr = self.stderr.read()
         self.stderr.close()
+        if code != 0 and self.result_path.is_file():
+            cut = json.loads(self.result_path.read_text())
+            if cut.get("stopped_after") is not None:
+                print(f"    stopped after step {cut['stopped_after']}", flush=True)
+                return {**cut, "ran_between": self.ran_between}
         if code != 0 or not self.result_path.is_file():
             lines = [line for line in stderr.splitlines() if line.strip()]
             errors = [line for line in lines if "error" in line.lower()]

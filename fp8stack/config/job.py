@@ -384,6 +384,9 @@ class CheckpointConfig:
     """Folder for checkpoints (step-<N>); None saves none."""
     interval: int = 0
     """Save every this many steps (and after the last); 0 saves only after the last step."""
+    save_last: bool = True
+    """Save after the last step too. fp8stack ab's arms turn it off: they keep checkpoints only to resume a run that a
+    stop cut, and a finished arm's would be removed at once."""
     resume: str | None = None
     """'latest' (newest under dir) or a checkpoint folder to continue from; None starts fresh."""
     trust: bool = False

@@ -102,9 +102,14 @@ def checkpoint_path(checkpoint_dir: str | Path, step: int) -> Path:
 
 def latest(checkpoint_dir: str | Path) -> Path | None:
     """The completed checkpoint with the highest step under `checkpoint_dir`, or None."""
-    folder = Path(checkpoint_dir)
-    found = sorted(p for p in folder.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit())
-    return found[-1] if found else None
+    found = saved_steps(checkpoint_dir)
+    return found[max(found)] if found else None
+
+
+def saved_steps(checkpoint_dir: str | Path) -> dict[int, Path]:
+    """The completed checkpoints under `checkpoint_dir` by their step, in step order (none when it does not exist)."""
+    folders = (p for p in Path(checkpoint_dir).glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit())
+    return dict(sorted((int(p.name[len(PREFIX):]), p) for p in folders))
 
 
 def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

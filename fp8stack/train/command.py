@@ -4,7 +4,8 @@ Options are the configuration tree's (fp8stack.config): `--config FILE|PRESET` f
 and their Megatron-style aliases. Mistakes in the input end with exit code 2 and one line
 'fp8stack train: error: <problem and fix>', before any model is built; a NaN or infinite loss or gradient norm with
 exit code 1 and one line naming the first non-finite layer and the file pinning the step; SIGTERM or SIGINT with a
-final checkpoint, one line and exit code 128 + the signal's number.
+final checkpoint, the --result-json of the steps taken (TrainResult.stopped_after), one line and exit code 128 + the
+signal's number.
 """
 
 import argparse
@@ -60,11 +61,17 @@ def run_train(args: argparse.Namespace, prog: str = "fp8stack train") -> int:
         print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     except TrainingStopped as err:
+        _write_result(args.result_json, err.result)  # the steps taken, with stopped_after: `ab` resumes from them
         print(f"{prog}: {err}", file=sys.stderr)
         return 128 + err.signal_number
-    if args.result_json and os.environ.get("RANK", "0") == "0":
-        Path(args.result_json).write_text(json.dumps(asdict(result)) + "\n")
+    _write_result(args.result_json, result)
     return 0
+
+
+def _write_result(path: str | None, result) -> None:
+    """Write the TrainResult to --result-json's path, if given (rank 0)."""
+    if path and os.environ.get("RANK", "0") == "0":
+        Path(path).write_text(json.dumps(asdict(result)) + "\n")
 
 
 def job_from_flags(argv: list[str]) -> JobConfig:

@@ -48,7 +48,7 @@ from fp8stack.train.model import build_model, model_shape
 from fp8stack.train.preflight import plan_settings, preflight, run_settings
 from fp8stack.train.resolve import data_parallel_wrapped, resolve, wgrad_fusion
 from fp8stack.train.stop import StopSignals, TrainingStopped
-from fp8stack.train.timing import steady_state
+from fp8stack.train.timing import tokens_per_s
 
 def lr_at(step: int, cfg: JobConfig) -> float:
     """Linear warm-up to optimizer.lr over optimizer.warmup steps, then cosine decay to optimizer.min_lr at the
@@ -338,22 +338,35 @@ def train(cfg: JobConfig) -> TrainResult:
                         saved = save(step + 1)
                     kept = (f"checkpoint {saved} saved: rerun with --load latest to continue" if saved
                             else "nothing saved (no checkpoint_dir, --save)")
+                    result.stopped_after = step + 1
+                    _measure_resident_memory(result, env, device)
+                    _measure_speed_and_peaks(result, env, device)
                     raise TrainingStopped(f"stopped by {signal.Signals(signal_number).name} after step {step + 1} of "
                                           f"{cfg.training.steps}: {kept}", signal_number, result)
         result.collectives = asdict(comms.result) if comms.result else None
-        if device.type == "cuda":
-            result.resident_mem_gib = env.max(torch.cuda.memory_allocated(device) / 2**30)
+        _measure_resident_memory(result, env, device)
         if run.compressor and result.losses:
             result.activation_bytes_saved_per_step = run.compressor.bytes_saved / len(result.losses)
-
-        if result.step_ms:
-            result.tokens_per_s = result.tokens_per_step / statistics.median(steady_state(result.step_ms)) * 1000
         if cfg.training.eval_batches:
             result.val_loss = _validate(run.loss_fn, cfg, seq_len, env, run.autocast)
-        if device.type == "cuda":
-            result.peak_mem_gib = env.max(torch.cuda.max_memory_allocated(device) / 2**30)
-        result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+        _measure_speed_and_peaks(result, env, device)
         return result
+
+
+def _measure_resident_memory(result: TrainResult, env: "_Distributed", device: torch.device) -> None:
+    """result.resident_mem_gib: the CUDA memory still allocated after the last step, the largest over the ranks (a
+    collective on a GPU)."""
+    if device.type == "cuda":
+        result.resident_mem_gib = env.max(torch.cuda.memory_allocated(device) / 2**30)
+
+
+def _measure_speed_and_peaks(result: TrainResult, env: "_Distributed", device: torch.device) -> None:
+    """result's throughput over its steady-state steps, its CUDA peak over the ranks (a collective on a GPU) and its
+    peak resident memory, after the last step (and validation)."""
+    result.tokens_per_s = tokens_per_s(result.tokens_per_step, result.step_ms)
+    if device.type == "cuda":
+        result.peak_mem_gib = env.max(torch.cuda.max_memory_allocated(device) / 2**30)
+    result.max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
 
 
 def cpu_fp8_gemms(device: torch.device):
@@ -577,7 +590,8 @@ def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def _checkpoint_due(done: int, cfg: JobConfig) -> bool:
-    return done == cfg.training.steps or (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0)
+    last = done == cfg.training.steps
+    return (last and cfg.checkpoint.save_last) or (cfg.checkpoint.interval > 0 and done % cfg.checkpoint.interval == 0)
 
 
 def _stop_on_nonfinite(run: Session, cfg: JobConfig, step: int, position: int, rng: dict,

@@ -51,3 +51,6 @@ class TrainResult:
     per layer ('layers.1.moe/imbalance') and over the layers ('imbalance': mean max/mean expert load)."""
     zero_fp8_weight_grads: list[list[str]] = field(default_factory=list)
     """Per checked step (the first fp8_grad_check_steps): FP8 weights whose whole gradient was zero (this rank)."""
+    stopped_after: int | None = None
+    """The step after which SIGTERM or SIGINT stopped the run (its per-step lists end there, no validation ran); None
+    when it ran all its steps."""

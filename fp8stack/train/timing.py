@@ -10,6 +10,12 @@ def steady_state(step_ms: list[float]) -> list[float]:
     return step_ms[skip:] if len(step_ms) - skip >= 3 else step_ms
 
 
+def tokens_per_s(tokens_per_step: int, step_ms: list[float]) -> float:
+    """Throughput over the steady-state steps: tokens per step over the median steady-state step time (0 without
+    steps)."""
+    return tokens_per_step / statistics.median(steady_state(step_ms)) * 1000 if step_ms else 0.0
+
+
 def relative_spread(step_ms: list[float]) -> float:
     """Interquartile range / median: how much step times vary, as a share of the typical step."""
     if len(step_ms) < 4:
