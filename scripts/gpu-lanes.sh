@@ -9,7 +9,9 @@
 #   finish                                   # wait; $OUT/results.tgz: lanes-logs/ and the new profiles/runs files
 # Evidence names the commit: export FP8STACK_COMMIT (and FP8STACK_DIRTY=0 for a clean tree) before sourcing; a lane's
 # copy has no .git. PYTHONPATH puts /tmp/dgsite (DeepGEMM, launch/build_deepgemm.sh) and /tmp/site (the staged
-# stack, scripts/stage-gpu.sh) before the lane's checkout.
+# stack, scripts/stage-gpu.sh) before the lane's checkout. At the deadline a lane gets SIGTERM, and SIGKILL GRACE
+# seconds later (default 10): `fp8stack ab --arm-checkpoints` needs the time its arms take to finish a step and save,
+# and to write its evidence (GRACE=120, and a deadline that leaves that much of the call).
 START=$(date +%s)
 DEADLINE=$((START + ${1:?seconds until the deadline}))
 ROOT=$(pwd)
@@ -31,7 +33,7 @@ lane() {
     cd "$dir" || exit 1
     echo "== $name start $(date +%T), ${left}s left: $*" >> "/tmp/lanes-logs/$name.log"
     CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=/tmp/dgsite:/tmp/site:$dir FP8STACK_DIRTY=${FP8STACK_DIRTY:-0} \
-      timeout -k 10 "$left" bash -c "$*" >> "/tmp/lanes-logs/$name.log" 2>&1
+      timeout -k "${GRACE:-10}" "$left" bash -c "$*" >> "/tmp/lanes-logs/$name.log" 2>&1
     echo "== $name rc=$? end $(date +%T)" >> "/tmp/lanes-logs/$name.log"
   ) &
 }
