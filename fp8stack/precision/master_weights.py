@@ -33,9 +33,9 @@ autograd a placeholder gradient (Megatron's grad_added_to_main_grad protocol), w
 With release_main_grads the main_grads live only from a step's first backward to its optimizer step (across its
 micro-batches), as torchtitan's gradients set to None after each step do: after_step() frees them, and each bucket is
 allocated again, zeroed, when the next backward first needs it (4 bytes per parameter fewer between steps and in a
-step's first backward: the peak falls where a step runs one micro-batch). The GEMMs that write main_grad themselves fetch it in their backward: TE's through
-get_main_grad(), which TE calls for a weight marked __fsdp_param__ (its Megatron-FSDP hook), grouped experts through
-get_main_grad() too (GroupedExperts.main_grad_of).
+step's first backward: the peak falls where a step runs one micro-batch). The GEMMs that write main_grad themselves
+fetch it in their backward: TE's through get_main_grad(), which TE calls for a weight marked __fsdp_param__ (its
+Megatron-FSDP hook), grouped experts through get_main_grad() too (GroupedExperts.main_grad_of).
 """
 
 import weakref
