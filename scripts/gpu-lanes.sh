@@ -16,6 +16,7 @@ START=$(date +%s)
 DEADLINE=$((START + ${1:?seconds until the deadline}))
 ROOT=$(pwd)
 STAMP=/tmp/lanes-stamp-$START
+LANES=""
 touch "$STAMP"
 sleep 1
 mkdir -p /tmp/lanes-logs
@@ -35,7 +36,9 @@ lane() {
     CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=/tmp/dgsite:/tmp/site:$dir FP8STACK_DIRTY=${FP8STACK_DIRTY:-0} \
       timeout -k "${GRACE:-10}" "$left" bash -c "$*" >> "/tmp/lanes-logs/$name.log" 2>&1
     echo "== $name rc=$? end $(date +%T)" >> "/tmp/lanes-logs/$name.log"
+    touch "$STAMP.$name.done"
   ) &
+  LANES="$LANES $name"
 }
 
 lane_seq() {
@@ -46,7 +49,12 @@ lane_seq() {
 }
 
 finish() {
-  wait
+  # Each lane's done-file, not `wait`: finish run in a subshell (`finish | tail`) has no children to wait for, and
+  # the call would end at once, its lanes killed with it.
+  local name
+  for name in $LANES; do
+    while [ ! -e "$STAMP.$name.done" ]; do sleep 2; done
+  done
   local files
   files=$(cd /tmp && find lane-*/profiles/runs -newer "$STAMP" -type f 2>/dev/null)
   # shellcheck disable=SC2086  # one path per word
