@@ -31,7 +31,7 @@ lane() {
   local left=$((DEADLINE - $(date +%s)))
   [ "$left" -lt 5 ] && left=5
   (
-    cd "$dir" || exit 1
+    cd "$dir" || { touch "$STAMP.$name.done"; exit 1; }
     echo "== $name start $(date +%T), ${left}s left: $*" >> "/tmp/lanes-logs/$name.log"
     CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=/tmp/dgsite:/tmp/site:$dir FP8STACK_DIRTY=${FP8STACK_DIRTY:-0} \
       timeout -k "${GRACE:-10}" "$left" bash -c "$*" >> "/tmp/lanes-logs/$name.log" 2>&1
