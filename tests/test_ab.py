@@ -580,3 +580,17 @@ def test_a_failed_arm_is_named_by_its_error_else_by_how_it_ended(ending, reason,
     monkeypatch.setattr(ab_run, "launcher", lambda nproc: [sys.executable, "-c", script])
     assert ab_run._RunningArm(JobConfig(), tmp_path, 1).result() == reason
     assert "UserWarning: a late warning" in capsys.readouterr().out  # the tail of its standard error, shown
+
+
+def test_the_evidence_keeps_each_layers_routing_every_fiftieth_step_and_the_statistics_over_layers_at_every_step():
+    from fp8stack.ab.run import LAYER_ROUTING_EVERY, recorded_run
+
+    steps = [{"imbalance": 1.0 + i, "cv": 0.5, "layers.1.moe/imbalance": 2.0 + i, "layers.1.moe/cv": 0.1}
+             for i in range(120)]
+    run = {"losses": list(range(120)), "router": steps}
+    kept = recorded_run(run)
+    assert [step["imbalance"] for step in kept["router"]] == [1.0 + i for i in range(120)]
+    assert [i for i, step in enumerate(kept["router"]) if "layers.1.moe/imbalance" in step] == [0, 50, 100, 119]
+    assert LAYER_ROUTING_EVERY == 50 and kept["losses"] == run["losses"] and run["router"] == steps  # not changed
+    assert recorded_run("failed: out of memory") == "failed: out of memory"
+    assert recorded_run({"router": []}) == {"router": []}

@@ -344,7 +344,7 @@ def run_ab(args: argparse.Namespace) -> int:
                           f"model GEMM FLOPs (3 x forward, attention included) over the dense peak blended by the "
                           f"arm's FP8 FLOP share; peaks {peaks} TFLOP/s"),
             "arms": [asdict(arm) for arm in arms],
-            "runs": {**results, **repeats, **partials},
+            "runs": {name: recorded_run(run) for name, run in {**results, **repeats, **partials}.items()},
         }
         table = _table(arms)
         side_by_side = (f" (arms side by side on GPUs {','.join(ab.gpus)})" if ab.gpus and len(ab.gpus) > 1 else
@@ -622,6 +622,23 @@ def _drop_checkpoints(folder: Path) -> None:
 def stopped(run: dict | str | None) -> bool:
     """Whether an arm's recorded run is one a stop cut (TrainResult.stopped_after): partial, so still pending."""
     return isinstance(run, dict) and run.get("stopped_after") is not None
+
+
+LAYER_ROUTING_EVERY = 50
+"""The evidence keeps each MoE layer's routing statistics every this many steps (and the last); the statistics over
+the layers, which the verdicts read, at every step. Every layer at every step (five numbers a layer) would make a
+long MoE A/B's evidence tens of MB; the trainer's TensorBoard scalars keep them all."""
+
+
+def recorded_run(run: dict | str) -> dict | str:
+    """An arm's run as the evidence keeps it: its router statistics per layer thinned to every LAYER_ROUTING_EVERY
+    steps (those over the layers kept at every step); the rest as the run returned it."""
+    if not isinstance(run, dict) or not run.get("router"):
+        return run
+    last = len(run["router"]) - 1
+    return {**run, "router": [step if index % LAYER_ROUTING_EVERY == 0 or index == last else
+                              {key: value for key, value in step.items() if "/" not in key}
+                              for index, step in enumerate(run["router"])]}
 
 
 PER_STEP = ("losses", "step_ms", "lrs", "grad_norms", "router")
