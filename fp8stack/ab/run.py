@@ -38,6 +38,7 @@ from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
                                    fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
 from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, on_gpu
+from fp8stack.train.stop import StopSignals
 from fp8stack.train.timing import tokens_per_s
 
 
@@ -716,26 +717,14 @@ def arm_stem(name: str) -> str:
     return name.replace(" ", "_")
 
 
-class _ArmStop:
+class _ArmStop(StopSignals):
     """While inside: SIGTERM and SIGINT stop the A/B after its running arms' current steps: the signal is forwarded
     to each arm started (once: a second ends a training run at once, without its checkpoint), and no further arm
-    starts. The same signal again ends the A/B at once, as without this. From the main thread only (elsewhere Python
-    delivers no signals)."""
+    starts. The same signal again ends the A/B at once, as without this (StopSignals)."""
 
     def __init__(self):
-        self.received: int | None = None
-        """The signal that stopped the A/B, None while none has."""
+        super().__init__()
         self._arms: list[_RunningArm] = []
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "_ArmStop":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {number: signal.signal(number, self._record) for number in (signal.SIGTERM,
-                                                                                         signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._restore()
 
     def started(self, arm: "_RunningArm") -> "_RunningArm":
         """Track `arm`; an arm started as the signal came is stopped too. Returns it."""
@@ -744,19 +733,12 @@ class _ArmStop:
             arm.stop(self.received)
         return arm
 
-    def _record(self, number: int, _frame) -> None:
-        if self.received is not None:
-            self._restore()  # asked twice: the default behaviour, now
-            signal.raise_signal(number)
-            return
-        self.received = number
-        for arm in self._arms:
-            arm.stop(number)
-
-    def _restore(self) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous = {}
+    def _record(self, number: int, frame) -> None:
+        first = self.received is None
+        super()._record(number, frame)
+        if first:
+            for arm in self._arms:
+                arm.stop(number)
 
 
 class _RunningArm:

@@ -5,9 +5,10 @@ preemption, torchrun's shutdown) with nothing saved. The same signal again ends 
 
 import signal
 import threading
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -39,10 +40,13 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         self._restore()
 
-    def agreed(self, device: torch.device, world_size: int) -> int | None:
+    def agreed(self, device: "torch.device", world_size: int) -> int | None:
         """The signal any rank received, so that all ranks stop after the same step (a collective when several)."""
         if world_size == 1:
             return self.received
+        import torch  # here: fp8stack ab's stop (a subclass) imports this module without torch
+        import torch.distributed as dist
+
         flag = torch.tensor([self.received or 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) or None
