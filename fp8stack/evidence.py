@@ -10,6 +10,10 @@ existing one is replaced only when the caller says so: a tool claims its files b
 again later gets a new folder; profiles/archive/ keeps the runs a later one superseded, and
 `python -m fp8stack.bench.results` writes profiles/INDEX.md and profiles/RESULTS.md from the folders.
 
+The JSON is indented as json.dumps(indent=2) writes it, except that a list of scalars takes one line (evidence_json):
+a 2000-step loss curve is one line, not 2000. `python -m fp8stack.evidence --compact PATH...` rewrites files written
+before in that layout, their content unchanged.
+
 A library module above train (it checks folders as the trainer does): the tools (ab, profile, bench) write
 through it, nothing below them imports it.
 """
@@ -21,7 +25,7 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -224,7 +228,7 @@ def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path 
     if clash:
         raise ValueError(f"payload keys {sorted(clash)} are reserved for the evidence header: rename them")
     record = {**meta, **payload}
-    text_json = json.dumps(record, indent=2, default=str) + "\n"
+    text_json = evidence_json(record)
     text_md = _header(stem, record) + markdown.rstrip() + "\n"
     json_path, md_path = run_folder(stem, out_dir) / f"{stem}.json", run_folder(stem, out_dir) / f"{stem}.md"
     for path, text in ((json_path, text_json), (md_path, text_md)):
@@ -232,6 +236,63 @@ def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path 
             target.parent.mkdir(parents=True, exist_ok=True)
             _write_whole(target, text)
     return json_path, md_path
+
+
+def evidence_json(record) -> str:
+    """The text of an evidence JSON file holding `record`: dicts, and lists holding a dict or a list, indented two
+    spaces a level as json.dumps(indent=2) writes them, a list of scalars (numbers, strings, booleans, null) on one
+    line. A value json cannot encode is written as its str() (json's default=str); json.loads of the text equals
+    json.loads(json.dumps(record, indent=2, default=str)), floats in json's own repr, NaN and infinities included."""
+    return _layout(json.loads(json.dumps(record, default=str)), "") + "\n"
+
+
+def _layout(value, indent: str) -> str:
+    """A value as json.loads returns it, as evidence_json lays it out, its lines after the first starting `indent`."""
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(key)}: {_layout(item, inner)}" for key, item in value.items()]
+    elif isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
+        items = [inner + _layout(item, inner) for item in value]
+    else:  # a scalar, an empty dict or list, or a list of scalars: one line
+        return json.dumps(value)
+    opening, closing = "{}" if isinstance(value, dict) else "[]"
+    return f"{opening}\n" + ",\n".join(items) + f"\n{indent}{closing}"
+
+
+def compact(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
+    """Rewrite JSON files in evidence_json's layout (a folder: every *.json under it), each only when its parsed
+    content stays the same, key order, number types and float values included; returns (the files rewritten,
+    'path: why' for each file left as it was: one that does not parse, or whose content would change)."""
+    rewritten, untouched = [], []
+    found = (file for path in map(Path, paths) for file in (sorted(path.rglob("*.json")) if path.is_dir() else [path]))
+    for path in found:
+        try:
+            text = path.read_text()
+            record = json.loads(text)
+        except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+            untouched.append(f"{path}: {err}")
+            continue
+        new = evidence_json(record)
+        if json.dumps(json.loads(new)) != json.dumps(record):
+            untouched.append(f"{path}: its content would change")
+        elif new != text:
+            _write_whole(path, new)
+            rewritten.append(path)
+    return rewritten, untouched
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fp8stack.evidence",
+                                     description="Rewrite evidence JSON files in the layout write_evidence writes.")
+    parser.add_argument("--compact", nargs="+", type=Path, required=True, metavar="PATH",
+                        help="JSON files, or folders of them (every *.json under each), to rewrite with each list "
+                             "of scalars on one line; a file is rewritten only when its parsed content stays the same")
+    args = parser.parse_args(argv)
+    rewritten, untouched = compact(args.compact)
+    print(f"rewrote {len(rewritten)} file(s)")
+    for line in untouched:
+        print(f"left as it was: {line}", file=sys.stderr)
+    return 1 if untouched else 0
 
 
 def _write_whole(path: Path, text: str) -> None:
@@ -268,3 +329,7 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

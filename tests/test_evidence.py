@@ -1,18 +1,21 @@
 """Evidence tooling on CPU: environment, evidence files, the GPU-test collector, the benchmark's guards."""
 
 import json
+import random
 import signal
 import subprocess
 import sys
 import weakref
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 import torch
 
 from fp8stack.bench import backends as bench
+from fp8stack import evidence
 from fp8stack.evidence import (EvidenceError, claim_evidence, describe_commit, device_copy, device_slug, environment,
-                               latest_evidence, rerender, run_folder, write_evidence)
+                               evidence_json, latest_evidence, rerender, run_folder, write_evidence)
 from fp8stack.bench import gpu_tests
 from fp8stack.bench.gpu_tests import OutcomeCollector
 from fp8stack.plan import PlanError
@@ -113,6 +116,63 @@ def test_describe_commit(record, line):
 def test_write_evidence_refuses_reserved_keys(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         write_evidence("x", {"date": "yesterday"}, "", tmp_path)
+
+
+def _indented(record) -> str:
+    """An evidence file's text as write_evidence wrote it before evidence_json."""
+    return json.dumps(record, indent=2, default=str) + "\n"
+
+
+def _same_content(text: str, other: str) -> bool:
+    """Both texts parse to the same value: key order, number types and floats (NaN included) alike."""
+    return json.dumps(json.loads(text)) == json.dumps(json.loads(other))
+
+
+def test_evidence_json_reads_as_the_indented_json_with_each_list_of_scalars_on_one_line():
+    floats = [random.Random(0).random() * 10 for _ in range(300)]
+    record = {"nested": {"arm": {"losses": floats, "final": 1e-07}}, "runs": [{"note": 'a "q"\nline\\', "n": 3}, {}],
+              "special": [float("nan"), float("inf"), -float("inf"), -0.0, 10**30], "empty": [], "none": {},
+              "names": ["µs", 'tab\tand "quote"', True, None], "pair": (1, 2), "path": Path("a/b"),
+              "dtype": torch.bfloat16, 7: "an int key", "mixed": [1, [2, 3], {"c": []}, []]}
+    text = evidence_json(record)
+    assert _same_content(text, _indented(record)) and text.endswith("]\n}\n")
+    lines = text.splitlines()
+    for line in ('      "losses": ' + json.dumps(floats) + ",", '  "empty": [],', '  "none": {},',
+                 f'  "special": [NaN, Infinity, -Infinity, -0.0, {10**30}],', '  "pair": [1, 2],',
+                 r'  "names": ["\u00b5s", "tab\tand \"quote\"", true, null],',
+                 '  "path": "a/b",', '  "dtype": "torch.bfloat16",', '  "7": "an int key",'):
+        assert line in lines
+    assert text.split('"mixed": ')[1] == '[\n    1,\n    [2, 3],\n    {\n      "c": []\n    },\n    []\n  ]\n}\n'
+    no_scalar_lists = {"a": {"b": {}, "c": 1.5}, "d": [{"e": "f"}, [[]]], "g": []}
+    assert evidence_json(no_scalar_lists) == _indented(no_scalar_lists)  # dicts and lists of them: indented as before
+
+
+def test_a_2000_step_record_is_two_thirds_of_the_indented_one():
+    """Full-precision floats keep most of the bytes: what goes is each item's line and indent."""
+    values = random.Random(0)
+    record = {"runs": {arm: {"losses": [10 * values.random() for _ in range(2000)],
+                             "step_ms": [60 + values.random() for _ in range(2000)],
+                             "lrs": [3e-4 * min(1, step / 100) for step in range(2000)],
+                             "grad_norms": [values.random() for _ in range(2000)], "final_loss": 1.0}
+                       for arm in ("bf16", "tensorwise", "blockwise")}}
+    text = evidence_json(record)
+    assert len(text) < 0.7 * len(_indented(record)) and len(text.splitlines()) < 30
+    assert _same_content(text, _indented(record))
+
+
+def test_compact_rewrites_files_in_the_new_layout_and_leaves_what_does_not_parse(tmp_path, capsys):
+    record = {"date": "d", "losses": [1.5, 2.25, float("nan")], "arms": [{"name": "bf16", "step_ms": [60.1, 60.2]}]}
+    old, new, broken = tmp_path / "runs" / "a" / "old.json", tmp_path / "runs" / "b" / "new.json", tmp_path / "bad.json"
+    for path, text in ((old, _indented(record)), (new, evidence_json(record)), (broken, '{"cut": [1,')):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "runs" / "a" / "old.md").write_text("| a |\n")
+    assert evidence.main(["--compact", str(tmp_path / "runs"), str(broken)]) == 1
+    assert old.read_text() == new.read_text() == evidence_json(record) and broken.read_text() == '{"cut": [1,'
+    out, err = capsys.readouterr()
+    assert out == "rewrote 1 file(s)\n" and err.startswith(f"left as it was: {broken}: Expecting")
+    assert evidence.compact([tmp_path / "runs"]) == ([], [])  # nothing left to rewrite
+    assert (tmp_path / "runs" / "a" / "old.md").read_text() == "| a |\n"
 
 
 def test_collector_records_each_outcome(tmp_path):
