@@ -9,6 +9,10 @@ faster ones). Also reports quantize/scale time over GEMM time in the FP8 run (ta
 and as overhead (quantize_overhead: a norm or activation kernel that writes FP8 counts by its excess over the
 bf16 run's kernel of the same family), and the measured gain when `fp8stack ab` evidence for the same model and
 device exists.
+Beside the kernels, the host's side of the same record: the CPU ops and record_function ranges with the most self CPU
+time per step and their calls per step, which tell a step bound by Python and kernel launches from one bound by the
+GPU. profile_from_record turns a profiler record into this breakdown for any steps: fp8stack.bench.profile_script
+profiles a user's own training script with it.
 Writes profile-<model>-<device>.json and .md evidence.
 """
 
@@ -60,6 +64,13 @@ GAP_MIN_US = 20.0
 """GPU idle gaps at least this long are listed by the kernels around them; shorter ones are launch latency."""
 TOP_GAPS = 15
 """Kernel pairs listed in the evidence, by idle time between them."""
+TOP_HOST_OPS = 20
+"""Host ops listed in the evidence, by self CPU time."""
+HOST_TITLE = "Host: top ops by self CPU time per step"
+"""The heading of the host table in the evidence's Markdown."""
+HOST_NOTE = ("CPU ops and record_function ranges, the whole step's left out, self time summed over threads: thousands "
+             "of calls of small ops per step mark a step bound by the host, not the GPU")
+"""How to read the host table."""
 
 
 def classify(name: str) -> str:
@@ -117,11 +128,23 @@ class Gap:
 
 
 @dataclass
+class HostOp:
+    """One CPU op or record_function range, summed over the profiled steps: the host's side of a step."""
+
+    name: str
+    """Op or range name as the profiler reports it (aten::copy_, Optimizer.step#AdamW.step, cudaLaunchKernel)."""
+    self_ms_per_step: float
+    """CPU time in it and not in the ops it called, per profiled step, summed over threads."""
+    calls_per_step: float
+    """Calls per profiled step."""
+
+
+@dataclass
 class RunProfile:
     """Where one recipe's steps spend their time."""
 
     recipe: str
-    """Plan recipe, bf16 for none."""
+    """Plan recipe, bf16 for none (fp8stack.bench.profile_script: the script or module profiled)."""
     time_basis: str
     """What the times are: summed CUDA kernel time, or CPU self time of profiled ops."""
     wall_ms_per_step: float
@@ -138,9 +161,19 @@ class RunProfile:
     """The TOP_GAPS kernel pairs with the most idle time between them, in gaps of at least GAP_MIN_US."""
     family_ms: dict[str, dict[str, float]] | None = None
     """category -> kernel_family -> ms per step, over every kernel (None in files written before it existed)."""
+    host_ops: list[HostOp] | None = None
+    """The TOP_HOST_OPS CPU ops and record_function ranges with the most self CPU time, the whole step's range left
+    out (None in files written before it existed)."""
 
     def share(self, category: str) -> float:
         return self.categories[category]["share"]
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "RunProfile":
+        """A RunProfile from its JSON form (asdict), fields added later absent or None in older files."""
+        nested = {"top_kernels": Kernel, "gaps": Gap, "host_ops": HostOp}
+        return cls(**{**record, **{name: [kind(**item) for item in record[name]] for name, kind in nested.items()
+                                   if record.get(name) is not None}})
 
 
 def kernel_family(name: str) -> str:
@@ -221,7 +254,6 @@ def idle_gaps(kernels: Sequence[tuple[str, float, float]], steps: int) -> tuple[
 def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
     """Profile `steps` steps of cfg's run after `warmup` unprofiled ones (and one profiler warm-up
     step); returns the profile and the run's plan."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from fp8stack.train.loop import session
@@ -241,24 +273,58 @@ def profile_run(cfg, warmup: int, steps: int) -> tuple[RunProfile, Plan]:
                 step_ms.append((time.perf_counter() - began) * 1000)
                 profiler.step()  # not timed: the last one stops the profiler and collects its events
         wall_ms = sum(step_ms[1:]) / steps
-        kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
-        times: dict[str, float] = defaultdict(float)
-        calls: dict[str, int] = defaultdict(int)
         averages, events = cycles[0]
-        for event in averages:
-            if event.device_type != kind or _is_annotation(event):
-                continue
-            name = re.sub(r"#\d+$", "", event.key)  # ProfilerStep#3 -> ProfilerStep
-            times[name] += event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        return profile_from_record(averages, events, steps=steps, recipe=cfg.precision.recipe,
+                                   wall_ms_per_step=wall_ms, on_gpu=on_gpu), run.plan
+
+
+def profile_from_record(averages, events, *, steps: int, recipe: str, wall_ms_per_step: float,
+                        on_gpu: bool) -> RunProfile:
+    """The breakdown of `steps` profiled steps from one torch.profiler record (its key_averages() and events()):
+    CUDA kernels by category with the GPU's idle gaps on a GPU, CPU ops on a CPU, and the host's top ops on both."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    times: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in averages:
+        if event.device_type != kind or _is_annotation(event):
+            continue
+        name = _without_step_number(event.key)
+        times[name] += event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        calls[name] += event.count
+    basis = ("CUDA kernel time, summed over streams" if on_gpu else
+             "CPU self time of the profiled ops (the main thread's view; intra-op threads inside)")
+    profiled = summarize(times, calls, steps, recipe, basis, wall_ms_per_step)
+    if on_gpu:  # CPU ops nest, so only kernels have gaps worth reading
+        profiled.idle_ms_per_step, profiled.gaps = idle_gaps(
+            [(e.name, e.time_range.start, e.time_range.end) for e in events
+             if e.device_type == DeviceType.CUDA and not _is_annotation(e)], steps)
+    profiled.host_ops = top_host_ops(averages, steps)
+    return profiled
+
+
+def top_host_ops(averages, steps: int) -> list[HostOp]:
+    """The TOP_HOST_OPS CPU ops and record_function ranges by self CPU time per step, from a profiler record's
+    key_averages(): the whole step's range (ProfilerStep#N) left out, as its self time is only the gaps between
+    the ops inside it."""
+    from torch.autograd import DeviceType
+
+    self_us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in averages:
+        if event.device_type == DeviceType.CPU and not event.key.startswith("ProfilerStep"):
+            name = _without_step_number(event.key)
+            self_us[name] += event.self_cpu_time_total
             calls[name] += event.count
-        basis = ("CUDA kernel time, summed over streams" if on_gpu else
-                 "CPU self time of the profiled ops (the main thread's view; intra-op threads inside)")
-        profiled = summarize(times, calls, steps, cfg.precision.recipe, basis, wall_ms)
-        if on_gpu:  # CPU ops nest, so only kernels have gaps worth reading
-            profiled.idle_ms_per_step, profiled.gaps = idle_gaps(
-                [(e.name, e.time_range.start, e.time_range.end) for e in events
-                 if e.device_type == DeviceType.CUDA and not _is_annotation(e)], steps)
-        return profiled, run.plan
+    ranked = sorted(self_us, key=self_us.get, reverse=True)[:TOP_HOST_OPS]
+    return [HostOp(name=n, self_ms_per_step=self_us[n] / steps / 1000, calls_per_step=calls[n] / steps)
+            for n in ranked]
+
+
+def _without_step_number(key: str) -> str:
+    """ProfilerStep#3 -> ProfilerStep: the same range in every step is one name."""
+    return re.sub(r"#\d+$", "", key)
 
 
 def _free_finished_run() -> None:
@@ -412,11 +478,6 @@ def _without_fp8(job: JobConfig) -> JobConfig:
 
 def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str:
     recipe, profiled = payload["recipe"], runs[payload["recipe"]]
-    header = ["category"] + [f"{r} ms/step" for r in runs] + [f"{r} share" for r in runs]
-    rows = [[c] + [f"{run.categories[c]['ms_per_step']:.3f}" for run in runs.values()]
-            + [f"{run.share(c):.1%}" for run in runs.values()] for c in CATEGORIES]
-    rows.append(["total (busy)"] + [f"{run.busy_ms_per_step:.3f}" for run in runs.values()] + ["100%"] * len(runs))
-    rows.append(["wall"] + [f"{run.wall_ms_per_step:.3f}" for run in runs.values()] + [""] * len(runs))
     s, f, r = payload["gemm_share"], payload["fp8_share_of_gemm_flops"], payload["gemm_speedup"]
     gain = payload["measured_gain"]
     ratio = payload["quantize_over_gemm"]
@@ -437,21 +498,47 @@ def _markdown(payload: dict, runs: dict[str, RunProfile], markdown_table) -> str
            if ratio is not None else "- (no GEMM time)") + f" (target <= {QUANTIZE_TARGET:.0%}). "
         + fused_note(payload["quantize_fused_families"]),
     ]
-    kernels = markdown_table(
+    text = (category_table(runs, markdown_table) + "\n" + "\n\n".join(lines) + "\n\n"
+            + f"Top {len(profiled.top_kernels)} in {recipe}:\n\n" + kernel_table(profiled, markdown_table))
+    if profiled.gaps is not None:
+        idle = ", ".join(f"{r} {run.idle_ms_per_step:.3f}" for r, run in runs.items())
+        text += (f"\n\nGPU idle (no kernel on any stream) per step, ms: {idle}; the steps' host syncs and the "
+                 f"profiler's own per-step work sit in the gaps between steps. Longest waits in {recipe} (gaps of at "
+                 f"least {GAP_MIN_US:g} us, by the kernels around them):\n\n" + gap_table(profiled, markdown_table))
+    return text + f"\n\n{HOST_TITLE} in {recipe} ({HOST_NOTE}):\n\n" + host_table(profiled, markdown_table)
+
+
+def category_table(runs: dict[str, RunProfile], markdown_table) -> str:
+    """Each run's time per category side by side (ms per step, then share), its busy and wall time below."""
+    header = ["category"] + [f"{r} ms/step" for r in runs] + [f"{r} share" for r in runs]
+    rows = [[c] + [f"{run.categories[c]['ms_per_step']:.3f}" for run in runs.values()]
+            + [f"{run.share(c):.1%}" for run in runs.values()] for c in CATEGORIES]
+    rows.append(["total (busy)"] + [f"{run.busy_ms_per_step:.3f}" for run in runs.values()] + ["100%"] * len(runs))
+    rows.append(["wall"] + [f"{run.wall_ms_per_step:.3f}" for run in runs.values()] + [""] * len(runs))
+    return markdown_table(header, rows)
+
+
+def kernel_table(run: RunProfile, markdown_table) -> str:
+    """The run's top kernels (ops on a CPU), longest first."""
+    return markdown_table(
         ["kernel", "category", "ms/step", "share", "calls/step"],
         [[_cut(k.name), k.category, f"{k.ms_per_step:.3f}", f"{k.share:.1%}", f"{k.calls_per_step:g}"]
-         for k in profiled.top_kernels])
-    text = (markdown_table(header, rows) + "\n" + "\n\n".join(lines) + "\n\n"
-            + f"Top {len(profiled.top_kernels)} in {recipe}:\n\n" + kernels)
-    if profiled.gaps is None:
-        return text
-    idle = ", ".join(f"{r} {run.idle_ms_per_step:.3f}" for r, run in runs.items())
-    gaps = markdown_table(
+         for k in run.top_kernels])
+
+
+def gap_table(run: RunProfile, markdown_table) -> str:
+    """The kernel pairs with the longest GPU idle time between them."""
+    return markdown_table(
         ["previous kernel", "next kernel", "idle ms/step", "gaps/step"],
-        [[_cut(g.previous_kernel), _cut(g.next_kernel), f"{g.ms_per_step:.3f}", f"{g.count_per_step:g}"] for g in profiled.gaps])
-    return (text + f"\n\nGPU idle (no kernel on any stream) per step, ms: {idle}; the steps' host syncs and the "
-            f"profiler's own per-step work sit in the gaps between steps. Longest waits in {recipe} (gaps of at "
-            f"least {GAP_MIN_US:g} us, by the kernels around them):\n\n" + gaps)
+        [[_cut(g.previous_kernel), _cut(g.next_kernel), f"{g.ms_per_step:.3f}", f"{g.count_per_step:g}"]
+         for g in run.gaps or ()])
+
+
+def host_table(run: RunProfile, markdown_table) -> str:
+    """The run's top host ops by self CPU time per step, with their calls per step."""
+    return markdown_table(["op", "self CPU ms/step", "calls/step"],
+                          [[_cut(op.name), f"{op.self_ms_per_step:.3f}", f"{op.calls_per_step:g}"]
+                           for op in run.host_ops or ()])
 
 
 def fused_note(fused: list[dict]) -> str:

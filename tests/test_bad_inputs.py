@@ -54,6 +54,7 @@ FILES = {
     "moe-on-dense.yaml": "recipe: tensorwise\noverrides: [{block: moe, recipe: rowwise}]\n",
     "bf16-moments-ckpt/run.json": json.dumps({"config": {"optimizer": {"moments": "bf16"}}}),
     "core-on-torchao.yaml": "overrides: [{fqn: 'layers.*.attention.core', backend: torchao, recipe: tensorwise}]\n",
+    "train.py": "raise SystemExit('a trip wire: the training script ran')\n",
 }
 
 
@@ -265,6 +266,33 @@ def test_plan_refuses_bad_input_quickly(workspace, capsys, argv, message):
     began = time.perf_counter()
     _refused(cli.main, argv, workspace, capsys, "fp8stack: error: ", message)
     assert time.perf_counter() - began < 10, "a refusal should not take this long"
+
+
+SCRIPT = ["--", "{tmp}/train.py", "--lr", "1e-3"]
+
+PROFILE_SCRIPT_BAD = [
+    (["--out", "{tmp}/p.json"], "no training script given: pass it after --, e.g. -- train.py --lr 1e-3"),
+    (["--out", "{tmp}/p.json", "--", "-m"], "no training script given"),
+    (["--out", "{tmp}/p.json", "--", "{tmp}/missing.py"],
+     "script {tmp}/missing.py is not a file: pass the training script's path after --"),
+    (["--out", "{tmp}/p.json", "--", "{tmp}/a-dir"], "script {tmp}/a-dir is not a file"),
+    (["--out", "{tmp}/p.json", "--", "-m", "no_such_module"],
+     "no module named no_such_module: pass an importable module after -m, or a script's path"),
+    (["--out", "{tmp}/p.json", "--", "-m", "no_such_package.train"], "no module named no_such_package.train"),
+    (["--out", "{tmp}/p.json", "--steps", "0", *SCRIPT], "need --steps >= 1 and --warmup-steps >= 1, got 0 and 3"),
+    (["--out", "{tmp}/p.json", "--warmup-steps", "0", *SCRIPT], "--warmup-steps >= 1, got 5 and 0"),
+    (["--out", "{tmp}/p.json", "--steps", "two", *SCRIPT], "--steps: invalid int value: 'two'"),
+    (SCRIPT, "the following arguments are required: --out"),
+    (["--out", "{tmp}/a-dir", *SCRIPT], "--out {tmp}/a-dir is a folder: pass a file path"),
+    (["--out", "{tmp}/a-file/p.json", *SCRIPT], "--out {tmp}/a-file/p.json: its folder {tmp}/a-file is a file"),
+]
+
+
+@pytest.mark.parametrize("argv, message", PROFILE_SCRIPT_BAD, ids=[" ".join(a)[:40] for a, _ in PROFILE_SCRIPT_BAD])
+def test_profile_script_refuses_bad_input_before_the_script_runs(workspace, capsys, argv, message):
+    from fp8stack.bench.profile_script import main
+
+    _refused(main, argv, workspace, capsys, "fp8stack: error: ", message)
 
 
 API_BAD = [

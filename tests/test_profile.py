@@ -10,8 +10,9 @@ import pytest
 from fp8stack.evidence import run_folder
 from fp8stack.cli import build_parser
 from fp8stack.config import parse_args
-from fp8stack.profile import (CATEGORIES, GAP_MIN_US, amdahl_bound, classify, family_ms, idle_gaps, kernel_family,
-                              main, measured_gain, quantize_overhead, run_profile)
+from fp8stack.profile import (CATEGORIES, GAP_MIN_US, Gap, HostOp, RunProfile, amdahl_bound, classify, family_ms,
+                              idle_gaps, kernel_family, main, measured_gain, quantize_overhead, run_profile,
+                              top_host_ops)
 
 
 def _evidence(out_dir: Path, name: str) -> Path:
@@ -156,7 +157,51 @@ def test_profile_tiny_on_cpu_writes_the_evidence(tmp_path, capsys):
     assert record["measured_gain"] == pytest.approx(0.9)
     out = capsys.readouterr().out
     assert "Amdahl bound on tensorwise's gain" in out and "measured (A/B tokens/s over bf16): 0.90x" in out
-    assert _evidence(tmp_path, "profile-tiny-gb4-cpu.md").read_text().count("| aten::mm | gemm |") == 1
+    markdown = _evidence(tmp_path, "profile-tiny-gb4-cpu.md").read_text()
+    assert markdown.count("| aten::mm | gemm |") == 1
+    # the host's side, from the same record: on a CPU its ops are the kernels, the GEMM first among them
+    host = {op["name"]: op for op in record["runs"]["tensorwise"]["host_ops"]}
+    mm = {k["name"]: k for k in record["runs"]["tensorwise"]["top_kernels"]}["aten::mm"]
+    assert (host["aten::mm"]["self_ms_per_step"], host["aten::mm"]["calls_per_step"]) == (mm["ms_per_step"],
+                                                                                          mm["calls_per_step"])
+    selfs = [op["self_ms_per_step"] for op in record["runs"]["tensorwise"]["host_ops"]]
+    assert selfs == sorted(selfs, reverse=True) and len(selfs) <= 20
+    host_table = markdown.split("Host: top ops by self CPU time per step in tensorwise")[1]
+    assert "| op | self CPU ms/step | calls/step |" in host_table and "| aten::mm |" in host_table
+
+
+def test_the_host_table_ranks_cpu_ops_and_ranges_per_step_without_the_whole_step():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, self_us, count, device=DeviceType.CPU):
+        return SimpleNamespace(key=key, self_cpu_time_total=self_us, count=count, device_type=device)
+
+    averages = [event("ProfilerStep#4", 9e6, 1), event("ProfilerStep#5", 9e6, 1),  # the whole step: left out
+                event("aten::copy_", 3000.0, 4000), event("Optimizer.step#AdamW.step", 1500.0, 2),
+                event("void gemm_kernel<...>", 8e6, 8, DeviceType.CUDA),  # a kernel: the GPU's, not the host's
+                event("cudaLaunchKernel", 2000.0, 6000), event("load_batch#7", 400.0, 1),
+                event("load_batch#8", 200.0, 1)]
+    ops = top_host_ops(averages, steps=2)
+    assert [(op.name, op.self_ms_per_step, op.calls_per_step) for op in ops] == [
+        ("aten::copy_", 1.5, 2000), ("cudaLaunchKernel", 1.0, 3000), ("Optimizer.step#AdamW.step", 0.75, 1),
+        ("load_batch", 0.3, 1)]
+    many = [event(f"aten::op{i}", float(i), 1) for i in range(50)]
+    assert [op.name for op in top_host_ops(many, steps=1)] == [f"aten::op{i}" for i in range(49, 29, -1)]
+
+
+def test_committed_profiles_written_before_the_host_table_still_read():
+    """RunProfile.from_dict on every profile evidence file in profiles/runs: older ones lack host_ops (and the oldest
+    family_ms), which read as None."""
+    files = sorted((Path(__file__).resolve().parents[1] / "profiles" / "runs").glob("*/profile-*.json"))
+    assert files, "no committed profile evidence to read"
+    for path in files:
+        for recipe, run in json.loads(path.read_text())["runs"].items():
+            profiled = RunProfile.from_dict(run)
+            assert profiled.recipe == recipe and profiled.top_kernels[0].name == run["top_kernels"][0]["name"]
+            assert profiled.host_ops is None or isinstance(profiled.host_ops[0], HostOp)
+            assert profiled.gaps is None or all(isinstance(gap, Gap) for gap in profiled.gaps)
 
 
 def test_profile_subcommand_is_wired_into_the_cli(capsys):

@@ -4,9 +4,17 @@ fp8stack lines) beside `python -m fp8stack.train` with its fastest flags, at lla
 process, every arm's tokens/s read the same way (the median of its steady-state step times).
 
     python -m fp8stack.bench.own_model --steps 12
+    python -m fp8stack.bench.own_model --steps 20 --profile    # and where each arm's step time goes
 
 Writes profiles/runs/<date>-own-model-<device>/own-model-<device>.json, .md and .png, with each target's ratio:
 the own model with fp8stack at >= 0.95x the trainer's tokens/s (delayed and blockwise) and >= 1.15x torchao by hand.
+
+--profile: after its timed run, each chosen arm runs again in a fresh process under fp8stack.bench.profile_script,
+PROFILE_WARMUP_STEPS unprofiled steps then PROFILED_STEPS profiled ones, and the evidence gets each arm's breakdown
+per step: kernel time by category, top kernels, GPU idle time and its longest gaps, and the host's top ops by self CPU
+time with their calls per step. The tokens/s stay the timed runs' (the profiler slows a step), and the profiled runs
+are the timed ones' commands with fewer steps. Not profiled: an arm whose timed run failed, and the --earlier-tree
+arms (their trees may lack the profiler wrapper).
 """
 
 import argparse
@@ -18,8 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fp8stack.bench.profile_script import breakdown_markdown
 from fp8stack.evidence import (add_force_option, claim_or_exit, device_copy, device_slug, markdown_table,
                                      write_evidence)
+from fp8stack.profile import RunProfile
 from fp8stack.train.timing import relative_spread, steady_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +50,11 @@ ARMS = {
     "own fp8stack blockwise": ("train_fp8stack.py", "blockwise"),
 }
 """Arm -> (what runs it: the trainer or a script of examples/own_model, recipe)."""
+
+PROFILE_WARMUP_STEPS, PROFILED_STEPS = 3, 5
+"""--profile: each arm's profiled run's unprofiled steps (compilation, allocator, scales), then its profiled ones."""
+PROFILE_TIMEOUT_FACTOR = 2
+"""A profiled run may take this many times --timeout: reading the profiler's record takes about as long again."""
 
 TARGETS = (
     ("own fp8stack delayed", "trainer delayed", 0.95),
@@ -71,25 +86,54 @@ def command(arm: str, steps: int, result: Path) -> list[str]:
             "--steps", str(steps), "--result-json", str(result)]
 
 
+def profile_command(arm: str, out: Path, result: Path) -> list[str]:
+    """The arm's own command for exactly the steps it profiles, under fp8stack.bench.profile_script writing `out`.
+    The trainer arm runs there too (its `-m fp8stack.train ...`) rather than under `fp8stack profile`, which drives the
+    trainer's steps itself from its own configuration flags and profiles a BF16 run first: so every arm is profiled
+    as the same process its timed run was, cut into steps at the same optimizer-step boundaries."""
+    argv = command(arm, PROFILE_WARMUP_STEPS + PROFILED_STEPS, result)
+    return [sys.executable, "-m", "fp8stack.bench.profile_script", "--warmup-steps", str(PROFILE_WARMUP_STEPS),
+            "--steps", str(PROFILED_STEPS), "--out", str(out), "--", *argv[1:]]
+
+
+def run_process(argv: list[str], timeout: float, wrote: Path, tree: Path | None = None) -> str | None:
+    """argv in a fresh process, as every arm runs (its fp8stack imported from `tree` when given): None when it ended
+    well and wrote `wrote`, else what went wrong (its output's tail)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])} if tree else None
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tree or REPO, env=env)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    return (done.stderr or done.stdout)[-3000:] if done.returncode or not wrote.is_file() else None
+
+
 def run_arm(arm: str, steps: int, timeout: float, tree: Path | None = None) -> dict:
     """One arm in a fresh process (its fp8stack imported from `tree` when given): its tokens/s, spread, peak memory
     and losses, or its error."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])} if tree else None
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "result.json"
         argv = command(arm, steps, result)
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tree or REPO, env=env)
-        except subprocess.TimeoutExpired:
-            return {"arm": arm, "command": argv, "error": f"timed out after {timeout:.0f} s"}
-        if done.returncode or not result.is_file():
-            return {"arm": arm, "command": argv, "error": (done.stderr or done.stdout)[-3000:]}
+        error = run_process(argv, timeout, result, tree)
+        if error is not None:
+            return {"arm": arm, "command": argv, "error": error}
         measured = json.loads(result.read_text())
     steady = steady_state(measured["step_ms"])
     return {"arm": arm, "command": argv, "recipe": runner_and_recipe(arm)[1],
             "tokens_per_s": measured["tokens_per_step"] / statistics.median(steady) * 1000,
             "spread": relative_spread(steady), "peak_mem_gib": measured["peak_mem_gib"],
             "losses": measured["losses"], "step_ms": measured["step_ms"]}
+
+
+def profile_arm(arm: str, timeout: float) -> dict:
+    """The arm's profiled run (profile_command) in a fresh process: its breakdown per step (fp8stack.profile's
+    RunProfile as a dict), or its error."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "profile.json"
+        argv = profile_command(arm, out, Path(folder) / "result.json")
+        error = run_process(argv, timeout * PROFILE_TIMEOUT_FACTOR, out)
+        if error is not None:
+            return {"profile_command": argv, "profile_error": error}
+        return {"profile_command": argv, "profile": json.loads(out.read_text())["profile"]}
 
 
 def targets(arms: dict[str, dict]) -> list[dict]:
@@ -115,9 +159,23 @@ def render(record: dict) -> str:
                                 f">= {t['target']}", {True: "yes", False: "no", None: "not measured"}[t["met"]]]
                                for t in record["targets"]])
     shape = record["shape"]
-    return (f"{shape['model']}, micro-batch {shape['micro_batch']}, {shape['accumulation']} micro-batches per step, "
+    text = (f"{shape['model']}, micro-batch {shape['micro_batch']}, {shape['accumulation']} micro-batches per step, "
             f"{record['steps']} steps per arm, each arm a fresh process; tokens/s from the median of the "
             "steady-state step times.\n\n" + table + "\n" + verdicts)
+    return text + render_profiles(record) if record.get("profile") else text
+
+
+def render_profiles(record: dict) -> str:
+    """--profile's section: the arms' breakdowns side by side, then each arm's top kernels, GPU waits and host ops."""
+    settings = record["profile"]
+    profiled = {a["arm"]: RunProfile.from_dict(a["profile"]) for a in record["arms"] if "profile" in a}
+    failed = [f"- {a['arm']}: {a['profile_error'][-300:]}" for a in record["arms"] if "profile_error" in a]
+    text = (f"\n## Where each arm's step goes (--profile)\n\nEach arm again in a fresh process under "
+            f"fp8stack.bench.profile_script: {settings['warmup_steps']} unprofiled optimizer steps, then "
+            f"{settings['steps']} profiled; per profiled step. The wall times carry the profiler's overhead: the "
+            "tokens/s above are the unprofiled runs'.\n\n")
+    text += breakdown_markdown(profiled) if profiled else "No arm was profiled.\n"
+    return text + ("\nProfiles that failed:\n\n" + "\n".join(failed) + "\n" if failed else "")
 
 
 def plot(record: dict, path: Path) -> None:
@@ -148,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     "second run of the same day)")
     parser.add_argument("--earlier-tree", type=Path, action="append", default=[],
                         help="also run the trainer (delayed) of this source tree (repeatable)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"also profile each chosen arm, in a fresh process after its timed run: "
+                             f"{PROFILE_WARMUP_STEPS} + {PROFILED_STEPS} steps under fp8stack.bench.profile_script")
     add_force_option(parser)
     args = parser.parse_args(argv)
     chosen = [arm.strip() for arm in args.arms.split(",")]
@@ -161,9 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     for arm, tree in runs:
         arms[arm] = run_arm(arm, args.steps, args.timeout, tree)
         print(f"{arm}: {arms[arm].get('tokens_per_s', arms[arm].get('error', '')[-300:])}", flush=True)
+        if args.profile and tree is None and "error" not in arms[arm]:
+            arms[arm].update(profile_arm(arm, args.timeout))
+            print(f"{arm} profiled: " + (f"wall {arms[arm]['profile']['wall_ms_per_step']:.1f} ms/step"
+                                         if "profile" in arms[arm] else arms[arm]["profile_error"][-300:]), flush=True)
     record = {"shape": SHAPE, "steps": args.steps, "trainer_flags": TRAINER_FASTEST, "arms": list(arms.values()),
               "targets": targets(arms),
-              "earlier_trees": [str(tree) for tree in args.earlier_tree]}
+              "earlier_trees": [str(tree) for tree in args.earlier_tree],
+              "profile": {"warmup_steps": PROFILE_WARMUP_STEPS, "steps": PROFILED_STEPS} if args.profile else None}
     json_path, _ = write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=args.force)
     figure = json_path.with_suffix(".png")
     for path in filter(None, (figure, device_copy(figure))):
