@@ -1234,6 +1234,58 @@ def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
         from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.fp8_dispatch": True})
 
 
+def test_wgrad_flatten_flows_from_the_command_line_to_deepgemm_s_kernels(monkeypatch):
+    """--grouped-fp8.wgrad-flatten compiled reaches grouped_fp8's constructor through the trainer's backend options,
+    and the DeepGEMM kernels of the converted experts (DeepGEMM's contract standing in) lay out their wgrad operands
+    by the compiled gather, the conversion notes saying so; a plan whose experts are not blockwise on grouped_fp8 is
+    refused before the assembly, and the Megatron path refuses the option."""
+    from fp8stack.config import ConfigError, from_overrides
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    monkeypatch.setattr(deepgemm, "load", lambda: (ContractDeepGemm(), ""))
+    cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.wgrad-flatten",
+               "compiled")
+    assert cfg.grouped_fp8.wgrad_flatten == "compiled" and _job().grouped_fp8.wgrad_flatten == "copies"
+    model = build_model(cfg, torch.device("cpu"))
+    plan = build_plan(cfg, model)
+    options = _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"]
+    assert options == {"wgrad_flatten": "compiled", "cache_fp8_weights": False}
+    model, record = GroupedFP8Backend(**options).convert(model, plan.for_backend("grouped_fp8"), plan)
+    kernels = [model.layers[i].moe.experts.blockwise_kernels for i in (1, 2, 3)]
+    assert all(k.flatten_k_grouped is deepgemm.flatten_k_grouped_compiled for k in kernels)
+    assert "wgrad_flatten compiled: DeepGEMM's K-grouped wgrad operands laid out by one compiled gather each, not a " \
+           "copy per expert" in record.notes
+    cfg = _job("--fp8-recipe", "rowwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.wgrad-flatten", "compiled")
+    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+    with pytest.raises(ConfigError, match="runs its experts on grouped_fp8/rowwise: pass --fp8-recipe blockwise "
+                                          "--expert-backend grouped_fp8, or drop --grouped-fp8.wgrad-flatten"):
+        _backend_options(cfg, plan, micro_batches=1)
+    with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.wgrad_flatten \(grouped_fp8's DeepGEMM"):
+        from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise",
+                        "grouped_fp8.wgrad_flatten": "compiled"})
+
+
+def test_wgrad_flatten_compiled_is_refused_or_noted_where_deepgemm_does_not_run_the_experts(monkeypatch):
+    """An unknown value and kernels torch are refused at construction; a plan without blockwise experts before any
+    swap; where auto falls back to torch's kernels (no DeepGEMM) the option does nothing, and the notes say why."""
+    with pytest.raises(ValueError, match="wgrad_flatten='gather': use one of copies, compiled"):
+        GroupedFP8Backend(wgrad_flatten="gather")
+    with pytest.raises(ValueError, match="kernels=torch runs torch's scaled_mm per expert: use kernels deepgemm"):
+        GroupedFP8Backend(kernels="torch", wgrad_flatten="compiled")
+    model, plan = _tiny_moe_and_plan(recipe="rowwise", fp8_format="e4m3")
+    with pytest.raises(PlanError, match="gives grouped_fp8 none: plan the experts blockwise .* or use wgrad_flatten "
+                                        "copies"):
+        GroupedFP8Backend(wgrad_flatten="compiled").convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert type(model.layers[1].moe.experts) is GroupedExperts
+    monkeypatch.setattr(deepgemm, "load", lambda: (None, "deep_gemm is not importable (test)"))
+    model, plan = _tiny_moe_and_plan()
+    _, record = GroupedFP8Backend(wgrad_flatten="compiled").convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert isinstance(model.layers[1].moe.experts.blockwise_kernels, TorchBlockwiseKernels)
+    assert "wgrad_flatten compiled: no effect, the blockwise GEMMs run on torch scaled_mm per expert (deep_gemm is " \
+           "not importable (test)), which slice each expert's operands themselves" in record.notes
+
+
 # ---- quantizer te: TE's Float8BlockQuantizer for the activations and gradients -----------------------------
 
 def te_kernel_1x128(x: torch.Tensor) -> Fp8Tensor:
