@@ -493,9 +493,9 @@ def test_ab_subcommand_plugs_into_a_parser():
 
 
 def test_options_apply_to_every_arm_whose_plan_uses_them():
-    """A delayed-scaling margin goes to the recipes scaled from an amax history, the FP8 dispatch to those whose grouped
-    experts run blockwise, TE weight-gradient fusion to the arms with TE layers (all of megatron's); recompute and the
-    plan's fusions go to every arm, the BF16 ones included."""
+    """A delayed-scaling margin goes to the recipes scaled from an amax history, the FP8 dispatch and the compiled wgrad
+    layout to those whose grouped experts run blockwise, TE weight-gradient fusion to the arms with TE layers (all of
+    megatron's); recompute and the plan's fusions go to every arm, the BF16 ones included."""
     margins = _arms("--fp8-margin", "1", recipes=("bf16", "tensorwise", "delayed"))
     assert [cfg.te.delayed_margin for cfg in margins.values()] == [0, 0, 1]
     dispatch = _arms("--grouped-fp8.fp8-dispatch", "--expert-backend", "grouped_fp8",
@@ -504,6 +504,12 @@ def test_options_apply_to_every_arm_whose_plan_uses_them():
     mixed = _arms("--grouped-fp8.fp8-dispatch", "--model", "tiny-moe", "--recipe-file",
                   "blockwise-experts-delayed-dense", recipes=("bf16", "delayed"))  # experts blockwise by override
     assert [cfg.grouped_fp8.fp8_dispatch for cfg in mixed.values()] == [False, True]
+    flatten = _arms("--grouped-fp8.wgrad-flatten", "compiled", "--expert-backend", "grouped_fp8",
+                    recipes=("bf16", "rowwise", "blockwise"))
+    assert [cfg.grouped_fp8.wgrad_flatten for cfg in flatten.values()] == ["copies", "copies", "compiled"]
+    mixed = _arms("--grouped-fp8.wgrad-flatten", "compiled", "--model", "tiny-moe", "--recipe-file",
+                  "blockwise-experts-delayed-dense", recipes=("bf16", "delayed"))
+    assert [cfg.grouped_fp8.wgrad_flatten for cfg in mixed.values()] == ["copies", "compiled"]
     for impl, in_bf16 in (("torch", None), ("megatron", True)):  # the plain BF16 run has no TE layers to fuse
         arms = _arms("--gradient-accumulation-fusion", "--model-impl", impl, "--backend", "te")
         assert [cfg.te.gradient_accumulation_fusion for cfg in arms.values()] == [in_bf16, True]

@@ -36,6 +36,7 @@ FILES = {
     "unknown-section.json": json.dumps({"speed": "max"}),
     "flat-field.json": json.dumps({"steps": 10}),
     "nan-lr.json": '{"optimizer": {"lr": NaN}}',
+    "bad-flatten.json": json.dumps({"grouped_fp8": {"wgrad_flatten": "gather"}}),
     "dup-recipe.yaml": "recipe: tensorwise\nsmall_gemm_filter: 'off'\nrecipe: rowwise\n",
     "dup-model.yaml": "name: x\nseq_len: 8\nseq_len: 16\nblocks: {dense: [{name: p, kind: linear, n: 16, k: 16}]}\n"
                       "layers: [{block: dense}]\n",
@@ -147,6 +148,7 @@ TRAIN_BAD = [
     (["--config", "{tmp}/unknown-section.json"], "unknown section(s) speed: use model, precision,"),
     (["--config", "{tmp}/flat-field.json"], "unknown section(s) steps: use model, precision,"),
     (["--config", "{tmp}/nan-lr.json"], "optimizer.lr must be a finite number, got nan"),
+    (["--config", "{tmp}/bad-flatten.json"], "unknown grouped_fp8.wgrad_flatten 'gather': use copies, compiled"),
     (["--recipe-file", "{tmp}/no-such-recipe.yaml"], "--recipe-file: recipe file '{tmp}/no-such-recipe.yaml' not "
      "found: give a YAML path or a name in configs/recipes/"),
     (["--load", "{tmp}/no-such-checkpoint"], "checkpoint {tmp}/no-such-checkpoint does not exist"),

@@ -1,10 +1,14 @@
-"""fp8stack.bench.experts_breakdown on CPU: what runs without a GPU (the MoE dispatch parts it times)."""
+"""fp8stack.bench.experts_breakdown on CPU: what runs without a GPU (the MoE dispatch parts and the wgrad operand
+layouts it times, its options)."""
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from fp8stack.backends import deepgemm
+from fp8stack.backends.blockwise import Fp8Tensor
 from fp8stack.backends.grouped import TorchBlockwiseKernels
 from fp8stack.bench import experts_breakdown
 from fp8stack.evidence import device_slug
@@ -29,6 +33,35 @@ def test_the_moe_dispatch_parts_run_on_one_routing():
     assert out["FP8 dispatch: wgrad operand from the tokens"].data.shape == (256, buffer)
 
 
+def test_one_run_times_both_wgrad_layouts_of_deepgemm_s_operands():
+    """The parts a DeepGEMM run adds: its wgrad operands (grad^T [N, T], x^T [D, T]) laid out by a copy per expert and
+    by the compiled gather (grouped_fp8's wgrad_flatten), whatever --wgrad-flatten the steps take; the same bytes."""
+    counts = (256, 0, 128, 384)
+    generator = torch.Generator().manual_seed(0)
+    a, b = (Fp8Tensor(torch.randint(0, 256, (dim, sum(counts) + 128), dtype=torch.uint8, generator=generator)
+                      .view(torch.float8_e4m3fn), torch.ones(dim, 7)) for dim in (96, 64))
+    parts = experts_breakdown.wgrad_layout_parts(a, b, counts)
+    assert list(parts) == ["wgrad operands' layout: a copy per expert", "wgrad operands' layout: one compiled gather"]
+    copied, gathered = (fn() for fn in parts.values())
+    for by_copies, by_gather, operand in zip(copied, gathered, (a, b), strict=True):
+        assert by_gather.shape == (operand.data.shape[0] * sum(counts),)
+        assert torch.equal(by_gather.view(torch.uint8), by_copies.view(torch.uint8))
+
+
+def test_the_wgrad_flatten_option_reaches_deepgemm_s_kernels_and_needs_them(monkeypatch, capsys):
+    library = SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=None, k_grouped_fp8_gemm_nt_contiguous=None,
+                              get_mk_alignment_for_contiguous_layout=lambda: 128)
+    monkeypatch.setattr(deepgemm, "load", lambda: (library, ""))
+    for flatten in ("copies", "compiled"):
+        kernels = experts_breakdown.blockwise_kernels(argparse.Namespace(kernels="deepgemm", wgrad_flatten=flatten))
+        assert kernels.flatten_k_grouped is deepgemm.WGRAD_FLATTENERS[flatten]
+    with pytest.raises(SystemExit) as exit_code:
+        experts_breakdown.main(["--kernels", "torch", "--wgrad-flatten", "compiled"])
+    assert exit_code.value.code == 2
+    assert "--wgrad-flatten compiled lays out DeepGEMM's wgrad operands: use --kernels deepgemm" in \
+        capsys.readouterr().err
+
+
 def test_without_a_gpu_nothing_runs(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -40,7 +73,7 @@ def test_without_a_gpu_nothing_runs(capsys):
 def test_the_evidence_name_marks_the_options_off_their_defaults_and_the_label():
     def stem(kind, **options):
         args = argparse.Namespace(**{"kernels": "deepgemm", "quantizer": "inductor", "compile": False, "label": "",
-                                     **options})
+                                     "wgrad_flatten": "copies", **options})
         return experts_breakdown.evidence_stem(kind, args)
 
     device = device_slug()
@@ -48,4 +81,6 @@ def test_the_evidence_name_marks_the_options_off_their_defaults_and_the_label():
     assert stem("experts-breakdown", quantizer="te", label="r3") == (
         f"experts-breakdown-deepgemm-{device}-te-quantizer-r3")
     assert stem("moe-dispatch", compile=True, kernels="torch") == f"moe-dispatch-torch-{device}-compiled"
+    assert stem("experts-breakdown", wgrad_flatten="compiled", label="small") == (
+        f"experts-breakdown-deepgemm-{device}-compiled-wgrad-flatten-small")
     assert stem("experts-breakdown", compile=True) == f"experts-breakdown-deepgemm-{device}"  # --moe only

@@ -21,6 +21,7 @@ from fp8stack.backends import BackendUnavailable
 from fp8stack.backends.blockwise import (BLOCK, FP8, FP8_MAX, Fp8Tensor, cast_to_fp8, decode_scale, dequantize_1x128,
                                          dequantize_128x128, quantize_1x128, quantize_128x128,
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
+from fp8stack.backends import deepgemm
 from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices, mn_major_scales
 from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM,
                                        DispatchedBlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
@@ -33,6 +34,7 @@ from fp8stack.backends.te_quant import TEBlockQuantizer, deepgemm_operands
 from fp8stack.models.llama import Llama
 from fp8stack.models.moe import GroupedExperts
 from fp8stack.plan import Component, Decision, Plan, PlanError, PolicyConfig, load_description, make_plan
+from fp8stack.plan.recipes import WGRAD_FLATTENS
 
 FP8_TOLERANCE = 6e-2
 """Relative (Frobenius) error of an FP8 GEMM vs FP32 on unquantized N(0,1) data. E4M3 keeps 3 mantissa bits:
@@ -447,6 +449,64 @@ def test_deepgemm_k_grouped_flattening():
             assert flat.dtype == fp8.dtype and torch.equal(flat.view(torch.uint8), expected), (counts, past)
 
 
+FLATTEN_CASES = [([128, 0, 256, 1024], 256), ([0, 384, 128, 0], 0), ([384], 128), ([256, 256, 128, 16], 0),
+                 ([130, 0, 7, 3], 5), ([0, 0], 128)]
+"""(tokens per expert, tokens past the groups) of wgrad operands: uneven experts, empty ones (first, middle, last,
+all), one expert; whole 8-byte words (all but the last two), bytes (odd counts)."""
+
+
+def _random_fp8(dim: int, tokens: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes as E4M3: every code, NaNs included, so that a byte moved to the wrong place shows."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (dim, tokens), dtype=torch.uint8, generator=generator).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "compiled"])
+def test_the_compiled_wgrad_flattening_gives_the_copies_bytes(graph, monkeypatch):
+    """flatten_k_grouped_compiled (one gather whose source positions come from the group ends) lays the operands out
+    as the per-expert copies do, byte for byte: FLATTEN_CASES for a contiguous operand and a strided view (bytes);
+    run eagerly (what a CPU runs) and as the Inductor graph (what runs on CUDA; Inductor's CPU backend here)."""
+    if graph:
+        monkeypatch.setattr(deepgemm, "_gather_k_grouped", deepgemm._gather_k_grouped.compiled)
+    for counts, past in FLATTEN_CASES:
+        fp8 = _random_fp8(3, sum(counts) + past)
+        for operand in (fp8, fp8.t().contiguous().t()):
+            expected = flatten_k_grouped(operand, counts)
+            got = deepgemm.flatten_k_grouped_compiled(operand, counts)
+            assert got.dtype == fp8.dtype and got.shape == (3 * sum(counts),), (counts, past)
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (counts, past)
+
+
+def test_the_compiled_wgrad_flattening_compiles_once_for_any_groups_and_either_operand():
+    """Token counts, group sizes and the operand's dim (a wgrad's two operands differ in it) are dynamic in the graph:
+    after the first call, new routings and the other operand compile nothing. (From a fresh cache: dims that another
+    test's calls made dynamic by recompiling would hide a graph compiled for fixed ones.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = deepgemm._gather_k_grouped.compiled
+    calls = [(384, [128, 0, 256, 1024], 256), (256, [256, 128, 0, 512], 0), (640, [1024, 128, 128, 640], 128),
+             (384, [0, 0, 128, 256], 384)]
+    graphs = None
+    for seed, (dim, counts, past) in enumerate(calls):
+        source, per_word = deepgemm._in_words(_random_fp8(dim, sum(counts) + past, seed), counts)
+        ends = torch.tensor(counts).cumsum(0) // per_word
+        out = source.new_empty(dim * int(ends[-1]))
+        expected = flatten_k_grouped(source.view(torch.float8_e4m3fn), counts)
+        assert torch.equal(compiled(source, ends, out).view(torch.uint8), expected.view(torch.uint8)), counts
+        graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
+    assert counters["stats"]["unique_graphs"] == graphs, "new group sizes or the other operand recompiled the gather"
+
+
+def test_deepgemm_kernels_take_the_wgrad_flattening_they_are_given():
+    assert DeepGemmKernels(ContractDeepGemm()).flatten_k_grouped is flatten_k_grouped
+    kernels = DeepGemmKernels(ContractDeepGemm(), wgrad_flatten="compiled")
+    assert (kernels.wgrad_flatten, kernels.flatten_k_grouped) == ("compiled", deepgemm.flatten_k_grouped_compiled)
+    assert tuple(deepgemm.WGRAD_FLATTENERS) == WGRAD_FLATTENS  # the configuration's choices, each with its function
+    with pytest.raises(ValueError, match="DeepGEMM wgrad_flatten='gather': use one of copies, compiled"):
+        DeepGemmKernels(ContractDeepGemm(), wgrad_flatten="gather")
+
+
 def test_deepgemm_scales_are_mn_major_and_tma_aligned_without_a_copy_where_te_wrote_them_so():
     """TE's columnwise 1x128 scales, [tiles, K padded to 4] transposed and sliced to the groups' tiles, go to
     DeepGEMM as they are; row-major ones are copied once into that layout, the same values."""
@@ -496,6 +556,38 @@ def test_blockwise_wgrad_adds_into_main_grad_across_micro_batches(kernels):
     assert w.grad is None
     assert rel_err(main_grad - 0.5, expected - 0.5) < KERNEL_TOLERANCE
     assert (main_grad[UNEVEN.index(0)] == 0.5).all()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("counts", [UNEVEN, [128, 0, 256, 384]], ids=["uneven", "aligned"])
+def test_deepgemm_wgrad_is_the_same_whichever_flattening_lays_out_its_operands(counts, graph, monkeypatch):
+    """BlockwiseGroupedMM on DeepGEMM's contract with wgrad_flatten compiled (its gather run eagerly, or as the
+    Inductor graph) against the per-expert copies: output, input gradient, weight gradient and a main_grad
+    accumulation bit for bit; the gather lays out both wgrad operands of each backward."""
+    gathers = []
+    gather = deepgemm._gather_k_grouped.compiled if graph else deepgemm._gather_k_grouped
+
+    def counted(*args):
+        gathers.append(args[0].shape)
+        return gather(*args)
+
+    monkeypatch.setattr(deepgemm, "_gather_k_grouped", counted)
+    results = {}
+    for flatten in WGRAD_FLATTENS:
+        x, w, offsets = _problem(counts, extra_rows=5)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        kernels = DeepGemmKernels(ContractDeepGemm(), wgrad_flatten=flatten)
+        y = BlockwiseGroupedMM.apply(x, w, offsets, kernels)
+        grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        y.backward(grad_y)
+        main_grad = torch.full(w.shape, 0.5)
+        BlockwiseGroupedMM.apply(x.detach(), w, offsets, kernels, False, main_grad).backward(grad_y)
+        results[flatten] = (y.detach(), x.grad, w.grad, main_grad)
+    assert len(gathers) == 4 and {shape[0] for shape in gathers} == {256, 640}  # grad_y^T [N, T] and x^T [K, T]
+    for name, copied, gathered in zip(("y", "x.grad", "w.grad", "main_grad"), *results.values(), strict=True):
+        assert torch.equal(copied, gathered), name
+    assert results["copies"][2].abs().sum() > 0
 
 
 def test_a_k_grouped_gemm_refuses_a_buffer_it_cannot_add_into():
@@ -1140,6 +1232,58 @@ def test_fp8_dispatch_flows_from_the_command_line_to_the_experts():
             _backend_options(cfg, plan, micro_batches=1)
     with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.fp8_dispatch \(the plain MoE's FP8 "):
         from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise", "grouped_fp8.fp8_dispatch": True})
+
+
+def test_wgrad_flatten_flows_from_the_command_line_to_deepgemm_s_kernels(monkeypatch):
+    """--grouped-fp8.wgrad-flatten compiled reaches grouped_fp8's constructor through the trainer's backend options,
+    and the DeepGEMM kernels of the converted experts (DeepGEMM's contract standing in) lay out their wgrad operands
+    by the compiled gather, the conversion notes saying so; a plan whose experts are not blockwise on grouped_fp8 is
+    refused before the assembly, and the Megatron path refuses the option."""
+    from fp8stack.config import ConfigError, from_overrides
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    monkeypatch.setattr(deepgemm, "load", lambda: (ContractDeepGemm(), ""))
+    cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.wgrad-flatten",
+               "compiled")
+    assert cfg.grouped_fp8.wgrad_flatten == "compiled" and _job().grouped_fp8.wgrad_flatten == "copies"
+    model = build_model(cfg, torch.device("cpu"))
+    plan = build_plan(cfg, model)
+    options = _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"]
+    assert options == {"wgrad_flatten": "compiled", "cache_fp8_weights": False}
+    model, record = GroupedFP8Backend(**options).convert(model, plan.for_backend("grouped_fp8"), plan)
+    kernels = [model.layers[i].moe.experts.blockwise_kernels for i in (1, 2, 3)]
+    assert all(k.flatten_k_grouped is deepgemm.flatten_k_grouped_compiled for k in kernels)
+    assert "wgrad_flatten compiled: DeepGEMM's K-grouped wgrad operands laid out by one compiled gather each, not a " \
+           "copy per expert" in record.notes
+    cfg = _job("--fp8-recipe", "rowwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.wgrad-flatten", "compiled")
+    plan = build_plan(cfg, build_model(cfg, torch.device("cpu")))
+    with pytest.raises(ConfigError, match="runs its experts on grouped_fp8/rowwise: pass --fp8-recipe blockwise "
+                                          "--expert-backend grouped_fp8, or drop --grouped-fp8.wgrad-flatten"):
+        _backend_options(cfg, plan, micro_batches=1)
+    with pytest.raises(ConfigError, match=r"megatron does not take grouped_fp8.wgrad_flatten \(grouped_fp8's DeepGEMM"):
+        from_overrides({"model.impl": "megatron", "precision.recipe": "blockwise",
+                        "grouped_fp8.wgrad_flatten": "compiled"})
+
+
+def test_wgrad_flatten_compiled_is_refused_or_noted_where_deepgemm_does_not_run_the_experts(monkeypatch):
+    """An unknown value and kernels torch are refused at construction; a plan without blockwise experts before any
+    swap; where auto falls back to torch's kernels (no DeepGEMM) the option does nothing, and the notes say why."""
+    with pytest.raises(ValueError, match="wgrad_flatten='gather': use one of copies, compiled"):
+        GroupedFP8Backend(wgrad_flatten="gather")
+    with pytest.raises(ValueError, match="kernels=torch runs torch's scaled_mm per expert: use kernels deepgemm"):
+        GroupedFP8Backend(kernels="torch", wgrad_flatten="compiled")
+    model, plan = _tiny_moe_and_plan(recipe="rowwise", fp8_format="e4m3")
+    with pytest.raises(PlanError, match="gives grouped_fp8 none: plan the experts blockwise .* or use wgrad_flatten "
+                                        "copies"):
+        GroupedFP8Backend(wgrad_flatten="compiled").convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert type(model.layers[1].moe.experts) is GroupedExperts
+    monkeypatch.setattr(deepgemm, "load", lambda: (None, "deep_gemm is not importable (test)"))
+    model, plan = _tiny_moe_and_plan()
+    _, record = GroupedFP8Backend(wgrad_flatten="compiled").convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert isinstance(model.layers[1].moe.experts.blockwise_kernels, TorchBlockwiseKernels)
+    assert "wgrad_flatten compiled: no effect, the blockwise GEMMs run on torch scaled_mm per expert (deep_gemm is " \
+           "not importable (test)), which slice each expert's operands themselves" in record.notes
 
 
 # ---- quantizer te: TE's Float8BlockQuantizer for the activations and gradients -----------------------------

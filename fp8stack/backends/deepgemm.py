@@ -12,13 +12,16 @@ DeepGEMM moves the FP32 scales into its TMA-aligned layout itself (transform_sf_
 """
 
 import importlib
+import itertools
 import math
 import os
 import sys
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
+from fp8stack.backends import fp8_quant
 from fp8stack.backends.base import BackendUnavailable
 from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, new_or_into
 
@@ -73,25 +76,64 @@ def host_ints_on(values: list, device: torch.device, dtype: torch.dtype = torch.
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+def _in_words(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    """(data [dim, tokens] as the units it is moved in, elements per unit): 8-byte words where it is contiguous and the
+    token count and every group's are whole words (DeepGEMM's groups are 128-token multiples), else its elements,
+    1-byte ones as bytes: torch copies a strided FP8 tensor one byte per element, ~8x slower than in words."""
+    per_word = 8 // data.element_size()
+    if per_word > 1 and data.is_contiguous() and all(n % per_word == 0 for n in (data.shape[1], *counts)):
+        return data.view(torch.int64), per_word
+    return (data.view(torch.uint8) if data.element_size() == 1 else data), 1
+
+
 def flatten_k_grouped(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
     """[dim, tokens] -> 1-D: expert by expert, its [dim, expert_tokens] block, K (tokens) innermost.
-    Each block is copied straight into place, in 8-byte words where the token counts allow it (DeepGEMM's groups
-    are 128-token multiples): torch copies a strided FP8 tensor one byte per element, ~8x slower. One index_select
-    of 128-byte pieces for all blocks at once ran several times longer on an H200 than these copies together
-    (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-gather-h200, its gather kernels)."""
-    dim, tokens = data.shape
+    Each block is copied straight into place, one copy per expert, in 8-byte words where the counts allow (_in_words).
+    One index_select of 128-byte pieces for all blocks at once ran several times longer on an H200 than these copies
+    together (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-gather-h200, its gather kernels)."""
+    dim = data.shape[0]
     out = data.new_empty(dim * sum(counts))
-    per_word = max(1, 8 // data.element_size())
-    if data.is_contiguous() and all(n % per_word == 0 for n in (tokens, *counts)):
-        source, target = data.view(torch.int64), out.view(torch.int64)
-    else:
-        source, target, per_word = data, out, 1
+    source, per_word = _in_words(data, counts)
+    target = out.view(source.dtype)
     start = 0
     for count in counts:
         words, first = count // per_word, start // per_word
         target[dim * first:dim * (first + words)].view(dim, words).copy_(source[:, first:first + words])
         start += count
     return out
+
+
+@fp8_quant.fused(dynamic_dims=(0, 1))
+def _gather_k_grouped(source: torch.Tensor, ends: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [dim * ends[-1]] <- source [dim, units] in the K-grouped layout, groups ending at `ends` (int64 [E],
+    cumulative units): each position's source element computed from the group ends, no index tensor read. Every size
+    is dynamic, so new group sizes and either operand's dim reuse one compiled kernel."""
+    dim = source.shape[0]
+    position = torch.arange(out.shape[0], device=out.device)
+    # Expert e's block fills out[dim * start_e:dim * end_e], so position // dim lies in [start_e, end_e).
+    expert = torch.searchsorted(ends, position // dim, right=True)
+    start = F.pad(ends[:-1], (1, 0))[expert]
+    # At least 1 at every position; the clamp is for the lanes past the end that Inductor's vectorised CPU kernels
+    # divide too (uninitialised: a zero raises ZeroDivisionError there).
+    count = (ends[expert] - start).clamp_min(1)
+    local = position - dim * start
+    return out.copy_(source[local // count, start + local % count])
+
+
+def flatten_k_grouped_compiled(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """flatten_k_grouped's bytes from one compiled gather (on CUDA; eager elsewhere) instead of a copy per expert,
+    each copy launched from the host: a host-bound step's GPU idles between them (GroupedFP8Config.wgrad_flatten
+    names the profiles). The group ends reach the device without a host sync (host_ints_on)."""
+    source, per_word = _in_words(data, counts)
+    out = source.new_empty(data.shape[0] * sum(counts) // per_word)
+    if out.numel():  # a zero size would be a compiled graph of its own, for nothing to move
+        ends = host_ints_on(list(itertools.accumulate(count // per_word for count in counts)), data.device)
+        _gather_k_grouped(source, ends, out)
+    return out.view(data.dtype)
+
+
+WGRAD_FLATTENERS = {"copies": flatten_k_grouped, "compiled": flatten_k_grouped_compiled}
+"""grouped_fp8's wgrad_flatten choices (plan.recipes.WGRAD_FLATTENS): what lays out the K-grouped wgrad's operands."""
 
 
 TMA_ALIGNED_FP32 = 4
@@ -123,7 +165,12 @@ class DeepGemmKernels:
                     "once (DeepGEMM's K-grouped wgrad takes them as a Python list): capture the forward only, or "
                     "use recipe rowwise for a capturable training step")
 
-    def __init__(self, library: ModuleType | None = None):
+    def __init__(self, library: ModuleType | None = None, wgrad_flatten: str = "copies"):
+        if wgrad_flatten not in WGRAD_FLATTENERS:
+            raise ValueError(f"DeepGEMM wgrad_flatten={wgrad_flatten!r}: use one of {', '.join(WGRAD_FLATTENERS)}")
+        self.wgrad_flatten = wgrad_flatten
+        """What lays out the K-grouped wgrad's operands: copies (one per expert) or compiled (one gather each)."""
+        self.flatten_k_grouped = WGRAD_FLATTENERS[wgrad_flatten]
         if library is None:
             library, why = load()
             if library is None:
@@ -158,6 +205,6 @@ class DeepGemmKernels:
         tiles = sum(ks) // BLOCK
         a_scale, b_scale = mn_major_scales(a.scale[:, :tiles]), mn_major_scales(b.scale[:, :tiles])
         self.k_grouped_gemm(
-            (flatten_k_grouped(a.data, ks), a_scale), (flatten_k_grouped(b.data, ks), b_scale), out, ks,
+            (self.flatten_k_grouped(a.data, ks), a_scale), (self.flatten_k_grouped(b.data, ks), b_scale), out, ks,
             host_ints_on(ks, a.data.device, torch.int32), out, recipe=(1, 1, BLOCK))
         return out

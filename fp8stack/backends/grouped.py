@@ -55,7 +55,7 @@ from fp8stack.backends.blockwise import BLOCK, Fp8Tensor, group_counts, new_or_i
 from fp8stack.backends.fp8_quant import TOKEN_CHUNK
 from fp8stack.models.moe import GroupedExperts, main_grad_now
 from fp8stack.plan import Decision, Plan, PlanError
-from fp8stack.plan.recipes import BF16, EXPERT_QUANTIZERS
+from fp8stack.plan.recipes import BF16, EXPERT_QUANTIZERS, WGRAD_FLATTENS
 
 RECIPE_ALIGNMENT = {"blockwise": BLOCK, "rowwise": TOKEN_CHUNK, "rowwise_gw_hp": TOKEN_CHUNK}
 """Expert recipes this backend runs, and what both weight dims (and expert row groups) must be multiples of:
@@ -674,6 +674,11 @@ class GroupedFP8Backend(Backend):
     while a CUDA graph is captured, off under fully_shard (before_fully_shard says why); the rowwise recipes quantize
     their weights at every forward. Measured faster on one H200 (the runs: GroupedFP8Config.cache_fp8_weights in
     fp8stack.config)."""
+    wgrad_flatten: str = "copies"
+    """What lays out the blockwise wgrad GEMM's operands on DeepGEMM (K-grouped, expert by expert): copies (one per
+    expert, launched from the host) or compiled (one compiled gather per operand, deepgemm.flatten_k_grouped_compiled);
+    the same bytes. copies until a GPU measures compiled faster (GroupedFP8Config.wgrad_flatten in fp8stack.config
+    names the profiles)."""
 
     name = "grouped_fp8"
 
@@ -682,6 +687,13 @@ class GroupedFP8Backend(Backend):
             raise ValueError(f"grouped_fp8 kernels={self.kernels!r}: use one of {', '.join(KERNEL_CHOICES)}")
         if self.quantizer not in EXPERT_QUANTIZERS:
             raise ValueError(f"grouped_fp8 quantizer={self.quantizer!r}: use one of {', '.join(EXPERT_QUANTIZERS)}")
+        if self.wgrad_flatten not in WGRAD_FLATTENS:
+            raise ValueError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten!r}: use one of "
+                             f"{', '.join(WGRAD_FLATTENS)}")
+        if self.wgrad_flatten != "copies" and self.kernels == "torch":
+            raise ValueError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten} lays out DeepGEMM's wgrad operands, and "
+                             "kernels=torch runs torch's scaled_mm per expert: use kernels deepgemm (or auto with "
+                             "DeepGEMM installed), or wgrad_flatten copies")
         if self.quantizer == "te" and self.kernels == "torch":
             raise ValueError("grouped_fp8 quantizer=te lays TE's operands out for DeepGEMM, and kernels=torch runs "
                              "torch's scaled_mm: use kernels deepgemm (or auto with DeepGEMM installed), or quantizer "
@@ -728,6 +740,7 @@ class GroupedFP8Backend(Backend):
         rowwise_kernels = TorchRowwiseKernels() if used - {"blockwise"} else None
         quantizer, quantizer_notes = self._blockwise_quantizer(blockwise_kernels, without_deepgemm)
         dispatch_notes = self._dispatch_notes(recipes)
+        flatten_notes = self._wgrad_flatten_notes(blockwise_kernels, without_deepgemm)
         for module_fqn, gemm_recipes in recipes.items():
             new = Float8GroupedExperts.from_experts(model.get_submodule(module_fqn), gemm_recipes,
                                                     blockwise_kernels, rowwise_kernels, self.fp8_dispatch, quantizer,
@@ -740,7 +753,7 @@ class GroupedFP8Backend(Backend):
         record = ConversionRecord(backend=self.name, recipe=",".join(sorted(used)),
                                   converted={d.fqn: Float8GroupedExperts.__name__ for d in decisions},
                                   notes=_notes(plan, blockwise_kernels, rowwise_kernels, without_deepgemm)
-                                  + dispatch_notes + quantizer_notes + cache_notes if used else [])
+                                  + dispatch_notes + quantizer_notes + flatten_notes + cache_notes if used else [])
         return model, record
 
     def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None) -> list[str]:
@@ -800,6 +813,20 @@ class GroupedFP8Backend(Backend):
                          + " keep the BF16 dispatch: the FP8 rows feed a blockwise w13 only")
         return notes
 
+    def _wgrad_flatten_notes(self, blockwise_kernels, without_deepgemm: str) -> list[str]:
+        """What wgrad_flatten compiled does to the plan's blockwise experts; a PlanError when the plan has none."""
+        if self.wgrad_flatten == "copies":
+            return []
+        if blockwise_kernels is None:
+            raise PlanError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten} lays out blockwise expert GEMMs' wgrad "
+                            "operands, and this plan gives grouped_fp8 none: plan the experts blockwise "
+                            "(--fp8-recipe blockwise --expert-backend grouped_fp8), or use wgrad_flatten copies")
+        if not isinstance(blockwise_kernels, deepgemm.DeepGemmKernels):
+            return [f"wgrad_flatten {self.wgrad_flatten}: no effect, the blockwise GEMMs run on "
+                    f"{blockwise_kernels.name} ({without_deepgemm}), which slice each expert's operands themselves"]
+        return [f"wgrad_flatten {self.wgrad_flatten}: DeepGEMM's K-grouped wgrad operands laid out by one compiled "
+                "gather each, not a copy per expert"]
+
     def _blockwise_kernels(self) -> tuple:
         """(the blockwise kernels, why DeepGEMM is not among them when auto fell back to torch's, else '')."""
         if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
@@ -810,7 +837,8 @@ class GroupedFP8Backend(Backend):
         library, why = deepgemm.load()
         if library is None and self.kernels == "auto":
             return TorchBlockwiseKernels(), why
-        return deepgemm.DeepGemmKernels(library), ""  # kernels deepgemm without it: BackendUnavailable naming why
+        # kernels deepgemm without it: BackendUnavailable naming why
+        return deepgemm.DeepGemmKernels(library, self.wgrad_flatten), ""
 
 
 TE_QUANTIZER_EVIDENCE = "profiles/runs/2026-11-28-backends-moe-medium-quantizers-h200"

@@ -6,10 +6,11 @@ aligned (what GroupedExperts under MoE hands it: no row moves) and through the p
 steps also with the weight gradient added into an FP32 main_grad (as fp8stack's training runs them), the FP8 one
 also with the weight's FP8 blocks and their transpose cached (grouped_fp8's cache_fp8_weights: what a step's later
 micro-batches run), then each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand
-flattening its kernel needs), the quantizers and unpaddings of both paths, and the main_grad FP8 step's CUDA kernels
+flattening its kernel needs), the quantizers and unpaddings of both paths, on DeepGEMM that flattening alone both ways
+(a copy per expert, one compiled gather: grouped_fp8's wgrad_flatten), and the main_grad FP8 step's CUDA kernels
 by time. Writes profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te:
 activations and gradients quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on
-its operands).
+its operands; -compiled-wgrad-flatten with --wgrad-flatten compiled: every step and GEMM flattening by the gather).
 
 With --moe, one whole MoE layer instead (router, permutation, SwiGLU experts, weighted combine; experts x tokens /
 top_k tokens): forward + backward with BF16 experts, blockwise experts on the BF16 dispatch and on the FP8 dispatch
@@ -25,13 +26,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fp8stack.backends import deepgemm, fp8_quant, te_quant
+from fp8stack.backends.blockwise import Fp8Tensor
 from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM, Float8GroupedExperts,
                                        TokenGroupPadding, TorchBlockwiseKernels, UNCACHED, WeightBlocks)
 from fp8stack.bench.backends import time_steps
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.models.moe import GroupedMMIntoMainGrad, MoE, MoEConfig, permute
 
-KERNELS = {"deepgemm": deepgemm.DeepGemmKernels, "torch": TorchBlockwiseKernels}
+KERNELS = ("deepgemm", "torch")
 QUANTIZERS = {"inductor": lambda: INDUCTOR_QUANTIZER, "te": te_quant.TEBlockQuantizer}
 """grouped_fp8's quantizer option: who quantizes the activations and gradients in 1x128 tiles."""
 BLOCKWISE = {"w13": "blockwise", "w2": "blockwise"}
@@ -44,9 +46,12 @@ def median_ms(fn, grads_of: list[torch.Tensor], iters: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", choices=tuple(KERNELS), default="deepgemm")
+    parser.add_argument("--kernels", choices=KERNELS, default="deepgemm")
     parser.add_argument("--quantizer", choices=tuple(QUANTIZERS), default="inductor",
                         help="who quantizes activations and gradients (grouped_fp8's quantizer; te: DeepGEMM only)")
+    parser.add_argument("--wgrad-flatten", choices=tuple(deepgemm.WGRAD_FLATTENERS), default="copies",
+                        help="what lays out DeepGEMM's wgrad operands in the timed steps and wgrad GEMM "
+                        "(grouped_fp8's wgrad_flatten); the parts time both layouts alone")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per expert")
     parser.add_argument("--dim", type=int, default=7168, help="D, the GEMM's reduction dim")
@@ -64,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quantizer == "te" and args.kernels != "deepgemm":
         parser.error("--quantizer te lays TE's operands out for DeepGEMM: use --kernels deepgemm")
+    if args.wgrad_flatten != "copies" and args.kernels != "deepgemm":
+        parser.error(f"--wgrad-flatten {args.wgrad_flatten} lays out DeepGEMM's wgrad operands: use --kernels deepgemm")
     if not torch.cuda.is_available():
         print("fp8stack.bench.experts_breakdown needs a CUDA GPU: nothing was run")
         return 1
@@ -79,7 +86,7 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     w = (torch.randn(e, n, d, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     offsets = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * t
     grad = torch.randn(e * t, n, device="cuda", dtype=torch.bfloat16)
-    kernels, quantizer = KERNELS[args.kernels](), QUANTIZERS[args.quantizer]()
+    kernels, quantizer = blockwise_kernels(args), QUANTIZERS[args.quantizer]()
     groups = AlignedTokenGroups(offsets, e * t, kernels.row_alignment)
     padding = TokenGroupPadding.build(offsets, e * t, kernels.row_alignment)
     gemm_flop = 2 * e * t * d * n
@@ -105,6 +112,7 @@ def w13_breakdown(args: argparse.Namespace) -> int:
         "quantize grad, rows and columns, gathered": lambda: quantizer.quantize_both_1x128(padding, grad),
         "unpad y, aligned groups (the GEMM output as is, no kernel)": lambda: groups.unpad(y),
         "unpad y, gathered": lambda: padding.unpad(y_padded),
+        **(wgrad_layout_parts(grad_cols, x_cols, groups.counts) if args.kernels == "deepgemm" else {}),
     }
     timings = {name: median_ms(fn, [x, w] if name in steps else [], args.iters)
                for name, fn in {**steps, **parts}.items()}
@@ -123,7 +131,7 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     main_grad_ratio = timings[BF16_MAIN_GRAD_STEP] / timings[FP8_MAIN_GRAD_STEP]
     cached_ratio = timings[BF16_MAIN_GRAD_STEP] / timings[FP8_CACHED_WEIGHT_STEP]
     markdown = (f"Blockwise w13 at E={e} x {t} tokens, {d} -> {n}, kernels {kernels.name}, quantizer "
-                f"{quantizer.name}: forward + backward "
+                f"{quantizer.name}{_wgrad_layout(args)}: forward + backward "
                 f"{ratio:.3f}x the BF16 grouped GEMM's speed on aligned groups (as GroupedExperts under MoE hands "
                 f"them), {gathered_ratio:.3f}x through the padding path's gathers; {main_grad_ratio:.3f}x with the "
                 "weight gradients added into an FP32 main_grad, as fp8stack's training runs both (master weights); "
@@ -133,7 +141,8 @@ def w13_breakdown(args: argparse.Namespace) -> int:
                 + f"\nCUDA kernels of one '{FP8_MAIN_GRAD_STEP}' (mean of 3):\n\n"
                 + markdown_table(["kernel", "ms per step", "calls per step"], kernel_rows))
     payload = {"shape": {"experts": e, "tokens_per_expert": t, "dim": d, "out_features": n},
-               "kernels": kernels.name, "quantizer": quantizer.name, "iters": args.iters, "ms": timings,
+               "kernels": kernels.name, "quantizer": quantizer.name, "wgrad_flatten": args.wgrad_flatten,
+               "iters": args.iters, "ms": timings,
                "fp8_over_bf16": ratio,
                "fp8_gathered_over_bf16": gathered_ratio,
                "fp8_over_bf16_into_main_grad": main_grad_ratio,
@@ -142,6 +151,29 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
     return 0
+
+
+def blockwise_kernels(args: argparse.Namespace):
+    """The blockwise GEMMs' kernels the options name: DeepGEMM's (laying out the wgrad operands as --wgrad-flatten
+    says) or torch's."""
+    if args.kernels == "deepgemm":
+        return deepgemm.DeepGemmKernels(wgrad_flatten=args.wgrad_flatten)
+    return TorchBlockwiseKernels()
+
+
+def _wgrad_layout(args: argparse.Namespace) -> str:
+    """What lays out the wgrad operands, for the evidence's first line: DeepGEMM's kernels only take them laid out."""
+    return f", wgrad operands laid out by {args.wgrad_flatten}" if args.kernels == "deepgemm" else ""
+
+
+def wgrad_layout_parts(a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> dict:
+    """DeepGEMM's wgrad operands (a [M, T], b [N, T], as k_grouped takes them) laid out K-grouped both ways
+    grouped_fp8's wgrad_flatten offers, whatever the run's --wgrad-flatten: the choice timed in one run."""
+    def both(flatten):
+        return lambda: (flatten(a.data, counts), flatten(b.data, counts))
+
+    return {"wgrad operands' layout: a copy per expert": both(deepgemm.flatten_k_grouped),
+            "wgrad operands' layout: one compiled gather": both(deepgemm.flatten_k_grouped_compiled)}
 
 
 BF16_MAIN_GRAD_STEP = "bf16 step, wgrad into main_grad"
@@ -175,7 +207,7 @@ def moe_breakdown(args: argparse.Namespace) -> int:
     e, top_k, d, f = args.experts, args.top_k, args.dim, args.out_features // 2
     tokens = e * args.tokens // top_k
     moe = _moe_layer(e, top_k, d, f)
-    kernels, quantizer = KERNELS[args.kernels](), QUANTIZERS[args.quantizer]()
+    kernels, quantizer = blockwise_kernels(args), QUANTIZERS[args.quantizer]()
     dispatches = {"blockwise, BF16 dispatch": False, "blockwise, FP8 dispatch": True}
     variants = {"bf16 experts": moe.experts,
                 **{name: Float8GroupedExperts.from_experts(moe.experts, BLOCKWISE, kernels, None, fp8_dispatch,
@@ -198,15 +230,15 @@ def moe_breakdown(args: argparse.Namespace) -> int:
              for name, r in rows.items()]
     fp8_over_bf16_dispatch = rows["blockwise, BF16 dispatch"]["ms"] / rows["blockwise, FP8 dispatch"]["ms"]
     markdown = (f"MoE layer, {tokens} tokens top-{top_k} of E={e} experts, D={d}, F={f}, kernels {kernels.name}, "
-                f"quantizer {quantizer.name}"
+                f"quantizer {quantizer.name}{_wgrad_layout(args)}"
                 f"{', compiled' if args.compile else ''}: forward + backward with the FP8 dispatch "
                 f"{fp8_over_bf16_dispatch:.3f}x the BF16 dispatch's speed (blockwise experts both).\n\n"
                 + markdown_table(["experts", "ms", "vs bf16", "MiB held for backward", "MiB peak"], table)
                 + "\nThe dispatches' parts alone:\n\n"
                 + markdown_table(["part", "ms"], [[name, round(ms, 4)] for name, ms in parts.items()]))
     payload = {"shape": {"experts": e, "top_k": top_k, "tokens": tokens, "dim": d, "expert_ffn": f},
-               "kernels": kernels.name, "quantizer": quantizer.name, "compiled": args.compile, "iters": args.iters,
-               "variants": rows,
+               "kernels": kernels.name, "quantizer": quantizer.name, "wgrad_flatten": args.wgrad_flatten,
+               "compiled": args.compile, "iters": args.iters, "variants": rows,
                "parts_ms": parts, "fp8_dispatch_over_bf16_dispatch": fp8_over_bf16_dispatch}
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
@@ -217,8 +249,9 @@ def evidence_stem(kind: str, args: argparse.Namespace) -> str:
     """'<kind>-<kernels>-<device>', marked with the options that differ from the defaults and the label."""
     compiled = "-compiled" if kind == "moe-dispatch" and args.compile else ""
     quantizer = "" if args.quantizer == "inductor" else f"-{args.quantizer}-quantizer"
+    flatten = "" if args.wgrad_flatten == "copies" else f"-{args.wgrad_flatten}-wgrad-flatten"
     label = f"-{args.label}" if args.label else ""
-    return f"{kind}-{args.kernels}-{device_slug()}{compiled}{quantizer}{label}"
+    return f"{kind}-{args.kernels}-{device_slug()}{compiled}{quantizer}{flatten}{label}"
 
 
 def _moe_layer(experts: int, top_k: int, dim: int, ffn: int) -> MoE:

@@ -27,7 +27,7 @@ from fp8stack.plan.description import CONFIGS_DIR
 from fp8stack.plan.expert_speeds import GROUPED_KERNELS
 from fp8stack.plan.policy import SMALL_GEMM_CHOICES, Override
 from fp8stack.plan.recipes import (BACKEND_PREFERENCES, BF16, BLOCKWISE_GEMMS, EXPERT_BACKENDS, EXPERT_QUANTIZERS,
-                                   FP8_FORMATS, PARAM_DTYPES, RECIPES, parse_arch, recipe_name)
+                                   FP8_FORMATS, PARAM_DTYPES, RECIPES, WGRAD_FLATTENS, parse_arch, recipe_name)
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.impl": MODEL_IMPLS,
@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.grouped_kernels": GROUPED_KERNELS,
     "te.blockwise_gemms": BLOCKWISE_GEMMS,
     "grouped_fp8.quantizer": EXPERT_QUANTIZERS,
+    "grouped_fp8.wgrad_flatten": WGRAD_FLATTENS,
     "training.device": DEVICES,
     "training.dtype": ACTIVATION_DTYPES,
     "training.param_dtype": PARAM_DTYPES,

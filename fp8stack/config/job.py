@@ -12,8 +12,8 @@ import importlib.util
 import os
 
 from fp8stack.plan import PolicyConfig
-from fp8stack.plan.recipes import (BLOCKWISE_GEMMS, EXPERT_QUANTIZERS, MEGATRON_RECIPES, PARAM_DTYPES, get_recipe,
-                                   is_fp8)
+from fp8stack.plan.recipes import (BLOCKWISE_GEMMS, EXPERT_QUANTIZERS, MEGATRON_RECIPES, PARAM_DTYPES, WGRAD_FLATTENS,
+                                   get_recipe, is_fp8)
 
 MODEL_IMPLS = ("torch", "megatron")
 """How the model is built: the plain-torch Llama through assemble, or a megatron-core GPTModel."""
@@ -145,9 +145,21 @@ class GroupedFP8Config:
     expert weight element); off under FSDP2. Measured faster on one H200, whole model and expert block
     (profiles/runs/2026-11-28-ab-deepseek-moe-medium-moe-cache-h200 against -moe-nocache-, and
     2026-11-28-experts-breakdown-deepgemm-h200-te-quantizer-cache)."""
+    wgrad_flatten: str = "copies"
+    """How the blockwise experts' weight-gradient GEMM on DeepGEMM gets its two operands in the K-grouped layout (each
+    expert's [dim, tokens] block, tokens innermost, expert after expert): copies, one copy per expert launched from the
+    host (2 x E per GEMM), or compiled, one inductor-compiled gather per operand whose source positions are computed on
+    the GPU from the group ends; the same bytes. On one H200 the gaps between the copies were the largest source of
+    GPU idle time in a host-bound MoE step (profiles/runs/2026-11-28-profile-deepseek-moe-small-loss-gate-mixed-h200),
+    and the copies many kernels a step at a larger shape
+    (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-copies-h200); one index_select over a built index ran
+    slower (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-gather-h200). copies until a GPU measures
+    compiled faster: python -m fp8stack.bench.experts_breakdown times both. Needs the plan's blockwise experts on
+    grouped_fp8 (recipe blockwise, --expert-backend grouped_fp8), on DeepGEMM."""
 
     def validate(self) -> None:
         _choose("grouped_fp8.quantizer", self.quantizer, EXPERT_QUANTIZERS)
+        _choose("grouped_fp8.wgrad_flatten", self.wgrad_flatten, WGRAD_FLATTENS)
 
 
 @dataclass
@@ -562,6 +574,9 @@ def _check_megatron(job: JobConfig) -> None:
                   "grouped_fp8.quantizer": (job.grouped_fp8.quantizer != "auto",
                                             "grouped_fp8's expert quantizer (megatron's experts are TE "
                                             "GroupedLinear, quantized by TE already)"),
+                  "grouped_fp8.wgrad_flatten": (job.grouped_fp8.wgrad_flatten != "copies",
+                                                "grouped_fp8's DeepGEMM wgrad operands (megatron's experts are TE "
+                                                "GroupedLinear)"),
                   "te.local_amax": (job.te.local_amax is not None, "the plain path's TE scaling state (megatron "
                                                                      "reduces amaxes over its own groups)"),
                   "te.cache_fp8_weights false": (not job.te.cache_fp8_weights,

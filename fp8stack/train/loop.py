@@ -436,12 +436,15 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str
 
 
 def _grouped_fp8_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict:
-    """fp8_dispatch and quantizer where grouped_fp8.fp8_dispatch and grouped_fp8.quantizer ask for them, refused
+    """fp8_dispatch, quantizer and wgrad_flatten where grouped_fp8's fields ask for them off their defaults, refused
     before the assembly when the plan runs no blockwise expert GEMM on grouped_fp8 (the experts the plan put on TE or
-    kept BF16 take no FP8 rows and no quantizer of grouped_fp8's); and, where the plan has experts on grouped_fp8,
-    cache_fp8_weights: on with grouped_fp8.cache_fp8_weights and more than one micro-batch per step, as TE's."""
-    options = {**({"fp8_dispatch": True} if cfg.grouped_fp8.fp8_dispatch else {}),
-               **({"quantizer": cfg.grouped_fp8.quantizer} if cfg.grouped_fp8.quantizer != "auto" else {})}
+    kept BF16 take no FP8 rows, no quantizer and no wgrad operands of grouped_fp8's); and, where the plan has experts
+    on grouped_fp8, cache_fp8_weights: on with grouped_fp8.cache_fp8_weights and more than one micro-batch per step,
+    as TE's."""
+    grouped = cfg.grouped_fp8
+    options = {**({"fp8_dispatch": True} if grouped.fp8_dispatch else {}),
+               **({"quantizer": grouped.quantizer} if grouped.quantizer != "auto" else {}),
+               **({"wgrad_flatten": grouped.wgrad_flatten} if grouped.wgrad_flatten != "copies" else {})}
     if options and not any(get_recipe(d.recipe).fp8_dispatch for d in plan.for_backend("grouped_fp8")):
         expert_paths = sorted({f"{d.backend}/{d.recipe}" for d in plan.decisions if d.component.kind == "expert"})
         flags = " and ".join(f"--grouped-fp8.{name.replace('_', '-')}" for name in options)
@@ -450,7 +453,7 @@ def _grouped_fp8_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict
                           f"{', '.join(expert_paths) or 'nothing (no MoE)'}: pass --fp8-recipe blockwise "
                           f"--expert-backend grouped_fp8, or drop {flags}")
     if plan.for_backend("grouped_fp8"):
-        options["cache_fp8_weights"] = cfg.grouped_fp8.cache_fp8_weights and micro_batches > 1
+        options["cache_fp8_weights"] = grouped.cache_fp8_weights and micro_batches > 1
     return options
 
 
