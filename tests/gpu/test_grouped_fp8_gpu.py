@@ -424,6 +424,25 @@ def _kernels_or_skip(kernels: str) -> str:
     return kernels
 
 
+def _train_three_steps(moe, after_step=None) -> tuple[list[float], list[torch.Tensor]]:
+    """(losses, parameters) of three fused-AdamW steps of two micro-batches of seeded random tokens; after_step runs
+    after each step's zero_grad."""
+    optimizer = torch.optim.AdamW(moe.parameters(), lr=1e-3, fused=True)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    losses = []
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(1024, 1024, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+            loss = moe(x).float().square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step()
+    return losses, [p.detach().clone() for p in moe.parameters()]
+
+
 @pytest.mark.parametrize("kernels", ["torch", "deepgemm"])
 @pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["bf16-dispatch", "fp8-dispatch"])
 def test_cached_fp8_weights_train_as_uncached_bit_for_bit(kernels, fp8_dispatch):
@@ -435,21 +454,12 @@ def test_cached_fp8_weights_train_as_uncached_bit_for_bit(kernels, fp8_dispatch)
 
     def train(variant: str) -> tuple[list[float], list[torch.Tensor]]:
         moe = _moe_layer(kernels, fp8_dispatch, cache_fp8_weights=variant != "uncached")
-        optimizer = torch.optim.AdamW(moe.parameters(), lr=1e-3, fused=True)
-        generator = torch.Generator(device="cuda").manual_seed(1)
-        losses = []
-        for _ in range(3):
-            for _ in range(2):
-                x = torch.randn(1024, 1024, device=DEVICE, dtype=torch.bfloat16, generator=generator)
-                loss = moe(x).float().square().mean()
-                loss.backward()
-                losses.append(loss.item())
-            optimizer.step()
-            optimizer.zero_grad()
-            if variant == "stale":
-                for gemm, blocks in moe.experts.weight_blocks.items():
-                    blocks._made_at = (optimizer_steps(), getattr(moe.experts, gemm)._version)
-        return losses, [p.detach().clone() for p in moe.parameters()]
+
+        def take_cache_for_current():
+            for gemm, blocks in moe.experts.weight_blocks.items():
+                blocks._made_at = (optimizer_steps(), getattr(moe.experts, gemm)._version)
+
+        return _train_three_steps(moe, after_step=take_cache_for_current if variant == "stale" else None)
 
     uncached, again, cached, stale = (train(v) for v in ("uncached", "uncached", "cached", "stale"))
     assert again[0] == uncached[0], "the uncached run does not repeat itself: bit-for-bit comparisons cannot hold"
@@ -557,18 +567,7 @@ def test_blockwise_experts_train_as_with_the_copies_when_a_compiled_gather_lays_
     def train(wgrad_flatten: str) -> tuple[list[float], list[torch.Tensor]]:
         moe = _moe_layer("deepgemm", fp8_dispatch=False)
         moe.experts.blockwise_kernels = deepgemm.DeepGemmKernels(wgrad_flatten=wgrad_flatten)
-        optimizer = torch.optim.AdamW(moe.parameters(), lr=1e-3, fused=True)
-        generator = torch.Generator(device="cuda").manual_seed(1)
-        losses = []
-        for _ in range(3):
-            for _ in range(2):
-                x = torch.randn(1024, 1024, device=DEVICE, dtype=torch.bfloat16, generator=generator)
-                loss = moe(x).float().square().mean()
-                loss.backward()
-                losses.append(loss.item())
-            optimizer.step()
-            optimizer.zero_grad()
-        return losses, [p.detach().clone() for p in moe.parameters()]
+        return _train_three_steps(moe)
 
     copies, again, compiled = (train(flatten) for flatten in ("copies", "copies", "compiled"))
     assert again[0] == copies[0], "the copies' run does not repeat itself: bit-for-bit comparisons cannot hold"
