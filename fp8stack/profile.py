@@ -467,12 +467,12 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def _without_fp8(job: JobConfig) -> JobConfig:
     """The BF16 run a profile compares with: the same configuration under recipe bf16, BF16 parameters where the
-    profiled run's are FP8, without the FP8 runs' options (the BF16 dispatch and wgrad operand copies: no FP8
-    experts; no recipe file's overrides)."""
+    profiled run's are FP8, without the FP8 runs' options (no FP8 experts: grouped_fp8's options of blockwise experts
+    at their defaults; no recipe file's overrides)."""
     param_dtype = "bf16" if job.training.param_dtype == "fp8" else job.training.param_dtype
     return replace(job, precision=replace(job.precision, recipe=BF16, fp8_attention=False, overrides=()),
                    te=replace(job.te, delayed_margin=0, blockwise_gemms="te"),
-                   grouped_fp8=replace(job.grouped_fp8, fp8_dispatch=False, wgrad_flatten="copies"),
+                   grouped_fp8=job.grouped_fp8.without_blockwise_experts(),
                    training=replace(job.training, param_dtype=param_dtype))
 
 

@@ -493,8 +493,8 @@ def test_ab_subcommand_plugs_into_a_parser():
 
 
 def test_options_apply_to_every_arm_whose_plan_uses_them():
-    """A delayed-scaling margin goes to the recipes scaled from an amax history, the FP8 dispatch and the compiled wgrad
-    layout to those whose grouped experts run blockwise, TE weight-gradient fusion to the arms with TE layers (all of
+    """A delayed-scaling margin goes to the recipes scaled from an amax history, the FP8 dispatch, the compiled wgrad
+    layout and TE's expert quantizer to those whose grouped experts run blockwise, TE weight-gradient fusion to the arms with TE layers (all of
     megatron's); recompute and the plan's fusions go to every arm, the BF16 ones included."""
     margins = _arms("--fp8-margin", "1", recipes=("bf16", "tensorwise", "delayed"))
     assert [cfg.te.delayed_margin for cfg in margins.values()] == [0, 0, 1]
@@ -510,6 +510,9 @@ def test_options_apply_to_every_arm_whose_plan_uses_them():
     mixed = _arms("--grouped-fp8.wgrad-flatten", "compiled", "--model", "tiny-moe", "--recipe-file",
                   "blockwise-experts-delayed-dense", recipes=("bf16", "delayed"))
     assert [cfg.grouped_fp8.wgrad_flatten for cfg in mixed.values()] == ["copies", "compiled"]
+    quantizer = _arms("--grouped-fp8.quantizer", "te", "--expert-backend", "grouped_fp8",
+                      recipes=("bf16", "rowwise", "blockwise"))
+    assert [cfg.grouped_fp8.quantizer for cfg in quantizer.values()] == ["auto", "auto", "te"]
     for impl, in_bf16 in (("torch", None), ("megatron", True)):  # the plain BF16 run has no TE layers to fuse
         arms = _arms("--gradient-accumulation-fusion", "--model-impl", impl, "--backend", "te")
         assert [cfg.te.gradient_accumulation_fusion for cfg in arms.values()] == [in_bf16, True]

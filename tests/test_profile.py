@@ -245,21 +245,23 @@ def test_fp8_parameters_are_profiled_against_bf16_ones(monkeypatch):
 
 def test_the_fp8_dispatch_is_profiled_against_the_bf16_dispatch(monkeypatch):
     """The bf16 run has no FP8 experts to dispatch to or lay out wgrad operands for (its plan would refuse the
-    options): it drops the FP8 dispatch and the compiled wgrad layout."""
+    options): it drops the FP8 dispatch, the compiled wgrad layout and TE's expert quantizer."""
     profiled = []
 
     class Stop(Exception):
         pass
 
     def record(cfg, warmup, steps):
-        profiled.append((cfg.precision.recipe, cfg.grouped_fp8.fp8_dispatch, cfg.grouped_fp8.wgrad_flatten))
+        profiled.append((cfg.precision.recipe, cfg.grouped_fp8.fp8_dispatch, cfg.grouped_fp8.wgrad_flatten,
+                         cfg.grouped_fp8.quantizer))
         raise Stop
 
     monkeypatch.setattr("fp8stack.profile.profile_run", record)
     with pytest.raises(Stop):
         main(["--model", "tiny-moe", "--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8",
-              "--grouped-fp8.fp8-dispatch", "--grouped-fp8.wgrad-flatten", "compiled", "--out-dir", "unused"])
-    assert profiled == [("bf16", False, "copies")]
+              "--grouped-fp8.fp8-dispatch", "--grouped-fp8.wgrad-flatten", "compiled", "--grouped-fp8.quantizer", "te",
+              "--out-dir", "unused"])
+    assert profiled == [("bf16", False, "copies", "auto")]
 
 
 def test_quantize_overhead_counts_fused_kernels_by_their_excess_over_bf16():

@@ -212,17 +212,14 @@ def _arm(base: JobConfig, recipe: str, backend: str, library: str, param_dtype: 
     fp8 = is_fp8(recipe)
     wgrad = base.te.gradient_accumulation_fusion
     fp8_recipes = [recipe, *(o.recipe for o in base.precision.overrides if o.recipe and is_fp8(o.recipe))]
-    # grouped_fp8's options of blockwise experts go to the arms that plan some; the others keep the defaults.
     blockwise_experts = fp8 and any(map(_dispatches_fp8, fp8_recipes))
-    grouped = base.grouped_fp8
     return replace(
         base, precision=replace(base.precision, recipe=recipe, backend=backend, fp8_attention=fp8_attention,
                                 overrides=base.precision.overrides if fp8 else ()),  # a BF16 arm is the plan without FP8
         te=replace(base.te, delayed_margin=base.te.delayed_margin if fp8 and get_recipe(recipe).scales_from_history
                    else 0, blockwise_gemms=library,
                    gradient_accumulation_fusion=wgrad if on_te or base.model.impl == "megatron" or not wgrad else None),
-        grouped_fp8=replace(grouped, fp8_dispatch=grouped.fp8_dispatch and blockwise_experts,
-                            wgrad_flatten=grouped.wgrad_flatten if blockwise_experts else "copies"),
+        grouped_fp8=base.grouped_fp8 if blockwise_experts else base.grouped_fp8.without_blockwise_experts(),
         training=replace(base.training, param_dtype=param_dtype),
         logging=replace(base.logging, interval=max(1, base.training.steps // 4)))
 

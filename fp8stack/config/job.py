@@ -6,7 +6,7 @@ whole into each run's evidence. Fields left None are chosen where the run starts
 what the machine runs (fp8stack.train.resolve), and the evidence records what they became.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import importlib.util
 import os
@@ -160,6 +160,13 @@ class GroupedFP8Config:
     def validate(self) -> None:
         _choose("grouped_fp8.quantizer", self.quantizer, EXPERT_QUANTIZERS)
         _choose("grouped_fp8.wgrad_flatten", self.wgrad_flatten, WGRAD_FLATTENS)
+
+    def without_blockwise_experts(self) -> "GroupedFP8Config":
+        """These options for a plan without blockwise experts on grouped_fp8 (an A/B's BF16 arm, a profile's BF16 run):
+        those that need such experts (which the plan would refuse) at their defaults, the others as they are."""
+        defaults = GroupedFP8Config()
+        return replace(self, fp8_dispatch=defaults.fp8_dispatch, quantizer=defaults.quantizer,
+                       wgrad_flatten=defaults.wgrad_flatten)
 
 
 @dataclass
