@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Stage the pinned FP8 stack for the GPU machine (../shared/gpu/stage.sh), then cut its TransformerEngine wheel into
 # 24 MiB parts and give small.tar a part of its own: each call carries one part plus this working tree, under the
-# device's 64 MiB per call while the tree stays under 40 MiB (32.4 MiB at 2026-11-28, growing with profiles/; the
-# 30 MiB parts had 1.6 MiB left then). receive.sh installs once every part has arrived, in any order, joining the
-# parts in name order. Prints the parts to send.
+# device's 64 MiB per call while the tracked tree stays under ~39.5 MiB (34.9 MiB at the end of 2026-11-28 with the
+# evidence JSON compacted, growing with profiles/: `git ls-files -z | xargs -0 du -cb | tail -1`; past that, split
+# smaller). receive.sh installs once every part has arrived, in any order, joining the parts in name order. Prints the
+# parts to send.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 bash ../shared/gpu/stage.sh > /dev/null
