@@ -120,7 +120,8 @@ def assemble(
     precompute_fp8_scales: let post_optimizer_step_hook compute those weights' scales in one
     all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
     fsdp_reshard_after_forward: free each block's gathered parameters after its forward (True), keep them until its
-    backward (False: one all-gather fewer per micro-batch, the gathered copy resident), or torch's default (None).
+    backward (False: one all-gather fewer per micro-batch, the gathered copy resident, and TE's FP8 weight cache kept:
+    TEBackend.before_fully_shard), or torch's default (None).
     backend_options: backend name -> constructor options. sdpa_backend: the kernel SDPA runs in this process from
     now on ('cudnn', 'flash', 'efficient'; runtime.attention; None leaves torch's choice) for the attention the plan
     keeps in BF16 (all of it unless fp8_attention), and cuDNN's is the fastest measured on Hopper.
@@ -390,7 +391,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     """fully_shard every block, then the root (embeddings, final norm and head go with the root).
 
     Before sharding, each backend readies what it converted (Backend.before_fully_shard: TE refuses fused wgrad
-    accumulation and drops its FP8 weight cache, with a note), and the FP32 initial values of weights held in FP8
+    accumulation and drops its FP8 weight cache, with a note, unless reshard_after_forward is False; after, its
+    after_fully_shard), and the FP32 initial values of weights held in FP8
     only are taken into the assembly state by parameter name (fully_shard's sharded parameters lose what TE keeps on
     the originals), for fp8stack.precision.ShardedMasterWeights. mp_policy defaults to BF16 parameters for compute
     and FP32 gradient reduction. precompute_fp8_scales: see post_optimizer_step_hook. reshard_after_forward: the
@@ -399,7 +401,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     mp_policy = mp_policy or _DEFAULT_MP_POLICY
     for backend, record in zip(state.backends, state.conversions, strict=True):
         try:
-            record.notes += backend.before_fully_shard(model, mp_policy.param_dtype)
+            record.notes += backend.before_fully_shard(model, mp_policy.param_dtype,
+                                                       keeps_gathered=reshard_after_forward is False)
         except NotImplementedError as refused:
             raise OrderingError(str(refused)) from None
     by_id = {pid: value for backend in state.backends for pid, value in backend.take_master_values(model).items()}
@@ -408,6 +411,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     for _, block in _blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, **reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, **reshard)
+    for backend in state.backends:
+        backend.after_fully_shard(model)
     log.info("fully_shard: %d blocks and the root over %d ranks", len(model.layers), mesh.size())
     _stamp(model, state, "fully_shard")
     _record_precompute(model, precompute_fp8_scales)

@@ -131,12 +131,18 @@ class Backend:
         fully_shard), naming the fix; None when it can. Asked before anything is converted."""
         return None
 
-    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None) -> list[str]:
+    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None, *,
+                           keeps_gathered: bool = False) -> list[str]:
         """Make the modules it converted in `model` ready for fully_shard, which replaces their parameters by sharded
         ones and all-gathers them in gathered_dtype (FSDP2's mixed-precision param_dtype; None: each parameter's
-        own); returns notes for its conversion record. Raises NotImplementedError (the reason and the fix) for what
-        cannot run sharded."""
+        own); keeps_gathered: the blocks keep their gathered parameters after forward (reshard_after_forward=False,
+        the caller's micro-batches reuse them until the step's last backward). Returns notes for its conversion
+        record. Raises NotImplementedError (the reason and the fix) for what cannot run sharded."""
         return []
+
+    def after_fully_shard(self, model: nn.Module) -> None:
+        """fully_shard has replaced the parameters of the modules it converted by sharded ones: let go of, or re-key
+        to the sharded ones, whatever held the pre-shard parameters."""
 
     def tensor_parallel_style(self, module: nn.Module, kind: str, mesh: DeviceMesh, **layouts) -> ParallelStyle | None:
         """The style that shards `module` (one it converted) over `mesh` as `kind` ('colwise', 'rowwise' or

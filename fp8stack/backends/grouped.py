@@ -756,9 +756,11 @@ class GroupedFP8Backend(Backend):
                                   + dispatch_notes + quantizer_notes + flatten_notes + cache_notes if used else [])
         return model, record
 
-    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None) -> list[str]:
+    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None, *,
+                           keeps_gathered: bool = False) -> list[str]:
         """Switch the FP8 weight cache off: fully_shard frees each gathered weight after its use, and the cache would
-        keep a full-size FP8 copy of every sharded expert weight, and its transpose, on every rank between steps."""
+        keep a full-size FP8 copy of every sharded expert weight, and its transpose, on every rank between steps
+        (with keeps_gathered too: not measured for experts)."""
         cached = [module for module in model.modules()
                   if isinstance(module, Float8GroupedExperts) and module.caches_fp8_weights]
         for module in cached:

@@ -16,7 +16,7 @@ import importlib.util
 import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
@@ -107,7 +107,8 @@ class TEBackend(Backend):
     """Cast each weight to FP8 at the first forward after an optimizer step (any torch.optim optimizer's) or a write to
     the weight, and reuse that copy for the step's other micro-batches (TE's is_first_microbatch, as megatron drives
     it): one cast per step instead of one per micro-batch. The copies stay allocated between steps; off for weights
-    held in FP8 (nothing to cast) and under fully_shard (before_fully_shard says why)."""
+    held in FP8 (nothing to cast) and under fully_shard unless it keeps the gathered weights after forward
+    (before_fully_shard says why)."""
     fuse_wgrad_accumulation: bool | None = None
     """Each TE weight-gradient GEMM accumulates into the weight's FP32 main_grad, which is its .grad (TE's
     fuse_wgrad_accumulation, Megatron's --gradient-accumulation-fusion): no BF16 weight gradient, no BF16 -> FP32
@@ -129,6 +130,10 @@ class TEBackend(Backend):
     ranks in step. Replicas (DDP) and BF16 weights gathered by fully_shard quantize whole weights and need no common
     scale; weights held in FP8 and sharded by fully_shard do (each all-gathered weight carries one scale), so
     before_fully_shard refuses the two together. None: local unless fp8_weights (keeps_amax_local)."""
+
+    _kept_caches: list[tuple[nn.Module, tuple[str, ...]]] = field(default_factory=list, init=False, repr=False)
+    """Between before_fully_shard and after_fully_shard: each module whose cache stays on with the gathered weights
+    kept, and its cached weights' names, for re-keying the cache to the sharded parameters."""
 
     name: ClassVar[str] = "te"
 
@@ -319,13 +324,14 @@ class TEBackend(Backend):
             return FUSED_WGRAD_UNDER_FULLY_SHARD
         return None
 
-    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None) -> list[str]:
+    def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None, *,
+                           keeps_gathered: bool = False) -> list[str]:
         """Refuse modules accumulating weight gradients into main_grad (FUSED_WGRAD_UNDER_FULLY_SHARD) and modules
         without FP8 whose weights would be gathered in FP32 (_unsaved_under_fully_shard), and switch
-        the FP8 weight cache off. Under FSDP2, TE skips its own FP8 weight workspace (a module in an FSDP2 tree casts
-        the all-gathered weight at every forward and again in backward, so that no full-size FP8 copy stays
-        resident): is_first_microbatch would save no cast, and the cache's key would keep each module's pre-shard,
-        full-size weights alive after fully_shard replaced them."""
+        the FP8 weight cache off unless keeps_gathered (_keep_caches). Under FSDP2, TE skips its own FP8 weight
+        workspace (a module in an FSDP2 tree casts the all-gathered weight at every forward and again in backward,
+        so that no full-size FP8 copy stays resident): is_first_microbatch would save no cast, and the cache's key
+        would keep each module's pre-shard, full-size weights alive after fully_shard replaced them."""
         if any(getattr(module, "main_grad_weights", ()) for module in model.modules()):
             raise NotImplementedError(FUSED_WGRAD_UNDER_FULLY_SHARD)
         unsaved = _unsaved_under_fully_shard(model, gathered_dtype)
@@ -341,6 +347,8 @@ class TEBackend(Backend):
                                       "fully_shard all-gathers each FP8 weight's shards under one scale: drop "
                                       "local_amax (TE then reduces the amaxes over the ranks) or fp8_weights")
         cached = [module for module in model.modules() if getattr(module, "cached_weights", ())]
+        if cached and keeps_gathered:
+            return self._keep_caches(cached)
         for module in cached:
             module.cached_weights = ()
         if not cached:
@@ -348,6 +356,34 @@ class TEBackend(Backend):
         return [f"cache_fp8_weights: off for {len(cached)} module(s) under fully_shard: TE casts each all-gathered "
                 "weight at every forward and in backward there (it keeps no full-size FP8 copy), so the cache would "
                 "save no cast and would keep the pre-shard weights alive"]
+
+    def _keep_caches(self, cached: list[nn.Module]) -> list[str]:
+        """With the gathered weights kept over the step's micro-batches, a full-size copy of every weight is resident
+        anyway: the cached modules' TE modules are told they are not under FSDP2 (TE's cached is_fsdp2, which its
+        Linear, LayerNormLinear and LayerNormMLP read), so that TE keeps its FP8 weight workspace as without
+        fully_shard: cast at a step's first forward, reused by the other micro-batches and by backward, instead of a
+        cast at every forward and another in every backward. The cache's key lets go of the pre-shard weights until
+        after_fully_shard re-keys it to the sharded ones."""
+        for module in cached:
+            names = {id(weight): name for name, weight in module.named_parameters()}
+            self._kept_caches.append((module, tuple(names[id(weight)] for weight in module.cached_weights)))
+            module.cached_weights = ()
+            for te_module in module.modules():
+                if isinstance(getattr(type(te_module), "is_fsdp2", None), property):
+                    te_module._is_fsdp2 = False
+        return [f"cache_fp8_weights: on for {len(cached)} module(s) under fully_shard with the gathered weights kept "
+                "after forward (reshard_after_forward=False): TE keeps an FP8 copy of each gathered weight and its "
+                "transpose (2 bytes per weight element on every rank, beside the gathered BF16 weights), cast once a "
+                "step instead of at every micro-batch's forward and backward"]
+
+    def after_fully_shard(self, model: nn.Module) -> None:
+        """Re-key the caches _keep_caches kept to the sharded weights, which an optimizer step or a checkpoint load
+        writes."""
+        for module, names in self._kept_caches:
+            weights = dict(module.named_parameters())
+            module.cached_weights = tuple(weights[name] for name in names)
+            module._cast_at = None
+        self._kept_caches.clear()
 
     def hand_over_main_grads(self, model: nn.Module) -> None:
         """TE modules with fuse_wgrad_accumulation point their weights' .grad at main_grad at a step's first forward,
@@ -523,7 +559,8 @@ def _import_problem() -> str:
         if "cudnn" in str(err).lower() and _loaded_libraries("libcudnn"):
             return (f"TransformerEngine failed to load cuDNN ({type(err).__name__}: {err}) because this process had "
                     "already loaded PyTorch's cuDNN, for a cuDNN or attention kernel that ran before TE was imported: "
-                    "import fp8stack (which loads TE first) or transformer_engine.pytorch before running any model")
+                    "import transformer_engine.pytorch or fp8stack.assembly before running any model (import fp8stack "
+                    "does it only when torch was imported before it)")
         return (f"TransformerEngine is installed but fails to import ({type(err).__name__}: {err}): "
                 f"reinstall it for torch {torch.__version__} with {INSTALL_HINT}")
     return ""

@@ -32,7 +32,8 @@ class _WeightCache:
     training loop drives it: with cached_weights, a forward casts the weights to FP8 and keeps the copy when an
     optimizer step (any torch.optim optimizer's) or an in-place write to a weight came since the last cast, and
     reuses the copy otherwise (the other micro-batches of a step); without, the weights are cast at every forward.
-    Under fully_shard there is no cache (TEBackend.before_fully_shard says why). With fuse_wgrad_accumulation it also keeps each weight's FP32 main_grad as its .grad (see _add_main_grads)."""
+    Under fully_shard there is no cache unless the gathered weights stay for the step (TEBackend.before_fully_shard).
+    With fuse_wgrad_accumulation it also keeps each weight's FP32 main_grad as its .grad (see _add_main_grads)."""
 
     cached_weights: tuple[nn.Parameter, ...] = ()
     """The weights whose FP8 casts are cached across micro-batches (empty: no cache)."""

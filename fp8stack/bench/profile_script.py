@@ -176,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else 0
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    # The script's own `import fp8stack` loads the backends' libraries (TE's cuDNN before torch's) only when torch
+    # came first; here fp8stack came first, so load them before the script runs any kernel.
+    import fp8stack.assembly  # noqa: F401
+
     window = StepWindow(args.warmup_steps, args.steps)
     hook = register_optimizer_step_post_hook(window)
     try:

@@ -89,8 +89,10 @@ class TEConfig:
     outside autograd, and under tensor parallelism. Measured faster on one H200."""
     cache_fp8_weights: bool = True
     """With more than one micro-batch per step, TE casts each weight to FP8 at a step's first micro-batch and reuses
-    that copy (TE's is_first_microbatch). Off under FSDP2, which all-gathers the weights at every forward; turning it
-    off elsewhere measures what the cache saves (the bound of FSDP2's step time, fp8stack.bench.data_parallel)."""
+    that copy (TE's is_first_microbatch). Off under FSDP2, which all-gathers the weights at every forward, unless
+    --no-parallelism.fsdp-reshard-after-forward keeps them gathered over the step (TE then keeps its FP8 copies: 2
+    bytes per weight element on every rank); turning it off elsewhere measures what the cache saves (the bound of
+    FSDP2's step time, fp8stack.bench.data_parallel)."""
     blockwise_gemms: str = "te"
     """Where TE's blockwise modules run their GEMMs: te (cuBLAS) or deepgemm (DeepGEMM's dense kernels on TE's
     operands, bit-identical; launch/build_deepgemm.sh builds it)."""

@@ -9,6 +9,9 @@ built on the GPU, TE delayed scaling with fused norms and MLPs.
     fp8_weights run with MasterWeights.
 (c) What TE cannot do under fully_shard is refused (fused wgrad accumulation) or switched off with a note (the FP8
     weight cache), and the pre-shard weights are freed.
+(d) With the gathered weights kept after forward (reshard_after_forward=False), the FP8 weight cache stays on: TE
+    keeps its FP8 weight workspace, keyed to the sharded weights, and trains bit for bit as without it (tensorwise)
+    and as the unwrapped cached fast path (delayed).
 
 Both runs of (a) and (b) keep TE's fused wgrad accumulation off, so that both add BF16 weight gradients in FP32. Run
 with `pytest -m gpu tests/gpu/test_fsdp_te_gpu.py`."""
@@ -287,3 +290,76 @@ def test_under_fully_shard_te_leaves_wgrad_fusion_and_the_weight_cache_off_with_
     described = describe_assembly(auto)
     assert "fuse_wgrad_accumulation (auto): off under fully_shard" in described and "accumulate in FP32" in described
     assert not any(getattr(m, "main_grad_weights", ()) for m in auto.modules())
+
+
+def train_accumulating(model: nn.Module, masters, micro_batches: int = 2) -> list[float]:
+    """Losses of STEPS AdamW steps, each over `micro_batches` micro-batches of one fixed batch (the FP8 weight cache
+    casts at a step's first micro-batch and reuses the copy in the others)."""
+    optimizer = masters.track(torch.optim.AdamW(masters.parameters(), lr=1e-3))
+    batch, losses = tokens(), []
+    for _ in range(STEPS):
+        for micro_batch in batch.chunk(micro_batches):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = Llama.loss(model(micro_batch[:, :-1]), micro_batch[:, 1:]) / micro_batches
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def gathered_once(mesh, recipe: str, cache: bool) -> nn.Module:
+    """The tiny Llama on the fast path with `recipe`, fully_shard'ed keeping the gathered weights after forward."""
+    FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Llama(load_model_config("tiny"))
+    policy = PolicyConfig(recipe=recipe, backend="te", small_gemm_filter="off", fuse_norm=True, fuse_mlp=True)
+    return assemble(model, make_plan(load_description("tiny"), policy), fsdp_mesh=mesh,
+                    fsdp_reshard_after_forward=False,
+                    backend_options={"te": {"fuse_wgrad_accumulation": False, "cache_fp8_weights": cache}})
+
+
+def test_gathered_once_te_keeps_its_fp8_weight_cache_keyed_to_the_sharded_weights_bit_for_bit(mesh):
+    """Tensorwise scales come from the weight itself: the cached cast and the casts at every forward and backward
+    without the cache are the same bytes, so the losses are equal, not close."""
+    uncached = gathered_once(mesh, "tensorwise", cache=False)
+    uncached_losses = train_accumulating(uncached, ShardedMasterWeights(uncached))
+    assert all(m.is_fsdp2 for m in uncached.modules() if isinstance(m, TransformerEngineBaseModule))
+    del uncached
+    gc.collect()
+
+    model = gathered_once(mesh, "tensorwise", cache=True)
+    cached = [m for m in model.modules() if getattr(m, "cached_weights", ())]
+    assert cached and all(isinstance(w, DTensor) for m in cached for w in m.cached_weights), "keyed to the shards"
+    assert "cache_fp8_weights: on for" in describe_assembly(model)
+    losses = train_accumulating(model, ShardedMasterWeights(model))
+    te_modules = [m for m in model.modules() if isinstance(m, TransformerEngineBaseModule) and m.fp8_initialized]
+    assert te_modules and not any(m.is_fsdp2 for m in te_modules)
+    assert all(m._fp8_workspaces for m in te_modules), "TE keeps its FP8 weight workspace"
+    assert losses[-1] < losses[0], losses
+    assert losses == uncached_losses
+
+
+def test_gathered_once_te_cache_frees_the_pre_shard_weights_and_trains_as_the_unwrapped_cached_path(mesh):
+    model = gathered_once(mesh, "delayed", cache=True)
+    losses = train_accumulating(model, ShardedMasterWeights(model))
+    del model
+    gc.collect()
+    FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        unwrapped = Llama(load_model_config("tiny"))
+    unwrapped = assemble(unwrapped, make_plan(load_description("tiny"), POLICY),
+                         backend_options={"te": {"fuse_wgrad_accumulation": False}})
+    assert_losses_match(losses, train_accumulating(unwrapped, MasterWeights(unwrapped)))
+
+    with torch.device("cuda"):
+        model = Llama(load_model_config("tiny"))
+    model = apply_fp8(model, make_plan(load_description("tiny"), POLICY),
+                      backend_options={"te": {"fuse_wgrad_accumulation": False}})
+    pre_shard = [weakref.ref(p) for m in model.modules() if isinstance(m, TransformerEngineBaseModule)
+                 for p in m.parameters()]
+    apply_fsdp(model, mesh, reshard_after_forward=False)
+    gc.collect()
+    assert not [ref for ref in pre_shard if ref() is not None], "fully_shard's replaced weights should be freed"
