@@ -7,6 +7,7 @@ import difflib
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -309,21 +310,19 @@ def test_merged_projections_under_compile_run_the_gemm_once_per_forward():
     assert len(calls) == 2
 
 
-def test_a_compiled_block_takes_its_slices_of_the_merged_output_in_the_graph():
-    """The slices are taken in traced code: compiled graphs read the merged output whole, so the merged gradient
-    leaves them in one piece (no concatenation of the slices' gradients by autograd outside the graph), and the
-    gradients are eager's."""
+def test_a_compiled_block_gets_the_merged_gradient_written_by_one_concatenation():
+    """The fused module's call breaks the compiled graph before each projection: pieces taken in traced code would
+    each give the merged output a zero-filled gradient (slice_backward) that autograd then adds up. Split once outside
+    the graphs, the merged gradient is one concatenation of the pieces' gradients, and the gradients are eager's."""
     linears, fused, block = _merged_block()
-    graph_inputs = []
-
-    def recording(graph, example_inputs):
-        graph_inputs.extend(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
-        return graph.forward
-
-    compiled = torch.compile(block.forward, backend=recording)
+    compiled = torch.compile(block.forward, backend="aot_eager")  # the graphs' own ops show in the profile
     x = torch.randn(2, 16)
     compiled(x).sum().backward()
-    assert (2, 48) in graph_inputs
+    fused.weight.grad = None
+    with torch.profiler.profile() as profiled:
+        compiled(x).sum().backward()
+    ops = Counter(event.name for event in profiled.events())
+    assert ops["aten::slice_backward"] == 0 and ops["aten::cat"] == 1, ops
     (linears[0](x) * 2 + linears[1](x) - linears[2](x)).sum().backward()
     torch.testing.assert_close(fused.weight.grad, torch.cat([linear.weight.grad for linear in linears]))
 

@@ -38,22 +38,24 @@ class _MergedOutputs:
         self.fused = fused
         self.widths = list(widths)
         self.input: torch.Tensor | None = None
-        self.merged: torch.Tensor | None = None
+        self.pieces: tuple[torch.Tensor, ...] = ()
         self.taken: set[int] = set()
 
     @torch.compiler.disable  # the identity of the input decides whether to run: a Python-level decision
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """The fused module's whole output for input x, for projection `index` to take its slice of: the output
-        already computed for x while the group has not taken it yet, else a new call (another input, or a projection
-        called twice). The slices are taken by the caller, in traced code, so that a compiled block writes the merged
-        gradient in one piece instead of autograd concatenating the slices' gradients outside the graph."""
+        """Projection `index`'s output for input x: its piece of the fused module's output for x while the group has
+        not taken it yet, else of a new call (another input, or a projection called twice). The output is split once
+        for the group, here: one autograd node, whose backward writes the merged gradient with one concatenation.
+        Pieces taken in traced code instead each cost a zero-filled merged-size gradient, a copy and an add in
+        backward, since this call breaks the compiled graph before each projection (seen in the own model's profile,
+        profiles/runs/2026-11-29-own-model-r7-own-h200)."""
         if self.input is not x or index in self.taken:
-            self.input, self.merged, self.taken = x, self.fused(x), set()
+            self.input, self.pieces, self.taken = x, self.fused(x).split(self.widths, dim=-1), set()
         self.taken.add(index)
-        merged = self.merged
+        piece = self.pieces[index]
         if len(self.taken) == len(self.widths):  # every projection has its output: hold nothing between calls
-            self.input, self.merged = None, None
-        return merged
+            self.input, self.pieces = None, ()
+        return piece
 
 
 class ProjectionSlice(nn.Module):
@@ -66,12 +68,11 @@ class ProjectionSlice(nn.Module):
             self.fused = shared.fused
         self._shared = shared  # a plain object: not a submodule
         self.index = index
-        self.start = sum(shared.widths[:index])
         self.in_features = in_features
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._shared.output(self.index, x).narrow(-1, self.start, self.out_features)
+        return self._shared.output(self.index, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, slice {self.index} of a merged GEMM"
