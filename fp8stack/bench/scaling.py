@@ -20,12 +20,13 @@ is what the wrapper adds. Runs:
   fsdp_gather_once (fsdp with --no-parallelism.fsdp-reshard-after-forward: one all-gather per step),
   fsdp_fp8_params (fsdp with --param-dtype fp8: TE's FP8 weights all-gathered in FP8; the recipe only, as BF16 has
   no FP8 weights, beside fsdp's BF16 run even where fsdp is not asked for), fsdp_fp8_params_gather_once (both).
-TE keeps no FP8 weight cache under FSDP2 (it quantizes each gathered BF16 weight in every forward and backward), so
-the FSDP2 runs that gather once per step still cast per micro-batch; FP8 parameters gather what is already FP8. Nor
-does TE accumulate weight gradients into main_grad there. one_gpu_fsdp2_bound (asked for like a wrapper) measures
-what that costs: one process, BF16 and the recipe, without those two levers (--no-te.gradient-accumulation-fusion
---no-te.cache-fp8-weights); each FSDP2 wrapper's FP8/BF16 is then also judged against its ratio. one_gpu_uncached and
-one_gpu_unfused (BOUND_PARTS) drop one lever each: what each costs, reported.
+TE keeps no FP8 weight cache under FSDP2 (it quantizes each gathered BF16 weight in every forward and backward)
+unless the gathered weights stay over the step (the gather-once wrappers keep it: TEBackend.before_fully_shard); FP8
+parameters gather what is already FP8. Nor does TE accumulate weight gradients into main_grad there.
+one_gpu_fsdp2_bound (asked for like a wrapper) measures what both cost: one process, BF16 and the recipe, without
+those two levers (--no-te.gradient-accumulation-fusion --no-te.cache-fp8-weights); each FSDP2 wrapper's FP8/BF16 is
+then also judged against its ratio. one_gpu_uncached and one_gpu_unfused (BOUND_PARTS) drop one lever each: what each
+costs, reported (one_gpu_unfused is the bound of the gather-once wrappers).
 Judged: each wrapper's FP8/BF16 tokens/s within RATIO_TOLERANCE of one_gpu's (what the wrapper costs must not eat
 FP8's gain; an FP8-parameter wrapper over its BF16-parameter twin's BF16 run, FP8_ONLY), and an FP8-parameter
 wrapper's all-gather bytes over the transformer blocks at most ALL_GATHER_RATIO of its twin's with the same recipe
@@ -56,8 +57,9 @@ PROG = "python -m fp8stack.bench.scaling"
 ONE_GPU = "one_gpu"
 """The reference runs: one process, no wrapper."""
 FSDP2_BOUND = "one_gpu_fsdp2_bound"
-"""One process without the two TE levers FSDP2 takes away (TEBackend.before_fully_shard): fused weight-gradient
-accumulation into main_grad and the FP8 weight cache. Its FP8/BF16 is the most an FSDP2 wrapper can reach with TE."""
+"""One process without the two TE levers FSDP2 takes away when it reshards after forward
+(TEBackend.before_fully_shard): fused weight-gradient accumulation into main_grad and the FP8 weight cache. Its
+FP8/BF16 is the most such an FSDP2 wrapper can reach with TE."""
 BOUND_PARTS = {"one_gpu_uncached": ["--no-te.cache-fp8-weights"],
                "one_gpu_unfused": ["--no-te.gradient-accumulation-fusion"]}
 """One process without one of FSDP2_BOUND's two levers each, reported beside it (not judged): what each costs, so
