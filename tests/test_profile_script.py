@@ -23,6 +23,9 @@ import torch
 from helper import batch  # beside the script: the script's folder is on sys.path, as `python tiny_train.py` has it
 
 assert __name__ == "__main__" and sys.argv[0].endswith("tiny_train.py"), (__name__, sys.argv)
+# The wrapper imported fp8stack before torch, so the script's own `import fp8stack` would not load the backends'
+# libraries (TE's cuDNN before torch's): the wrapper has loaded them before the script's first kernel.
+assert "fp8stack.assembly" in sys.modules
 steps = int(sys.argv[sys.argv.index("--steps") + 1])
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
