@@ -131,7 +131,8 @@ def assemble(
     if plan.little_fp8 and not allow_little_fp8:
         raise PlanError(f"{plan.little_fp8}: pass allow_little_fp8=True if that is intended, or change the policy")
     _check_combination(plan, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, tp_plan=tp_plan,
-                       fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=backend_options)
+                       fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=backend_options,
+                       keeps_gathered=fsdp_reshard_after_forward is False)
     if recompute is None and tuple(recompute_modules) != ("block",):
         raise ValueError(f"recompute_modules={list(recompute_modules)} has no effect without recompute: pass "
                          "recompute='all' (or block indices) too")
@@ -197,14 +198,15 @@ def _with_parallel_options(plan: Plan, backend_options: dict[str, dict] | None, 
 
 def _check_combination(plan: Plan, *, fsdp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
                        tp_plan: TensorParallelPlan | None, fsdp_float8_all_gather: bool,
-                       backend_options: dict[str, dict] | None) -> None:
+                       backend_options: dict[str, dict] | None, keeps_gathered: bool) -> None:
     """Refuse, before anything is touched, the combinations no stage order can make right."""
     if (tp_mesh is None) != (tp_plan is None):
         raise ValueError("tensor parallelism needs both tp_mesh and tp_plan (the model's own plan, e.g. "
                          "fp8stack.models.llama.tensor_parallel_plan): pass both or neither")
     for name, options in (backend_options or {}).items():
         reason = get_backend(name, **options).refuse_wrappers(tensor_parallel=tp_mesh is not None,
-                                                              fully_shard=fsdp_mesh is not None)
+                                                              fully_shard=fsdp_mesh is not None,
+                                                              keeps_gathered=keeps_gathered)
         if reason:
             raise OrderingError(reason)
     if fsdp_float8_all_gather:

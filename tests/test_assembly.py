@@ -200,8 +200,9 @@ def test_fp8_all_gather_with_rowwise_raises(model, mesh):
 def test_fused_wgrad_accumulation_with_fsdp_raises_naming_te_and_the_fixes(model, mesh):
     options = {"te": {"fuse_wgrad_accumulation": True}}
     with pytest.raises(OrderingError, match=r"outside autograd, and fully_shard \(FSDP2\) reduce-scatters autograd's "
-                                            r"gradients.*Megatron-core's FSDP.*use DDP \(fp8stack.precision."
-                                            r"MasterWeights\(model, data_parallel=...\)\), model_impl megatron, or turn"):
+                                            r"gradients.*pass fsdp_reshard_after_forward=False.*use DDP \(fp8stack."
+                                            r"precision.MasterWeights\(model, data_parallel=...\)\) or model_impl "
+                                            r"megatron, or turn"):
         assemble(model, tiny_plan("delayed"), fsdp_mesh=mesh, backend_options=options)
     assert assembly_state(model).stages == []
 

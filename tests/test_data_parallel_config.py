@@ -48,9 +48,11 @@ def test_fsdp_takes_bf16_and_fp8_parameters(param_dtype):
 
 def test_fused_wgrad_under_fsdp_is_refused_naming_te_and_the_fix():
     fix = "TE writes weight gradients into main_grad outside autograd, and FSDP2 reduce-scatters autograd's " \
-          "gradients: pass --parallelism.data-parallel ddp"
+          "gradients; .*add --no-parallelism.fsdp-reshard-after-forward, or pass --parallelism.data-parallel ddp"
     with pytest.raises(ConfigError, match=fix):  # one rank, wrapped: known from the configuration alone
         from_overrides({"te.gradient_accumulation_fusion": True, "parallelism.data_parallel_one_rank": True})
+    from_overrides({"te.gradient_accumulation_fusion": True, "parallelism.data_parallel_one_rank": True,
+                    "parallelism.fsdp_reshard_after_forward": False})  # gathered weights kept: FSDP2 reduces them
     fused = from_overrides({**CPU_BF16, "te.gradient_accumulation_fusion": True})
     assert resolve(fused, _tiny(), 1).te.gradient_accumulation_fusion is True  # one process: nothing wraps it
     with pytest.raises(ConfigError, match=fix):  # two processes: FSDP2 wraps the model

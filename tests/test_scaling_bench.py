@@ -41,6 +41,19 @@ def test_the_runs_are_each_wrappers_bf16_and_fp8_pair_beside_one_gpus_and_fp8_we
     assert [scaling.run_name(*run) for run in planned] == list(RECORDS)
 
 
+def test_the_fused_wgrad_wrapper_runs_the_recipe_only_over_gather_onces_bf16_run():
+    planned = scaling.runs(["fsdp_gather_once_fused"], "delayed")
+    assert [scaling.run_name(*run) for run in planned] == [
+        "one_gpu/bf16", "one_gpu/delayed", "fsdp_gather_once/bf16", "fsdp_gather_once_fused/delayed"]
+    job = job_from_flags(["--fp8-recipe", "delayed", *scaling.WRAPPERS["fsdp_gather_once_fused"]])
+    assert job.te.gradient_accumulation_fusion is True and job.parallelism.fsdp_reshard_after_forward is False
+    records = {"one_gpu/bf16": RECORDS["one_gpu/bf16"], "one_gpu/delayed": RECORDS["one_gpu/delayed"],
+               "fsdp_gather_once/bf16": RECORDS["fsdp/bf16"], "fsdp_gather_once_fused/delayed": RECORDS["fsdp/delayed"]}
+    result = scaling.judge(records, planned, "delayed", 2, STEPS)
+    assert result["figures"]["fp8_over_bf16"]["fsdp_gather_once_fused"] == pytest.approx(225 / 170)
+    assert not result["figures"].get("all_gather_bytes_fp8_over_bf16_blocks"), "it gathers BF16 weights"
+
+
 def test_an_fp8_weight_wrapper_asked_alone_brings_its_twins_bf16_run_and_is_judged_over_it():
     planned = scaling.runs(["fsdp_fp8_params_gather_once"], "delayed")
     assert [scaling.run_name(*run) for run in planned] == [

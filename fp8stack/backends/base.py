@@ -126,9 +126,10 @@ class Backend:
         """Master weights now own an FP32 main_grad per weight: modules that kept their own buffers stop pointing
         their weights' .grad at them, and modules that can add their weight gradients into main_grad start to."""
 
-    def refuse_wrappers(self, *, tensor_parallel: bool, fully_shard: bool) -> str | None:
+    def refuse_wrappers(self, *, tensor_parallel: bool, fully_shard: bool, keeps_gathered: bool = False) -> str | None:
         """Why this backend, as configured, cannot run its modules under the wrappers asked for (tensor parallelism,
-        fully_shard), naming the fix; None when it can. Asked before anything is converted."""
+        fully_shard, and whether fully_shard keeps the gathered parameters after forward), naming the fix; None when
+        it can. Asked before anything is converted."""
         return None
 
     def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None, *,

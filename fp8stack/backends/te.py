@@ -61,10 +61,12 @@ treats as "keep the scale", so each scale moves once per step, as under one mode
 
 FUSED_WGRAD_UNDER_FULLY_SHARD = (
     "te fuse_wgrad_accumulation writes weight gradients into FP32 main_grad buffers outside autograd, and fully_shard "
-    "(FSDP2) reduce-scatters autograd's gradients, so TE supports the fusion only under Megatron-core's FSDP (which "
-    "provides get_main_grad()): use DDP (fp8stack.precision.MasterWeights(model, data_parallel=...)), model_impl "
-    "megatron, or turn fuse_wgrad_accumulation off (FSDP2 then accumulates micro-batch gradients in its reduce_dtype)")
-"""Why TE's fused weight-gradient accumulation cannot run under fully_shard, and the fixes."""
+    "(FSDP2) reduce-scatters autograd's gradients; fp8stack hands those buffers to FSDP2 only where it keeps the "
+    "gathered weights after forward (a full-size FP32 buffer per weight on every rank): pass "
+    "fsdp_reshard_after_forward=False (--no-parallelism.fsdp-reshard-after-forward), use DDP "
+    "(fp8stack.precision.MasterWeights(model, data_parallel=...)) or model_impl megatron, or turn "
+    "fuse_wgrad_accumulation off (FSDP2 then accumulates micro-batch gradients in its reduce_dtype)")
+"""Why TE's fused weight-gradient accumulation cannot run under a resharding fully_shard, and the fixes."""
 
 
 def te_recipe(recipe_name: str, fp8_format: str, delayed_margin: int = 0, fp8_dpa: bool = False,
@@ -134,6 +136,10 @@ class TEBackend(Backend):
     _kept_caches: list[tuple[nn.Module, tuple[str, ...]]] = field(default_factory=list, init=False, repr=False)
     """Between before_fully_shard and after_fully_shard: each module whose cache stays on with the gathered weights
     kept, and its cached weights' names, for re-keying the cache to the sharded parameters."""
+
+    _main_grad_writers: list[tuple[nn.Module, str]] = field(default_factory=list, init=False, repr=False)
+    """Between before_fully_shard and after_fully_shard: (module, parameter name) of each weight whose TE module
+    accumulates its weight gradient into main_grad under fully_shard."""
 
     name: ClassVar[str] = "te"
 
@@ -313,26 +319,28 @@ class TEBackend(Backend):
                 param.clear_high_precision_init_val()
         return values
 
-    def refuse_wrappers(self, *, tensor_parallel: bool, fully_shard: bool) -> str | None:
-        """fuse_wgrad_accumulation's FP32 main_grad buffers are neither sharded nor reduced by tensor parallelism or
-        fully_shard."""
+    def refuse_wrappers(self, *, tensor_parallel: bool, fully_shard: bool, keeps_gathered: bool = False) -> str | None:
+        """fuse_wgrad_accumulation's FP32 main_grad buffers are neither sharded nor reduced by tensor parallelism, and
+        are reduced by fully_shard only where it keeps the gathered weights (before_fully_shard)."""
         if self.fuse_wgrad_accumulation and tensor_parallel:
             return ("te fuse_wgrad_accumulation accumulates weight gradients into FP32 main_grad buffers, which tensor "
                     "parallelism does not shard or reduce: train one process, use model_impl megatron (its DDP reduces "
                     "main_grad), or turn it off")
-        if self.fuse_wgrad_accumulation and fully_shard:
+        if self.fuse_wgrad_accumulation and fully_shard and not keeps_gathered:
             return FUSED_WGRAD_UNDER_FULLY_SHARD
         return None
 
     def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None, *,
                            keeps_gathered: bool = False) -> list[str]:
-        """Refuse modules accumulating weight gradients into main_grad (FUSED_WGRAD_UNDER_FULLY_SHARD) and modules
-        without FP8 whose weights would be gathered in FP32 (_unsaved_under_fully_shard), and switch
-        the FP8 weight cache off unless keeps_gathered (_keep_caches). Under FSDP2, TE skips its own FP8 weight
-        workspace (a module in an FSDP2 tree casts the all-gathered weight at every forward and again in backward,
-        so that no full-size FP8 copy stays resident): is_first_microbatch would save no cast, and the cache's key
-        would keep each module's pre-shard, full-size weights alive after fully_shard replaced them."""
-        if any(getattr(module, "main_grad_weights", ()) for module in model.modules()):
+        """Refuse modules accumulating weight gradients into main_grad unless keeps_gathered
+        (FUSED_WGRAD_UNDER_FULLY_SHARD; _keep_main_grads) and modules without FP8 whose weights would be gathered in
+        FP32 (_unsaved_under_fully_shard), and switch the FP8 weight cache off unless keeps_gathered (_keep_caches).
+        Under FSDP2, TE skips its own FP8 weight workspace (a module in an FSDP2 tree casts the all-gathered weight at
+        every forward and again in backward, so that no full-size FP8 copy stays resident): is_first_microbatch would
+        save no cast, and the cache's key would keep each module's pre-shard, full-size weights alive after
+        fully_shard replaced them."""
+        fused = [module for module in model.modules() if getattr(module, "main_grad_weights", ())]
+        if fused and not keeps_gathered:
             raise NotImplementedError(FUSED_WGRAD_UNDER_FULLY_SHARD)
         unsaved = _unsaved_under_fully_shard(model, gathered_dtype)
         if unsaved:
@@ -346,16 +354,17 @@ class TEBackend(Backend):
             raise NotImplementedError("te local_amax keeps each process's delayed-scaling scales its own, and "
                                       "fully_shard all-gathers each FP8 weight's shards under one scale: drop "
                                       "local_amax (TE then reduces the amaxes over the ranks) or fp8_weights")
+        notes = self._keep_main_grads(fused) if fused else []
         cached = [module for module in model.modules() if getattr(module, "cached_weights", ())]
         if cached and keeps_gathered:
-            return self._keep_caches(cached)
+            return notes + self._keep_caches(cached)
         for module in cached:
             module.cached_weights = ()
         if not cached:
-            return []
-        return [f"cache_fp8_weights: off for {len(cached)} module(s) under fully_shard: TE casts each all-gathered "
-                "weight at every forward and in backward there (it keeps no full-size FP8 copy), so the cache would "
-                "save no cast and would keep the pre-shard weights alive"]
+            return notes
+        return notes + [f"cache_fp8_weights: off for {len(cached)} module(s) under fully_shard: TE casts each "
+                        "all-gathered weight at every forward and in backward there (it keeps no full-size FP8 copy), "
+                        "so the cache would save no cast and would keep the pre-shard weights alive"]
 
     def _keep_caches(self, cached: list[nn.Module]) -> list[str]:
         """With the gathered weights kept over the step's micro-batches, a full-size copy of every weight is resident
@@ -376,14 +385,38 @@ class TEBackend(Backend):
                 "transpose (2 bytes per weight element on every rank, beside the gathered BF16 weights), cast once a "
                 "step instead of at every micro-batch's forward and backward"]
 
+    def _keep_main_grads(self, fused: list[nn.Module]) -> list[str]:
+        """With the gathered weights kept over the step: the fused modules' weights keep TE's fused weight-gradient
+        accumulation, into FP32 buffers that after_fully_shard hands to FSDP2 (fp8stack.backends.fsdp_main_grads);
+        their pre-shard main_grads are let go of."""
+        from fp8stack.backends import fsdp_main_grads
+
+        fsdp_main_grads.check_fsdp2()
+        for module in fused:
+            owners = {id(weight): (owner, name) for owner in module.modules()
+                      for name, weight in owner.named_parameters(recurse=False)}
+            for weight in module.main_grad_weights:
+                self._main_grad_writers.append(owners[id(weight)])
+                del weight.main_grad
+            module.main_grad_weights = ()
+        return [f"fuse_wgrad_accumulation: on for {len(self._main_grad_writers)} weight(s) under fully_shard with the "
+                "gathered weights kept after forward: TE's weight-gradient GEMMs accumulate into FP32 buffers that "
+                "FSDP2 reduce-scatters, as its own accumulators (4 bytes per parameter of those blocks, unsharded, on "
+                "every rank)"]
+
     def after_fully_shard(self, model: nn.Module) -> None:
         """Re-key the caches _keep_caches kept to the sharded weights, which an optimizer step or a checkpoint load
-        writes."""
+        writes, and hand the _keep_main_grads weights' FP32 accumulators to FSDP2."""
         for module, names in self._kept_caches:
             weights = dict(module.named_parameters())
             module.cached_weights = tuple(weights[name] for name in names)
             module._cast_at = None
         self._kept_caches.clear()
+        if self._main_grad_writers:
+            from fp8stack.backends import fsdp_main_grads
+
+            fsdp_main_grads.install(model, self._main_grad_writers)
+            self._main_grad_writers.clear()
 
     def hand_over_main_grads(self, model: nn.Module) -> None:
         """TE modules with fuse_wgrad_accumulation point their weights' .grad at main_grad at a step's first forward,

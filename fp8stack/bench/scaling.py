@@ -19,7 +19,9 @@ is what the wrapper adds. Runs:
   fsdp (FSDP2: sharded FP32 masters, BF16 all-gathered copies, FP32 reduce-scatter),
   fsdp_gather_once (fsdp with --no-parallelism.fsdp-reshard-after-forward: one all-gather per step),
   fsdp_fp8_params (fsdp with --param-dtype fp8: TE's FP8 weights all-gathered in FP8; the recipe only, as BF16 has
-  no FP8 weights, beside fsdp's BF16 run even where fsdp is not asked for), fsdp_fp8_params_gather_once (both).
+  no FP8 weights, beside fsdp's BF16 run even where fsdp is not asked for), fsdp_fp8_params_gather_once (both),
+  fsdp_gather_once_fused (fsdp_gather_once with TE's fused weight-gradient accumulation, --te.gradient-accumulation-
+  fusion, into FP32 buffers FSDP2 reduce-scatters; the recipe only, beside fsdp_gather_once's BF16 run).
 TE keeps no FP8 weight cache under FSDP2 (it quantizes each gathered BF16 weight in every forward and backward)
 unless the gathered weights stay over the step (the gather-once wrappers keep it: TEBackend.before_fully_shard); FP8
 parameters gather what is already FP8. Nor does TE accumulate weight gradients into main_grad there.
@@ -70,12 +72,18 @@ WRAPPERS = {"ddp": ["--parallelism.data-parallel", "ddp"],
             "fsdp_fp8_params": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8"],
             "fsdp_fp8_params_gather_once": ["--parallelism.data-parallel", "fsdp", "--param-dtype", "fp8",
                                             "--no-parallelism.fsdp-reshard-after-forward"],
+            "fsdp_gather_once_fused": ["--parallelism.data-parallel", "fsdp",
+                                       "--no-parallelism.fsdp-reshard-after-forward",
+                                       "--te.gradient-accumulation-fusion"],
             FSDP2_BOUND: ONE_RANK_ARMS[BOUND], **BOUND_PARTS}
 """Wrapper -> its flags beside the common ones, at NPROC=N (FSDP2_BOUND and BOUND_PARTS at NPROC=1)."""
 DEFAULT_WRAPPERS = ("ddp", "fsdp", "fsdp_fp8_params")
 FP8_ONLY = {"fsdp_fp8_params": "fsdp", "fsdp_fp8_params_gather_once": "fsdp_gather_once"}
 """Wrappers that hold FP8 weights, run with the recipe only -> the wrapper whose BF16 run their FP8/BF16 is over
 (BF16 has no FP8 weights: FSDP2's BF16 run is what a user would otherwise train)."""
+RECIPE_ONLY = {**FP8_ONLY, "fsdp_gather_once_fused": "fsdp_gather_once"}
+"""Wrappers run with the recipe only -> the wrapper whose BF16 run their FP8/BF16 is over: FP8_ONLY's, and the TE
+weight-gradient fusion (a TE lever: the BF16 run has no TE modules to fuse)."""
 RATIO_TOLERANCE = 0.03
 """The target: |FP8/BF16 tokens/s under a wrapper on N GPUs - the same on one GPU| at most this."""
 ALL_GATHER_RATIO = 0.55
@@ -86,13 +94,13 @@ PROFILED_STEPS = 2
 
 
 def runs(wrappers: Sequence[str], recipe: str) -> list[tuple[str, str]]:
-    """(wrapper, recipe) of every run, the one-GPU pair first. An FP8-weight wrapper brings its twin's BF16 run, the
+    """(wrapper, recipe) of every run, the one-GPU pair first. A RECIPE_ONLY wrapper brings its twin's BF16 run, the
     run its FP8/BF16 is over, where the twin is not asked for."""
     recipes = (BF16, recipe)
     planned = [(ONE_GPU, r) for r in recipes]
     for wrapper in wrappers:
-        if wrapper in FP8_ONLY:
-            planned += [(FP8_ONLY[wrapper], BF16), (wrapper, recipe)]
+        if wrapper in RECIPE_ONLY:
+            planned += [(RECIPE_ONLY[wrapper], BF16), (wrapper, recipe)]
         else:
             planned += [(wrapper, r) for r in recipes]
     return list(dict.fromkeys(planned))
@@ -145,9 +153,9 @@ def judge(records: dict[str, dict], planned: list[tuple[str, str]], recipe: str,
     figures["scaling_efficiency"] = {name: value / (nproc * one[name.split("/")[1]])
                                      for name, value in tokens.items()
                                      if same_model and not is_single(name.split("/")[0]) and one[name.split("/")[1]]}
-    ratios = {wrapper: tokens[run_name(wrapper, recipe)] / tokens[run_name(FP8_ONLY.get(wrapper, wrapper), BF16)]
+    ratios = {wrapper: tokens[run_name(wrapper, recipe)] / tokens[run_name(RECIPE_ONLY.get(wrapper, wrapper), BF16)]
               for wrapper in dict.fromkeys(w for w, _ in planned)
-              if run_name(wrapper, recipe) in tokens and run_name(FP8_ONLY.get(wrapper, wrapper), BF16) in tokens}
+              if run_name(wrapper, recipe) in tokens and run_name(RECIPE_ONLY.get(wrapper, wrapper), BF16) in tokens}
     figures["fp8_over_bf16"] = ratios
     for wrapper, ratio in ratios.items():
         if ONE_GPU in ratios and not is_single(wrapper):

@@ -519,10 +519,12 @@ def check_data_parallel_levers(job: JobConfig, sharded: bool | None) -> None:
     if job.te.local_amax and fsdp and param_dtype == "fp8":
         raise ConfigError("te.local_amax keeps each rank's delayed-scaling scales its own, and FSDP2 all-gathers each "
                           "FP8 weight's shards under one scale: drop --te.local-amax or --param-dtype fp8")
-    if job.te.gradient_accumulation_fusion and fsdp:
+    if job.te.gradient_accumulation_fusion and fsdp and parallel.fsdp_reshard_after_forward is not False:
         raise ConfigError("te.gradient_accumulation_fusion: TE writes weight gradients into main_grad outside "
-                          "autograd, and FSDP2 reduce-scatters autograd's gradients: pass --parallelism.data-parallel "
-                          "ddp (or --no-gradient-accumulation-fusion)")
+                          "autograd, and FSDP2 reduce-scatters autograd's gradients; fp8stack hands those buffers to "
+                          "FSDP2 only where it keeps the gathered weights: add "
+                          "--no-parallelism.fsdp-reshard-after-forward, or pass --parallelism.data-parallel ddp (or "
+                          "--no-gradient-accumulation-fusion)")
     check_release_main_grads(job.training, fsdp)
     if parallel.tensor_parallel > 1 and (param_dtype == "fp8" or (param_dtype == "bf16" and fsdp is False)):
         raise ConfigError(f"training.param_dtype {param_dtype} keeps FP32 masters of whole parameters, which tensor "

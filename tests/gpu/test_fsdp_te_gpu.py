@@ -11,7 +11,8 @@ built on the GPU, TE delayed scaling with fused norms and MLPs.
     weight cache), and the pre-shard weights are freed.
 (d) With the gathered weights kept after forward (reshard_after_forward=False), the FP8 weight cache stays on: TE
     keeps its FP8 weight workspace, keyed to the sharded weights, and trains bit for bit as without it (tensorwise)
-    and as the unwrapped cached fast path (delayed).
+    and as the unwrapped cached fast path (delayed). Fused wgrad accumulation runs there too, into FP32 buffers FSDP2
+    reduce-scatters (fp8stack.backends.fsdp_main_grads), and trains as the unwrapped fused fast path.
 
 Both runs of (a) and (b) keep TE's fused wgrad accumulation off, so that both add BF16 weight gradients in FP32. Run
 with `pytest -m gpu tests/gpu/test_fsdp_te_gpu.py`."""
@@ -308,7 +309,7 @@ def train_accumulating(model: nn.Module, masters, micro_batches: int = 2) -> lis
     return losses
 
 
-def gathered_once(mesh, recipe: str, cache: bool) -> nn.Module:
+def gathered_once(mesh, recipe: str, cache: bool, fuse_wgrad_accumulation: bool = False) -> nn.Module:
     """The tiny Llama on the fast path with `recipe`, fully_shard'ed keeping the gathered weights after forward."""
     FP8GlobalStateManager.reset()
     torch.manual_seed(0)
@@ -317,7 +318,8 @@ def gathered_once(mesh, recipe: str, cache: bool) -> nn.Module:
     policy = PolicyConfig(recipe=recipe, backend="te", small_gemm_filter="off", fuse_norm=True, fuse_mlp=True)
     return assemble(model, make_plan(load_description("tiny"), policy), fsdp_mesh=mesh,
                     fsdp_reshard_after_forward=False,
-                    backend_options={"te": {"fuse_wgrad_accumulation": False, "cache_fp8_weights": cache}})
+                    backend_options={"te": {"fuse_wgrad_accumulation": fuse_wgrad_accumulation,
+                                            "cache_fp8_weights": cache}})
 
 
 def test_gathered_once_te_keeps_its_fp8_weight_cache_keyed_to_the_sharded_weights_bit_for_bit(mesh):
@@ -363,3 +365,21 @@ def test_gathered_once_te_cache_frees_the_pre_shard_weights_and_trains_as_the_un
     apply_fsdp(model, mesh, reshard_after_forward=False)
     gc.collect()
     assert not [ref for ref in pre_shard if ref() is not None], "fully_shard's replaced weights should be freed"
+
+
+def test_gathered_once_te_accumulates_weight_gradients_into_what_fsdp2_reduce_scatters(mesh):
+    """TE's weight-gradient GEMMs add into FP32 buffers that FSDP2 takes as its accumulators: the losses follow the
+    unwrapped fast path with the same fusion (FP32 accumulation inside the GEMM in both), over two micro-batches a
+    step reduce-scattered after each (a buffer not zeroed after a reduction would count a micro-batch twice)."""
+    model = gathered_once(mesh, "delayed", cache=True, fuse_wgrad_accumulation=True)
+    assert "fuse_wgrad_accumulation: on for" in describe_assembly(model)
+    losses = train_accumulating(model, ShardedMasterWeights(model))
+    del model
+    gc.collect()
+    FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        unwrapped = Llama(load_model_config("tiny"))
+    unwrapped = assemble(unwrapped, make_plan(load_description("tiny"), POLICY),
+                         backend_options={"te": {"fuse_wgrad_accumulation": True}})
+    assert_losses_match(losses, train_accumulating(unwrapped, MasterWeights(unwrapped)))
