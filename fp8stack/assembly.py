@@ -324,6 +324,9 @@ def apply_ac(model: nn.Module, blocks: Sequence[int] | Literal["all"] = "all",
     LayerNormMLP (fuse_mlp) through its own checkpoint option, which skips FC2 (see checkpoint_module).
     A name no chosen block has, or regions nested in one another, raise ValueError."""
     state = _begin(model, "recompute")
+    refused = [reason for backend in state.backends if (reason := backend.refuse_recompute())]
+    if refused:
+        raise OrderingError(refused[0])
     children = dict(_blocks(model))
     chosen = list(children) if blocks == "all" else [str(i) for i in blocks]
     missing = [i for i in chosen if i not in children]

@@ -452,6 +452,23 @@ def test_te_local_amax_reaches_the_te_backend_as_asked_and_is_left_to_assemble_w
     assert local() is None and local("--te.local-amax") is True and local("--no-te.local-amax") is False
 
 
+def test_te_one_autocast_per_forward_reaches_the_te_backend_only_when_asked_and_refuses_recompute():
+    from fp8stack.backends.te import TEBackend
+    from fp8stack.train.loop import _backend_options, build_plan
+    from fp8stack.train.model import build_model
+
+    def te_options(*flags: str) -> dict:
+        cfg = resolve_job(job_from_flags(["--model", "tiny", "--fp8-recipe", "delayed", "--small-gemm-filter", "off",
+                                          "--device", "cpu", *flags]))
+        return _backend_options(cfg, build_plan(cfg, build_model(cfg, torch.device("cpu"))), 1)["te"]
+
+    assert "one_autocast_per_forward" not in te_options()
+    options = te_options("--te.one-autocast-per-forward")
+    assert options["one_autocast_per_forward"] is True
+    assert "drop activation recompute" in TEBackend(**options).refuse_recompute()
+    assert TEBackend().refuse_recompute() is None
+
+
 def test_gradient_accumulation_fusion_reaches_the_te_backend_and_needs_te_layers():
     from fp8stack.train.loop import _backend_options, build_plan
     from fp8stack.train.model import build_model

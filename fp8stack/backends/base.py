@@ -132,6 +132,11 @@ class Backend:
         it can. Asked before anything is converted."""
         return None
 
+    def refuse_recompute(self) -> str | None:
+        """Why the modules it converted, as configured, cannot be recomputed in backward (activation checkpointing),
+        naming the fix; None when they can. Asked before any module is wrapped for recompute."""
+        return None
+
     def before_fully_shard(self, model: nn.Module, gathered_dtype: torch.dtype | None, *,
                            keeps_gathered: bool = False) -> list[str]:
         """Make the modules it converted in `model` ready for fully_shard, which replaces their parameters by sharded

@@ -125,6 +125,11 @@ class TEBackend(Backend):
     high-precision copy, and no cast in forward. For a trainer whose optimizer steps FP32 masters (take_master_values
     gives their initial values) and copies them into these weights after each step, which quantizes them
     (fp8stack.precision.MasterWeights). Dense linears, LayerNormLinear and LayerNormMLP; not GroupedLinear experts."""
+    one_autocast_per_forward: bool = False
+    """Delayed scaling: one TE autocast region around each forward of the model (te_modules.ModelAutocast, hooked on
+    the root) instead of one per module, so TE reduces and updates amaxes and scales once per forward and once per
+    backward instead of once per module in each. Modules of other recipes (and without FP8) still open their own.
+    Refuses activation recompute (refuse_recompute). Off: not yet measured."""
     local_amax: bool | None = None
     """Delayed scaling: each process keeps its own amaxes and scales (TE DelayedScaling reduce_amax=False, what
     Megatron's --tp-only-amax-red does without tensor parallelism). Otherwise TE all-reduces the amaxes over all
@@ -236,11 +241,32 @@ class TEBackend(Backend):
             state_keys.add(fused_key, parts)
         record.recipe = ", ".join(recipes)
         record.notes += self._notes(model, fusions, built, gemm_library, wgrad_note, recipes)
+        if self.one_autocast_per_forward:
+            record.notes.append(self._one_autocast(model, te_recipes.get("delayed")))
         if attentions:
             record.notes.append(f"fp8_attention: {len(attentions)} attention module(s) send their "
                                 "F.scaled_dot_product_attention calls to TE's FP8 dot-product attention "
                                 f"(DotProductAttention, bshd, fp8_dpa under {', '.join(sorted(attention_recipes))})")
         return model, record
+
+    @staticmethod
+    def _one_autocast(model: nn.Module, delayed) -> str:
+        """Hook one delayed-scaling autocast region around the model's forward (one_autocast_per_forward); the note."""
+        if delayed is None:
+            return ("one_autocast_per_forward: no delayed-scaling module, whose amax updates it would batch: each "
+                    "module keeps its own autocast")
+        from fp8stack.backends import te_modules
+
+        te_modules.ModelAutocast(delayed).install(model)
+        return ("one_autocast_per_forward: the delayed-scaling modules run in one TE autocast region per forward of "
+                f"{type(model).__name__}: one amax and scale update per forward and one per backward")
+
+    def refuse_recompute(self) -> str | None:
+        if self.one_autocast_per_forward:
+            return ("te one_autocast_per_forward runs the delayed-scaling modules in one autocast region per forward, "
+                    "and a recompute in backward would run them outside it: drop activation recompute or "
+                    "one_autocast_per_forward")
+        return None
 
     def _notes(self, model: nn.Module, fusions: list[Fusion], built: list, gemm_library, wgrad_note: str,
                recipes: list[str]) -> list[str]:

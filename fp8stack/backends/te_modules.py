@@ -7,6 +7,8 @@ end of every region's first module's backward, over all delayed-scaling modules 
 the same recipe; so a model with N such modules launches N fused update kernels per forward and
 N per backward instead of one each, and, when torch.distributed is initialized, N small amax
 all-reduces each. Current-scaling and block-scaling recipes keep no amax state: no such cost.
+ModelAutocast (TEBackend's one_autocast_per_forward) opens one region per forward of the whole
+model instead, and the modules of its recipe then run without their own.
 Recompute these modules with te.pytorch.distributed.checkpoint: it accepts autocast regions opened
 inside the checkpointed function and replays delayed-scaling scales exactly (torch's checkpoint
 would recompute with the already-updated scales).
@@ -59,6 +61,8 @@ class _WeightCache:
             now = (optimizer_steps(), tuple(w._version for w in self.cached_weights))
             kwargs["is_first_microbatch"] = now != self._cast_at
             self._cast_at = now
+        if self.autocast_recipe is not None and _inside_region_of(self.autocast_recipe):
+            return run(*args, **kwargs)
         with te.autocast(enabled=self.autocast_recipe is not None, recipe=self.autocast_recipe):
             return run(*args, **kwargs)
 
@@ -87,6 +91,39 @@ def register_restored_scaling_states(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, _WeightCache):
             module.register_restored_scaling_state()
+
+
+def _inside_region_of(recipe: Recipe) -> bool:
+    """Whether an enclosing TE autocast region runs this very recipe object (ModelAutocast's): a module of it then
+    runs there without a region of its own, whose exit would restore TE's first-module flag and give every module a
+    backward update of its own."""
+    return FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.get_fp8_recipe() is recipe
+
+
+class ModelAutocast:
+    """One TE autocast region with `recipe` around each forward of a model: entered by a forward pre-hook on its root
+    and left by its forward hook (always_call: also when the forward raises). The modules of that recipe run inside
+    it (_inside_region_of), so delayed scaling reduces and updates their amaxes and scales once at the region's exit
+    and once in backward (at the backward of the region's first FP8 module, the last to run backward), instead of
+    once per module in each."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self._open: list[AbstractContextManager] = []
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave, always_call=True)
+
+    @torch.compiler.disable  # TE's global state changes here: a compiled model must not trace them
+    def _enter(self, _module, _args) -> None:
+        region = te.autocast(enabled=True, recipe=self.recipe)
+        region.__enter__()
+        self._open.append(region)
+
+    @torch.compiler.disable
+    def _leave(self, _module, _args, _output) -> None:
+        self._open.pop().__exit__(None, None, None)
 
 
 class _OwnAutocast(_WeightCache):

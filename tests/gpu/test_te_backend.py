@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fp8stack.models import load_model_config
+from fp8stack import OrderingError, assemble
 from fp8stack.backends.fused import FoldedNorm
 from fp8stack.backends.te import DELAYED_AMAX_HISTORY_LEN, TE_RECIPES, TEBackend, te_recipe
 from fp8stack.models import GroupedExperts, Llama
@@ -508,3 +509,43 @@ def test_model_built_on_meta_converts_then_materialises():
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_one_autocast_per_forward_updates_scales_once_per_pass_and_trains_bit_for_bit_as_per_module(monkeypatch):
+    """one_autocast_per_forward: one amax and scale update per forward and one per backward, where per-module regions
+    update once per module in each; and the same losses: with an amax history of one entry and 'most_recent', a
+    per-module update leaves the scale of a module that did not run since as it was (amax 0 keeps the scale), so each
+    module casts with the scale from its own previous pass either way."""
+    config = load_model_config("tiny")
+    plan = make_plan(load_description("tiny"), policy("delayed", "hybrid"))
+    tokens = torch.randint(0, config.vocab_size, (4, 129), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    original = FP8GlobalStateManager.reduce_and_update_fp8_tensors.__func__
+    runs = {}
+    for one_region in (False, True):
+        FP8GlobalStateManager.reset()
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Llama(config).to(torch.bfloat16)
+        model, record = TEBackend(**PLAIN, one_autocast_per_forward=one_region).convert(
+            model, plan.for_backend("te"), plan)
+        updates = []
+        monkeypatch.setattr(FP8GlobalStateManager, "reduce_and_update_fp8_tensors",
+                            classmethod(lambda cls, forward=True: (updates.append(forward), original(cls, forward))))
+        runs[one_region] = _train(model, tokens, steps=3), updates, record.notes
+        assert not FP8GlobalStateManager.is_fp8_enabled(), "the model's region closed after each forward"
+        modules = sum(1 for m in model.modules() if isinstance(m, TransformerEngineBaseModule))
+    (per_module, per_module_updates, _), (one, one_updates, notes) = runs[False], runs[True]
+    assert one_updates == [True, False] * 3
+    assert per_module_updates.count(True) == per_module_updates.count(False) == 3 * modules
+    assert any(note.startswith("one_autocast_per_forward: the delayed-scaling modules") for note in notes), notes
+    assert one == per_module
+
+
+def test_one_autocast_per_forward_refuses_recompute():
+    with torch.device("cuda"):
+        model = Llama(load_model_config("tiny"))
+    plan = make_plan(load_description("tiny"), policy("delayed", "hybrid"))
+    with pytest.raises(OrderingError, match="one_autocast_per_forward runs the delayed-scaling modules in one autocast "
+                                            "region per forward.*drop activation recompute"):
+        assemble(model, plan, recompute="all", backend_options={"te": {"one_autocast_per_forward": True}})
