@@ -120,8 +120,8 @@ def assemble(
     precompute_fp8_scales: let post_optimizer_step_hook compute those weights' scales in one
     all-reduce per step. fsdp_mp_policy: FSDP2 mixed precision (default BF16 params, FP32 reduce).
     fsdp_reshard_after_forward: free each block's gathered parameters after its forward (True), keep them until its
-    backward (False: one all-gather fewer per micro-batch, the gathered copy resident, and TE's FP8 weight cache kept:
-    TEBackend.before_fully_shard), or torch's default (None).
+    backward (False: one all-gather fewer per micro-batch, the gathered copy resident; TE keeps its FP8 weight cache
+    and may fuse its weight-gradient accumulation: TEBackend.before_fully_shard), or torch's default (None).
     backend_options: backend name -> constructor options. sdpa_backend: the kernel SDPA runs in this process from
     now on ('cudnn', 'flash', 'efficient'; runtime.attention; None leaves torch's choice) for the attention the plan
     keeps in BF16 (all of it unless fp8_attention), and cuDNN's is the fastest measured on Hopper.
@@ -396,10 +396,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     """fully_shard every block, then the root (embeddings, final norm and head go with the root).
 
     Before sharding, each backend readies what it converted (Backend.before_fully_shard: TE refuses fused wgrad
-    accumulation and drops its FP8 weight cache, with a note, unless reshard_after_forward is False; after, its
-    after_fully_shard), and the FP32 initial values of weights held in FP8
-    only are taken into the assembly state by parameter name (fully_shard's sharded parameters lose what TE keeps on
-    the originals), for fp8stack.precision.ShardedMasterWeights. mp_policy defaults to BF16 parameters for compute
+    accumulation and drops its FP8 weight cache, with a note, unless reshard_after_forward is False, which keeps
+    both; after sharding, Backend.after_fully_shard), and the FP32 initial values of weights held in FP8 only are
+    taken into the assembly state by parameter name (fully_shard's sharded parameters lose what TE keeps on the
+    originals), for fp8stack.precision.ShardedMasterWeights. mp_policy defaults to BF16 parameters for compute
     and FP32 gradient reduction. precompute_fp8_scales: see post_optimizer_step_hook. reshard_after_forward: the
     blocks' (fully_shard's; None: torch's default, which reshards them)."""
     state = _begin(model, "fully_shard")
