@@ -322,6 +322,25 @@ def gathered_once(mesh, recipe: str, cache: bool, fuse_wgrad_accumulation: bool 
                                             "cache_fp8_weights": cache}})
 
 
+def assert_gathered_once_trains_as_unwrapped(mesh, fuse_wgrad_accumulation: bool) -> str:
+    """Delayed, cached, gathered once under fully_shard against the unwrapped fast path with MasterWeights, both
+    with or both without TE's fused wgrad accumulation, over two micro-batches a step; the sharded model's
+    describe_assembly."""
+    model = gathered_once(mesh, "delayed", cache=True, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    described = describe_assembly(model)
+    losses = train_accumulating(model, ShardedMasterWeights(model))
+    del model
+    gc.collect()
+    FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        unwrapped = Llama(load_model_config("tiny"))
+    unwrapped = assemble(unwrapped, make_plan(load_description("tiny"), POLICY),
+                         backend_options={"te": {"fuse_wgrad_accumulation": fuse_wgrad_accumulation}})
+    assert_losses_match(losses, train_accumulating(unwrapped, MasterWeights(unwrapped)))
+    return described
+
+
 def test_gathered_once_te_keeps_its_fp8_weight_cache_keyed_to_the_sharded_weights_bit_for_bit(mesh):
     """Tensorwise scales come from the weight itself: the cached cast and the casts at every forward and backward
     without the cache are the same bytes, so the losses are equal, not close."""
@@ -344,17 +363,7 @@ def test_gathered_once_te_keeps_its_fp8_weight_cache_keyed_to_the_sharded_weight
 
 
 def test_gathered_once_te_cache_frees_the_pre_shard_weights_and_trains_as_the_unwrapped_cached_path(mesh):
-    model = gathered_once(mesh, "delayed", cache=True)
-    losses = train_accumulating(model, ShardedMasterWeights(model))
-    del model
-    gc.collect()
-    FP8GlobalStateManager.reset()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        unwrapped = Llama(load_model_config("tiny"))
-    unwrapped = assemble(unwrapped, make_plan(load_description("tiny"), POLICY),
-                         backend_options={"te": {"fuse_wgrad_accumulation": False}})
-    assert_losses_match(losses, train_accumulating(unwrapped, MasterWeights(unwrapped)))
+    assert_gathered_once_trains_as_unwrapped(mesh, fuse_wgrad_accumulation=False)
 
     with torch.device("cuda"):
         model = Llama(load_model_config("tiny"))
@@ -371,15 +380,5 @@ def test_gathered_once_te_accumulates_weight_gradients_into_what_fsdp2_reduce_sc
     """TE's weight-gradient GEMMs add into FP32 buffers that FSDP2 takes as its accumulators: the losses follow the
     unwrapped fast path with the same fusion (FP32 accumulation inside the GEMM in both), over two micro-batches a
     step reduce-scattered after each (a buffer not zeroed after a reduction would count a micro-batch twice)."""
-    model = gathered_once(mesh, "delayed", cache=True, fuse_wgrad_accumulation=True)
-    assert "fuse_wgrad_accumulation: on for" in describe_assembly(model)
-    losses = train_accumulating(model, ShardedMasterWeights(model))
-    del model
-    gc.collect()
-    FP8GlobalStateManager.reset()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        unwrapped = Llama(load_model_config("tiny"))
-    unwrapped = assemble(unwrapped, make_plan(load_description("tiny"), POLICY),
-                         backend_options={"te": {"fuse_wgrad_accumulation": True}})
-    assert_losses_match(losses, train_accumulating(unwrapped, MasterWeights(unwrapped)))
+    described = assert_gathered_once_trains_as_unwrapped(mesh, fuse_wgrad_accumulation=True)
+    assert "fuse_wgrad_accumulation: on for" in described
