@@ -51,3 +51,16 @@ def test_an_moe_a_b_written_before_the_grouped_fp8_weight_cache_continues_only_w
         _earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)
     ours["job"]["grouped_fp8"]["cache_fp8_weights"] = False
     assert list(_earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)[0]) == ["bf16"]
+
+
+def test_an_option_that_lays_out_the_same_bytes_does_not_part_the_a_b(tmp_path):
+    """The compiled wgrad flattening writes the per-expert copies' bytes (GPU-tested): a loss A/B written with the
+    copies continues with the gather; an option that changes the numbers still parts it."""
+    ours = {"job": to_dict(JobConfig()), "ab": to_plain(AbConfig())}
+    written_before = json.loads(json.dumps(ours))
+    ours["job"]["grouped_fp8"]["wgrad_flatten"] = "compiled"
+    path = _partial(tmp_path, written_before)
+    assert list(_earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)[0]) == ["bf16"]
+    ours["job"]["grouped_fp8"]["quantizer"] = "inductor"
+    with pytest.raises(ValueError, match=r"train_config differs in job.grouped_fp8.quantizer\)"):
+        _earlier_runs(path, ours, ["bf16", "delayed"], 1, dense=False)

@@ -485,6 +485,10 @@ must do the same."""
 MOE_ONLY = ("job.grouped_fp8.",)
 """Configuration that reaches MoE experts only: it cannot change what an A/B of a dense model runs."""
 
+SAME_BYTES = ("job.grouped_fp8.wgrad_flatten",)
+"""Options whose settings lay out the same bytes, tested bit for bit (tests/gpu/test_grouped_fp8_gpu.py: the compiled
+wgrad flattening against the per-expert copies): only the speed differs, so an A/B continues across them."""
+
 
 def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int, dense: bool = False
                   ) -> tuple[dict[str, dict | str], list[dict]]:
@@ -492,7 +496,7 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
     ValueError when the file is not of this A/B (another configuration, other arms or process count, or written
     before files kept their runs). An option the file does not name was added since: it is this A/B's where it keeps
     its default (or, for RAN_BEFORE_THE_OPTION, what the file's runs did). A dense model's A/B ignores the MoE-only
-    options."""
+    options, and every A/B the SAME_BYTES ones (their runs' step times are then each call's own)."""
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -504,7 +508,7 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
     defaults = _leaves({"job": to_dict(JobConfig()), "ab": to_plain(AbConfig())})
     added_at_default = {k for k in set(ours) - set(theirs)
                         if k in defaults and ours[k] == RAN_BEFORE_THE_OPTION.get(k, defaults[k])}
-    moot = {k for k in set(ours) | set(theirs) if dense and k.startswith(MOE_ONLY)}
+    moot = {k for k in set(ours) | set(theirs) if (dense and k.startswith(MOE_ONLY)) or k in SAME_BYTES}
     differ = sorted(k for k in (set(ours) | set(theirs)) - added_at_default - moot if ours.get(k) != theirs.get(k))
     if differ or record.get("recipes") != recipes or record.get("nproc") != nproc:
         what = (f"train_config differs in {', '.join(differ)}" if differ else
