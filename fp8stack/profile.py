@@ -18,6 +18,7 @@ Writes profile-<model>-<device>.json and .md evidence.
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -66,6 +67,8 @@ TOP_GAPS = 15
 """Kernel pairs listed in the evidence, by idle time between them."""
 TOP_HOST_OPS = 20
 """Host ops listed in the evidence, by self CPU time."""
+TOP_MEMORY_SITES = 20
+"""Allocation sites listed in a memory breakdown (memory_at_peak)."""
 HOST_TITLE = "Host: top ops by self CPU time per step"
 """The heading of the host table in the evidence's Markdown."""
 HOST_NOTE = ("CPU ops and record_function ranges, the whole step's left out, self time summed over threads: thousands "
@@ -539,6 +542,94 @@ def host_table(run: RunProfile, markdown_table) -> str:
     return markdown_table(["op", "self CPU ms/step", "calls/step"],
                           [[_cut(op.name), f"{op.self_ms_per_step:.3f}", f"{op.calls_per_step:g}"]
                            for op in run.host_ops or ()])
+
+
+@dataclass
+class MemorySite:
+    """Allocations live at a window's memory peak that one place in the code made."""
+
+    site: str
+    """The first frame of their stacks outside torch's own code ('transformer_engine/pytorch/module/linear.py:512
+    forward'), or 'torch: <its innermost function>' where every frame is torch's."""
+    gib: float
+    """Their bytes at the peak, GiB."""
+    allocations: int
+    """How many of them."""
+
+
+@dataclass
+class MemoryPeak:
+    """Where a recorded window's allocated memory peaked, and what was live then (torch.cuda.memory's trace)."""
+
+    peak_gib: float
+    """Allocated at the peak: what was allocated when the record began, plus the most the window's allocations and
+    frees added to it."""
+    baseline_gib: float
+    """Allocated when the record began (parameters, gradients, optimizer state, caches: their stacks unrecorded)."""
+    baseline_live_gib: float
+    """Of baseline_gib, still allocated at the peak."""
+    sites: list[MemorySite]
+    """The TOP_MEMORY_SITES sites with the most bytes live at the peak among the window's own allocations."""
+    events: int
+    """Trace events read: a trace as long as its max_entries has lost its first events, and the figures with them."""
+
+
+def memory_at_peak(events: Sequence[dict], baseline_bytes: int) -> MemoryPeak:
+    """The peak of allocated memory over a torch.cuda.memory._snapshot() device trace (its 'alloc' and
+    'free_completed' events, in order) recorded from a moment when baseline_bytes were allocated, and what was live
+    then by allocation site. A free of an allocation the trace did not see came out of the baseline."""
+    change = {"alloc": 1, "free_completed": -1}
+    running = peak = 0
+    at = -1
+    for index, event in enumerate(events):
+        running += change.get(event["action"], 0) * event["size"]
+        if running > peak:
+            peak, at = running, index
+    live: dict[int, dict] = {}
+    baseline_freed = 0
+    for event in events[:at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed" and live.pop(event["addr"], None) is None:
+            baseline_freed += event["size"]
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for event in live.values():
+        totals = by_site[allocation_site(event.get("frames") or [])]
+        totals[0] += event["size"]
+        totals[1] += 1
+    ranked = sorted(by_site.items(), key=lambda item: item[1][0], reverse=True)[:TOP_MEMORY_SITES]
+    return MemoryPeak(peak_gib=(baseline_bytes + peak) / 2**30, baseline_gib=baseline_bytes / 2**30,
+                      baseline_live_gib=(baseline_bytes - baseline_freed) / 2**30,
+                      sites=[MemorySite(site, size / 2**30, count) for site, (size, count) in ranked],
+                      events=len(events))
+
+
+def allocation_site(frames: Sequence[dict]) -> str:
+    """The first frame (innermost first, as the trace lists them) outside torch's own code, as 'path:line function'
+    with the path from its package on; 'torch: <innermost function>' when every frame is torch's."""
+    for frame in frames:
+        path = frame["filename"].replace("\\", "/")
+        if "/torch/" not in path and not path.startswith("<"):
+            return f"{_from_package(path)}:{frame['line']} {frame['name']}"
+    return f"torch: {frames[0]['name']}" if frames else "no stack recorded"
+
+
+def _from_package(path: str) -> str:
+    """site-packages/x/y.py -> x/y.py; a path under the working directory, relative to it."""
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[1]
+    cwd = os.getcwd().rstrip("/") + "/"
+    return path.removeprefix(cwd)
+
+
+def memory_table(peak: MemoryPeak, markdown_table) -> str:
+    """The window's memory peak and the sites of its own allocations live at it, largest first."""
+    head = (f"Allocated at the peak: {peak.peak_gib:.2f} GiB; {peak.baseline_gib:.2f} GiB were allocated when the "
+            f"record began (their stacks unrecorded), {peak.baseline_live_gib:.2f} GiB of them still live at the peak. "
+            f"The window's own allocations live at the peak, by the first frame outside torch ({peak.events} trace "
+            "events):\n\n")
+    return head + markdown_table(["site", "GiB", "allocations"],
+                                 [[_cut(site.site), f"{site.gib:.3f}", str(site.allocations)] for site in peak.sites])
 
 
 def fused_note(fused: list[dict]) -> str:

@@ -287,6 +287,8 @@ PROFILE_SCRIPT_BAD = [
     (SCRIPT, "the following arguments are required: --out"),
     (["--out", "{tmp}/a-dir", *SCRIPT], "--out {tmp}/a-dir is a folder: pass a file path"),
     (["--out", "{tmp}/a-file/p.json", *SCRIPT], "--out {tmp}/a-file/p.json: its folder {tmp}/a-file is a file"),
+    (["--out", "{tmp}/p.json", "--memory", *SCRIPT],
+     "--memory records CUDA allocations, and torch sees no CUDA GPU here: run it on a GPU machine, or drop --memory"),
 ]
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from fp8stack.bench import own_model
 from fp8stack.bench.profile_script import main
-from fp8stack.evidence import run_folder
-from fp8stack.profile import CATEGORIES
+from fp8stack.evidence import markdown_table, run_folder
+from fp8stack.profile import CATEGORIES, memory_at_peak, memory_table
 
 TINY_TRAIN = '''"""A user's training script: two linears with biases, AdamW, --steps optimizer steps."""
 import sys
@@ -144,3 +144,31 @@ def test_own_model_profile_gives_each_arm_its_breakdown_beside_the_timed_tokens_
     for section in ("### trainer delayed", "### own bf16"):
         host = markdown.split(section)[1].split("###")[0]
         assert "Host: top ops by self CPU time per step" in host and "| aten::mm |" in host
+
+
+def _event(action: str, addr: int, size: int, *files: str) -> dict:
+    return {"action": action, "addr": addr, "size": size,
+            "frames": [{"filename": f, "line": 7, "name": "fn"} for f in files]}
+
+
+def test_memory_at_peak_replays_the_trace_and_names_the_first_frame_outside_torch():
+    """The peak of baseline + allocations - frees, and what was live then by site: a free of an allocation made before
+    the record comes out of the baseline; torch's own frames are skipped; later allocations do not count."""
+    gib = 2**30
+    te = "/venv/lib/python3.12/site-packages/transformer_engine/pytorch/module/linear.py"
+    torch_frame = "/venv/lib/python3.12/site-packages/torch/nn/functional.py"
+    events = [_event("alloc", 1, 2 * gib, torch_frame, te),
+              _event("free_completed", 99, gib),  # allocated before the record
+              _event("alloc", 2, gib, torch_frame),
+              _event("segment_alloc", 5, 8 * gib),
+              _event("alloc", 3, gib, te),
+              _event("free_requested", 2, gib),
+              _event("free_completed", 2, gib),
+              _event("alloc", 4, gib // 2, te)]  # peak: baseline 10 - 1 + 2 + 1 + 1 = 13 GiB, before the last free
+    peak = memory_at_peak(events, 10 * gib)
+    assert (peak.peak_gib, peak.baseline_gib, peak.baseline_live_gib, peak.events) == (13, 10, 9, 8)
+    assert [(s.site, s.gib, s.allocations) for s in peak.sites] == [
+        ("transformer_engine/pytorch/module/linear.py:7 fn", 3, 2), ("torch: fn", 1, 1)]
+    table = memory_table(peak, markdown_table)
+    assert "Allocated at the peak: 13.00 GiB; 10.00 GiB were allocated when the record began" in table
+    assert "| transformer_engine/pytorch/module/linear.py:7 fn | 3.000 | 2 |" in table

@@ -15,6 +15,11 @@ fp8stack.profile's breakdown per profiled step (kernel categories, top kernels, 
 and the host's top ops by self CPU time with their calls: a step bound by Python and kernel launches shows thousands
 of small ops there), and stdout its Markdown.
 
+With --memory (a CUDA GPU) the window's allocations are recorded too (torch.cuda.memory's history, Python stacks):
+--out and stdout then also say where allocated memory peaked in the window and which places in the code (the first
+frame outside torch: a TE module, fp8stack, the script's model) held the most of it there, beside what was allocated
+before the window (parameters, gradients, optimizer state, caches). Give it few steps: the trace grows with each.
+
 A script that takes fewer optimizer steps than warmup + steps is an error (exit 2, nothing written); one that fails
 keeps its own exit status and writes nothing. One process: under torchrun every rank would write the same --out.
 """
@@ -32,23 +37,31 @@ from pathlib import Path
 from fp8stack.config import ConfigError
 from fp8stack.config.flags import OneLineParser
 from fp8stack.evidence import markdown_table
-from fp8stack.profile import (GAP_MIN_US, HOST_NOTE, HOST_TITLE, RunProfile, category_table, gap_table, host_table,
-                              kernel_table, profile_from_record)
+from fp8stack.profile import (GAP_MIN_US, HOST_NOTE, HOST_TITLE, MemoryPeak, RunProfile, category_table, gap_table,
+                              host_table, kernel_table, memory_at_peak, memory_table, profile_from_record)
 from fp8stack.train.preflight import check_output_file
 
 PROG = "python -m fp8stack.bench.profile_script"
 
 
-class StepWindow:
-    """The optimizer-step hook: profiles the steps after the first `warmup` ones, `steps` of them."""
+MEMORY_EVENTS = 4_000_000
+"""Most allocation events --memory keeps (torch drops the oldest past it: MemoryPeak.events says when it did)."""
 
-    def __init__(self, warmup: int, steps: int):
-        self.warmup, self.steps = warmup, steps
+
+class StepWindow:
+    """The optimizer-step hook: profiles the steps after the first `warmup` ones, `steps` of them (and, with memory,
+    records their allocations)."""
+
+    def __init__(self, warmup: int, steps: int, memory: bool = False):
+        self.warmup, self.steps, self.memory = warmup, steps, memory
         self.taken = 0
         """Optimizer steps counted so far."""
         self.profiler = None
         self.on_gpu = False
         self.began = self.wall_ms_per_step = None
+        self.baseline_bytes = 0
+        self.memory_peak: MemoryPeak | None = None
+        """With memory, once done on a GPU: where the window's allocated memory peaked."""
 
     @property
     def done(self) -> bool:
@@ -67,6 +80,9 @@ class StepWindow:
 
         self.on_gpu = torch.cuda.is_initialized()
         self._drain()
+        if self.memory and self.on_gpu:
+            self.baseline_bytes = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=MEMORY_EVENTS)
         self.profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else []))
         self.profiler.start()
         self.began = time.perf_counter()
@@ -75,6 +91,12 @@ class StepWindow:
         self._drain()
         self.wall_ms_per_step = (time.perf_counter() - self.began) * 1000 / self.steps
         self.profiler.stop()
+        if self.memory and self.on_gpu:
+            import torch
+
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.memory_peak = memory_at_peak(trace, self.baseline_bytes)
 
     def abandon(self) -> None:
         """Stop a profiler the script left running by ending before the window's last step."""
@@ -105,6 +127,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "the profiler starts at a step's end)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps profiled")
     parser.add_argument("--out", type=Path, required=True, help="the JSON breakdown's path")
+    parser.add_argument("--memory", action="store_true",
+                        help="also record the profiled steps' allocations (a CUDA GPU): where allocated memory peaked "
+                             "and which code held it")
     split = argv.index("--") if "--" in argv else len(argv)
     args, target = parser.parse_args(argv[:split]), argv[split + 1:]
     if args.steps < 1 or args.warmup_steps < 1:
@@ -115,11 +140,20 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"no module named {target[1]}: pass an importable module after -m, or a script's path")
     if target[0] != "-m" and not Path(target[0]).is_file():
         parser.error(f"script {target[0]} is not a file: pass the training script's path after --")
+    if args.memory and not _cuda_available():
+        parser.error("--memory records CUDA allocations, and torch sees no CUDA GPU here: run it on a GPU machine, or "
+                     "drop --memory")
     try:
         check_output_file(args.out, "--out")
     except ConfigError as err:
         parser.error(str(err))
     return args, target
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _importable(module: str) -> bool:
@@ -180,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     # came first; here fp8stack came first, so load them before the script runs any kernel.
     import fp8stack.assembly  # noqa: F401
 
-    window = StepWindow(args.warmup_steps, args.steps)
+    window = StepWindow(args.warmup_steps, args.steps, memory=args.memory)
     hook = register_optimizer_step_post_hook(window)
     try:
         code = run_target(target)
@@ -197,9 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     label = " ".join(target[:2] if target[0] == "-m" else target[:1])
     profiled = window.record(label)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    memory = asdict(window.memory_peak) if window.memory_peak is not None else None
     args.out.write_text(json.dumps({"target": target, "warmup_steps": args.warmup_steps, "steps": args.steps,
-                                    "optimizer_steps": window.taken, "profile": asdict(profiled)}, indent=1) + "\n")
+                                    "optimizer_steps": window.taken, "profile": asdict(profiled), "memory": memory},
+                                   indent=1) + "\n")
     print(breakdown_markdown({label: profiled}), end="")
+    if window.memory_peak is not None:
+        print("\nMemory of the profiled steps\n\n" + memory_table(window.memory_peak, markdown_table), end="")
+    elif args.memory:
+        print(f"\n--memory: {label} ran no CUDA work before the window, so nothing was recorded")
     print(f"profiled {args.steps} optimizer steps of {label}: wrote {args.out}")
     return 0
 
