@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 require_cuda()
 
-CUDA_TRAIN = '''"""Two linears on the GPU, AdamW, 6 steps; each step keeps 256 MiB of activation alive to its backward."""
+CUDA_TRAIN = '''"""Two GPU linears, AdamW, 6 steps; each step keeps 256 MiB of activation alive to its backward."""
 import torch
 
 model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).cuda()
