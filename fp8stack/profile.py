@@ -573,6 +573,10 @@ class MemoryPeak:
     events: int
     """Trace events read: a trace as long as its max_entries has lost its first events, and the figures with them."""
 
+    @classmethod
+    def from_dict(cls, record: dict) -> "MemoryPeak":
+        return cls(**{**record, "sites": [MemorySite(**site) for site in record["sites"]]})
+
 
 def memory_at_peak(events: Sequence[dict], baseline_bytes: int) -> MemoryPeak:
     """The peak of allocated memory over a torch.cuda.memory._snapshot() device trace (its 'alloc' and

@@ -5,6 +5,7 @@ beside the timed run's tokens/s. Bad options: tests/test_bad_inputs.py."""
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,8 @@ def test_own_model_profile_gives_each_arm_its_breakdown_beside_the_timed_tokens_
                            "--out-dir", str(tmp_path)]) == 0
     folder = run_folder("own-model-cpu", tmp_path)
     record = json.loads((folder / "own-model-cpu.json").read_text())
-    assert record["profile"] == {"warmup_steps": own_model.PROFILE_WARMUP_STEPS, "steps": own_model.PROFILED_STEPS}
+    assert record["profile"] == {"warmup_steps": own_model.PROFILE_WARMUP_STEPS, "steps": own_model.PROFILED_STEPS,
+                                 "memory": False}
     for arm in record["arms"]:
         assert arm["tokens_per_s"] > 0 and len(arm["step_ms"]) == 4, "tokens/s from the timed run, unprofiled"
         assert "fp8stack.bench.profile_script" not in arm["command"]
@@ -144,6 +146,19 @@ def test_own_model_profile_gives_each_arm_its_breakdown_beside_the_timed_tokens_
     for section in ("### trainer delayed", "### own bf16"):
         host = markdown.split(section)[1].split("###")[0]
         assert "Host: top ops by self CPU time per step" in host and "| aten::mm |" in host
+    # --memory (a GPU's) adds each arm's first profiled step's memory peak: its section, from the arm's record
+    assert "--memory" in own_model.profile_command("own bf16", tmp_path / "p.json", tmp_path / "r.json", memory=True)
+    record["arms"][1]["memory"] = asdict(memory_at_peak([_event("alloc", 1, 2**30, "model.py")], 2**30))
+    rendered = own_model.render(record)
+    assert "### own bf16: memory of its first profiled step (--memory)" in rendered
+    assert "| model.py:7 fn | 1.000 | 1 |" in rendered
+
+
+def test_own_model_memory_needs_profile(capsys):
+    with pytest.raises(SystemExit) as refused:
+        own_model.main(["--memory"])
+    assert refused.value.code == 2
+    assert "--memory records the profiled runs' allocations: add --profile" in capsys.readouterr().err
 
 
 def _event(action: str, addr: int, size: int, *files: str) -> dict:

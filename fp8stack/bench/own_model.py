@@ -14,7 +14,8 @@ PROFILE_WARMUP_STEPS unprofiled steps then PROFILED_STEPS profiled ones, and the
 per step: kernel time by category, top kernels, GPU idle time and its longest gaps, and the host's top ops by self CPU
 time with their calls per step. The tokens/s stay the timed runs' (the profiler slows a step), and the profiled runs
 are the timed ones' commands with fewer steps. Not profiled: an arm whose timed run failed, and the --earlier-tree
-arms (their trees may lack the profiler wrapper).
+arms (their trees may lack the profiler wrapper). --memory (with --profile, on a GPU) adds each arm's first profiled
+step's memory peak and the code holding it (profile_script --memory): where one arm's memory goes beside another's.
 """
 
 import argparse
@@ -29,7 +30,7 @@ from pathlib import Path
 from fp8stack.bench.profile_script import breakdown_markdown
 from fp8stack.evidence import (add_force_option, claim_or_exit, device_copy, device_slug, markdown_table,
                                      write_evidence)
-from fp8stack.profile import RunProfile
+from fp8stack.profile import MemoryPeak, RunProfile, memory_table
 from fp8stack.train.timing import relative_spread, steady_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,14 +87,14 @@ def command(arm: str, steps: int, result: Path) -> list[str]:
             "--steps", str(steps), "--result-json", str(result)]
 
 
-def profile_command(arm: str, out: Path, result: Path) -> list[str]:
+def profile_command(arm: str, out: Path, result: Path, memory: bool = False) -> list[str]:
     """The arm's own command for exactly the steps it profiles, under fp8stack.bench.profile_script writing `out`.
     The trainer arm runs there too (its `-m fp8stack.train ...`) rather than under `fp8stack profile`, which drives the
     trainer's steps itself from its own configuration flags and profiles a BF16 run first: so every arm is profiled
     as the same process its timed run was, cut into steps at the same optimizer-step boundaries."""
     argv = command(arm, PROFILE_WARMUP_STEPS + PROFILED_STEPS, result)
     return [sys.executable, "-m", "fp8stack.bench.profile_script", "--warmup-steps", str(PROFILE_WARMUP_STEPS),
-            "--steps", str(PROFILED_STEPS), "--out", str(out), "--", *argv[1:]]
+            "--steps", str(PROFILED_STEPS), *(["--memory"] if memory else []), "--out", str(out), "--", *argv[1:]]
 
 
 def run_process(argv: list[str], timeout: float, wrote: Path, tree: Path | None = None) -> str | None:
@@ -124,16 +125,19 @@ def run_arm(arm: str, steps: int, timeout: float, tree: Path | None = None) -> d
             "losses": measured["losses"], "step_ms": measured["step_ms"]}
 
 
-def profile_arm(arm: str, timeout: float) -> dict:
+def profile_arm(arm: str, timeout: float, memory: bool = False) -> dict:
     """The arm's profiled run (profile_command) in a fresh process: its breakdown per step (fp8stack.profile's
-    RunProfile as a dict), or its error."""
+    RunProfile as a dict) and, with memory, its first profiled step's memory peak (MemoryPeak as a dict); or its
+    error."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "profile.json"
-        argv = profile_command(arm, out, Path(folder) / "result.json")
+        argv = profile_command(arm, out, Path(folder) / "result.json", memory)
         error = run_process(argv, timeout * PROFILE_TIMEOUT_FACTOR, out)
         if error is not None:
             return {"profile_command": argv, "profile_error": error}
-        return {"profile_command": argv, "profile": json.loads(out.read_text())["profile"]}
+        written = json.loads(out.read_text())
+        return {"profile_command": argv, "profile": written["profile"],
+                **({"memory": written["memory"]} if written.get("memory") else {})}
 
 
 def targets(arms: dict[str, dict]) -> list[dict]:
@@ -175,6 +179,9 @@ def render_profiles(record: dict) -> str:
             f"{settings['steps']} profiled; per profiled step. The wall times carry the profiler's overhead: the "
             "tokens/s above are the unprofiled runs'.\n\n")
     text += breakdown_markdown(profiled) if profiled else "No arm was profiled.\n"
+    for arm in (a for a in record["arms"] if a.get("memory")):
+        text += (f"\n### {arm['arm']}: memory of its first profiled step (--memory)\n\n"
+                 + memory_table(MemoryPeak.from_dict(arm["memory"]), markdown_table))
     return text + ("\nProfiles that failed:\n\n" + "\n".join(failed) + "\n" if failed else "")
 
 
@@ -209,8 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help=f"also profile each chosen arm, in a fresh process after its timed run: "
                              f"{PROFILE_WARMUP_STEPS} + {PROFILED_STEPS} steps under fp8stack.bench.profile_script")
+    parser.add_argument("--memory", action="store_true",
+                        help="with --profile: also record each arm's first profiled step's CUDA allocations "
+                             "(fp8stack.bench.profile_script --memory): its memory peak and the code holding it")
     add_force_option(parser)
     args = parser.parse_args(argv)
+    if args.memory and not args.profile:
+        parser.error("--memory records the profiled runs' allocations: add --profile")
     chosen = [arm.strip() for arm in args.arms.split(",")]
     unknown = [arm for arm in chosen if arm not in ARMS]
     if unknown:
@@ -223,13 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         arms[arm] = run_arm(arm, args.steps, args.timeout, tree)
         print(f"{arm}: {arms[arm].get('tokens_per_s', arms[arm].get('error', '')[-300:])}", flush=True)
         if args.profile and tree is None and "error" not in arms[arm]:
-            arms[arm].update(profile_arm(arm, args.timeout))
+            arms[arm].update(profile_arm(arm, args.timeout, args.memory))
             print(f"{arm} profiled: " + (f"wall {arms[arm]['profile']['wall_ms_per_step']:.1f} ms/step"
                                          if "profile" in arms[arm] else arms[arm]["profile_error"][-300:]), flush=True)
     record = {"shape": SHAPE, "steps": args.steps, "trainer_flags": TRAINER_FASTEST, "arms": list(arms.values()),
               "targets": targets(arms),
               "earlier_trees": [str(tree) for tree in args.earlier_tree],
-              "profile": {"warmup_steps": PROFILE_WARMUP_STEPS, "steps": PROFILED_STEPS} if args.profile else None}
+              "profile": {"warmup_steps": PROFILE_WARMUP_STEPS, "steps": PROFILED_STEPS, "memory": args.memory}
+              if args.profile else None}
     json_path, _ = write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=args.force)
     figure = json_path.with_suffix(".png")
     for path in filter(None, (figure, device_copy(figure))):

@@ -15,10 +15,10 @@ fp8stack.profile's breakdown per profiled step (kernel categories, top kernels, 
 and the host's top ops by self CPU time with their calls: a step bound by Python and kernel launches shows thousands
 of small ops there), and stdout its Markdown.
 
-With --memory (a CUDA GPU) the window's allocations are recorded too (torch.cuda.memory's history, Python stacks):
---out and stdout then also say where allocated memory peaked in the window and which places in the code (the first
-frame outside torch: a TE module, fp8stack, the script's model) held the most of it there, beside what was allocated
-before the window (parameters, gradients, optimizer state, caches). Give it few steps: the trace grows with each.
+With --memory (a CUDA GPU) the first profiled step's allocations are recorded too (torch.cuda.memory's history,
+Python stacks; one step bounds the trace): --out and stdout then also say where allocated memory peaked in that step
+and which places in the code (the first frame outside torch: a TE module, fp8stack, the script's model) held the most
+of it there, beside what was allocated before it (parameters, gradients, optimizer state, caches).
 
 A script that takes fewer optimizer steps than warmup + steps is an error (exit 2, nothing written); one that fails
 keeps its own exit status and writes nothing. One process: under torchrun every rank would write the same --out.
@@ -71,7 +71,9 @@ class StepWindow:
         self.taken += 1
         if self.taken == self.warmup:
             self._start()
-        elif self.taken == self.warmup + self.steps:
+        if self.taken == self.warmup + 1:
+            self._stop_memory()
+        if self.taken == self.warmup + self.steps:
             self._stop()
 
     def _start(self) -> None:
@@ -91,6 +93,9 @@ class StepWindow:
         self._drain()
         self.wall_ms_per_step = (time.perf_counter() - self.began) * 1000 / self.steps
         self.profiler.stop()
+
+    def _stop_memory(self) -> None:
+        """With memory, after the first profiled step: its allocations are the record (one step bounds the trace)."""
         if self.memory and self.on_gpu:
             import torch
 
@@ -128,8 +133,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps profiled")
     parser.add_argument("--out", type=Path, required=True, help="the JSON breakdown's path")
     parser.add_argument("--memory", action="store_true",
-                        help="also record the profiled steps' allocations (a CUDA GPU): where allocated memory peaked "
-                             "and which code held it")
+                        help="also record the first profiled step's allocations (a CUDA GPU): where allocated memory "
+                             "peaked and which code held it")
     split = argv.index("--") if "--" in argv else len(argv)
     args, target = parser.parse_args(argv[:split]), argv[split + 1:]
     if args.steps < 1 or args.warmup_steps < 1:
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                                    indent=1) + "\n")
     print(breakdown_markdown({label: profiled}), end="")
     if window.memory_peak is not None:
-        print("\nMemory of the profiled steps\n\n" + memory_table(window.memory_peak, markdown_table), end="")
+        print("\nMemory of the first profiled step\n\n" + memory_table(window.memory_peak, markdown_table), end="")
     elif args.memory:
         print(f"\n--memory: {label} ran no CUDA work before the window, so nothing was recorded")
     print(f"profiled {args.steps} optimizer steps of {label}: wrote {args.out}")

@@ -1,6 +1,6 @@
-"""fp8stack.bench.profile_script --memory on a GPU: a script's profiled steps' allocations recorded, their peak and the
-place in the script that held the most of it named (the CPU tests replay a made-up trace: tests/test_profile_script.py).
-Run with `pytest -m gpu tests/gpu/test_profile_script_gpu.py`."""
+"""fp8stack.bench.profile_script --memory on a GPU: a script's first profiled step's allocations recorded, their peak
+and the place in the script that held the most of it named (the CPU tests replay a made-up trace:
+tests/test_profile_script.py). Run with `pytest -m gpu tests/gpu/test_profile_script_gpu.py`."""
 
 import json
 import subprocess
@@ -39,4 +39,4 @@ def test_memory_names_the_scripts_line_holding_the_peak(tmp_path):
     assert memory["peak_gib"] >= memory["baseline_live_gib"] + 0.25
     sites = {site["site"]: site["gib"] for site in memory["sites"]}
     assert any(site.startswith("cuda_train.py:") for site in sites), sites
-    assert "Memory of the profiled steps" in run.stdout and "| cuda_train.py:" in run.stdout
+    assert "Memory of the first profiled step" in run.stdout and "| cuda_train.py:" in run.stdout
