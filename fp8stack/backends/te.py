@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8stack.backends import fsdp_main_grads
 from fp8stack.backends.base import Backend, BackendUnavailable, ConversionRecord, check_plan_fits, swap_module
 from fp8stack.backends.fused import FoldedNorm, Part, StateKeys, merged_projections
 from fp8stack.plan import Decision, Fusion, Plan, PlanError
@@ -415,8 +416,6 @@ class TEBackend(Backend):
         """With the gathered weights kept over the step: the fused modules' weights keep TE's fused weight-gradient
         accumulation, into FP32 buffers that after_fully_shard hands to FSDP2 (fp8stack.backends.fsdp_main_grads);
         their pre-shard main_grads are let go of."""
-        from fp8stack.backends import fsdp_main_grads
-
         fsdp_main_grads.check_fsdp2()
         for module in fused:
             owners = {id(weight): (owner, name) for owner in module.modules()
@@ -439,8 +438,6 @@ class TEBackend(Backend):
             module._cast_at = None
         self._kept_caches.clear()
         if self._main_grad_writers:
-            from fp8stack.backends import fsdp_main_grads
-
             fsdp_main_grads.install(model, self._main_grad_writers)
             self._main_grad_writers.clear()
 
