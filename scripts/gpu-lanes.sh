@@ -12,17 +12,19 @@
 # stack, scripts/stage-gpu.sh) before the lane's checkout. At the deadline a lane gets SIGTERM, and SIGKILL GRACE
 # seconds later (default 10): `fp8stack ab --arm-checkpoints` needs the time its arms take to finish a step and save,
 # and to write its evidence (GRACE=120, and a deadline that leaves that much of the call).
+# The lanes' copies, logs and stamp go in $LANES_WORK (default /tmp).
 START=$(date +%s)
 DEADLINE=$((START + ${1:?seconds until the deadline}))
 ROOT=$(pwd)
-STAMP=/tmp/lanes-stamp-$START
+WORK=${LANES_WORK:-/tmp}
+STAMP=$WORK/lanes-stamp-$START
 LANES=""
+mkdir -p "$WORK/lanes-logs"
 touch "$STAMP"
 sleep 1
-mkdir -p /tmp/lanes-logs
 
 lane() {
-  local name=$1 gpus=$2 dir=/tmp/lane-$1
+  local name=$1 gpus=$2 dir=$WORK/lane-$1
   shift 2
   if [ ! -d "$dir" ]; then
     mkdir -p "$dir"
@@ -32,10 +34,17 @@ lane() {
   [ "$left" -lt 5 ] && left=5
   (
     cd "$dir" || { touch "$STAMP.$name.done"; exit 1; }
-    echo "== $name start $(date +%T), ${left}s left: $*" >> "/tmp/lanes-logs/$name.log"
+    echo "== $name start $(date +%T), ${left}s left: $*" >> "$WORK/lanes-logs/$name.log"
     CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=/tmp/dgsite:/tmp/site:$dir FP8STACK_DIRTY=${FP8STACK_DIRTY:-0} \
-      timeout -k "${GRACE:-10}" "$left" bash -c "$*" >> "/tmp/lanes-logs/$name.log" 2>&1
-    echo "== $name rc=$? end $(date +%T)" >> "/tmp/lanes-logs/$name.log"
+      timeout -k "${GRACE:-10}" "$left" bash -c "$*" >> "$WORK/lanes-logs/$name.log" 2>&1 &
+    local group=$! rc waited=0
+    wait "$group"
+    rc=$?
+    # timeout returns as soon as its shell dies of the SIGTERM, while the shell's children that handle it (an A/B
+    # saving its arms' checkpoints) still run in timeout's process group: the call must not end under them.
+    while kill -0 -- "-$group" 2> /dev/null && [ "$waited" -lt "${GRACE:-10}" ]; do sleep 1; waited=$((waited + 1)); done
+    kill -KILL -- "-$group" 2> /dev/null
+    echo "== $name rc=$rc end $(date +%T)" >> "$WORK/lanes-logs/$name.log"
     touch "$STAMP.$name.done"
   ) &
   LANES="$LANES $name"
@@ -56,8 +65,8 @@ finish() {
     while [ ! -e "$STAMP.$name.done" ]; do sleep 2; done
   done
   local files
-  files=$(cd /tmp && find lane-*/profiles/runs -newer "$STAMP" -type f 2>/dev/null)
+  files=$(cd "$WORK" && find lane-*/profiles/runs -newer "$STAMP" -type f 2>/dev/null)
   # shellcheck disable=SC2086  # one path per word
-  tar -C /tmp -czf "$OUT/results.tgz" lanes-logs $files
-  for log in /tmp/lanes-logs/*.log; do echo "######## $log"; tail -n 25 "$log"; done
+  tar -C "$WORK" -czf "$OUT/results.tgz" lanes-logs $files
+  for log in "$WORK"/lanes-logs/*.log; do echo "######## $log"; tail -n 25 "$log"; done
 }
