@@ -146,37 +146,38 @@ class Session:
             self.after_optimizer_step()
         clear_expert_load(self.model)  # the first step's routing bias moves by the first step's loads only
 
-    def step(self, grad_clip: float, on_gradients: Callable[[], None] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step on the next batch, accumulating the gradients of its micro-batches: (mean
-        loss, gradient norm) as device tensors and the learning rate it used. One host sync, before the
-        optimizer step: a NaN or infinite loss or gradient norm raises NonFiniteLossError, the step not taken.
+    def step(self, grad_clip: float, on_gradients: Callable[[], None] | None = None) -> tuple[float, float, float]:
+        """One optimizer step on the next batch, accumulating the gradients of its micro-batches: its loss (the mean
+        over micro-batches and ranks), gradient norm and learning rate. One host sync, before the optimizer step and
+        none after it, so that the host queues the optimizer and the next step's batch while the GPU runs the step:
+        a NaN or infinite loss or gradient norm raises NonFiniteLossError, the step not taken.
         on_gradients: called once the step's gradients are complete, before clipping."""
+        tokens, targets = (self.env.upload(t) for t in next(self.data))
         losses = []
-        for index, (tokens, targets) in enumerate(zip(*(t.chunk(self.micro_batches) for t in next(self.data)),
-                                                      strict=True)):
-            tokens, targets = (t.to(self.env.device, non_blocking=True) for t in (tokens, targets))
+        for index, (micro_tokens, micro_targets) in enumerate(zip(tokens.chunk(self.micro_batches),
+                                                                  targets.chunk(self.micro_batches), strict=True)):
             last = index == self.micro_batches - 1
             with nullcontext() if last else self.no_sync():
                 with self.autocast(), self.compressor or nullcontext():
-                    loss = self.loss_fn(tokens, targets)
+                    loss = self.loss_fn(micro_tokens, micro_targets)
                 (loss / self.micro_batches).backward()  # equal-sized micro-batches: the step's mean loss
             losses.append(loss.detach())
-        loss = torch.stack(losses).mean()
         if on_gradients is not None:
             on_gradients()
         grad_norm = self.clip_fn(grad_clip)
-        if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+        mean_loss = self.env.mean_on_device(torch.stack(losses).mean())
+        loss_value, norm_value = torch.stack([mean_loss.float(), grad_norm.float()]).tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(f"loss {float(loss)}, gradient norm {float(grad_norm)}: the optimizer step was "
-                                     "not taken")
+            raise NonFiniteLossError(f"loss {loss_value}, gradient norm {norm_value}: the optimizer step was not "
+                                     "taken")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.after_optimizer_step()
         self.router_loads = update_expert_bias(self.model, self.env.data_parallel_group)
-        return loss, grad_norm, lr
+        return loss_value, norm_value, lr
 
 
 @contextmanager
@@ -302,7 +303,7 @@ def train(cfg: JobConfig) -> TrainResult:
                 position, rng = data.position, rng_states()
                 stats_hooks = track_fp8_stats(model) if log.fp8_stats_due(step) else []
                 try:
-                    loss, grad_norm, lr = run.step(cfg.optimizer.grad_clip, on_gradients=(
+                    loss_value, grad_norm, lr = run.step(cfg.optimizer.grad_clip, on_gradients=(
                         lambda: result.zero_fp8_weight_grads.append(zero_fp8_weight_grads(model))) if check else None)
                 except NonFiniteLossError as err:
                     _stop_on_nonfinite(run, cfg, step, position, rng, err)
@@ -311,7 +312,6 @@ def train(cfg: JobConfig) -> TrainResult:
                     for hook in stats_hooks:
                         hook.remove()
                     clear_fp8_stats(model)
-                loss_value, grad_norm = env.mean(loss.detach()), float(grad_norm)
                 elapsed_ms = (time.perf_counter() - began) * 1000
 
                 result.losses.append(loss_value)
@@ -701,12 +701,23 @@ class _Distributed:
         return value
 
     def mean(self, value: torch.Tensor) -> float:
-        """The mean of a scalar over all ranks (gloo has no AVG, hence SUM / world)."""
+        """The mean of a scalar over all ranks."""
+        return float(self.mean_on_device(value))
+
+    def mean_on_device(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar over all ranks, left on its device (gloo has no AVG, hence SUM / world)."""
         if self.world_size > 1:
             value = value.detach().float().clone()
             dist.all_reduce(value)
             value /= self.world_size
-        return float(value)
+        return value
+
+    def upload(self, batch: torch.Tensor) -> torch.Tensor:
+        """A CPU batch on this process's device, copied without a host sync: from pinned memory, as a pageable source
+        may make the copy wait for the GPU's queue."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
 
 
 class _Logger:

@@ -236,3 +236,26 @@ def test_cached_fp8_weights_are_cast_once_per_step_not_per_micro_batch(param_dty
         for _ in range(3):
             run.step(1.0)
     assert set(casts.values()) == {3}, casts
+
+
+@pytest.mark.parametrize("overrides", [
+    {"precision.recipe": "bf16"},
+    {"training.param_dtype": "bf16", "te.gradient_accumulation_fusion": True, "precision.fuse_norm": True,
+     "precision.fuse_mlp": True},  # the delayed defaults' levers
+], ids=["bf16", "delayed-fastest"])
+def test_a_step_syncs_the_host_once_and_not_after_its_optimizer_step(overrides):
+    """Session.step reads its loss and gradient norm in one device-to-host copy before the optimizer step and
+    uploads the batch from pinned memory: no other synchronizing CUDA call, so the host queues the optimizer and
+    the next step while the GPU works (a sync after the optimizer step left the GPU idle at each step's start)."""
+    cfg = from_overrides({**SETTINGS, "training.steps": 2, **overrides})
+    with session(cfg) as run:
+        run.step(cfg.optimizer.grad_clip)  # first-step allocations and scale priming aside
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with pytest.warns(UserWarning) as syncs:
+                run.step(cfg.optimizer.grad_clip)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronizing = [f"{w.filename}:{w.lineno}" for w in syncs if "synchronizing" in str(w.message)]
+    assert len(synchronizing) == 1, synchronizing
