@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8stack.models import Llama, load_model_config
 from fp8stack.models.moe import (MoE, MoEConfig, Router, RouterLoad, clear_expert_load, moe_layers,
@@ -14,6 +13,7 @@ from fp8stack.models.moe import (MoE, MoEConfig, Router, RouterLoad, clear_exper
 from fp8stack.config import from_overrides
 from fp8stack.train.command import main as train_main
 from fp8stack.train.loop import train
+from host_syncs import HostSyncs
 
 DIM, EXPERTS, TOP_K = 16, 4, 2
 SIGMOID = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_ffn_dim=8, score_func="sigmoid", route_norm=True,
@@ -103,39 +103,13 @@ def test_an_optimizer_hook_updates_the_bias_after_each_step():
     assert moe.expert_bias[0] == -SIGMOID.bias_update_rate and moe.routed_slots == 0
 
 
-class _HostSyncs(TorchDispatchMode):
-    """Records what makes the host wait for the device: ops that read a value or size a result by the values (seen
-    by dispatch), and the tensor methods that hand values to Python (.tolist() reads without dispatching)."""
-
-    SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
-                   "aten::_unique2", "aten::repeat_interleave"}
-    READING_METHODS = ("tolist", "item", "__bool__", "__int__", "__float__", "numpy")
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        self.seen = []
-        for name in self.READING_METHODS:
-            monkeypatch.setattr(torch.Tensor, name, self._recording(name, getattr(torch.Tensor, name)))
-
-    def _recording(self, name, method):
-        def reading(tensor, *args, **kwargs):
-            self.seen.append(name)
-            return method(tensor, *args, **kwargs)
-        return reading
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in self.SYNCING_OPS:
-            self.seen.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_moe_forward_and_backward_never_wait_for_the_device(monkeypatch):
     moe, x = skewed_moe(), tokens(24).requires_grad_()
-    with _HostSyncs(monkeypatch) as syncs:
+    with HostSyncs(monkeypatch) as syncs:
         moe(x).sum().backward()
         update_expert_bias(moe)
     assert syncs.seen == []
-    with _HostSyncs(monkeypatch) as syncs:  # the check sees syncs: router_statistics reads its numbers by .tolist()
+    with HostSyncs(monkeypatch) as syncs:  # the check sees syncs: router_statistics reads its numbers by .tolist()
         router_statistics(update_expert_bias(moe))
     assert syncs.seen == ["tolist"]
 

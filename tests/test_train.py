@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fp8stack.assembly import assemble, assembly_state
 from fp8stack.backends import Backend
@@ -19,6 +20,7 @@ from fp8stack.train.command import main as train_main
 from fp8stack.train.data import SPLITS, TextData, load_split, source_files, source_roots, split_of, stdlib_root
 from fp8stack.config import ConfigError, JobConfig, from_overrides
 from fp8stack.train.loop import cpu_fp8_gemms, lr_at, resolve_job, session, train
+from host_syncs import HostSyncs
 
 SMALL_DATA = 1 << 20
 """1 MiB of stdlib source: plenty for a few short steps, quick to read."""
@@ -528,3 +530,42 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         checkpoint.load(path, *parts(nn.Sequential(nn.Linear(4, 4))))
     with pytest.raises(checkpoint.CheckpointError, match="not a complete fp8stack checkpoint"):
         checkpoint.load(tmp_path, *parts(nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_a_training_step_reads_the_device_once_before_its_optimizer_step_and_never_after(model, monkeypatch):
+    """train() reads each step's loss, gradient norm and routing statistics in one copy before the optimizer step: a
+    read after it, until the next step's, would wait for the optimizer and leave the GPU idle while the host logs and
+    prepares the next step. (On a CPU nothing waits: the recorder sees the reads a GPU would wait on. Left out: torch's
+    AdamW reading its step counts and the data's sampling, both CPU tensors on a GPU too.)"""
+    syncs = HostSyncs(monkeypatch)
+
+    def leave_out(function):
+        def unrecorded(*args, **kwargs):
+            kept = len(syncs.seen)
+            result = function(*args, **kwargs)
+            del syncs.seen[kept:]
+            return result
+        return unrecorded
+
+    def optimizer_step(optimizer, args, kwargs):
+        syncs.seen.append("optimizer step")
+        syncs.optimizer_reads_from = len(syncs.seen)
+
+    def optimizer_stepped(optimizer, args, kwargs):
+        del syncs.seen[syncs.optimizer_reads_from:]
+
+    monkeypatch.setattr(TextData, "batch", leave_out(TextData.batch))
+    hooks = [register_optimizer_step_pre_hook(optimizer_step),
+             register_optimizer_step_post_hook(optimizer_stepped)]
+    try:
+        with syncs:
+            train(from_overrides({"model.name": model, "precision.recipe": "tensorwise", "precision.backend": "torchao",
+                                  "training.steps": 3, "optimizer.warmup": 1, "training.fp8_grad_check_steps": 0,
+                                  **FAST}))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    steps = [index for index, seen in enumerate(syncs.seen) if seen == "optimizer step"]
+    assert len(steps) == 3
+    assert [syncs.seen[start + 1:end] for start, end in zip(steps, steps[1:])] == [["tolist"], ["tolist"]]

@@ -400,6 +400,12 @@ def router_statistics(loads: dict[str, RouterLoad]) -> dict[str, float]:
     'bias_max'. A layer that received nothing has NaN imbalance and cv."""
     if not loads:
         return {}
+    return router_statistics_from(loads, router_statistics_on_device(loads).tolist())
+
+
+def router_statistics_on_device(loads: dict[str, RouterLoad]) -> torch.Tensor:
+    """The numbers router_statistics reads, layer after layer in one 1-D tensor left on the device: a caller that
+    reads other numbers too reads them all in one copy, then passes these to router_statistics_from."""
     per_layer = []
     for load in loads.values():
         counts = load.tokens_per_expert
@@ -408,7 +414,15 @@ def router_statistics(loads: dict[str, RouterLoad]) -> dict[str, float]:
                                       (load.routed_slots - counts.sum()) / load.routed_slots.clamp(min=1),
                                       load.bias.min(), load.bias.max(), load.routed_slots - counts.sum(),
                                       load.routed_slots]))
-    values = torch.stack(per_layer).tolist()
+    return torch.cat(per_layer)
+
+
+def router_statistics_from(loads: dict[str, RouterLoad], numbers: list[float]) -> dict[str, float]:
+    """router_statistics from router_statistics_on_device(loads) as read on the host ({} without loads)."""
+    if not loads:
+        return {}
+    width = len(numbers) // len(loads)
+    values = [numbers[start:start + width] for start in range(0, len(numbers), width)]
     stats = {f"{name}/{statistic}": row[index]
              for name, row in zip(loads, values) for index, statistic in enumerate(ROUTER_STATISTICS)}
     columns = list(zip(*values))

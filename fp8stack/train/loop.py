@@ -29,7 +29,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fp8stack.models import Llama
 from fp8stack.models.llama import tensor_parallel_plan
-from fp8stack.models.moe import RouterLoad, clear_expert_load, router_statistics, update_expert_bias
+from fp8stack.models.moe import (clear_expert_load, router_statistics_from, router_statistics_on_device,
+                                 update_expert_bias)
 from fp8stack.config import ConfigError, JobConfig, ParallelismConfig, recompute_blocks, to_dict
 from fp8stack.plan import Plan, make_plan
 from fp8stack.plan.from_module import describe_module
@@ -122,9 +123,9 @@ class Session:
     checkpoint_layout: checkpoint.TensorLayout | None = None
     """How checkpoints lay out the model's and optimizer's tensors when not as torch's get_state_dict does (the
     Megatron path's sharded state dicts)."""
-    router_loads: dict[str, RouterLoad] = field(default_factory=dict)
-    """What each MoE layer routed in the last step (update_expert_bias after its optimizer step); empty for a model
-    without fp8stack MoE layers."""
+    router_statistics: dict[str, float] = field(default_factory=dict)
+    """fp8stack.models.moe.router_statistics of what each MoE layer routed in the last step (update_expert_bias, run
+    before its optimizer step), read in the step's host sync; empty for a model without fp8stack MoE layers."""
 
     def autocast(self):
         """The activation-dtype context for a forward pass."""
@@ -165,8 +166,14 @@ class Session:
         if on_gradients is not None:
             on_gradients()
         grad_norm = self.clip_fn(grad_clip)
+        # The routing bias moves by the step's loads whether or not its optimizer step is taken; the loads and the
+        # moved bias are read in the step's one sync with the loss and norm.
+        loads = update_expert_bias(self.model, self.env.data_parallel_group)
         mean_loss = self.env.mean_on_device(torch.stack(losses).mean())
-        loss_value, norm_value = torch.stack([mean_loss.float(), grad_norm.float()]).tolist()
+        routing = [router_statistics_on_device(loads)] if loads else []
+        loss_value, norm_value, *routed = torch.cat([mean_loss.float().view(1), grad_norm.float().view(1),
+                                                     *routing]).tolist()
+        self.router_statistics = router_statistics_from(loads, routed)
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"loss {loss_value}, gradient norm {norm_value}: the optimizer step was not "
@@ -176,7 +183,6 @@ class Session:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.after_optimizer_step()
-        self.router_loads = update_expert_bias(self.model, self.env.data_parallel_group)
         return loss_value, norm_value, lr
 
 
@@ -324,7 +330,7 @@ def train(cfg: JobConfig) -> TrainResult:
                           "their FP8 gradient casts flushed every value; TE delayed scaling does so until each scale "
                           "has seen its tensor's amax (its scales start at 1): raise --te.priming-passes",
                           file=sys.stderr)
-                router = router_statistics(run.router_loads)
+                router = run.router_statistics
                 if router:
                     result.router.append(router)
                 log.step(step, {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_ms": elapsed_ms,
