@@ -484,6 +484,34 @@ def test_fp8_attention_is_an_arm_of_each_recipe_that_has_it():
     assert ab_config(_ab_args("--attention", "bf16", "fp8")).attention == ("bf16", "fp8")
 
 
+def test_a_lever_runs_each_fp8_arm_again_with_it_set():
+    """--levers FIELD=VALUE: each FP8 arm once more with the option set, named '<arm> +FIELD=VALUE', so a lever's
+    delta is measured in the same A/B against the same BF16 runs; the BF16 arms run once, as they were."""
+    configs = _arms("--model", "llama-1b-like", "--levers", "te.one_autocast_per_forward=true,optimizer.warmup=3",
+                    recipes=("bf16", "delayed", "tensorwise"))
+    assert {name: (c.precision.recipe, c.te.one_autocast_per_forward, c.optimizer.warmup)
+            for name, c in configs.items()} == {
+        "bf16": ("bf16", False, None), "delayed": ("delayed", False, None), "tensorwise": ("tensorwise", False, None),
+        "delayed +te.one_autocast_per_forward=true": ("delayed", True, None),
+        "tensorwise +te.one_autocast_per_forward=true": ("tensorwise", True, None),
+        "delayed +optimizer.warmup=3": ("delayed", False, 3), "tensorwise +optimizer.warmup=3": ("tensorwise", False, 3)}
+    assert _arms("--levers", "grouped_fp8.wgrad_flatten=compiled")[
+        "delayed +grouped_fp8.wgrad_flatten=compiled"].grouped_fp8.wgrad_flatten == "compiled"  # text, not JSON
+
+
+@pytest.mark.parametrize("lever, problem", [
+    ("te.one_autocast_per_forward", "give FIELD=VALUE"),
+    ("te.no_such_option=true", "unknown option 'te.no_such_option'"),
+    ("optimizer.warmup=soon", "optimizer.warmup"),
+])
+def test_a_bad_lever_is_refused_before_any_arm_runs(lever, problem, tmp_path, capsys):
+    assert main(["--model", "tiny", "--recipes", "tensorwise", "--steps", "3", "--device", "cpu", "--out-dir",
+                 str(tmp_path), "--levers", lever]) == 2
+    error = capsys.readouterr().err
+    assert problem in error and len(error.strip().splitlines()) == 1, error
+    assert not any(tmp_path.iterdir())
+
+
 def test_ab_subcommand_plugs_into_a_parser():
     args = _ab_args("--model", "tiny", "--recipes", "bf16,rowwise", "--steps", "7")
     ab, base = ab_config(args), base_job(args, ab_config(args))

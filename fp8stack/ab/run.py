@@ -33,7 +33,7 @@ from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_T
                                   Arm, arm_label, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms,
                                   repeat_note, verdict_cells)
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
-from fp8stack.config.flags import add_megatron_recompute_arguments, run_command
+from fp8stack.config.flags import add_megatron_recompute_arguments, from_overrides, run_command
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
                                    fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
@@ -63,6 +63,10 @@ class AbConfig:
     """One run of each FP8 arm per attention precision: bf16 and/or fp8 (TE's FP8 dot-product attention, named with
     FP8_ATTENTION_SUFFIX), fp8 only for the arms whose recipe has it (precision.fp8_attention says which). None: fp8
     for those arms with --fp8-dot-product-attention, else bf16."""
+    levers: tuple[str, ...] = ()
+    """Training options (FIELD=VALUE, the dotted field as in a config file: te.one_autocast_per_forward=true) each
+    FP8 arm also runs with, one run per lever named '<arm> +FIELD=VALUE': a lever's delta measured in the same A/B,
+    against the same BF16 runs."""
     baseline_runs: int = 2
     """bf16 runs: the first, and the repeats after the FP8 arms, which measure the noise."""
     loss_tolerance: float | None = None
@@ -88,7 +92,7 @@ class AbConfig:
 
 AB_ALIASES = {"ab.recipes": ("--recipes",), "ab.fastest_bf16": ("--fastest-bf16",), "ab.bf16_on_te": ("--bf16-on-te",),
               "ab.param_dtypes": ("--param-dtypes",), "ab.blockwise_gemms": ("--blockwise-gemms",),
-              "ab.attention": ("--attention",),
+              "ab.attention": ("--attention",), "ab.levers": ("--levers",),
               "ab.baseline_runs": ("--baseline-runs",), "ab.loss_tolerance": ("--loss-tolerance",),
               "ab.nproc": ("--nproc",), "ab.gpus": ("--gpus",), "ab.continue_from": ("--continue-from",),
               "ab.arm_checkpoints": ("--arm-checkpoints",), "ab.out_dir": ("--out-dir",), "ab.label": ("--label",),
@@ -134,7 +138,7 @@ def to_plain(ab: AbConfig) -> dict:
 def ab_config(args: argparse.Namespace) -> AbConfig:
     """The ab section of the options given (lists may be comma lists)."""
     given = {k.removeprefix("ab."): v for k, v in vars(args).items() if k.startswith("ab.")}
-    for name in ("recipes", "param_dtypes", "blockwise_gemms", "attention", "gpus"):
+    for name in ("recipes", "param_dtypes", "blockwise_gemms", "attention", "levers", "gpus"):
         if name in given:
             parts = [part for item in given[name] for part in comma_separated(item)]
             given[name] = tuple(parts if name == "gpus" else dict.fromkeys(parts))  # a GPU listed twice runs 2 arms
@@ -192,9 +196,25 @@ def arm_configs(ab: AbConfig, base: JobConfig, recipes: list[str], te_runs: bool
                           "linears on TE): add such a recipe to --recipes or drop fp8 from --attention")
     suffixes = {"fp32": "", "bf16": BF16_PARAMS_SUFFIX, "fp8": FP8_PARAMS_SUFFIX}
     param_dtypes = ab.param_dtypes or (base.training.param_dtype,)
-    return {name + (suffixes[dtype] if ab.param_dtypes else ""): _arm(base, recipe, backend, library, dtype, fp8)
-            for name, recipe, backend, library, fp8 in arms for dtype in param_dtypes
-            if not (dtype == "fp8" and not is_fp8(recipe))}
+    configs = {name + (suffixes[dtype] if ab.param_dtypes else ""): _arm(base, recipe, backend, library, dtype, fp8)
+               for name, recipe, backend, library, fp8 in arms for dtype in param_dtypes
+               if not (dtype == "fp8" and not is_fp8(recipe))}
+    return {**configs, **{f"{name} +{lever}": with_lever(config, lever) for lever in ab.levers
+                          for name, config in configs.items() if is_fp8(config.precision.recipe)}}
+
+
+def with_lever(config: JobConfig, lever: str) -> JobConfig:
+    """`config` with one --levers entry, FIELD=VALUE, set (VALUE as JSON where it parses: true, 2, 0.5; else the
+    text), validated as a configuration file's would be."""
+    field, equals, text = lever.partition("=")
+    if not equals:
+        raise ConfigError(f"--levers {lever!r}: give FIELD=VALUE, the dotted field as in a config file "
+                          "(te.one_autocast_per_forward=true)")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    return from_overrides({field: value}, config)
 
 
 def _has_fp8_attention(base: JobConfig, recipe: str) -> bool:
@@ -374,6 +394,9 @@ def run_ab(args: argparse.Namespace) -> int:
             arm_notes += (f" Arms named '...{FP8_PARAMS_SUFFIX}' keep the FP8 layers' weights in FP8 only (TE's "
                           "quantized_model_init) and the others in BF16, with FP32 masters in the optimizer "
                           "quantized into them once per step.")
+        if ab.levers:
+            arm_notes += (" Arms named '... +FIELD=VALUE' are the arm before the + with that training option set "
+                          "(--levers).")
         notes = (f"\nSame seed and data in every arm, each arm a fresh process{side_by_side}; {sequences} sequences "
                  f"per optimizer step in micro-batches of {first.training.micro_batch}; activations in {dtype} "
                  f"({bf16_arms}).{arm_notes} Noise: {payload['noise_method']}"
