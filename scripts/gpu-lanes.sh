@@ -42,7 +42,10 @@ lane() {
     rc=$?
     # timeout returns as soon as its shell dies of the SIGTERM, while the shell's children that handle it (an A/B
     # saving its arms' checkpoints) still run in timeout's process group: the call must not end under them.
-    while kill -0 -- "-$group" 2> /dev/null && [ "$waited" -lt "${GRACE:-10}" ]; do sleep 1; waited=$((waited + 1)); done
+    while kill -0 -- "-$group" 2> /dev/null && [ "$waited" -lt "${GRACE:-10}" ]; do
+      sleep 1
+      waited=$((waited + 1))
+    done
     kill -KILL -- "-$group" 2> /dev/null
     echo "== $name rc=$rc end $(date +%T)" >> "$WORK/lanes-logs/$name.log"
     touch "$STAMP.$name.done"

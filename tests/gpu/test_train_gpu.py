@@ -12,7 +12,7 @@ import torch
 from fp8stack.models import Llama
 from fp8stack.train import checkpoint
 from fp8stack.train.checkpoint import EXTRA_STATE_SUFFIX
-from fp8stack.config import JobConfig, from_overrides
+from fp8stack.config import from_overrides
 from fp8stack.train.loop import session, train
 
 from gpu_skips import require_te
