@@ -719,11 +719,13 @@ class _Distributed:
         return value
 
     def upload(self, batch: torch.Tensor) -> torch.Tensor:
-        """A CPU batch on this process's device, copied without a host sync: from pinned memory, as a pageable source
-        may make the copy wait for the GPU's queue."""
+        """A CPU batch on this process's device, copied without a host sync: from contiguous pinned memory, as a
+        pageable source (a strided one is first made contiguous in pageable memory) may make the copy wait for the
+        GPU's queue."""
         if self.device.type != "cuda":
             return batch.to(self.device)
-        return batch.pin_memory().to(self.device, non_blocking=True)
+        pinned = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+        return pinned.copy_(batch).to(self.device, non_blocking=True)
 
 
 class _Logger:
