@@ -757,8 +757,8 @@ class _Logger:
                 TextColumn(f"{cfg.model.name} {cfg.precision.recipe}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
                 console=console))
-            self.task = self.progress.add_task("train", total=cfg.training.steps, completed=self.start, loss=float("nan"),
-                                               tps=0.0)
+            self.task = self.progress.add_task("train", total=cfg.training.steps, completed=self.start,
+                                               loss=float("nan"), tps=0.0)
         return self
 
     def step(self, step: int, metrics: dict) -> None:
@@ -772,7 +772,8 @@ class _Logger:
                 self.tensorboard.add_scalar(f"train/{name}", value, step)
         if self.progress is not None:
             self.progress.update(self.task, advance=1, loss=metrics["loss"], tps=metrics["tokens_per_s"])
-        elif self.cfg.logging.progress and ((step + 1) % self.cfg.logging.interval == 0 or step + 1 == self.cfg.training.steps):
+        elif self.cfg.logging.progress and ((step + 1) % self.cfg.logging.interval == 0
+                                            or step + 1 == self.cfg.training.steps):
             router = (f"  experts max/mean {metrics['router/imbalance']:.2f} (cv {metrics['router/cv']:.2f}, dropped "
                       f"{metrics['router/dropped']:.1%}, bias {metrics['router/bias_min']:+.3f} to "
                       f"{metrics['router/bias_max']:+.3f})" if "router/imbalance" in metrics else "")
