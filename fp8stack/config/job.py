@@ -105,9 +105,9 @@ class TEConfig:
     one_autocast_per_forward: bool = False
     """Delayed scaling: one TE autocast region around each forward of the whole model instead of one per TE module,
     so TE reduces and updates the amaxes and scales once per forward and once per backward rather than once per
-    module in each (a kernel and its host work per module; all-reduces too without local amaxes). Off until measured
-    (speed, and the 2 000-step loss: each scale then moves with the forward's amaxes all at once); not with
-    activation recompute."""
+    module in each (a kernel and its host work per module; all-reduces too without local amaxes). The same losses as
+    per-module regions at the default amax history (a GPU test); off until measured faster beyond the noise; not
+    with activation recompute."""
 
     def validate(self) -> None:
         _at_least("te.delayed_margin", self.delayed_margin, 0)
