@@ -70,6 +70,8 @@ def test_an_ab_stopped_by_sigterm_resumes_its_arm_from_its_checkpoint(tmp_path, 
     assert bf16["first_step"] == 0 and bf16["resumed_at"] == [cut["stopped_after"]] and bf16["stopped_after"] is None
     assert bf16["losses"][:cut["stopped_after"]] == cut["losses"] and len(bf16["step_ms"]) == STEPS
     assert bf16["tokens_per_s"] > 0 and bf16["val_loss"] is not None
+    assert [c["runs"] for c in whole["continued_from"]] == [[f"bf16 (to step {cut['stopped_after']})"]]
+    assert f"Runs bf16 (to step {cut['stopped_after']}) from an earlier call" in _evidence(tmp_path, ".md").read_text()
     uninterrupted = train(from_dict({**bf16["config"], "checkpoint": {}}))
     assert bf16["losses"] == uninterrupted.losses, "resumed bit-identically"
     assert not (checkpoints / "bf16").exists(), "an arm that ran all its steps keeps no checkpoint"

@@ -73,6 +73,17 @@ def test_band_of_the_committed_2000_step_runs_names_fused_accumulation(tmp_path)
         "delayed (recipe default format, margin 0, fused wgrad accumulation)"]
 
 
+def test_a_recipe_files_per_module_recipes_are_in_the_runs_name(tmp_path):
+    """The MoE gate's FP8 arm ran delayed dense linears with blockwise experts (a recipe file's override): its name
+    says both, not 'delayed' alone."""
+    gate = committed("ab-deepseek-moe-small-loss-gate-mixed-b-h200.json")
+    assert main(["--label", "gate", "--out-dir", str(tmp_path), str(gate)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-deepseek-moe-small-gate-h200.json").read_text())
+    assert record["bf16_band"]["runs"] == 3
+    assert [r["run"] for r in record["fp8_runs"]] == [
+        "delayed, *.experts.* blockwise (recipe default format, margin 0, fused wgrad accumulation)"]
+
+
 def test_evidence_of_the_same_name_is_replaced_only_with_force(tmp_path, capsys):
     argv = ["--label", "seq1024-lr3e-4", "--out-dir", str(tmp_path), *map(str, SEQ1024_LR3E4)]
     assert main(argv) == 0

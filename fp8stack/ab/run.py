@@ -537,10 +537,17 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
         what = (f"train_config differs in {', '.join(differ)}" if differ else
                 f"its arms are {record.get('recipes')} on {record.get('nproc')} process(es) each")
         raise ValueError(f"{path} is another A/B ({what}): continue it with the command that wrote it")
+    runs = [_call_share(name, run) for name, run in record["runs"].items()]
     earlier = record["continued_from"] + [{"date": record["date"], "command": record["command"],
-                                           "runs": [name for name in record["runs"]
-                                                    if not any(name in c["runs"] for c in record["continued_from"])]}]
+                                           "runs": [run for run in runs
+                                                    if not any(run in c["runs"] for c in record["continued_from"])]}]
     return record["runs"], earlier
+
+
+def _call_share(name: str, run: dict | str) -> str:
+    """What a call ran of an arm, as its continuation names it: the arm, or how far it got when a stop cut it (a
+    run resumed from its checkpoints spans several calls)."""
+    return f"{name} (to step {run['stopped_after']})" if stopped(run) else name
 
 
 def _leaves(tree: dict, prefix: str = "") -> dict:

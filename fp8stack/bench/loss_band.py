@@ -93,13 +93,16 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
             else:
                 recipe = plan_recipe(arm["recipe"])
                 own = (record.get("runs") or {}).get(arm["recipe"])
+                overridden = []  # modules a recipe file gave another recipe, e.g. MoE experts blockwise
                 if isinstance(own, dict) and "te" in own.get("config", {}):  # the arm's own resolved options
                     arm_config = flat_config({"job": own["config"]})
                     margin = arm_config["fp8_margin"]
                     fused = ", fused wgrad accumulation" if arm_config["gradient_accumulation_fusion"] else ""
+                    overridden = [f"{o['fqn']} {o['recipe']}" for o in own["config"]["precision"].get("overrides") or ()
+                                  if o.get("recipe")]
                 options = (f"{fp8_format}, margin {margin}" if is_fp8(recipe) and get_recipe(recipe).scales_from_history
                            else fp8_format) + fused
-                fp8_runs.append({**run, "run": f"{arm['recipe']} ({options})"})
+                fp8_runs.append({**run, "run": f"{', '.join([arm['recipe'], *overridden])} ({options})"})
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
             [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
         bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"],
