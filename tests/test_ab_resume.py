@@ -4,6 +4,7 @@ before any arm runs."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,10 +12,12 @@ import sys
 import pytest
 
 from fp8stack.ab import AbConfig, main
-from fp8stack.ab.run import _resume_points, stitched
+from fp8stack.ab.run import _check_arm_checkpoints, _resume_points, stitched
 from fp8stack.config import from_dict
 from fp8stack.evidence import run_folder
+from fp8stack.train import preflight
 from fp8stack.train.loop import train
+from fp8stack.train.model import model_shape
 
 STEPS = 24
 FLAGS = ["--model", "tiny", "--recipes", "tensorwise", "--steps", str(STEPS), "--micro-batch", "2", "--seq-len", "64",
@@ -125,6 +128,20 @@ def test_bad_arm_checkpoints_are_refused_before_any_arm_runs(tmp_path, capsys):
             "continue the A/B that wrote them with --continue-from its evidence") in _refused(
         capsys, "--arm-checkpoints", str(tmp_path / "earlier"), *out)
     assert not (tmp_path / "out").exists()
+
+
+def test_arm_checkpoints_on_a_disk_without_room_for_the_arms_at_once_are_refused(tmp_path, capsys, monkeypatch):
+    """A stop saves every running arm's checkpoint at once: a disk with room for one checkpoint is refused for two
+    arms side by side (an arm whose save fails is lost), and taken for one arm at a time."""
+    cfg = from_dict({"model": {"name": "tiny"}})
+    one = preflight.checkpoint_bytes(cfg, model_shape(cfg))
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * one, 9 * one,
+                                                                                               one + 1))
+    out = ["--out-dir", str(tmp_path / "out")]
+    assert "and 2 checkpoints at once of tiny take about" in _refused(
+        capsys, "--arm-checkpoints", str(tmp_path / "c"), "--gpus", "0,1", *out)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "c").exists()
+    _check_arm_checkpoints(AbConfig(arm_checkpoints=str(tmp_path / "c")), cfg, model_shape(cfg))
 
 
 def test_an_arm_saves_no_checkpoint_after_its_last_step():

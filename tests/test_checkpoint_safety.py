@@ -149,3 +149,29 @@ def test_the_api_names_damage_and_mismatch_by_type(tmp_path):
     (path / "rank0.pt").write_bytes(b"\x00" * 64)
     with pytest.raises(CheckpointDamagedError, match="rank0.pt is damaged"):
         checkpoint.load(path, *parts(nn.Linear(4, 4)))
+
+
+def test_a_checkpoint_takes_what_the_space_check_expects(saved):
+    """The preflight's estimate of a checkpoint (FP32 weights and Adam moments) against the bytes CKPT_RUN's wrote:
+    close enough to refuse a disk that cannot hold one."""
+    from fp8stack.config import from_dict
+    from fp8stack.train.model import model_shape
+    from fp8stack.train.preflight import checkpoint_bytes
+
+    written = sum(f.stat().st_size for f in checkpoint.latest(saved).rglob("*") if f.is_file())
+    cfg = from_dict({"model": {"name": "tiny"}})
+    expected = checkpoint_bytes(cfg, model_shape(cfg))
+    assert 0.9 < written / expected < 1.1, (written, expected)
+
+
+def test_a_save_folder_on_a_disk_without_room_for_a_checkpoint_is_refused_before_any_step(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Without room for one checkpoint the run would lose its steps at the first save: one line, exit 2, no folder."""
+    import fp8stack.train.preflight as preflight
+
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1024,
+                                                                                               1024))
+    assert train_main([*CKPT_RUN, "--save", str(tmp_path / "ckpt")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "0.0 GiB free on its disk, and a checkpoint of tiny take about" in error, error
+    assert "free space there or pass a folder on a larger disk" in error and not (tmp_path / "ckpt").exists()

@@ -34,6 +34,7 @@ from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_T
                                   repeat_note, verdict_cells)
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
 from fp8stack.config.flags import add_megatron_recompute_arguments, from_overrides, run_command
+from fp8stack.models import LlamaConfig
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
                                    fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
@@ -289,9 +290,9 @@ def run_ab(args: argparse.Namespace) -> int:
         tolerance = ab.loss_tolerance if ab.loss_tolerance is not None else (
             GPU_LOSS_TOLERANCE if on_gpu else CPU_LOSS_TOLERANCE)
         _check(ab, tolerance)
-        _check_arm_checkpoints(ab, base)
         recipes = _recipes(ab.recipes or AB_RECIPES["te" if te_runs else "torchao"])
         shape = model_shape(base)
+        _check_arm_checkpoints(ab, base, shape)
         configs = {name: resolve(cfg, shape, ab.nproc)
                    for name, cfg in arm_configs(ab, base, recipes, te_runs).items()}
         first = next(iter(configs.values()))
@@ -590,13 +591,16 @@ def _check(ab: AbConfig, tolerance: float) -> None:
                           f"{', '.join(ATTENTION_PRECISIONS)}")
 
 
-def _check_arm_checkpoints(ab: AbConfig, base: JobConfig) -> None:
-    """--arm-checkpoints names a folder that can be written in, and no other checkpoint option competes with it."""
-    from fp8stack.train.preflight import check_output_dir
+def _check_arm_checkpoints(ab: AbConfig, base: JobConfig, shape: LlamaConfig | None) -> None:
+    """--arm-checkpoints names a folder that can be written in, on a disk with room for the checkpoints of the arms
+    that run at once (a stop saves them all), and no other checkpoint option competes with it."""
+    from fp8stack.train.preflight import check_checkpoint_space, check_output_dir
 
     if ab.arm_checkpoints is None:
         return
     check_output_dir(ab.arm_checkpoints, "--arm-checkpoints")
+    if shape is not None:
+        check_checkpoint_space(ab.arm_checkpoints, "--arm-checkpoints", base, shape, copies=len(ab.gpus or [None]))
     if base.checkpoint.dir or base.checkpoint.resume:
         raise ConfigError("--arm-checkpoints keeps each arm's checkpoints in a folder of its own and resumes them "
                           "itself: drop --save and --load")

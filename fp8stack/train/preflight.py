@@ -5,6 +5,7 @@ sequence length, and a resume checkpoint saved under the same settings (checkpoi
 
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from fp8stack.runtime.recompute import recompute_regions
 from fp8stack.train import checkpoint
 from fp8stack.config import ConfigError, JobConfig, recompute_blocks
 from fp8stack.train.data import load_split
+from fp8stack.train.defaults import parameter_count
 
 RUN_SETTINGS = ("model.name", "model.impl", "model.factory", "model.fused_projections", "precision.recipe",
                 "precision.fp8_format", "precision.backend", "training.param_dtype", "parallelism.tensor_parallel",
@@ -34,6 +36,8 @@ def preflight(cfg: JobConfig, model: LlamaConfig | None) -> Path | None:
     for path, option in ((cfg.logging.dir, "logging.dir (--tensorboard-dir)"), (cfg.checkpoint.dir, "checkpoint.dir (--save)")):
         if path:
             check_output_dir(path, option)
+    if cfg.checkpoint.dir and model is not None:
+        check_checkpoint_space(cfg.checkpoint.dir, "checkpoint.dir (--save)", cfg, model)
     if cfg.logging.dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(f"logging.dir {cfg.logging.dir!r} (--tensorboard-dir) writes TensorBoard scalars and "
                           "tensorboard is not installed: pip install 'fp8stack[tb]'")
@@ -77,6 +81,28 @@ def check_output_dir(path: str | Path, option: str) -> None:
     if not existing.is_dir():
         raise ConfigError(f"{option} {path} cannot be created: {existing} is a file: pass a path under a folder")
     _probe_write(existing, option, path)
+
+
+CHECKPOINT_BYTES_PER_PARAMETER = {"fp32": 12, "bf16": 8}
+"""Bytes a checkpoint takes per parameter by optimizer.moments: FP32 weights (the masters where the model holds BF16
+or FP8 copies, which are not saved) and Adam's two moments."""
+
+
+def checkpoint_bytes(cfg: JobConfig, model: LlamaConfig) -> int:
+    """About how many bytes one checkpoint of this run writes (all ranks together)."""
+    return parameter_count(model) * CHECKPOINT_BYTES_PER_PARAMETER[cfg.optimizer.moments]
+
+
+def check_checkpoint_space(path: str | Path, option: str, cfg: JobConfig, model: LlamaConfig, copies: int = 1) -> None:
+    """Refuse (ConfigError) a checkpoint folder whose disk has no room for `copies` checkpoints written at once: the
+    save would fail after the steps it was to keep."""
+    need = copies * checkpoint_bytes(cfg, model)
+    free = shutil.disk_usage(_nearest_existing(Path(path))).free
+    if free < need:
+        what = f"{copies} checkpoints at once" if copies > 1 else "a checkpoint"
+        raise ConfigError(f"{option} {path}: {free / 2**30:.1f} GiB free on its disk, and {what} of "
+                          f"{cfg.model.name} take about {need / 2**30:.1f} GiB (FP32 weights and Adam moments): "
+                          "free space there or pass a folder on a larger disk")
 
 
 def check_output_file(path: str | Path, option: str) -> None:
