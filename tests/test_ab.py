@@ -497,6 +497,9 @@ def test_a_lever_runs_each_fp8_arm_again_with_it_set():
         "delayed +optimizer.warmup=3": ("delayed", False, 3), "tensorwise +optimizer.warmup=3": ("tensorwise", False, 3)}
     assert _arms("--levers", "grouped_fp8.wgrad_flatten=compiled")[
         "delayed +grouped_fp8.wgrad_flatten=compiled"].grouped_fp8.wgrad_flatten == "compiled"  # text, not JSON
+    joined = "precision.expert_backend=te+training.allow_little_fp8=true+optimizer.lr=1e+3"  # one arm, 3 settings
+    lever = _arms("--levers", joined)[f"delayed +{joined}"]
+    assert (lever.precision.expert_backend, lever.training.allow_little_fp8, lever.optimizer.lr) == ("te", True, 1e3)
 
 
 @pytest.mark.parametrize("lever, problem", [

@@ -10,7 +10,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from fp8stack.assembly import assemble, assembly_state
 from fp8stack.backends import Backend
 from fp8stack.models import Llama
-from fp8stack.plan import Component, Decision, Plan, PlanError
+from fp8stack.plan import Component, Decision, Plan, PlanError, PlanWarning
 from fp8stack.plan.recipes import BF16
 from fp8stack.precision import MasterWeights
 from fp8stack.train import checkpoint
@@ -569,3 +569,27 @@ def test_a_training_step_reads_the_device_once_before_its_optimizer_step_and_nev
     steps = [index for index, seen in enumerate(syncs.seen) if seen == "optimizer step"]
     assert len(steps) == 3
     assert [syncs.seen[start + 1:end] for start, end in zip(steps, steps[1:])] == [["tolist"], ["tolist"]]
+
+
+LITTLE_FP8 = """description: one FP8 linear of sixteen
+recipe: tensorwise
+small_gemm_filter: "off"
+overrides:
+  - {block: "*", backend: bf16, reason: "kept BF16"}
+  - {fqn: "layers.0.feed_forward.w2", backend: auto, reason: "the one FP8 linear"}
+"""
+
+
+def test_a_plan_with_little_fp8_is_refused_by_the_cli_option_that_accepts_it(tmp_path, capsys):
+    """A recipe file that leaves one linear of sixteen in FP8: the trainer refuses it in one line naming its own
+    option (not assemble's argument), exit 2; with --training.allow-little-fp8 it trains, warning what runs."""
+    recipe = tmp_path / "little.yaml"
+    recipe.write_text(LITTLE_FP8)
+    flags = ["--model", "tiny", "--recipe-file", str(recipe), "--device", "cpu", "--train-iters", "1",
+             "--seq-length", "32", "--max-data-bytes", str(1 << 20), "--eval-iters", "0", "--no-progress"]
+    assert train_main(flags) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "runs 6% of its GEMM FLOPs in FP8 (under 25%)" in error, error
+    assert "little.yaml: kept BF16: pass --training.allow-little-fp8 if that is intended" in error
+    with pytest.warns(PlanWarning, match=r"\(accepted by --training.allow-little-fp8\)"):
+        assert train_main([*flags, "--training.allow-little-fp8"]) == 0

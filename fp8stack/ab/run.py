@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -65,9 +66,9 @@ class AbConfig:
     FP8_ATTENTION_SUFFIX), fp8 only for the arms whose recipe has it (precision.fp8_attention says which). None: fp8
     for those arms with --fp8-dot-product-attention, else bf16."""
     levers: tuple[str, ...] = ()
-    """Training options (FIELD=VALUE, the dotted field as in a config file: te.one_autocast_per_forward=true) each
-    FP8 arm also runs with, one run per lever named '<arm> +FIELD=VALUE': a lever's delta measured in the same A/B,
-    against the same BF16 runs."""
+    """Training options (FIELD=VALUE, the dotted field as in a config file: te.one_autocast_per_forward=true; several
+    settings for one run joined by '+') each FP8 arm also runs with, one run per lever named '<arm> +FIELD=VALUE': a
+    lever's delta measured in the same A/B, against the same BF16 runs."""
     baseline_runs: int = 2
     """bf16 runs: the first, and the repeats after the FP8 arms, which measure the noise."""
     loss_tolerance: float | None = None
@@ -204,18 +205,25 @@ def arm_configs(ab: AbConfig, base: JobConfig, recipes: list[str], te_runs: bool
                           for name, config in configs.items() if is_fp8(config.precision.recipe)}}
 
 
+LEVER_JOIN = re.compile(r"\+(?=[A-Za-z_][\w.]*=)")
+"""Where one --levers entry joins several settings into one arm: a '+' before the next FIELD=."""
+
+
 def with_lever(config: JobConfig, lever: str) -> JobConfig:
-    """`config` with one --levers entry, FIELD=VALUE, set (VALUE as JSON where it parses: true, 2, 0.5; else the
-    text), validated as a configuration file's would be."""
-    field, equals, text = lever.partition("=")
-    if not equals:
-        raise ConfigError(f"--levers {lever!r}: give FIELD=VALUE, the dotted field as in a config file "
-                          "(te.one_autocast_per_forward=true)")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = text
-    return from_overrides({field: value}, config)
+    """`config` with one --levers entry set: FIELD=VALUE, or several joined by '+' for one arm
+    (precision.expert_backend=auto+training.allow_little_fp8=true); each VALUE as JSON where it parses (true, 2,
+    0.5), else the text; validated as a configuration file's would be."""
+    settings = {}
+    for setting in LEVER_JOIN.split(lever):
+        field, equals, text = setting.partition("=")
+        if not equals:
+            raise ConfigError(f"--levers {lever!r}: give FIELD=VALUE, the dotted field as in a config file "
+                              "(te.one_autocast_per_forward=true), several for one arm joined by '+'")
+        try:
+            settings[field] = json.loads(text)
+        except json.JSONDecodeError:
+            settings[field] = text
+    return from_overrides(settings, config)
 
 
 def _has_fp8_attention(base: JobConfig, recipe: str) -> bool:

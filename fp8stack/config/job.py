@@ -238,6 +238,10 @@ class TrainingConfig:
     sync per checked step); 0 turns the check off."""
     eval_batches: int = 4
     """Validation batches evaluated after the last step (0 skips validation)."""
+    allow_little_fp8: bool = False
+    """Train a plan whose FP8 recipe runs under a quarter of its GEMM FLOPs in FP8 (assemble's allow_little_fp8),
+    e.g. FP8 only where a measurement says it pays. Refused by default, naming why the rest stays high precision:
+    such a plan is usually a mistake (a model of small GEMMs, a filter or override catching most linears)."""
 
     def validate(self) -> None:
         _at_least("training.steps", self.steps, 1)

@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -32,7 +33,7 @@ from fp8stack.models.llama import tensor_parallel_plan
 from fp8stack.models.moe import (clear_expert_load, router_statistics_from, router_statistics_on_device,
                                  update_expert_bias)
 from fp8stack.config import ConfigError, JobConfig, ParallelismConfig, recompute_blocks, to_dict
-from fp8stack.plan import Plan, make_plan
+from fp8stack.plan import Plan, PlanWarning, make_plan
 from fp8stack.plan.from_module import describe_module
 from fp8stack.plan.recipes import get_recipe, is_fp8
 from fp8stack.precision import DataParallelGradients, MasterWeights, ShardedMasterWeights, adamw
@@ -62,9 +63,19 @@ def lr_at(step: int, cfg: JobConfig) -> float:
 
 
 def build_plan(cfg: JobConfig, model: torch.nn.Module) -> Plan:
-    """The plan for this model as built (its seq_len), under the resolved configuration's precision policy."""
+    """The plan for this model as built (its seq_len), under the resolved configuration's precision policy;
+    ConfigError for a plan with little FP8 (Plan.little_fp8) unless training.allow_little_fp8 accepts it, and then
+    a warning saying what runs."""
     description = describe_module(model, seq_len=cfg.training.seq_len, name=cfg.model.factory or cfg.model.name)
-    return make_plan(description, cfg.precision)
+    with warnings.catch_warnings():  # make_plan's warning names assemble's argument, not the trainer's option
+        warnings.simplefilter("ignore", PlanWarning)
+        plan = make_plan(description, cfg.precision)
+    if plan.little_fp8 and not cfg.training.allow_little_fp8:
+        raise ConfigError(f"{plan.little_fp8}: pass --training.allow-little-fp8 if that is intended, or change the "
+                          "recipe or its overrides")
+    if plan.little_fp8:
+        warnings.warn(f"{plan.little_fp8} (accepted by --training.allow-little-fp8)", PlanWarning, stacklevel=2)
+    return plan
 
 
 def batches(cfg: JobConfig, split: str, batch_size: int, env: "_Distributed", vocab_size: int | None = None):
@@ -225,7 +236,8 @@ def session(cfg: JobConfig) -> Iterator[Session]:
                              precompute_fp8_scales=cfg.torchao.precompute_fp8_scales,
                              fsdp_mp_policy=_fsdp_mixed_precision(cfg),
                              fsdp_reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                             backend_options=_backend_options(cfg, plan, micro_batches))
+                             backend_options=_backend_options(cfg, plan, micro_batches),
+                             allow_little_fp8=cfg.training.allow_little_fp8)
             # As torchtitan compiles its loss: Inductor fuses the FP32 log-softmax into reductions over the BF16
             # logits, where eager cross_entropy keeps FP32 copies of them (3 x 4 bytes per logit at the peak).
             loss = torch.compile(Llama.loss) if cfg.training.compile else Llama.loss
