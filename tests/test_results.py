@@ -67,6 +67,34 @@ def test_the_index_describes_an_expert_parallel_run(tmp_path):
         in index
 
 
+def _band(date: str, clip: float, finals: list[float], gate: str | None) -> dict:
+    """A loss band's record: its BF16 band at 1.0 and one FP8 run per final loss, judged `gate` (None: a band
+    written before the gate)."""
+    setting = {"model": "tiny", "steps": 2000, "global_batch": 4, "seq_len": 1024, "max_data_bytes": 2**27,
+               "data_source": "python", "lr": 1e-4, "grad_clip": clip, "seed": 0, "device": GPU}
+    runs = [{"run": f"delayed {i}", "final_loss": final, "gap_to_mean": final - 1.0, "gate": gate}
+            for i, final in enumerate(finals)]
+    return {"date": date, "environment": {"device": "cpu"}, "settings": setting, "sources": [],
+            "bf16_band": {"runs": 3, "mean": 1.0}, "gate_limit": 1.0025, "fp8_runs": runs}
+
+
+def test_the_loss_gates_show_the_newest_judged_band_of_each_setting(tmp_path):
+    """One table per setting (here clip 1 and clip 0), from its newest band; bands written before the gate judged
+    their runs are left out."""
+    profiles = _profiles(tmp_path)
+    for folder, record in (("2026-01-04-loss-band-a", _band("2026-01-04", 1.0, [1.01], "fail")),
+                           ("2026-01-05-loss-band-b", _band("2026-01-05", 1.0, [1.01, 0.99], "pass")),
+                           ("2026-01-06-loss-band-c", _band("2026-01-06", 0.0, [0.98], "pass")),
+                           ("2026-01-07-loss-band-d", _band("2026-01-07", 0.5, [1.5], None))):
+        _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", record)
+    page = pages(profiles)[profiles / "RESULTS.md"]
+    gates = page.split("## Loss gates")[1].split("## A/B verdicts")[0]
+    assert gates.count("### tiny: 2000 steps of 4 x 1024 tokens (128 MiB of python text)") == 2
+    assert f"LR 0.0001, clip 1, seed 0, on {GPU}" in gates and "clip 0," in gates and "clip 0.5" not in gates
+    assert "loss-band-a" not in gates and "[2026-01-05-loss-band-b](runs/2026-01-05-loss-band-b/)" in gates
+    assert "| delayed 1 | 0.9900 | -1.00% | pass |" in gates and "the gate passes up to 1.0025" in gates
+
+
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
     profiles = _profiles(tmp_path)
     assert main(["--profiles", str(profiles), "--check"]) == 1

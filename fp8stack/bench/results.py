@@ -2,8 +2,9 @@
 
 INDEX.md lists every run folder, current (profiles/runs/) then superseded (profiles/archive/): its date, what it
 measured, the device, the commit when the run recorded one, a link. RESULTS.md is the current standing: the targets,
-the A/B verdict tables they were judged from, the Megatron path's A/B, the own-model run, the MoE backends bench and
-the Megatron block-spec bench, every figure read from a JSON and linked to its run folder. A file written on a CPU
+the loss gates (the newest band of each setting), the A/B verdict tables the targets were judged from, the Megatron
+path's A/B, the own-model run, the MoE backends bench and the Megatron block-spec bench, every figure read from a
+JSON and linked to its run folder. A file written on a CPU
 from GPU evidence (the targets, a loss band) shows the device of the files it read, never the CPU it ran on.
 
 It also rewrites the README's results table, between README_START and README_END: the headline A/B
@@ -206,8 +207,8 @@ def _commit(record: dict) -> str:
 
 def results_page(evidence: Evidence) -> str:
     """RESULTS.md: the current standing, section by section."""
-    sections = [_targets(evidence), _ab_verdicts(evidence), _own_model(evidence), _backends(evidence),
-                _megatron(evidence)]
+    sections = [_targets(evidence), _loss_gates(evidence), _ab_verdicts(evidence), _own_model(evidence),
+                _backends(evidence), _megatron(evidence)]
     return "\n".join(["# Results", "", GENERATED, "", *filter(None, sections)]).rstrip() + "\n"
 
 
@@ -225,6 +226,31 @@ def _targets(evidence: Evidence) -> str:
                 f"Judged by {evidence.link(run)} from the runs linked per row (the model: {_model(run.record)}).", "",
                 markdown_table(["target", "limit", "measured", "status", "arm", "run"], rows)]
     return "\n".join(out)
+
+
+def _loss_gates(evidence: Evidence) -> str:
+    """The newest loss band of each setting whose FP8 runs were judged by the one-sided gate (bands before the gate
+    judged none): each FP8 run's final loss against the BF16 runs' mean and the gate's verdict."""
+    newest: dict[str, Run] = {}
+    for run in evidence.runs:
+        if run.current and run.kind == "loss-band" and any(r.get("gate") for r in run.record["fp8_runs"]):
+            setting = {k: v for k, v in run.record["settings"].items() if k != "device"}
+            newest[json.dumps([evidence.device(run), setting], sort_keys=True)] = run  # runs are in date order
+    out = []
+    for run in newest.values():
+        record, setting = run.record, run.record["settings"]
+        rows = [[r["run"], f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}", r["gate"]] for r in record["fp8_runs"]]
+        out += [f"### {setting['model']}: {setting['steps']} steps of {setting['global_batch']} x {setting['seq_len']} "
+                f"tokens ({setting['max_data_bytes'] / 2**20:.0f} MiB of {setting['data_source']} text), LR "
+                f"{setting['lr']:g}, clip {setting['grad_clip']:g}, seed {setting['seed']}, on {evidence.device(run)}",
+                "",
+                f"{record['bf16_band']['runs']} BF16 runs, mean final loss {record['bf16_band']['mean']:.4f}; the gate "
+                f"passes up to {record['gate_limit']:.4f}: {evidence.link(run)}.", "",
+                markdown_table(["FP8 run", "final loss", "vs BF16 mean", "gate"], rows)]
+    return "\n".join(["## Loss gates", "",
+                      "An FP8 run passes when its final loss (the mean of the last 10% of steps) is at most the BF16 "
+                      "runs' mean + max(0.25%, 2 standard deviations); the newest band of each setting "
+                      "(`python -m fp8stack.bench.loss_band`).", "", *out]) if out else ""
 
 
 def _model(record: dict) -> str:
