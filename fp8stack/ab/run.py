@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fp8stack.ab.plot import plot
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_ATTENTION_SUFFIX,
@@ -35,13 +36,15 @@ from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_T
                                   repeat_note, verdict_cells)
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
 from fp8stack.config.flags import add_megatron_recompute_arguments, from_overrides, run_command
-from fp8stack.models import LlamaConfig
 from fp8stack.plan import PlanError, PolicyConfig
 from fp8stack.plan.recipes import (AB_RECIPES, BF16, BLOCKWISE_GEMMS, PARAM_DTYPES, dense_backend,
                                    fp8_attention_recipes, get_recipe, is_fp8, recipe_name)
 from fp8stack.train.launch import NO_MULTICAST_ENV, launcher, on_gpu
 from fp8stack.train.stop import StopSignals
 from fp8stack.train.timing import tokens_per_s
+
+if TYPE_CHECKING:  # the parser is built without torch, which fp8stack.models imports
+    from fp8stack.models import LlamaConfig
 
 
 @dataclass
@@ -599,7 +602,7 @@ def _check(ab: AbConfig, tolerance: float) -> None:
                           f"{', '.join(ATTENTION_PRECISIONS)}")
 
 
-def _check_arm_checkpoints(ab: AbConfig, base: JobConfig, shape: LlamaConfig | None) -> None:
+def _check_arm_checkpoints(ab: AbConfig, base: JobConfig, shape: "LlamaConfig | None") -> None:
     """--arm-checkpoints names a folder that can be written in, on a disk with room for the checkpoints of the arms
     that run at once (a stop saves them all), and no other checkpoint option competes with it."""
     from fp8stack.train.preflight import check_checkpoint_space, check_output_dir
