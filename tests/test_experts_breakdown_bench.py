@@ -84,3 +84,13 @@ def test_the_evidence_name_marks_the_options_off_their_defaults_and_the_label():
     assert stem("experts-breakdown", wgrad_flatten="compiled", label="small") == (
         f"experts-breakdown-deepgemm-{device}-compiled-wgrad-flatten-small")
     assert stem("experts-breakdown", compile=True) == f"experts-breakdown-deepgemm-{device}"  # --moe only
+
+
+def test_gpu_time_per_call_sums_what_took_device_time():
+    """The profiler's averages over 3 calls, as the GPU time per step beside the wall time: each kernel's or copy's
+    device time and count per call; the host's runtime calls (no device time) left out."""
+    averages = [SimpleNamespace(key="deep_gemm::fprop", device_time_total=4500.0, count=3),
+                SimpleNamespace(key="Memcpy DtoH (Device -> Pinned)", device_time_total=30.0, count=3),
+                SimpleNamespace(key="cudaLaunchKernel", device_time_total=0.0, count=90)]
+    assert experts_breakdown.per_call(averages, calls=3) == {"deep_gemm::fprop": (1.5, 1),
+                                                            "Memcpy DtoH (Device -> Pinned)": (0.01, 1)}

@@ -7,8 +7,9 @@ steps also with the weight gradient added into an FP32 main_grad (as fp8stack's 
 also with the weight's FP8 blocks and their transpose cached (grouped_fp8's cache_fp8_weights: what a step's later
 micro-batches run), then each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand
 flattening its kernel needs), the quantizers and unpaddings of both paths, on DeepGEMM that flattening alone both ways
-(a copy per expert, one compiled gather: grouped_fp8's wgrad_flatten), and the main_grad FP8 step's CUDA kernels
-by time. Writes profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te:
+(a copy per expert, one compiled gather: grouped_fp8's wgrad_flatten), the steps' GPU time beside their wall time
+(a single layer's backward waits for its forward's group sizes with nothing else queued; in a model the other
+layers' work fills that gap), and the main_grad FP8 step's CUDA kernels by time. Writes profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te:
 activations and gradients quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on
 its operands; -compiled-wgrad-flatten with --wgrad-flatten compiled: every step and GEMM flattening by the gather).
 
@@ -117,27 +118,33 @@ def w13_breakdown(args: argparse.Namespace) -> int:
     timings = {name: median_ms(fn, [x, w] if name in steps else [], args.iters)
                for name, fn in {**steps, **parts}.items()}
     flop = {**{name: 3 * gemm_flop for name in steps}, **{name: gemm_flop for name in parts if "GEMM" in name}}
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            x.grad = w.grad = None
-            steps[FP8_MAIN_GRAD_STEP]()
-        torch.cuda.synchronize()
-    kernel_rows = [[e.key[:100], round(e.device_time_total / 3 / 1e3, 4), e.count // 3]
-                   for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]]
+    kernels_of = {name: kernel_times(steps[name], [x, w]) for name in BUSY_STEPS}
+    busy = {name: sum(ms for ms, _ in kernels_of[name].values()) for name in BUSY_STEPS}
+    kernel_rows = [[key[:100], round(ms, 4), count] for key, (ms, count) in
+                   sorted(kernels_of[FP8_MAIN_GRAD_STEP].items(), key=lambda item: -item[1][0])[:25]]
     rows = [[name, round(ms, 4), round(flop[name] / ms / 1e9, 1) if name in flop else ""]
             for name, ms in timings.items()]
+    busy_rows = [[name, round(timings[name], 4), round(busy[name], 4), round(timings[name] - busy[name], 4)]
+                 for name in BUSY_STEPS]
     ratio = timings["bf16 step"] / timings["fp8 step"]
     gathered_ratio = timings["bf16 step"] / timings["fp8 step, groups padded by gathers"]
     main_grad_ratio = timings[BF16_MAIN_GRAD_STEP] / timings[FP8_MAIN_GRAD_STEP]
     cached_ratio = timings[BF16_MAIN_GRAD_STEP] / timings[FP8_CACHED_WEIGHT_STEP]
+    busy_main_grad_ratio = busy[BF16_MAIN_GRAD_STEP] / busy[FP8_MAIN_GRAD_STEP]
+    busy_cached_ratio = busy[BF16_MAIN_GRAD_STEP] / busy[FP8_CACHED_WEIGHT_STEP]
     markdown = (f"Blockwise w13 at E={e} x {t} tokens, {d} -> {n}, kernels {kernels.name}, quantizer "
                 f"{quantizer.name}{_wgrad_layout(args)}: forward + backward "
                 f"{ratio:.3f}x the BF16 grouped GEMM's speed on aligned groups (as GroupedExperts under MoE hands "
                 f"them), {gathered_ratio:.3f}x through the padding path's gathers; {main_grad_ratio:.3f}x with the "
                 "weight gradients added into an FP32 main_grad, as fp8stack's training runs both (master weights); "
                 f"{cached_ratio:.3f}x with the weight's FP8 blocks also cached (cache_fp8_weights: a step's later "
-                "micro-batches).\n\n"
+                "micro-batches). On GPU time alone (the steps' kernels and copies, without the gaps the host leaves "
+                "between them, which the other layers' work fills in a model): "
+                f"{busy_main_grad_ratio:.3f}x into main_grad, {busy_cached_ratio:.3f}x with the FP8 weight cached."
+                "\n\n"
                 + markdown_table(["part", "ms", "TF/s"], rows)
+                + "\nGPU time per step (mean of 3 profiled steps) against the timed wall time:\n\n"
+                + markdown_table(["step", "wall ms", "GPU busy ms", "idle ms"], busy_rows)
                 + f"\nCUDA kernels of one '{FP8_MAIN_GRAD_STEP}' (mean of 3):\n\n"
                 + markdown_table(["kernel", "ms per step", "calls per step"], kernel_rows))
     payload = {"shape": {"experts": e, "tokens_per_expert": t, "dim": d, "out_features": n},
@@ -147,6 +154,9 @@ def w13_breakdown(args: argparse.Namespace) -> int:
                "fp8_gathered_over_bf16": gathered_ratio,
                "fp8_over_bf16_into_main_grad": main_grad_ratio,
                "fp8_over_bf16_into_main_grad_weight_cached": cached_ratio,
+               "busy_ms": busy,
+               "busy_fp8_over_bf16_into_main_grad": busy_main_grad_ratio,
+               "busy_fp8_over_bf16_into_main_grad_weight_cached": busy_cached_ratio,
                "kernels_per_step": kernel_rows}
     _, md_path = write_evidence(stem, payload, markdown, args.out, replace=True)
     print(md_path.read_text())
@@ -179,6 +189,26 @@ def wgrad_layout_parts(a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> d
 BF16_MAIN_GRAD_STEP = "bf16 step, wgrad into main_grad"
 FP8_MAIN_GRAD_STEP = "fp8 step, wgrad into main_grad"
 FP8_CACHED_WEIGHT_STEP = "fp8 step, wgrad into main_grad, FP8 weight cached"
+BUSY_STEPS = ("bf16 step", "fp8 step", BF16_MAIN_GRAD_STEP, FP8_MAIN_GRAD_STEP, FP8_CACHED_WEIGHT_STEP)
+"""The steps whose GPU time the evidence sets beside their wall time."""
+
+
+def kernel_times(fn, grads_of: list[torch.Tensor], calls: int = 3) -> dict[str, tuple[float, int]]:
+    """Each CUDA kernel's and copy's device ms and count per call of fn() (`grads_of` dropped before each call),
+    over `calls` profiled calls."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for tensor in grads_of:
+                tensor.grad = None
+            fn()
+        torch.cuda.synchronize()
+    return per_call(prof.key_averages(), calls)
+
+
+def per_call(averages, calls: int) -> dict[str, tuple[float, int]]:
+    """{name: (device ms, count) per call} of the profiler's averages over `calls` calls: the ones that took device
+    time (the host's runtime calls, also listed, take none)."""
+    return {e.key: (e.device_time_total / calls / 1e3, e.count // calls) for e in averages if e.device_time_total > 0}
 
 
 def w13_steps(x, w, offsets, grad, kernels, quantizer, main_grad) -> dict:
