@@ -9,9 +9,10 @@ micro-batches run), then each part alone: the three FP8 GEMMs on pre-quantized o
 flattening its kernel needs), the quantizers and unpaddings of both paths, on DeepGEMM that flattening alone both ways
 (a copy per expert, one compiled gather: grouped_fp8's wgrad_flatten), the steps' GPU time beside their wall time
 (a single layer's backward waits for its forward's group sizes with nothing else queued; in a model the other
-layers' work fills that gap), and the main_grad FP8 step's CUDA kernels by time. Writes profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te:
-activations and gradients quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on
-its operands; -compiled-wgrad-flatten with --wgrad-flatten compiled: every step and GEMM flattening by the gather).
+layers' work fills that gap), and the main_grad FP8 step's CUDA kernels by time. Writes
+profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te: activations and
+gradients quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on its operands;
+-compiled-wgrad-flatten with --wgrad-flatten compiled: every step and GEMM flattening by the gather).
 
 With --moe, one whole MoE layer instead (router, permutation, SwiGLU experts, weighted combine; experts x tokens /
 top_k tokens): forward + backward with BF16 experts, blockwise experts on the BF16 dispatch and on the FP8 dispatch

@@ -4,8 +4,8 @@ INDEX.md lists every run folder, current (profiles/runs/) then superseded (profi
 measured, the device, the commit when the run recorded one, a link. RESULTS.md is the current standing: the targets,
 the loss gates (the newest band of each setting), the A/B verdict tables the targets were judged from, the Megatron
 path's A/B, the own-model run, the MoE backends bench and the Megatron block-spec bench, every figure read from a
-JSON and linked to its run folder. A file written on a CPU
-from GPU evidence (the targets, a loss band) shows the device of the files it read, never the CPU it ran on.
+JSON and linked to its run folder. A file written on a CPU from GPU evidence (the targets, a loss band) shows the
+device of the files it read, never the CPU it ran on.
 
 It also rewrites the README's results table, between README_START and README_END: the headline A/B
 (HEADLINE_RUN) with the model's shape, the GPU, the versions, the configuration, every arm's tokens/s, memory and
