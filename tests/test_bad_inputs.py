@@ -119,6 +119,7 @@ TRAIN_BAD = [
     (["--eval-iters", "-1"], "training.eval_batches must be at least 0, got -1"),
     (["--train-iters", "0"], "training.steps must be at least 1, got 0"),
     (["--save-interval", "-1"], "checkpoint.interval must be at least 0, got -1"),
+    (["--checkpoint.keep-latest", "-1"], "checkpoint.keep_latest must be at least 0, got -1"),
     (["--lr-warmup-iters", "-1"], "optimizer.warmup must be at least 0, got -1"),
     (["--global-batch-size", "3"], "training.global_batch=3 must be a multiple of training.micro_batch=2"),
     (["--recompute-layers", "9"], "recompute names block(s) 9, and tiny has blocks 0-3"),

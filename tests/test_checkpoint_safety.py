@@ -175,3 +175,14 @@ def test_a_save_folder_on_a_disk_without_room_for_a_checkpoint_is_refused_before
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "0.0 GiB free on its disk, and a checkpoint of tiny take about" in error, error
     assert "free space there or pass a folder on a larger disk" in error and not (tmp_path / "ckpt").exists()
+
+
+def test_keep_latest_removes_the_older_checkpoints_after_each_save(tmp_path):
+    """--checkpoint.keep-latest 2 with a save every step: after four steps only steps 3 and 4 are left, each whole
+    (the older removed only once a newer was written); 0, the default, keeps every one (the `saved` fixture)."""
+    folder = tmp_path / "ckpt"
+    assert train_main([*CKPT_RUN, "--train-iters", "4", "--save", str(folder), "--save-interval", "1",
+                       "--checkpoint.keep-latest", "2"]) == 0
+    assert list(checkpoint.saved_steps(folder)) == [3, 4] and sorted(p.name for p in folder.iterdir()) == [
+        "step-00000003", "step-00000004"]
+    checkpoint.check_files(checkpoint.latest(folder))

@@ -652,10 +652,10 @@ def _resume_points(ab: AbConfig, names: Sequence[str], runs: dict[str, dict | st
 
 
 def _checkpointed(cfg: JobConfig, folder: Path, resume: Path | None) -> JobConfig:
-    """An arm's configuration keeping its checkpoints in `folder` and resuming from `resume`, trusted: the A/B
+    """An arm's configuration keeping its newest checkpoint in `folder` and resuming from `resume`, trusted: the A/B
     wrote it. No save after the last step: a finished arm's checkpoints would be removed at once."""
     return replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(folder), resume=str(resume) if resume else None,
-                                           trust=resume is not None, save_last=False))
+                                           trust=resume is not None, save_last=False, keep_latest=1))
 
 
 def _drop_checkpoints(folder: Path) -> None:

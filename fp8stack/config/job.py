@@ -418,6 +418,10 @@ class CheckpointConfig:
     save_last: bool = True
     """Save after the last step too. fp8stack ab's arms turn it off: they keep checkpoints only to resume a run that a
     stop cut, and a finished arm's would be removed at once."""
+    keep_latest: int = 0
+    """After each save, remove all but this many newest checkpoints in dir (torchtitan's keep_latest_k); 0 keeps
+    every one. fp8stack ab's arms keep 1: a run resumed and cut again needs only its newest, and each takes 12 bytes
+    a parameter of disk."""
     resume: str | None = None
     """'latest' (newest under dir) or a checkpoint folder to continue from; None starts fresh."""
     trust: bool = False
@@ -429,6 +433,7 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         _at_least("checkpoint.interval", self.interval, 0)
+        _at_least("checkpoint.keep_latest", self.keep_latest, 0)
         if self.resume == "latest" and not self.dir:
             raise ConfigError("checkpoint.resume latest needs checkpoint.dir: pass --save DIR (or --load a checkpoint)")
 

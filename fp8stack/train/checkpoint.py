@@ -112,6 +112,13 @@ def saved_steps(checkpoint_dir: str | Path) -> dict[int, Path]:
     return dict(sorted((int(p.name[len(PREFIX):]), p) for p in folders))
 
 
+def keep_latest(checkpoint_dir: str | Path, count: int) -> None:
+    """Remove all but the `count` newest completed checkpoints under `checkpoint_dir` (rank 0; count >= 1)."""
+    if _rank() == 0:
+        for path in list(saved_steps(checkpoint_dir).values())[:-count]:
+            shutil.rmtree(path)
+
+
 def save(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, data_position: int, masters: nn.Module | None = None,
          run: dict | None = None, layout: TensorLayout | None = None) -> Path:

@@ -287,9 +287,12 @@ def train(cfg: JobConfig) -> TrainResult:
         settings = {**run_settings(cfg, model_shape(cfg), env.world_size), **plan_settings(run.plan)}
 
         def save(done: int) -> Path:  # run.json: the settings a resume must share, and the whole config for the record
-            return checkpoint.save(cfg.checkpoint.dir, done, model, optimizer, scheduler, data.position,
-                                   masters=master_module, run={**settings, "config": to_dict(cfg)},
-                                   layout=run.checkpoint_layout)
+            saved = checkpoint.save(cfg.checkpoint.dir, done, model, optimizer, scheduler, data.position,
+                                    masters=master_module, run={**settings, "config": to_dict(cfg)},
+                                    layout=run.checkpoint_layout)
+            if cfg.checkpoint.keep_latest:
+                checkpoint.keep_latest(cfg.checkpoint.dir, cfg.checkpoint.keep_latest)
+            return saved
 
         start = 0
         if resume_from:
