@@ -145,14 +145,16 @@ def test_arm_checkpoints_on_a_disk_without_room_for_the_arms_at_once_are_refused
 
 
 def test_an_arm_saves_no_checkpoint_after_its_last_step():
-    """The A/B's arms keep checkpoints only to resume a cut run: save_last off, the interval's saves made, the newest
-    one kept."""
+    """The A/B's arms keep checkpoints only to resume a cut run: save_last off, the interval's saves made and kept;
+    without them, only the newest stop's."""
     from fp8stack.ab.run import _checkpointed
     from fp8stack.train.loop import _checkpoint_due
 
     arm = _checkpointed(from_dict({"training": {"steps": 8}, "checkpoint": {"interval": 4}}), "folder", None)
     assert [step for step in range(1, 9) if _checkpoint_due(step, arm)] == [4, 8]  # 8: the interval's
-    assert arm.checkpoint.keep_latest == 1, "a resumed arm cut again keeps only its newest checkpoint"
+    assert arm.checkpoint.keep_latest == 0, "interval saves are kept, as asked"
+    arm = _checkpointed(from_dict({"training": {"steps": 8}}), "folder", None)
+    assert arm.checkpoint.keep_latest == 1, "saving only at stops, a resumed arm cut again keeps only its newest"
     arm = _checkpointed(from_dict({"training": {"steps": 6}, "checkpoint": {"interval": 4}}), "folder", None)
     assert [step for step in range(1, 7) if _checkpoint_due(step, arm)] == [4]
     assert _checkpoint_due(6, from_dict({"training": {"steps": 6}})), "a plain run saves after its last step"

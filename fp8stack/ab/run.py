@@ -652,10 +652,14 @@ def _resume_points(ab: AbConfig, names: Sequence[str], runs: dict[str, dict | st
 
 
 def _checkpointed(cfg: JobConfig, folder: Path, resume: Path | None) -> JobConfig:
-    """An arm's configuration keeping its newest checkpoint in `folder` and resuming from `resume`, trusted: the A/B
-    wrote it. No save after the last step: a finished arm's checkpoints would be removed at once."""
+    """An arm's configuration keeping its checkpoints in `folder` and resuming from `resume`, trusted: the A/B wrote
+    it. No save after the last step: a finished arm's checkpoints would be removed at once. Saving only when stopped,
+    it keeps its newest alone (each stop records the step it saved); with --save-interval, every one, as asked: a
+    hard kill after an interval's save leaves the evidence at an earlier step, which only an earlier checkpoint
+    resumes."""
+    keep = cfg.checkpoint.keep_latest if cfg.checkpoint.interval else 1
     return replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(folder), resume=str(resume) if resume else None,
-                                           trust=resume is not None, save_last=False, keep_latest=1))
+                                           trust=resume is not None, save_last=False, keep_latest=keep))
 
 
 def _drop_checkpoints(folder: Path) -> None:

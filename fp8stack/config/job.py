@@ -420,8 +420,8 @@ class CheckpointConfig:
     stop cut, and a finished arm's would be removed at once."""
     keep_latest: int = 0
     """After each save, remove all but this many newest checkpoints in dir (torchtitan's keep_latest_k); 0 keeps
-    every one. fp8stack ab's arms keep 1: a run resumed and cut again needs only its newest, and each takes 12 bytes
-    a parameter of disk."""
+    every one. fp8stack ab's arms that save only when stopped keep 1: a run resumed and cut again needs only its
+    newest, and each takes 12 bytes a parameter of disk."""
     resume: str | None = None
     """'latest' (newest under dir) or a checkpoint folder to continue from; None starts fresh."""
     trust: bool = False
