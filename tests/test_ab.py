@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.ab import add_ab_parser, arm_configs, final_loss, main, run_ab
-from fp8stack.ab.run import _as_they_end, _earlier_runs, _RunningArm, ab_config, base_job
+from fp8stack.ab.run import _as_they_end, _earlier_runs, _RunningArm, ab_config, arm_stem, base_job
 from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
                                   loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
@@ -497,6 +497,9 @@ def test_a_lever_runs_each_fp8_arm_again_with_it_set():
         "delayed +optimizer.warmup=3": ("delayed", False, 3), "tensorwise +optimizer.warmup=3": ("tensorwise", False, 3)}
     assert _arms("--levers", "grouped_fp8.wgrad_flatten=compiled")[
         "delayed +grouped_fp8.wgrad_flatten=compiled"].grouped_fp8.wgrad_flatten == "compiled"  # text, not JSON
+    path_lever = "delayed +data.factory=/home/me/data.py:batches"  # a value with a path: one file name all the same
+    assert arm_stem(path_lever) == "delayed_+data.factory=_home_me_data.py_batches"
+    assert arm_stem("bf16 (repeat 2)") == "bf16_(repeat_2)"  # the folders of earlier calls' arms keep their names
     joined = "precision.expert_backend=te+training.allow_little_fp8=true+optimizer.lr=1e+3"  # one arm, 3 settings
     lever = _arms("--levers", joined)[f"delayed +{joined}"]
     assert (lever.precision.expert_backend, lever.training.allow_little_fp8, lever.optimizer.lr) == ("te", True, 1e3)

@@ -766,8 +766,9 @@ def ended_without_error(code: int, wrote_result: bool) -> str:
 
 
 def arm_stem(name: str) -> str:
-    """An arm's name as a file or folder name."""
-    return name.replace(" ", "_")
+    """An arm's name as a file or folder name: spaces and anything a path would split on (a lever's value may be a
+    path) as '_'."""
+    return re.sub(r"[^\w.,+=()*-]", "_", name)
 
 
 class _ArmStop(StopSignals):
