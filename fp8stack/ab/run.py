@@ -75,7 +75,8 @@ class AbConfig:
     baseline_runs: int = 2
     """bf16 runs: the first, and the repeats after the FP8 arms, which measure the noise."""
     loss_tolerance: float | None = None
-    """Largest relative final-loss gap that ships. None: GPU_LOSS_TOLERANCE on a GPU, CPU_LOSS_TOLERANCE on a CPU."""
+    """Largest relative final-loss gap above bf16 that ships (one-sided: a final loss below bf16 passes). None:
+    GPU_LOSS_TOLERANCE on a GPU, CPU_LOSS_TOLERANCE on a CPU."""
     nproc: int = 1
     """Processes (GPUs) per arm; above 1 each arm runs under torchrun --standalone."""
     gpus: tuple[str, ...] | None = None

@@ -16,9 +16,10 @@ Each arm gets three verdicts and an overall one, each of them against what the A
   by rounding chaos: two bf16 runs of one configuration ended 2.6% apart after 4.2 passes,
   profiles/runs/2026-11-23-ab-loss-gb4-h200/), or when the bf16 runs' final losses span more than the tolerance; the
   reason then says whether the arm's final loss lies between theirs.
-- overall (overall_verdict): ship when faster and the loss within the tolerance; rollback when slower or the loss
-  outside the tolerance (an arm far below bf16 computes something else too), or when the arm failed; inconclusive
-  otherwise, so a gap within the noise never reads rollback. Memory does not enter it: it is there to be read.
+- overall (overall_verdict): ship when faster and the loss not above the tolerance; rollback when slower or the
+  loss above the tolerance, or when the arm failed; inconclusive otherwise, so a gap within the noise never reads
+  rollback. The loss counts one-sided (issue 36's gate): an FP8 run ending below bf16 passes, its reason saying so.
+  Memory does not enter it: it is there to be read.
 - router (MoE models; a note, not part of the overall verdict): the arm's final-window mean expert load imbalance
   (TrainResult.router's 'imbalance', max expert load / mean load averaged over the MoE layers, over the last
   LAST_FRACTION of steps) against the BF16 runs' (the reference and its repeats): 'differs' outside their range
@@ -270,11 +271,12 @@ def loss_verdict(loss_gap: float, tolerance: float, steps: int, horizon: int, un
 
 def overall_verdict(speed: str, loss: str) -> str:
     """ship | rollback | inconclusive from an FP8 arm's speed and loss verdicts: ship when faster and the loss within
-    the tolerance; rollback when slower or the loss outside the tolerance either way; inconclusive otherwise (a speed
-    gap within the noise, or a faster arm whose loss is not judged or inconclusive)."""
-    if speed == "slower" or loss in ("above", "below"):
+    the tolerance or below it (one-sided: ending lower than bf16 passes); rollback when slower or the loss above the
+    tolerance; inconclusive otherwise (a speed gap within the noise, or a faster arm whose loss is not judged or
+    inconclusive)."""
+    if speed == "slower" or loss == "above":
         return "rollback"
-    return "ship" if speed == "faster" and loss == "within" else "inconclusive"
+    return "ship" if speed == "faster" and loss in ("within", "below") else "inconclusive"
 
 
 def is_bf16_arm(name: str) -> bool:
@@ -431,6 +433,9 @@ def _compare(arm: Arm, baseline: Arm, tolerance: float, unresolved: str) -> str:
         return f"loss not compared: {unresolved}"
     if arm.loss_verdict == "within":
         return f"loss {arm.rel_loss_gap:+.2%} within +-{tolerance:.2%}"
+    if arm.loss_verdict == "below":
+        return (f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label}, below its -{tolerance:.2%} tolerance: the one-sided "
+                "gate passes it (its validation loss says whether it learnt the same thing better)")
     return f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label} is outside the +-{tolerance:.2%} tolerance"
 
 
