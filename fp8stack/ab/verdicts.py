@@ -434,8 +434,8 @@ def _compare(arm: Arm, baseline: Arm, tolerance: float, unresolved: str) -> str:
     if arm.loss_verdict == "within":
         return f"loss {arm.rel_loss_gap:+.2%} within +-{tolerance:.2%}"
     if arm.loss_verdict == "below":
-        return (f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label}, below its -{tolerance:.2%} tolerance: the one-sided "
-                "gate passes it (its validation loss says whether it learnt the same thing better)")
+        return (f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label}, below its -{tolerance:.2%} tolerance: the "
+                "one-sided gate passes it (its validation loss says whether it learnt the same thing better)")
     return f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label} is outside the +-{tolerance:.2%} tolerance"
 
 
