@@ -95,6 +95,35 @@ def test_the_loss_gates_show_the_newest_judged_band_of_each_setting(tmp_path):
     assert "| delayed 1 | 0.9900 | -1.00% | pass |" in gates and "the gate passes up to 1.0025" in gates
 
 
+def test_of_one_days_bands_the_last_written_is_the_newest(tmp_path):
+    """Runs of one day are named by their label: 'gate-b' written after 'gate-m' is still the newer band."""
+    profiles = _profiles(tmp_path)
+    for folder, written, final in (("2026-01-04-loss-band-gate-m", "2026-01-04T06:00:00+00:00", 1.01),
+                                   ("2026-01-04-loss-band-gate-b", "2026-01-04T07:00:00+00:00", 1.02)):
+        _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", _band(written, 1.0, [final], "fail"))
+    gates = pages(profiles)[profiles / "RESULTS.md"].split("## Loss gates")[1]
+    assert "loss-band-gate-b" in gates and "loss-band-gate-m" not in gates
+
+
+def _own_model(date: str, judged: list[bool | None]) -> dict:
+    """An own-model run's record: one arm, and one target per entry, judged met/not met or not measured (None)."""
+    targets = [{"arm": f"own {i}", "against": "trainer", "ratio": 1.0 if met is not None else None, "target": 0.95,
+                "met": met} for i, met in enumerate(judged)]
+    return {"date": date, "environment": {"device": GPU}, "arms": [{"arm": "own", "tokens_per_s": 1.0}],
+            "targets": targets}
+
+
+def test_the_own_model_headline_is_the_newest_run_judging_the_most_targets(tmp_path):
+    """A later run that measured fewer of the targets (a memory probe) does not replace the headline."""
+    profiles = _profiles(tmp_path)
+    for folder, written, judged in (("2026-01-04-own-model-r1", "2026-01-04T01:00:00+00:00", [True, False]),
+                                    ("2026-01-04-own-model-r2", "2026-01-04T02:00:00+00:00", [True, True]),
+                                    ("2026-01-05-own-model-memory", "2026-01-05T00:00:00+00:00", [True, None])):
+        _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", _own_model(written, judged))
+    own = pages(profiles)[profiles / "RESULTS.md"].split("## Own model")[1]
+    assert "own-model-r2" in own and "own-model-r1" not in own and "own-model-memory" not in own
+
+
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
     profiles = _profiles(tmp_path)
     assert main(["--profiles", str(profiles), "--check"]) == 1

@@ -69,6 +69,11 @@ class Run:
         """The tool that wrote it (KINDS), else 'probe'."""
         return next((k for k in KINDS if self.name == f"{k}.json" or self.name.startswith(f"{k}-")), "probe")
 
+    def when(self) -> tuple[str, str, str]:
+        """Its place in time: the folder's date, the record's timestamp (when it has one), the folder's name."""
+        written = self.record.get("date")
+        return self.folder.name[:10], written if isinstance(written, str) else "", self.folder.name
+
     @property
     def current(self) -> bool:
         """Under runs/ rather than archive/."""
@@ -76,13 +81,16 @@ class Run:
 
 
 def load_runs(profiles: Path = PROFILES) -> list[Run]:
-    """Every run folder holding a JSON: runs/ then archive/, each in folder-name (date) order."""
+    """Every run folder holding a JSON: runs/ then archive/, each in the order they were written (by the folder's
+    date, then the time its record was written: runs of one day are named by label, not in their order)."""
     runs = []
     for area in (RUNS, ARCHIVE):
-        for folder in sorted(p for p in (profiles / area).glob("*") if p.is_dir()):
+        written = []
+        for folder in (p for p in (profiles / area).glob("*") if p.is_dir()):
             records = {path.name: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
             if records:
-                runs.append(Run(folder, records))
+                written.append(Run(folder, records))
+        runs += sorted(written, key=Run.when)
     return runs
 
 
@@ -97,7 +105,7 @@ class Evidence:
         name = Path(name).name
         holding = [run for run in self.runs if name in run.records]
         dated = [run for run in holding if before is None or run.folder.name[:10] <= before[:10]]
-        return max(dated or holding, key=lambda run: run.folder.name, default=None)
+        return max(dated or holding, key=Run.when, default=None)
 
     def device(self, run: Run) -> str:
         """Where the figures were measured: the record's device, or for a file rendered from others (targets, loss
@@ -125,7 +133,20 @@ class Evidence:
         found: dict[str, Run] = {}
         for run in self.runs:
             if run.current and run.kind == kind and keep(run):
-                found[self.device(run)] = run  # runs are in date order
+                found[self.device(run)] = run  # runs are in the order they were written
+        return found
+
+    def widest(self, kind: str, width: Callable[[Run], int], keep: Callable[[Run], bool] = lambda run: True
+               ) -> dict[str, Run]:
+        """The current run of `kind` per measured device of the greatest `width` (the arms it compares, the targets
+        it judged), the newest of those: a headline comparison is not replaced by a later run of a few of its arms
+        (a memory probe, a rerun of one)."""
+        found: dict[str, Run] = {}
+        for run in self.runs:
+            if run.current and run.kind == kind and keep(run):
+                device = self.device(run)
+                if device not in found or width(run) >= width(found[device]):
+                    found[device] = run
         return found
 
 
@@ -259,14 +280,15 @@ def _model(record: dict) -> str:
 
 
 def _headline_abs(evidence: Evidence) -> list[Run]:
-    """The A/Bs the current targets were judged from, then the newest Megatron-path A/B per device."""
+    """The A/Bs the current targets were judged from, then the widest Megatron-path A/B per device."""
     cited = []
     for run in evidence.newest("targets").values():
         for row in run.record["rows"]:
             ab = evidence.cited(row["file"], run.record.get("date"))
             if ab is not None and ab.kind == "ab" and ab not in cited:
                 cited.append(ab)
-    megatron = evidence.newest("ab", lambda run: _train_config(run.record).get("model_impl") == "megatron")
+    megatron = evidence.widest("ab", lambda run: len(run.record["arms"]),
+                               lambda run: _train_config(run.record).get("model_impl") == "megatron")
     return cited + [run for run in megatron.values() if run not in cited]
 
 
@@ -297,7 +319,8 @@ def _ratio(value, reference) -> str:
 
 def _own_model(evidence: Evidence) -> str:
     out = []
-    for device, run in evidence.newest("own-model").items():
+    judged = lambda run: sum(target.get("met") is not None for target in run.record["targets"])  # noqa: E731
+    for device, run in evidence.widest("own-model", judged).items():
         arms = [[arm["arm"], _number(arm.get("tokens_per_s"), ",.0f"), _number(arm.get("spread"), ".2%")]
                 for arm in run.record["arms"]]
         targets = [[t["arm"], t["against"], _number(t.get("ratio"), ".3f") + ("x" if t.get("ratio") else ""),
