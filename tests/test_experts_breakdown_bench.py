@@ -33,16 +33,18 @@ def test_the_moe_dispatch_parts_run_on_one_routing():
     assert out["FP8 dispatch: wgrad operand from the tokens"].data.shape == (256, buffer)
 
 
-def test_one_run_times_both_wgrad_layouts_of_deepgemm_s_operands():
-    """The parts a DeepGEMM run adds: its wgrad operands (grad^T [N, T], x^T [D, T]) laid out by a copy per expert and
-    by the compiled gather (grouped_fp8's wgrad_flatten), whatever --wgrad-flatten the steps take; the same bytes."""
+def test_one_run_times_every_wgrad_layout_of_deepgemm_s_operands():
+    """The parts a DeepGEMM run adds: its wgrad operands (grad^T [N, T], x^T [D, T]) laid out by a copy per expert, by
+    the compiled gather and by the Triton tile copy (grouped_fp8's wgrad_flatten), whatever --wgrad-flatten the steps
+    take; the same bytes (the Triton kernel's on CPU: tests/test_grouped_fp8.py, interpreted)."""
     counts = (256, 0, 128, 384)
     generator = torch.Generator().manual_seed(0)
     a, b = (Fp8Tensor(torch.randint(0, 256, (dim, sum(counts) + 128), dtype=torch.uint8, generator=generator)
                       .view(torch.float8_e4m3fn), torch.ones(dim, 7)) for dim in (96, 64))
     parts = experts_breakdown.wgrad_layout_parts(a, b, counts)
-    assert list(parts) == ["wgrad operands' layout: a copy per expert", "wgrad operands' layout: one compiled gather"]
-    copied, gathered = (fn() for fn in parts.values())
+    assert list(parts) == ["wgrad operands' layout: a copy per expert", "wgrad operands' layout: one compiled gather",
+                           "wgrad operands' layout: one Triton tile copy"]
+    copied, gathered = (fn() for fn in list(parts.values())[:2])
     for by_copies, by_gather, operand in zip(copied, gathered, (a, b), strict=True):
         assert by_gather.shape == (operand.data.shape[0] * sum(counts),)
         assert torch.equal(by_gather.view(torch.uint8), by_copies.view(torch.uint8))
@@ -52,7 +54,7 @@ def test_the_wgrad_flatten_option_reaches_deepgemm_s_kernels_and_needs_them(monk
     library = SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=None, k_grouped_fp8_gemm_nt_contiguous=None,
                               get_mk_alignment_for_contiguous_layout=lambda: 128)
     monkeypatch.setattr(deepgemm, "load", lambda: (library, ""))
-    for flatten in ("copies", "compiled"):
+    for flatten in ("copies", "compiled", "triton"):
         kernels = experts_breakdown.blockwise_kernels(argparse.Namespace(kernels="deepgemm", wgrad_flatten=flatten))
         assert kernels.flatten_k_grouped is deepgemm.WGRAD_FLATTENERS[flatten]
     with pytest.raises(SystemExit) as exit_code:

@@ -8,7 +8,10 @@ tests our layout code (scale padding, strides, m_indices, flattening) against th
 """
 
 import copy
+import os
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +26,7 @@ from fp8stack.backends.blockwise import (BLOCK, FP8, FP8_MAX, Fp8Tensor, cast_to
                                          reference_grouped_dgrad, reference_grouped_gemm, reference_grouped_wgrad)
 from fp8stack.backends import deepgemm
 from fp8stack.backends.deepgemm import DeepGemmKernels, flatten_k_grouped, m_indices, mn_major_scales
-from fp8stack.backends.grouped import (INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM,
+from fp8stack.backends.grouped import (FLATTEN_KERNELS, INDUCTOR_QUANTIZER, AlignedTokenGroups, BlockwiseGroupedMM,
                                        DispatchedBlockwiseGroupedMM, Float8GroupedExperts, GroupedFP8Backend,
                                        RowwiseGroupedMM, TorchBlockwiseKernels, TorchRowwiseKernels, TokenGroupPadding,
                                        rhs_block_scale, token_groups)
@@ -477,6 +480,35 @@ def test_the_compiled_wgrad_flattening_gives_the_copies_bytes(graph, monkeypatch
             assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (counts, past)
 
 
+TRITON_FLATTEN_CHECK = """
+import torch
+from fp8stack.backends import deepgemm
+from tests.test_grouped_fp8 import FLATTEN_CASES, _random_fp8
+for counts, past in FLATTEN_CASES + [([128] * 9, 0)]:
+    for dim in (3, 65):
+        fp8 = _random_fp8(dim, sum(counts) + past)
+        for operand in (fp8, fp8.t().contiguous().t()):
+            expected = deepgemm.flatten_k_grouped(operand, counts)
+            got = deepgemm.flatten_k_grouped_triton(operand, counts)
+            assert got.dtype == fp8.dtype and got.shape == (dim * sum(counts),), (counts, past, dim)
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (counts, past, dim)
+print("same bytes")
+"""
+
+
+def test_the_triton_wgrad_flattening_gives_the_copies_bytes():
+    """flatten_k_grouped_triton (one Triton kernel copying whole tiles of one expert) lays the operands out as the
+    per-expert copies do, byte for byte: FLATTEN_CASES and nine experts (the kernel's expert search over a padded
+    power of two), for a contiguous operand and a strided view, operands of fewer rows than a program's and of more.
+    Run by Triton's interpreter on CPU, in a process of its own: the interpreter is chosen when the kernel is
+    defined (tests/gpu runs it compiled)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    result = subprocess.run([sys.executable, "-c", TRITON_FLATTEN_CHECK], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0 and "same bytes" in result.stdout, result.stderr[-3000:]
+
+
 def test_the_compiled_wgrad_flattening_compiles_once_for_any_groups_and_either_operand():
     """Token counts, group sizes and the operand's dim (a wgrad's two operands differ in it) are dynamic in the graph:
     after the first call, new routings and the other operand compile nothing. (From a fresh cache: dims that another
@@ -503,7 +535,8 @@ def test_deepgemm_kernels_take_the_wgrad_flattening_they_are_given():
     kernels = DeepGemmKernels(ContractDeepGemm(), wgrad_flatten="compiled")
     assert (kernels.wgrad_flatten, kernels.flatten_k_grouped) == ("compiled", deepgemm.flatten_k_grouped_compiled)
     assert tuple(deepgemm.WGRAD_FLATTENERS) == WGRAD_FLATTENS  # the configuration's choices, each with its function
-    with pytest.raises(ValueError, match="DeepGEMM wgrad_flatten='gather': use one of copies, compiled"):
+    assert set(FLATTEN_KERNELS) == set(WGRAD_FLATTENS) - {"copies"}  # and the conversion note of each
+    with pytest.raises(ValueError, match="DeepGEMM wgrad_flatten='gather': use one of copies, compiled, triton"):
         DeepGemmKernels(ContractDeepGemm(), wgrad_flatten="gather")
 
 
@@ -573,7 +606,7 @@ def test_deepgemm_wgrad_is_the_same_whichever_flattening_lays_out_its_operands(c
 
     monkeypatch.setattr(deepgemm, "_gather_k_grouped", counted)
     results = {}
-    for flatten in WGRAD_FLATTENS:
+    for flatten in ("copies", "compiled"):  # triton runs on CPU only interpreted: its bytes are tested above
         x, w, offsets = _problem(counts, extra_rows=5)
         x.requires_grad_(True)
         w.requires_grad_(True)
@@ -1269,7 +1302,7 @@ def test_wgrad_flatten_flows_from_the_command_line_to_deepgemm_s_kernels(monkeyp
 def test_wgrad_flatten_compiled_is_refused_or_noted_where_deepgemm_does_not_run_the_experts(monkeypatch):
     """An unknown value and kernels torch are refused at construction; a plan without blockwise experts before any
     swap; where auto falls back to torch's kernels (no DeepGEMM) the option does nothing, and the notes say why."""
-    with pytest.raises(ValueError, match="wgrad_flatten='gather': use one of copies, compiled"):
+    with pytest.raises(ValueError, match="wgrad_flatten='gather': use one of copies, compiled, triton"):
         GroupedFP8Backend(wgrad_flatten="gather")
     with pytest.raises(ValueError, match="kernels=torch runs torch's scaled_mm per expert: use kernels deepgemm"):
         GroupedFP8Backend(kernels="torch", wgrad_flatten="compiled")

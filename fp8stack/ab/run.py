@@ -523,7 +523,8 @@ MOE_ONLY = ("job.grouped_fp8.",)
 
 SAME_BYTES = ("job.grouped_fp8.wgrad_flatten",)
 """Options whose settings lay out the same bytes, tested bit for bit (tests/gpu/test_grouped_fp8_gpu.py: the compiled
-wgrad flattening against the per-expert copies): only the speed differs, so an A/B continues across them."""
+and Triton wgrad flattenings against the per-expert copies): only the speed differs, so an A/B continues across
+them."""
 
 
 def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int, dense: bool = False

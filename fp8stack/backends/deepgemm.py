@@ -132,7 +132,20 @@ def flatten_k_grouped_compiled(data: torch.Tensor, counts: list[int] | tuple[int
     return out.view(data.dtype)
 
 
-WGRAD_FLATTENERS = {"copies": flatten_k_grouped, "compiled": flatten_k_grouped_compiled}
+def flatten_k_grouped_triton(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """flatten_k_grouped's bytes from one hand-written Triton kernel (k_grouped_triton: whole token blocks of one
+    expert per program, copied in 8-byte words where the counts allow), one launch per operand, the group ends reaching
+    the device without a host sync (host_ints_on)."""
+    from fp8stack.backends.k_grouped_triton import flatten_k_grouped_tiles  # triton: only where this choice runs
+
+    source, per_word = _in_words(data, counts)
+    units = [count // per_word for count in counts]
+    ends = host_ints_on(list(itertools.accumulate(units)), data.device)
+    return flatten_k_grouped_tiles(source, units, ends).view(data.dtype)
+
+
+WGRAD_FLATTENERS = {"copies": flatten_k_grouped, "compiled": flatten_k_grouped_compiled,
+                    "triton": flatten_k_grouped_triton}
 """grouped_fp8's wgrad_flatten choices (plan.recipes.WGRAD_FLATTENS): what lays out the K-grouped wgrad's operands."""
 
 

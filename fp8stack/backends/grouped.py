@@ -62,6 +62,8 @@ RECIPE_ALIGNMENT = {"blockwise": BLOCK, "rowwise": TOKEN_CHUNK, "rowwise_gw_hp":
 128-blocks for blockwise; 16 bytes of FP8 for the rowwise kernels' TMA loads (token groups included, as
 the wgrad GEMM reduces over them)."""
 KERNEL_CHOICES = ("auto", "torch", "deepgemm")
+FLATTEN_KERNELS = {"compiled": "one compiled gather", "triton": "one Triton tile copy"}
+"""What each wgrad_flatten other than copies runs per operand, for the conversion notes."""
 
 
 def _activation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -676,9 +678,9 @@ class GroupedFP8Backend(Backend):
     fp8stack.config)."""
     wgrad_flatten: str = "copies"
     """What lays out the blockwise wgrad GEMM's operands on DeepGEMM (K-grouped, expert by expert): copies (one per
-    expert, launched from the host) or compiled (one compiled gather per operand, deepgemm.flatten_k_grouped_compiled);
-    the same bytes. copies until a GPU measures compiled faster (GroupedFP8Config.wgrad_flatten in fp8stack.config
-    names the profiles)."""
+    expert, launched from the host), compiled (one compiled gather per operand, deepgemm.flatten_k_grouped_compiled)
+    or triton (one Triton tile copy per operand, deepgemm.flatten_k_grouped_triton); the same bytes. copies until a
+    GPU measures another faster (GroupedFP8Config.wgrad_flatten in fp8stack.config names the profiles)."""
 
     name = "grouped_fp8"
 
@@ -816,7 +818,8 @@ class GroupedFP8Backend(Backend):
         return notes
 
     def _wgrad_flatten_notes(self, blockwise_kernels, without_deepgemm: str) -> list[str]:
-        """What wgrad_flatten compiled does to the plan's blockwise experts; a PlanError when the plan has none."""
+        """What wgrad_flatten compiled or triton does to the plan's blockwise experts; a PlanError when the plan has
+        none."""
         if self.wgrad_flatten == "copies":
             return []
         if blockwise_kernels is None:
@@ -826,8 +829,8 @@ class GroupedFP8Backend(Backend):
         if not isinstance(blockwise_kernels, deepgemm.DeepGemmKernels):
             return [f"wgrad_flatten {self.wgrad_flatten}: no effect, the blockwise GEMMs run on "
                     f"{blockwise_kernels.name} ({without_deepgemm}), which slice each expert's operands themselves"]
-        return [f"wgrad_flatten {self.wgrad_flatten}: DeepGEMM's K-grouped wgrad operands laid out by one compiled "
-                "gather each, not a copy per expert"]
+        return [f"wgrad_flatten {self.wgrad_flatten}: DeepGEMM's K-grouped wgrad operands laid out by "
+                f"{FLATTEN_KERNELS[self.wgrad_flatten]} each, not a copy per expert"]
 
     def _blockwise_kernels(self) -> tuple:
         """(the blockwise kernels, why DeepGEMM is not among them when auto fell back to torch's, else '')."""

@@ -6,13 +6,14 @@ aligned (what GroupedExperts under MoE hands it: no row moves) and through the p
 steps also with the weight gradient added into an FP32 main_grad (as fp8stack's training runs them), the FP8 one
 also with the weight's FP8 blocks and their transpose cached (grouped_fp8's cache_fp8_weights: what a step's later
 micro-batches run), then each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand
-flattening its kernel needs), the quantizers and unpaddings of both paths, on DeepGEMM that flattening alone both ways
-(a copy per expert, one compiled gather: grouped_fp8's wgrad_flatten), the steps' GPU time beside their wall time
+flattening its kernel needs), the quantizers and unpaddings of both paths, on DeepGEMM that flattening alone each way
+(a copy per expert, one compiled gather, one Triton tile copy: grouped_fp8's wgrad_flatten), the steps' GPU time
+beside their wall time
 (a single layer's backward waits for its forward's group sizes with nothing else queued; in a model the other
 layers' work fills that gap), and the main_grad FP8 step's CUDA kernels by time. Writes
 profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te: activations and
 gradients quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on its operands;
--compiled-wgrad-flatten with --wgrad-flatten compiled: every step and GEMM flattening by the gather).
+-compiled-wgrad-flatten with --wgrad-flatten compiled, every step and GEMM flattening by the gather, and so on).
 
 With --moe, one whole MoE layer instead (router, permutation, SwiGLU experts, weighted combine; experts x tokens /
 top_k tokens): forward + backward with BF16 experts, blockwise experts on the BF16 dispatch and on the FP8 dispatch
@@ -184,7 +185,8 @@ def wgrad_layout_parts(a: Fp8Tensor, b: Fp8Tensor, counts: tuple[int, ...]) -> d
         return lambda: (flatten(a.data, counts), flatten(b.data, counts))
 
     return {"wgrad operands' layout: a copy per expert": both(deepgemm.flatten_k_grouped),
-            "wgrad operands' layout: one compiled gather": both(deepgemm.flatten_k_grouped_compiled)}
+            "wgrad operands' layout: one compiled gather": both(deepgemm.flatten_k_grouped_compiled),
+            "wgrad operands' layout: one Triton tile copy": both(deepgemm.flatten_k_grouped_triton)}
 
 
 BF16_MAIN_GRAD_STEP = "bf16 step, wgrad into main_grad"

@@ -156,14 +156,17 @@ class GroupedFP8Config:
     wgrad_flatten: str = "copies"
     """How the blockwise experts' weight-gradient GEMM on DeepGEMM gets its two operands in the K-grouped layout (each
     expert's [dim, tokens] block, tokens innermost, expert after expert): copies, one copy per expert launched from the
-    host (2 x E per GEMM), or compiled, one inductor-compiled gather per operand whose source positions are computed on
-    the GPU from the group ends; the same bytes. On one H200 the gaps between the copies were the largest source of
-    GPU idle time in a host-bound MoE step (profiles/runs/2026-11-28-profile-deepseek-moe-small-loss-gate-mixed-h200),
-    and the copies many kernels a step at a larger shape
+    host (2 x E per GEMM); compiled, one inductor-compiled gather per operand whose source positions are computed on
+    the GPU from the group ends; or triton, one hand-written Triton kernel per operand copying whole 128-token tiles of
+    one expert each; the same bytes. On one H200 the gaps between the copies were the largest source of GPU idle time
+    in a host-bound MoE step (profiles/runs/2026-11-28-profile-deepseek-moe-small-loss-gate-mixed-h200), and the
+    copies many kernels a step at a larger shape
     (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-copies-h200); one index_select over a built index ran
-    slower (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-gather-h200). copies until a GPU measures
-    compiled faster: python -m fp8stack.bench.experts_breakdown times both. Needs the plan's blockwise experts on
-    grouped_fp8 (recipe blockwise, --expert-backend grouped_fp8), on DeepGEMM."""
+    slower (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-gather-h200), and the compiled gather moved
+    fewer bytes a second than the copies
+    (profiles/runs/2026-11-29-experts-breakdown-deepgemm-h200-te-quantizer-compiled-wgrad-flatten-busy). copies until
+    a GPU measures another faster: python -m fp8stack.bench.experts_breakdown times all three. Needs the plan's
+    blockwise experts on grouped_fp8 (recipe blockwise, --expert-backend grouped_fp8), on DeepGEMM."""
 
     def validate(self) -> None:
         _choose("grouped_fp8.quantizer", self.quantizer, EXPERT_QUANTIZERS)

@@ -514,25 +514,43 @@ def test_a_recipe_file_trains_blockwise_experts_beside_delayed_linears():
     assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) / 5 < losses[0] - 0.2, losses
 
 
-# ---- wgrad_flatten compiled: DeepGEMM's wgrad operands laid out by one compiled gather -----------------------
+# ---- wgrad_flatten compiled / triton: DeepGEMM's wgrad operands laid out by one kernel per operand ----------
 
 def _random_fp8(dim: int, tokens: int) -> torch.Tensor:
     """Random bytes as E4M3 on the GPU: every code, so that a byte moved to the wrong place shows."""
     return torch.randint(0, 256, (dim, tokens), dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
 
 
-def test_the_compiled_wgrad_flattening_gives_the_copies_bytes():
-    """The Triton gather against the per-expert copies on the GPU, byte for byte: uneven groups, empty experts, one
-    expert, whole 8-byte words or not (bytes), a buffer past the groups, a strided operand."""
+@pytest.mark.parametrize("flatten", ["compiled", "triton"])
+def test_the_one_kernel_wgrad_flattenings_give_the_copies_bytes(flatten):
+    """The compiled gather and the Triton tile copy against the per-expert copies on the GPU, byte for byte: uneven
+    groups, empty experts, one expert and 64, whole 8-byte words or not (bytes), a buffer past the groups, a strided
+    operand."""
     torch.manual_seed(0)
     cases = [(384, [128, 0, 256, 1024], 256), (256, [0, 384, 128, 0], 0), (640, [384], 128),
-             (384, [256, 256, 128, 16], 0), (256, [130, 0, 7, 3], 5)]
+             (384, [256, 256, 128, 16], 0), (256, [130, 0, 7, 3], 5), (7168, [128, 256, 0, 384] * 16, 128)]
     for dim, counts, past in cases:
         fp8 = _random_fp8(dim, sum(counts) + past)
         for operand in (fp8, fp8.t().contiguous().t()):
             expected = deepgemm.flatten_k_grouped(operand, counts)
-            got = deepgemm.flatten_k_grouped_compiled(operand, counts)
+            got = deepgemm.WGRAD_FLATTENERS[flatten](operand, counts)
             assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (dim, counts, past)
+
+
+def test_the_triton_wgrad_flattening_synchronises_nothing():
+    """Laying an operand out by the Triton kernel synchronises nothing once compiled (the group ends go up through
+    pinned memory), whatever the routing."""
+    calls = [(2048, [256, 0, 512, 1024]), (3072, [128, 640, 0, 384]), (2048, [1024, 128, 128, 2048])]
+    for index, (dim, counts) in enumerate(calls):
+        operand = _random_fp8(dim, sum(counts) + 384)
+        expected = deepgemm.flatten_k_grouped(operand, counts)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if index else "default")  # the first call compiles the kernel
+        try:
+            got = deepgemm.flatten_k_grouped_triton(operand, counts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), counts
 
 
 def test_the_compiled_wgrad_flattening_neither_recompiles_nor_synchronises():
@@ -557,10 +575,11 @@ def test_the_compiled_wgrad_flattening_neither_recompiles_nor_synchronises():
     assert counters["stats"]["unique_graphs"] == graphs, "new group sizes or the other operand recompiled the gather"
 
 
-def test_blockwise_experts_train_as_with_the_copies_when_a_compiled_gather_lays_out_the_wgrad_operands():
+@pytest.mark.parametrize("flatten", ["compiled", "triton"])
+def test_blockwise_experts_train_as_with_the_copies_when_one_kernel_lays_out_the_wgrad_operands(flatten):
     """Three steps of two micro-batches of the MoE layer on DeepGEMM, weight gradients into autograd's .grad, with
-    wgrad_flatten compiled against the copies (the default): losses and parameters bit for bit, as both lay out the
-    same bytes for DeepGEMM's K-grouped kernel (the copies' run repeats itself first: the comparison assumes
+    wgrad_flatten compiled or triton against the copies (the default): losses and parameters bit for bit, as all lay
+    out the same bytes for DeepGEMM's K-grouped kernel (the copies' run repeats itself first: the comparison assumes
     deterministic kernels). Each routing has new group sizes: the gather compiles once."""
     _kernels_or_skip("deepgemm")
 
@@ -569,10 +588,10 @@ def test_blockwise_experts_train_as_with_the_copies_when_a_compiled_gather_lays_
         moe.experts.blockwise_kernels = deepgemm.DeepGemmKernels(wgrad_flatten=wgrad_flatten)
         return _train_three_steps(moe)
 
-    copies, again, compiled = (train(flatten) for flatten in ("copies", "copies", "compiled"))
+    copies, again, laid_out = (train(choice) for choice in ("copies", "copies", flatten))
     assert again[0] == copies[0], "the copies' run does not repeat itself: bit-for-bit comparisons cannot hold"
-    assert compiled[0] == copies[0], (compiled[0], copies[0])
-    assert all(torch.equal(a, b) for a, b in zip(compiled[1], copies[1], strict=True))
+    assert laid_out[0] == copies[0], (laid_out[0], copies[0])
+    assert all(torch.equal(a, b) for a, b in zip(laid_out[1], copies[1], strict=True))
 
 
 # ---- quantizer te: TE's Float8BlockQuantizer kernel for the activations and gradients, on DeepGEMM ----------
