@@ -16,9 +16,10 @@ import pytest
 from fp8stack.ab import add_ab_parser, arm_configs, final_loss, main, run_ab
 from fp8stack.ab.run import _as_they_end, _earlier_runs, _RunningArm, ab_config, arm_stem, base_job
 from fp8stack.ab.plot import relative_gap
-from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, band_note, blended_peak, judge,
-                                  loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
+from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, LossGate, band_note, blended_peak,
+                                  judge, loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
                                   repeat_arms, speed_verdict)
+from fp8stack.bench import loss_band
 from fp8stack.evidence import run_folder
 from fp8stack.config import ConfigError, parse_args
 from fp8stack.train.timing import relative_spread, steady_state
@@ -129,10 +130,26 @@ def test_judge_leaves_the_loss_unjudged_past_one_pass_or_when_bf16_runs_disagree
     assert spread[1].reason.endswith("; its final loss lies between the 2 bf16 runs' (2.0000 to 2.0500)")
     assert band_note(2.1, [2.0, 2.05]) == "its final loss lies +2.44% above the 2 bf16 runs' (2.0000 to 2.0500)"
     assert band_note(1.9, [2.0, 2.05]) == "its final loss lies -5.00% below the 2 bf16 runs' (2.0000 to 2.0500)"
+
+
+def test_with_three_bf16_runs_the_loss_meets_the_gate_loss_band_applies():
+    """Three bf16 runs or more measure their spread: the arm is judged by the one-sided gate (their mean + max(the
+    tolerance, 2 standard deviations)), not left unresolved by that spread, and the gate is loss_band's."""
+    backends = {"bf16": "bf16", "tensorwise": "torchao"}
     three = {REPEAT_ARM: _result(100.0, 2.004, 0.0), "bf16 (repeat 2)": _result(100.0, 1.996, 0.0)}
-    spread, records = judge(results, backends, tolerance=0.0025, peaks=None, repeats=three)
-    assert spread[1].verdict == "inconclusive" and "the 3 bf16 runs' final losses span 0.40%" in spread[1].reason
+    verdicts = {}
+    for loss in (2.0079, 2.0081, 1.99):
+        results = {"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(80.0, loss, 0.8)}
+        arms, records = judge(results, backends, tolerance=0.0025, peaks=None, repeats=three)
+        verdicts[loss] = (arms[1].loss_verdict, arms[1].verdict)
+        assert "the 3 bf16 runs' mean 2.0000 + max(0.25%, 2 standard deviations) = 2.0080" in arms[1].reason
     assert [r["run"] for r in records] == [REPEAT_ARM, "bf16 (repeat 2)"]
+    assert verdicts == {2.0079: ("within", "ship"), 2.0081: ("above", "rollback"), 1.99: ("below", "ship")}
+    assert loss_band.gate_limit(loss_band.band([2.0, 2.004, 1.996])) == LossGate.of([2.0, 2.004, 1.996], 0.0025).limit
+    two = {REPEAT_ARM: _result(100.0, 2.004, 0.0)}  # two runs: the fixed tolerance, as before
+    arms, _ = judge({"bf16": _result(100.0, 2.0, 0.0), "tensorwise": _result(80.0, 2.0079, 0.8)}, backends,
+                    tolerance=0.0025, peaks=None, repeats=two)
+    assert arms[1].loss_verdict == "above" and "outside the +-0.25% tolerance" in arms[1].reason
 
 
 def test_statistics():

@@ -11,7 +11,10 @@ Each arm gets three verdicts and an overall one, each of them against what the A
   so the noise is the bf16 runs' differences when they differ and 0 otherwise; on a CPU, the process's max RSS
   (allocator and library state), so the noise is the bf16 runs' max-RSS differences, unmeasured when bf16 ran once.
 - loss: within | above | below the tolerance, inconclusive, or not judged. Final loss is the mean over the last
-  LAST_FRACTION of steps. A run shorter than its loss_horizon is not judged. The loss is inconclusive where the
+  LAST_FRACTION of steps. A run shorter than its loss_horizon is not judged. With GATE_MIN_RUNS or more bf16 runs
+  (--baseline-runs) the arm meets the one-sided loss gate instead (LossGate: above the bf16 runs' mean + max(the
+  tolerance, GATE_STDEVS standard deviations) is above), the rule fp8stack.bench.loss_band applies over several A/B
+  files. The loss is inconclusive where the
   comparison cannot resolve the tolerance: past one pass over the training text (the runs memorise it, at a rate set
   by rounding chaos: two bf16 runs of one configuration ended 2.6% apart after 4.2 passes,
   profiles/runs/2026-11-23-ab-loss-gb4-h200/), or when the bf16 runs' final losses span more than the tolerance; the
@@ -54,6 +57,10 @@ MIN_LOSS_WINDOW = 5
 """Steps the final-loss mean averages at the shortest run whose loss is judged (loss_horizon): one step's loss
 carries its batch's noise, ~1% of the loss on the tiny model (CPU_LOSS_TOLERANCE); a mean of 5 steps cuts that
 to under half, under a quarter of the CPU tolerance."""
+GATE_STDEVS = 2.0
+"""The one-sided loss gate's width in standard deviations of the BF16 runs' final losses (LossGate)."""
+GATE_MIN_RUNS = 3
+"""BF16 runs the loss gate needs: fewer measure no standard deviation worth the name."""
 ROUTER_SIGMAS = 2.0
 """How many standard errors of the final-window means (router_margin) two runs' imbalances may part by when the
 BF16 runs' own spread is smaller: about a 5% chance of 'differs' between runs that route alike, for a normal mean."""
@@ -259,6 +266,35 @@ def memory_verdict(ratio: float, noise: float | None) -> str:
     return "more" if ratio > high else "less" if ratio < low else "inconclusive"
 
 
+@dataclass(frozen=True)
+class LossGate:
+    """The one-sided loss gate over BF16 runs' final losses (issue 36): a final loss passes up to their mean +
+    max(floor of the mean, GATE_STDEVS standard deviations); ending below passes."""
+
+    mean: float
+    stdev: float
+    runs: int
+    floor: float
+    """The relative gap the gate allows however close the BF16 runs lie (the A/B's loss tolerance)."""
+
+    @classmethod
+    def of(cls, bf16_losses: list[float], floor: float) -> "LossGate":
+        return cls(statistics.fmean(bf16_losses), statistics.stdev(bf16_losses), len(bf16_losses), floor)
+
+    @property
+    def limit(self) -> float:
+        """The largest final loss the gate passes."""
+        return self.mean + max(self.floor * self.mean, GATE_STDEVS * self.stdev)
+
+    def verdict(self, loss: float) -> str:
+        """above (fails) | below (as far under the mean as the limit is over it) | within."""
+        return "above" if loss > self.limit else "below" if loss < 2 * self.mean - self.limit else "within"
+
+    def describe(self) -> str:
+        return (f"the {self.runs} bf16 runs' mean {self.mean:.4f} + max({self.floor:.2%}, {GATE_STDEVS:g} standard "
+                f"deviations) = {self.limit:.4f}")
+
+
 def loss_verdict(loss_gap: float, tolerance: float, steps: int, horizon: int, unresolved: str = "") -> str:
     """not judged (fewer `steps` than `horizon`) | inconclusive (`unresolved` says why the tolerance cannot be
     resolved) | above | below | within: the relative final-loss gap outside the tolerance either way, or inside."""
@@ -330,7 +366,10 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
     baseline.memory_noise = _memory_noise(baseline.memory_kind, measured)
     ran = sum(isinstance(results[arm.recipe], dict) for arm in arms if is_bf16_arm(arm.recipe))
     baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if ran > 1 else "")
-    unresolved = loss_unresolved(passes, [r["rel_loss_gap"] for r in measured], tolerance)
+    bf16_losses = [baseline.final_loss, *(r["final_loss"] for r in measured)]
+    gate = LossGate.of(bf16_losses, tolerance) if len(bf16_losses) >= GATE_MIN_RUNS else None
+    # The gate widens with the bf16 runs' spread; a single comparison cannot resolve a tolerance they exceed.
+    unresolved = loss_unresolved(passes, [] if gate else [r["rel_loss_gap"] for r in measured], tolerance)
     bf16_routing = [window for window in (router_window(run) for run in (results[reference],
                     *(repeat for repeat in (repeats or {}).values() if isinstance(repeat, dict))))
                     if window is not None]
@@ -341,7 +380,7 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
             arm.verdict, arm.reason = ("alternative", f"failed: {result}; {baseline.label} is the reference") if (
                 is_bf16_arm(arm.recipe)) else ("rollback", f"failed: {result}")
             continue
-        loss = _compare(arm, baseline, tolerance, unresolved)
+        loss = _compare(arm, baseline, tolerance, unresolved, gate)
         if is_bf16_arm(arm.recipe):
             arm.verdict = "alternative"
             arm.reason = (f"a BF16 configuration; {baseline.label}, {arm.step_ms / baseline.step_ms - 1:.1%} faster, "
@@ -415,9 +454,9 @@ def repeat_note(records: list[dict]) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
-def _compare(arm: Arm, baseline: Arm, tolerance: float, unresolved: str) -> str:
+def _compare(arm: Arm, baseline: Arm, tolerance: float, unresolved: str, gate: LossGate | None = None) -> str:
     """Set `arm`'s speed, memory and loss verdicts against the reference `baseline` (whose speed_noise and memory_noise
-    are set); return the sentence on its loss."""
+    are set), its loss against `gate` where the bf16 runs make one; return the sentence on its loss."""
     arm.speed_noise = max(baseline.speed_noise, arm.noise)
     arm.speed_ratio = arm.tokens_per_s / baseline.tokens_per_s
     arm.speed_verdict = speed_verdict(arm.speed_ratio, arm.speed_noise)
@@ -431,12 +470,25 @@ def _compare(arm: Arm, baseline: Arm, tolerance: float, unresolved: str) -> str:
                 f"{MIN_LOSS_WINDOW}-step final-loss mean)")
     if arm.loss_verdict == "inconclusive":
         return f"loss not compared: {unresolved}"
+    if gate is not None:
+        arm.loss_verdict = gate.verdict(arm.final_loss)
+        return _gate_reason(arm, gate)
     if arm.loss_verdict == "within":
         return f"loss {arm.rel_loss_gap:+.2%} within +-{tolerance:.2%}"
     if arm.loss_verdict == "below":
         return (f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label}, below its -{tolerance:.2%} tolerance: the "
                 "one-sided gate passes it (its validation loss says whether it learnt the same thing better)")
     return f"loss {arm.rel_loss_gap:+.2%} vs {baseline.label} is outside the +-{tolerance:.2%} tolerance"
+
+
+def _gate_reason(arm: Arm, gate: LossGate) -> str:
+    """The sentence on a loss judged by the gate."""
+    gap = f"final loss {arm.final_loss:.4f} ({arm.final_loss / gate.mean - 1:+.2%} vs the bf16 mean)"
+    if arm.loss_verdict == "above":
+        return f"{gap} is above the loss gate, {gate.describe()}"
+    below = (": the one-sided gate passes it (its validation loss says whether it learnt the same thing better)"
+             if arm.loss_verdict == "below" else "")
+    return f"{gap} passes the loss gate, {gate.describe()}{below}"
 
 
 def _speed_reason(arm: Arm, reference: str) -> str:

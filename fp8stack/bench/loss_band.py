@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp8stack.ab.verdicts import REPEAT_ARM, is_bf16_arm
+from fp8stack.ab.verdicts import GATE_MIN_RUNS, GATE_STDEVS, GPU_LOSS_TOLERANCE, REPEAT_ARM, LossGate, is_bf16_arm
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.bench.plots import write_plot
 from fp8stack.bench.targets import plan_recipe
@@ -32,11 +32,10 @@ SHARED_SETTINGS = ("model", "model_impl", "steps", "warmup", "lr", "min_lr", "we
                    "global_batch", "seq_len", "seed", "dtype", "compile", "sdpa_backend", "max_data_bytes",
                    "data_source", "tensor_parallel", "recompute")
 """train_config fields every run of one band must share (FP8 arms' own options, format and margin, may differ)."""
-GATE_FLOOR = 0.0025
-"""The one-sided loss gate: an FP8 run passes when its final loss is at most the BF16 runs' mean plus
-max(GATE_FLOOR of the mean, GATE_STDEVS standard deviations of at least GATE_MIN_RUNS BF16 runs); ending below passes."""
-GATE_STDEVS = 2.0
-GATE_MIN_RUNS = 3
+GATE_FLOOR = GPU_LOSS_TOLERANCE
+"""The one-sided loss gate (fp8stack.ab.verdicts.LossGate, the rule `fp8stack ab` judges by with as many BF16 runs):
+an FP8 run passes when its final loss is at most the BF16 runs' mean plus max(GATE_FLOOR of the mean, GATE_STDEVS
+standard deviations of at least GATE_MIN_RUNS BF16 runs); ending below passes."""
 OLDER_FILE_DEFAULTS = {"data_source": "stdlib"}
 """Values of fields that A/B files written before the field existed leave out."""
 
@@ -228,7 +227,7 @@ def place(loss: float, bf16: dict) -> dict:
 
 def gate_limit(bf16: dict) -> float:
     """The largest final loss the one-sided gate passes (GATE_FLOOR)."""
-    return bf16["mean"] + max(GATE_FLOOR * bf16["mean"], GATE_STDEVS * bf16["stdev"])
+    return LossGate(bf16["mean"], bf16["stdev"], bf16["runs"], GATE_FLOOR).limit
 
 
 def validation_band(bf16_runs: list[dict], fp8_runs: list[dict]) -> tuple[dict | None, list[dict]]:
