@@ -352,7 +352,10 @@ def test_the_bf16_repeat_takes_a_free_gpu_of_the_last_wave(side_by_side):
     start_repeat, end_repeat = record["baseline_repeats"][0]["ran_between"]
     assert start_repeat < end_bf16 and start_bf16 < end_repeat, "the first repeat ran alongside the first bf16 run"
     assert record["baseline_repeats"][1]["ran_between"][0] >= end_bf16, "the second repeat waited for a free GPU"
-    assert "bf16 run-to-run over 3 runs" in _evidence(side_by_side, "ab-tiny-cpu.md").read_text()
+    markdown = _evidence(side_by_side, "ab-tiny-cpu.md").read_text()
+    assert "bf16 run-to-run over 3 runs" in markdown
+    assert "with 3 bf16 runs or more, the one-sided gate instead: their mean + max(2.00%, 2 standard deviations)" in \
+        markdown  # the loss rule three bf16 runs judge by
 
 
 def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from fp8stack.ab.plot import plot
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_ATTENTION_SUFFIX,
-                                  FP8_PARAMS_SUFFIX,
+                                  FP8_PARAMS_SUFFIX, GATE_MIN_RUNS, GATE_STDEVS,
                                   GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
                                   Arm, arm_label, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms,
                                   repeat_note, verdict_cells)
@@ -417,7 +417,10 @@ def run_ab(args: argparse.Namespace) -> int:
                  f"(final loss = mean of the last "
                  f"{LAST_FRACTION:.0%} of steps), compared up to {MAX_PASSES:g} pass over the training text "
                  f"(this run: {passes:.2f} passes over {split_bytes / 1e6:.1f} MB) and while the bf16 runs' final "
-                 "losses span at most that. "
+                 "losses span at most that"
+                 + (f"; with {GATE_MIN_RUNS} bf16 runs or more, the one-sided gate instead: their mean + "
+                    f"max({tolerance:.2%}, {GATE_STDEVS:g} standard deviations). "
+                    if sum("error" not in r for r in repeat_records) + 1 >= GATE_MIN_RUNS else ". ") +
                  f"MFU: {payload['mfu_basis'] or 'not reported on this device'}."
                  + (f" Experts max/mean: the max / mean expert load of each MoE layer, averaged over the layers and "
                     f"the last {LAST_FRACTION:.0%} of steps; an arm's is judged alike the bf16 runs' within their "
