@@ -11,14 +11,14 @@ Each arm gets three verdicts and an overall one, each of them against what the A
   so the noise is the bf16 runs' differences when they differ and 0 otherwise; on a CPU, the process's max RSS
   (allocator and library state), so the noise is the bf16 runs' max-RSS differences, unmeasured when bf16 ran once.
 - loss: within | above | below the tolerance, inconclusive, or not judged. Final loss is the mean over the last
-  LAST_FRACTION of steps. A run shorter than its loss_horizon is not judged. With GATE_MIN_RUNS or more bf16 runs
-  (--baseline-runs) the arm meets the one-sided loss gate instead (LossGate: above the bf16 runs' mean + max(the
-  tolerance, GATE_STDEVS standard deviations) is above), the rule fp8stack.bench.loss_band applies over several A/B
-  files. The loss is inconclusive where the
+  LAST_FRACTION of steps. A run shorter than its loss_horizon is not judged. The loss is inconclusive where the
   comparison cannot resolve the tolerance: past one pass over the training text (the runs memorise it, at a rate set
   by rounding chaos: two bf16 runs of one configuration ended 2.6% apart after 4.2 passes,
   profiles/runs/2026-11-23-ab-loss-gb4-h200/), or when the bf16 runs' final losses span more than the tolerance; the
-  reason then says whether the arm's final loss lies between theirs.
+  reason then says whether the arm's final loss lies between theirs. With GATE_MIN_RUNS bf16 runs or more
+  (--baseline-runs) the arm meets the one-sided loss gate instead (LossGate: above the bf16 runs' mean + max(the
+  tolerance, GATE_STDEVS standard deviations) is above), the rule fp8stack.bench.loss_band applies over several A/B
+  files, which their spread widens rather than leaves unresolved.
 - overall (overall_verdict): ship when faster and the loss not above the tolerance; rollback when slower or the
   loss above the tolerance, or when the arm failed; inconclusive otherwise, so a gap within the noise never reads
   rollback. The loss counts one-sided (issue 36's gate): an FP8 run ending below bf16 passes, its reason saying so.

@@ -8,9 +8,8 @@ also with the weight's FP8 blocks and their transpose cached (grouped_fp8's cach
 micro-batches run), then each part alone: the three FP8 GEMMs on pre-quantized operands (wgrad including the operand
 flattening its kernel needs), the quantizers and unpaddings of both paths, on DeepGEMM that flattening alone each way
 (a copy per expert, one compiled gather, one Triton tile copy: grouped_fp8's wgrad_flatten), the steps' GPU time
-beside their wall time
-(a single layer's backward waits for its forward's group sizes with nothing else queued; in a model the other
-layers' work fills that gap), and the main_grad FP8 step's CUDA kernels by time. Writes
+beside their wall time (a single layer's backward waits for its forward's group sizes with nothing else queued; in a
+model the other layers' work fills that gap), and the main_grad FP8 step's CUDA kernels by time. Writes
 profiles/runs/<date>-experts-breakdown-<kernels>-<gpu>/ (-te-quantizer with --quantizer te: activations and
 gradients quantized by TE's Float8BlockQuantizer, grouped_fp8's quantizer option, the GEMMs timed on its operands;
 -compiled-wgrad-flatten with --wgrad-flatten compiled, every step and GEMM flattening by the gather, and so on).
