@@ -11,14 +11,17 @@ again later gets a new folder; profiles/archive/ keeps the runs a later one supe
 `python -m fp8stack.bench.results` writes profiles/INDEX.md and profiles/RESULTS.md from the folders.
 
 The JSON is indented as json.dumps(indent=2) writes it, except that a list of scalars takes one line (evidence_json):
-a 2000-step loss curve is one line, not 2000. `python -m fp8stack.evidence --compact PATH...` rewrites files written
-before in that layout, their content unchanged.
+a 2000-step loss curve is one line, not 2000. A figure is a PNG with a palette (palette_png), a third of the bytes of
+matplotlib's own: the working tree a lent GPU machine receives is capped at 64 MiB, and the evidence is most of it.
+`python -m fp8stack.evidence --compact PATH...` rewrites files written before in these layouts, their content
+unchanged (a figure's colours aside, each drawn from a palette of PNG_COLORS).
 
 A library module above train (it checks folders as the trainer does): the tools (ab, profile, bench) write
 through it, nothing below them imports it.
 """
 
 import argparse
+import io
 import json
 import os
 import re
@@ -259,13 +262,40 @@ def _layout(value, indent: str) -> str:
     return f"{opening}\n" + ",\n".join(items) + f"\n{indent}{closing}"
 
 
+PNG_COLORS = 256
+"""Colours a figure's PNG keeps (palette_png): the benches' line and bar plots use a few colours and their
+anti-aliased edges, which a palette of 256 keeps, at about a third of the bytes of matplotlib's RGBA file."""
+
+
+def palette_png(data: bytes) -> bytes:
+    """A PNG re-encoded with a palette of at most PNG_COLORS colours (median cut, no dithering), or `data` itself
+    where it is a palette image already or Pillow (which matplotlib installs) is missing."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return data
+    image = Image.open(io.BytesIO(data))
+    if image.mode == "P":
+        return data
+    out = io.BytesIO()
+    image.convert("RGB").quantize(PNG_COLORS, Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(
+        out, "PNG", optimize=True)
+    return out.getvalue()
+
+
 def compact(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
-    """Rewrite JSON files in evidence_json's layout (a folder: every *.json under it), each only when its parsed
-    content stays the same, key order, number types and float values included; returns (the files rewritten,
-    'path: why' for each file left as it was: one that does not parse, or whose content would change)."""
+    """Rewrite JSON files in evidence_json's layout and PNG figures with a palette (palette_png; a folder: every
+    *.json and *.png under it), a JSON only when its parsed content stays the same, key order, number types and float
+    values included, a PNG only when the palette makes it smaller; returns (the files rewritten, 'path: why' for each
+    file left as it was: one that does not parse, or a JSON whose content would change)."""
     rewritten, untouched = [], []
-    found = (file for path in map(Path, paths) for file in (sorted(path.rglob("*.json")) if path.is_dir() else [path]))
+    found = [file for path in map(Path, paths)
+             for file in (sorted([*path.rglob("*.json"), *path.rglob("*.png")]) if path.is_dir() else [path])]
     for path in found:
+        if path.suffix == ".png":
+            if _compact_png(path, untouched):
+                rewritten.append(path)
+            continue
         try:
             text = path.read_text()
             record = json.loads(text)
@@ -281,12 +311,29 @@ def compact(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
     return rewritten, untouched
 
 
+def _compact_png(path: Path, untouched: list[str]) -> bool:
+    """Rewrite the PNG at `path` with a palette where that makes it smaller (True); a file Pillow cannot read goes
+    to `untouched` with the reason."""
+    try:
+        data = path.read_bytes()
+        smaller = palette_png(data)
+    except (OSError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+        untouched.append(f"{path}: {err}")
+        return False
+    if len(smaller) >= len(data):
+        return False
+    _write_whole(path, smaller)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8stack.evidence",
-                                     description="Rewrite evidence JSON files in the layout write_evidence writes.")
+                                     description="Rewrite evidence files in the layouts write_evidence and the "
+                                                 "figures write.")
     parser.add_argument("--compact", nargs="+", type=Path, required=True, metavar="PATH",
-                        help="JSON files, or folders of them (every *.json under each), to rewrite with each list "
-                             "of scalars on one line; a file is rewritten only when its parsed content stays the same")
+                        help="JSON and PNG files, or folders of them (every *.json and *.png under each), to rewrite: "
+                             "a JSON with each list of scalars on one line, only when its parsed content stays the "
+                             "same; a PNG with a palette of 256 colours, only when that is smaller")
     args = parser.parse_args(argv)
     rewritten, untouched = compact(args.compact)
     print(f"rewrote {len(rewritten)} file(s)")
@@ -295,10 +342,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if untouched else 0
 
 
-def _write_whole(path: Path, text: str) -> None:
-    """`text` into `path` through a temporary file renamed over it: a reader never sees half of it."""
+def _write_whole(path: Path, content: str | bytes) -> None:
+    """`content` into `path` through a temporary file renamed over it: a reader never sees half of it."""
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
+    partial.write_bytes(content) if isinstance(content, bytes) else partial.write_text(content)
     os.replace(partial, path)
 
 

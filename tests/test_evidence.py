@@ -175,6 +175,52 @@ def test_compact_rewrites_files_in_the_new_layout_and_leaves_what_does_not_parse
     assert (tmp_path / "runs" / "a" / "old.md").read_text() == "| a |\n"
 
 
+def _figure_png(path: Path) -> bytes:
+    """An RGBA PNG as matplotlib writes one: a few coloured lines with anti-aliased edges on white."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3))
+    for shift, colour in enumerate(("tab:blue", "tab:orange", "tab:green")):
+        axes.plot([x / 10 + shift for x in range(50)], color=colour)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path.read_bytes()
+
+
+def test_figures_are_written_and_compacted_with_a_palette(tmp_path, capsys):
+    """A figure keeps at most PNG_COLORS colours, the plot's own among them: save_figure writes it so, and --compact
+    rewrites an older RGBA figure so (smaller), leaves a palette one as it is, and reports a file that is no PNG."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from fp8stack.ab.plot import pyplot, save_figure
+
+    old, broken = tmp_path / "runs" / "a" / "old.png", tmp_path / "runs" / "b" / "broken.png"
+    old.parent.mkdir(parents=True)
+    rgba = _figure_png(old)
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not a png")
+    assert evidence.main(["--compact", str(tmp_path / "runs")]) == 1
+    assert "left as it was" in capsys.readouterr().err and broken.read_bytes() == b"not a png"
+    with Image.open(old) as image:
+        assert image.mode == "P" and len(old.read_bytes()) < len(rgba) / 2
+        colours = {colour for _, colour in image.convert("RGB").getcolors(evidence.PNG_COLORS)}
+    assert {(31, 119, 180), (255, 127, 14), (44, 160, 44), (255, 255, 255)} <= colours  # tab10's and the paper
+    assert evidence.compact([old]) == ([], [])  # a palette PNG stays as it is
+
+    def draw():
+        figure, axes = pyplot().subplots()
+        axes.plot([0, 1], [1, 0], color="tab:red")
+        return figure
+
+    written = save_figure(draw, tmp_path / "new.png")
+    with Image.open(written) as image:
+        assert image.mode == "P"
+
+
 def test_collector_records_each_outcome(tmp_path):
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"

@@ -141,6 +141,7 @@ def test_own_model_profile_gives_each_arm_its_breakdown_beside_the_timed_tokens_
     trainer = record["arms"][0]["profile_command"]
     assert trainer[trainer.index("--") + 1:][:2] == ["-m", "fp8stack.train"]
     markdown = (folder / "own-model-cpu.md").read_text()
+    assert (folder / "own-model-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the arms' bars (save_figure)
     assert "## Where each arm's step goes (--profile)" in markdown
     assert "| category | trainer delayed ms/step | own bf16 ms/step |" in markdown
     for section in ("### trainer delayed", "### own bf16"):

@@ -1,5 +1,6 @@
 """The A/B evidence's figure: loss curves, loss relative to bf16 per step, throughput by verdict with its noise."""
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,12 +50,15 @@ def save_figure(draw: Callable[[], "Figure"], path: Path) -> Path | None:
         print(f"matplotlib is not installed: skipping {path} (pip install 'fp8stack[plot]' for the plot)")
         return None
     fig = draw()
-    from fp8stack.evidence import device_copy  # here: importing fp8stack ab stays free of torch
+    from fp8stack.evidence import device_copy, palette_png  # here: importing fp8stack ab stays free of torch
 
+    rendered = io.BytesIO()
+    fig.savefig(rendered, format="png", dpi=110)
+    plt.close(fig)
+    png = palette_png(rendered.getvalue())
     for target in filter(None, (path, device_copy(path))):
         target.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(target, dpi=110)
-    plt.close(fig)
+        target.write_bytes(png)
     return path
 
 

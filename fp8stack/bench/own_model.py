@@ -27,9 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fp8stack.ab.plot import pyplot, save_figure
 from fp8stack.bench.profile_script import breakdown_markdown
-from fp8stack.evidence import (add_force_option, claim_or_exit, device_copy, device_slug, markdown_table,
-                                     write_evidence)
+from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.profile import MemoryPeak, RunProfile, memory_table
 from fp8stack.train.timing import relative_spread, steady_state
 
@@ -185,21 +185,17 @@ def render_profiles(record: dict) -> str:
     return text + ("\nProfiles that failed:\n\n" + "\n".join(failed) + "\n" if failed else "")
 
 
-def plot(record: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw(record: dict):
+    """The arms' tokens/s as horizontal bars, half the steady-state spread as error bars."""
     measured = [a for a in record["arms"] if "tokens_per_s" in a]
-    figure, axes = plt.subplots(figsize=(9, 4))
+    figure, axes = pyplot().subplots(figsize=(9, 4))
     speeds = [a["tokens_per_s"] for a in measured]
     errors = [a["spread"] * s / 2 for a, s in zip(measured, speeds)]
     axes.barh([a["arm"] for a in measured], speeds, xerr=errors, color="tab:blue")
     axes.set_xlabel("tokens/s (error bar: half the steady-state IQR)")
     axes.invert_yaxis()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
               "profile": {"warmup_steps": PROFILE_WARMUP_STEPS, "steps": PROFILED_STEPS, "memory": args.memory}
               if args.profile else None}
     json_path, _ = write_evidence(stem, record, render(record), out_dir=args.out_dir, replace=args.force)
-    figure = json_path.with_suffix(".png")
-    for path in filter(None, (figure, device_copy(figure))):
-        plot(record, path)
+    save_figure(lambda: draw(record), json_path.with_suffix(".png"))
     print(render(record))
     return 0
 
