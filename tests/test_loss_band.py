@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.evidence import run_folder
-from fp8stack.bench.loss_band import band, main, place
+from fp8stack.bench.loss_band import band, main, place, run_labels
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 
@@ -187,3 +187,26 @@ def test_the_figure_draws_each_runs_window_means_against_the_bf16_band(tmp_path)
     losses = json.loads(source.read_text())["runs"][first["run"]]["losses"]
     assert first["window_losses"][0][1] == pytest.approx(statistics.fmean(losses[:40]))
     assert json_path.with_suffix(".png").stat().st_size > 10_000
+    labels = run_labels(record)  # each run named with its file's number: both files' first BF16 runs are 'bf16'
+    assert sorted(label for label in labels if label.startswith("bf16 [")) == ["bf16 [1]", "bf16 [2]"]
+    assert all(label.endswith(("[1]", "[2]")) for label in labels)
+
+
+def test_plot_only_redraws_a_bands_figure_and_the_band_needs_its_files(tmp_path, capsys):
+    """--plot-only draws a band's figure again from its JSON, measuring nothing, and refuses other options beside it;
+    without --plot-only the files and --label are required, one line naming them."""
+    pytest.importorskip("matplotlib")
+    band_json = tmp_path / "loss-band-deepseek-moe-small-gate-blockwise-2000steps-h200.json"
+    band_json.write_text(committed(band_json.name).read_text())
+    assert main(["--plot-only", str(band_json)]) == 0
+    assert band_json.with_suffix(".png").stat().st_size > 10_000
+    for argv, message in ((["--plot-only", str(band_json), "--label", "x"], "drop --label"),
+                          (["--label", "x"], "give the A/B evidence files of one setting and --label NAME")):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert main(["--plot-only", str(tmp_path / "missing.json")]) == 2
+    before_the_gate = json.loads(band_json.read_text())
+    del before_the_gate["gate_limit"]  # bands written before the gate hold none: drawn without its line
+    band_json.write_text(json.dumps(before_the_gate))
+    assert main(["--plot-only", str(band_json)]) == 0

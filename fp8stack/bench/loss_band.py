@@ -12,7 +12,7 @@ clip shortened, and the median norm over the last quarter of the steps): where t
 update has the same length, and a noisier gradient points less of it along the descent. Files of different
 settings (anything both arms share: model, shape, batch, LR schedule, steps, seed, data) are refused. The figure
 plots each run's loss through training against the BF16 runs' band (window means, relative to the BF16 mean), and
-the final losses against the band and the gate.
+the final losses against the band and the gate; `--plot-only BAND.json` draws it again from a band's JSON.
 """
 
 import argparse
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fp8stack.ab.verdicts import GATE_MIN_RUNS, GATE_STDEVS, GPU_LOSS_TOLERANCE, REPEAT_ARM, LossGate, is_bf16_arm
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
-from fp8stack.bench.plots import write_plot
+from fp8stack.bench.plots import add_plot_only_option, plot_only, refuse_flags_beside_plot_only, write_plot
 from fp8stack.bench.targets import plan_recipe
 from fp8stack.plan.recipes import get_recipe, is_fp8
 
@@ -129,12 +129,28 @@ def window_means(losses: Sequence[float] | None) -> list[list[float]] | None:
     return [[end, statistics.fmean(losses[end - size:end])] for end in range(size, len(losses) + 1, size)]
 
 
+def is_band_record(record: dict) -> bool:
+    """The JSON is this tool's evidence: its settings, BF16 band and runs."""
+    return all(isinstance(record.get(key), kind) for key, kind in (("settings", dict), ("bf16_band", dict),
+                                                                   ("bf16_runs", list), ("fp8_runs", list)))
+
+
+def run_labels(record: dict) -> list[str]:
+    """The figure's name of each BF16 then FP8 run: its arm without the options, and where the band reads several
+    files, the file's number among them ([1], [2], ...: two files' first BF16 runs are both 'bf16')."""
+    files = [Path(source["file"]).name for source in record["sources"]]
+    runs = [*record["bf16_runs"], *record["fp8_runs"]]
+    return [run["run"].split(" (recipe")[0] + (f" [{files.index(run['file']) + 1}]" if len(files) > 1 else "")
+            for run in runs]
+
+
 def draw(record: dict):
     """The band's figure: each run's window-mean loss relative to the BF16 runs' mean window by window, the BF16
     runs' span shaded; and every final loss against the BF16 band, its mean and the gate's limit."""
     from fp8stack.ab.plot import pyplot
 
     plt = pyplot()
+    labels = run_labels(record)
     fig, (curves, finals) = plt.subplots(1, 2, figsize=(16, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     bf16 = [r["window_losses"] for r in record["bf16_runs"] if r.get("window_losses")]
     if bf16 and len({len(w) for w in bf16}) == 1:
@@ -143,10 +159,10 @@ def draw(record: dict):
         relative = [[100 * (w[i][1] / means[i] - 1) for i in range(len(steps))] for w in bf16]
         curves.fill_between(steps, [min(c) for c in zip(*relative)], [max(c) for c in zip(*relative)],
                             color="silver", alpha=0.6, label=f"{len(bf16)} BF16 runs (span)")
-        for run in record["fp8_runs"]:
+        for index, run in enumerate(record["fp8_runs"]):
             if run.get("window_losses") and len(run["window_losses"]) == len(steps):
                 curves.plot(steps, [100 * (w[1] / m - 1) for w, m in zip(run["window_losses"], means)],
-                            linewidth=1.2, label=run["run"].split(" (")[0])
+                            linewidth=1.2, color=f"C{index}", label=labels[len(record["bf16_runs"]) + index])
         curves.axhline(0, color="tab:gray", linewidth=0.8)
         curves.legend(fontsize="small")
     else:
@@ -157,17 +173,20 @@ def draw(record: dict):
     band_stats, runs = record["bf16_band"], [*record["bf16_runs"], *record["fp8_runs"]]
     finals.axvspan(band_stats["min"], band_stats["max"], color="silver", alpha=0.6, label="BF16 runs (span)")
     finals.axvline(band_stats["mean"], color="tab:gray", linewidth=1, label="BF16 mean")
-    if band_stats["runs"] >= GATE_MIN_RUNS:
+    if band_stats["runs"] >= GATE_MIN_RUNS and record.get("gate_limit") is not None:  # bands before the gate: none
         finals.axvline(record["gate_limit"], color="tab:red", linestyle="--", linewidth=1, label="gate limit")
     rows = range(len(runs))
-    finals.scatter([r["final_loss"] for r in runs], rows,
-                   c=["tab:gray" if r in record["bf16_runs"] else "tab:blue" for r in runs], zorder=3)
-    finals.set_yticks(list(rows), [r["run"].split(" (recipe")[0] for r in runs], fontsize="small")
+    finals.scatter([r["final_loss"] for r in runs], rows, zorder=3,
+                   c=["tab:gray"] * len(record["bf16_runs"]) + [f"C{i}" for i in range(len(record["fp8_runs"]))])
+    finals.set_yticks(list(rows), labels, fontsize="small")
     finals.invert_yaxis()
     finals.set(xlabel="final loss (mean of the last 10% of steps)", title="final loss against the BF16 band")
     finals.legend(fontsize="small")
+    files = [Path(source["file"]).name for source in record["sources"]]
     fig.suptitle(f"{record['settings']['model']}, {record['settings']['steps']} steps, on "
-                 f"{record['settings']['device']}")
+                 f"{record['settings']['device']}"
+                 + ("".join(f"\n[{i}] {name}" for i, name in enumerate(files, 1)) if len(files) > 1 else ""),
+                 fontsize="medium")
     fig.tight_layout()
     return fig
 
@@ -260,11 +279,17 @@ def past_one_pass(sources: list[dict]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8stack.bench.loss_band", description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="+", type=Path, help="A/B evidence files (.json) of one setting")
-    parser.add_argument("--label", required=True, help="names the evidence: loss-band-<model>-<label>-<device>")
+    parser.add_argument("files", nargs="*", type=Path, default=[], help="A/B evidence files (.json) of one setting")
+    parser.add_argument("--label", help="names the evidence: loss-band-<model>-<label>-<device> (required)")
     parser.add_argument("--out-dir", default="profiles", help="where the evidence goes (default: profiles)")
     add_force_option(parser)
+    add_plot_only_option(parser)
     args = parser.parse_args(argv)
+    if args.plot_only:
+        refuse_flags_beside_plot_only(parser, args)
+        return plot_only("loss_band", args.plot_only, is_band_record, draw)
+    if not args.files or not args.label:
+        parser.error("give the A/B evidence files of one setting and --label NAME (or --plot-only BAND.json)")
     try:
         settings, bf16_runs, fp8_runs, sources = load_runs(args.files)
         bf16 = band([r["final_loss"] for r in bf16_runs])
