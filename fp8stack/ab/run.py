@@ -32,8 +32,8 @@ from fp8stack.ab.plot import plot
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_TOLERANCE, FP8_ATTENTION_SUFFIX,
                                   FP8_PARAMS_SUFFIX, GATE_MIN_RUNS, GATE_STDEVS,
                                   GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
-                                  Arm, arm_label, is_bf16_arm, judge, peak_tflops, reference_arm, repeat_arms,
-                                  repeat_note, verdict_cells)
+                                  Arm, arm_label, is_bf16_arm, judge, judged_by_gate, peak_tflops, reference_arm,
+                                  repeat_arms, repeat_note, verdict_cells)
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
 from fp8stack.config.flags import add_megatron_recompute_arguments, from_overrides, run_command
 from fp8stack.plan import PlanError, PolicyConfig
@@ -420,7 +420,7 @@ def run_ab(args: argparse.Namespace) -> int:
                  "losses span at most that"
                  + (f"; with {GATE_MIN_RUNS} bf16 runs or more, the one-sided gate instead: their mean + "
                     f"max({tolerance:.2%}, {GATE_STDEVS:g} standard deviations). "
-                    if sum("error" not in r for r in repeat_records) + 1 >= GATE_MIN_RUNS else ". ") +
+                    if judged_by_gate(repeat_records) else ". ") +
                  f"MFU: {payload['mfu_basis'] or 'not reported on this device'}."
                  + (f" Experts max/mean: the max / mean expert load of each MoE layer, averaged over the layers and "
                     f"the last {LAST_FRACTION:.0%} of steps; an arm's is judged alike the bf16 runs' within their "

@@ -295,6 +295,12 @@ class LossGate:
                 f"deviations) = {self.limit:.4f}")
 
 
+def judged_by_gate(repeat_records: list[dict]) -> bool:
+    """Whether the bf16 runs (the reference and the repeats that ran: `judge`'s records) are enough for the loss
+    gate."""
+    return 1 + sum("error" not in r for r in repeat_records) >= GATE_MIN_RUNS
+
+
 def loss_verdict(loss_gap: float, tolerance: float, steps: int, horizon: int, unresolved: str = "") -> str:
     """not judged (fewer `steps` than `horizon`) | inconclusive (`unresolved` says why the tolerance cannot be
     resolved) | above | below | within: the relative final-loss gap outside the tolerance either way, or inside."""
@@ -367,7 +373,7 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
     ran = sum(isinstance(results[arm.recipe], dict) for arm in arms if is_bf16_arm(arm.recipe))
     baseline.reason = "the reference arm" + (", the fastest BF16 configuration" if ran > 1 else "")
     bf16_losses = [baseline.final_loss, *(r["final_loss"] for r in measured)]
-    gate = LossGate.of(bf16_losses, tolerance) if len(bf16_losses) >= GATE_MIN_RUNS else None
+    gate = LossGate.of(bf16_losses, tolerance) if judged_by_gate(records) else None
     # The gate widens with the bf16 runs' spread; a single comparison cannot resolve a tolerance they exceed.
     unresolved = loss_unresolved(passes, [] if gate else [r["rel_loss_gap"] for r in measured], tolerance)
     bf16_routing = [window for window in (router_window(run) for run in (results[reference],
@@ -391,7 +397,7 @@ def judge(results: dict[str, dict | str], backends: dict[str, str], tolerance: f
         if arm.verdict == "ship" and not measured:
             arm.reason += f"; {SINGLE_RUN_CAVEAT}"
         if arm.loss_verdict == "inconclusive" and measured:
-            arm.reason += f"; {band_note(arm.final_loss, [baseline.final_loss, *(r['final_loss'] for r in measured)])}"
+            arm.reason += f"; {band_note(arm.final_loss, bf16_losses)}"
         window = router_window(result)
         if window is not None and bf16_routing:
             arm.router_verdict, note = router_check(window, bf16_routing)
