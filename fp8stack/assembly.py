@@ -34,7 +34,7 @@ from fp8stack.backends import (Backend, BackendUnavailable, ConversionRecord, av
                                 get_backend)
 from fp8stack.plan import Plan, PlanError
 from fp8stack.plan.parallel import SHARD_KINDS, ShardAs, TensorParallelPlan
-from fp8stack.plan.recipes import BF16, get_recipe, is_fp8
+from fp8stack.plan.recipes import BF16, get_recipe
 from fp8stack.runtime.attention import set_sdpa_backend
 from fp8stack.runtime.recompute import (RECOMPUTE_MODULES, CheckpointWrapper, checkpoint_module, is_te_module,
                                         recompute_regions, recomputes_itself)
@@ -139,8 +139,7 @@ def assemble(
     if sdpa_backend is not None:
         set_sdpa_backend(sdpa_backend, next(model.parameters()).device)
     options = _with_parallel_options(plan, backend_options, distributed=fsdp_mesh is not None or tp_mesh is not None,
-                                     fully_sharded=fsdp_mesh is not None, precompute_fp8_scales=precompute_fp8_scales,
-                                     recomputed=recompute is not None)
+                                     fully_sharded=fsdp_mesh is not None, precompute_fp8_scales=precompute_fp8_scales)
     model = apply_fp8(model, plan, fsdp_float8_all_gather=fsdp_float8_all_gather, backend_options=options)
     mp_policy = fsdp_mp_policy or _DEFAULT_MP_POLICY
     if fsdp_mesh is not None and tp_mesh is None and (backend_options or {}).get("te", {}).get(
@@ -180,13 +179,11 @@ def describe_assembly(model: nn.Module, sdpa_backend: str | None = None) -> str:
 
 
 def _with_parallel_options(plan: Plan, backend_options: dict[str, dict] | None, *, distributed: bool,
-                           fully_sharded: bool, precompute_fp8_scales: bool,
-                           recomputed: bool = False) -> dict[str, dict] | None:
+                           fully_sharded: bool, precompute_fp8_scales: bool) -> dict[str, dict] | None:
     """backend_options plus what the parallelisms decide, where left to auto: TE's fused wgrad accumulation off under
     FSDP or tensor parallelism (nothing reduces its main_grad); TE's delayed-scaling amaxes per process unless
-    fully_shard gathers weights held in FP8 (every other rank quantizes whole weights, TEBackend.local_amax); one TE
-    autocast region per forward for delayed scaling in one process without recompute (its region reduces no amaxes
-    over ranks, and a recompute would run outside it); torchao's scale precompute when asked for."""
+    fully_shard gathers weights held in FP8 (every other rank quantizes whole weights, TEBackend.local_amax);
+    torchao's scale precompute when asked for."""
     options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
     used = {d.backend for d in plan.decisions}
     te = options.get("te", {})
@@ -194,10 +191,6 @@ def _with_parallel_options(plan: Plan, backend_options: dict[str, dict] | None, 
         options.setdefault("te", {})["fuse_wgrad_accumulation"] = False
     if not fully_sharded and "te" in used and te.get("local_amax") is None:
         options.setdefault("te", {})["local_amax"] = True
-    delayed = any(d.backend == "te" and is_fp8(d.recipe) and get_recipe(d.recipe).scales_from_history
-                  for d in plan.decisions)
-    if delayed and not distributed and not recomputed and te.get("one_autocast_per_forward") is None:
-        options.setdefault("te", {})["one_autocast_per_forward"] = True
     if precompute_fp8_scales and "torchao" in used:
         options.setdefault("torchao", {})["precompute_fp8_scales"] = True
     return options or None

@@ -507,14 +507,14 @@ def test_fp8_attention_is_an_arm_of_each_recipe_that_has_it():
 def test_a_lever_runs_each_fp8_arm_again_with_it_set():
     """--levers FIELD=VALUE: each FP8 arm once more with the option set, named '<arm> +FIELD=VALUE', so a lever's
     delta is measured in the same A/B against the same BF16 runs; the BF16 arms run once, as they were."""
-    configs = _arms("--model", "llama-1b-like", "--levers", "te.one_autocast_per_forward=false,optimizer.warmup=3",
+    configs = _arms("--model", "llama-1b-like", "--levers", "te.one_autocast_per_forward=true,optimizer.warmup=3",
                     recipes=("bf16", "delayed", "tensorwise"))
     assert {name: (c.precision.recipe, c.te.one_autocast_per_forward, c.optimizer.warmup)
             for name, c in configs.items()} == {
-        "bf16": ("bf16", None, None), "delayed": ("delayed", None, None), "tensorwise": ("tensorwise", None, None),
-        "delayed +te.one_autocast_per_forward=false": ("delayed", False, None),
-        "tensorwise +te.one_autocast_per_forward=false": ("tensorwise", False, None),
-        "delayed +optimizer.warmup=3": ("delayed", None, 3), "tensorwise +optimizer.warmup=3": ("tensorwise", None, 3)}
+        "bf16": ("bf16", False, None), "delayed": ("delayed", False, None), "tensorwise": ("tensorwise", False, None),
+        "delayed +te.one_autocast_per_forward=true": ("delayed", True, None),
+        "tensorwise +te.one_autocast_per_forward=true": ("tensorwise", True, None),
+        "delayed +optimizer.warmup=3": ("delayed", False, 3), "tensorwise +optimizer.warmup=3": ("tensorwise", False, 3)}
     assert _arms("--levers", "grouped_fp8.wgrad_flatten=compiled")[
         "delayed +grouped_fp8.wgrad_flatten=compiled"].grouped_fp8.wgrad_flatten == "compiled"  # text, not JSON
     path_lever = "delayed +data.factory=/home/me/data.py:batches"  # a value with a path: one file name all the same

@@ -238,18 +238,6 @@ def test_delayed_amaxes_stay_local_where_ranks_quantize_whole_weights_and_are_re
     assert not local(False, local_amax=False) and local(True, local_amax=True)
 
 
-@pytest.mark.parametrize("recipe, distributed, recomputed, asked, expected", [
-    ("delayed", False, False, None, True), ("delayed", True, False, None, None), ("delayed", False, True, None, None),
-    ("delayed", False, False, False, False), ("delayed", True, False, True, True), ("blockwise", False, False, None, None),
-], ids=["one-process", "distributed", "recomputed", "asked-off", "asked-on", "no-delayed"])
-def test_one_autocast_per_forward_left_to_auto_is_on_for_delayed_in_one_process_without_recompute(
-        recipe, distributed, recomputed, asked, expected):
-    te = {} if asked is None else {"one_autocast_per_forward": asked}
-    options = _with_parallel_options(tiny_plan(recipe), {"te": te}, distributed=distributed, fully_sharded=False,
-                                     precompute_fp8_scales=False, recomputed=recomputed)
-    assert (options or {}).get("te", {}).get("one_autocast_per_forward") is expected
-
-
 def test_fp8_all_gather_without_fsdp_raises(model):
     with pytest.raises(OrderingError, match="fsdp_float8_all_gather=True needs fully_shard: pass fsdp_mesh"):
         assemble(model, tiny_plan(), fsdp_float8_all_gather=True)

@@ -126,12 +126,11 @@ class TEBackend(Backend):
     high-precision copy, and no cast in forward. For a trainer whose optimizer steps FP32 masters (take_master_values
     gives their initial values) and copies them into these weights after each step, which quantizes them
     (fp8stack.precision.MasterWeights). Dense linears, LayerNormLinear and LayerNormMLP; not GroupedLinear experts."""
-    one_autocast_per_forward: bool | None = None
+    one_autocast_per_forward: bool = False
     """Delayed scaling: one TE autocast region around each forward of the model (te_modules.ModelAutocast, hooked on
     the root) instead of one per module, so TE reduces and updates amaxes and scales once per forward and once per
     backward instead of once per module in each. Modules of other recipes (and without FP8) still open their own.
-    Refuses activation recompute (refuse_recompute). None: off here; assemble turns it on in one process without
-    activation recompute, where it was measured faster (the region does not reduce amaxes over ranks)."""
+    Refuses activation recompute (refuse_recompute). Off: its speed gain is not yet measured beyond the noise."""
     local_amax: bool | None = None
     """Delayed scaling: each process keeps its own amaxes and scales (TE DelayedScaling reduce_amax=False, what
     Megatron's --tp-only-amax-red does without tensor parallelism). Otherwise TE all-reduces the amaxes over all

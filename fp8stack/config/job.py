@@ -102,12 +102,12 @@ class TEConfig:
     local on the plain path, where each rank quantizes whole weights (DDP's replicas, FSDP2's gathered BF16 copies),
     except for FP8 weights under FSDP2 (param_dtype fp8), whose shards all-gather under one scale. llama-1b-like
     under DDP on 2 GPUs ran 192 such all-reduces a step, against 21 of BF16's."""
-    one_autocast_per_forward: bool | None = None
+    one_autocast_per_forward: bool = False
     """Delayed scaling: one TE autocast region around each forward of the whole model instead of one per TE module,
     so TE reduces and updates the amaxes and scales once per forward and once per backward rather than once per
     module in each (a kernel and its host work per module; all-reduces too without local amaxes). The same losses as
-    per-module regions at the default amax history (a GPU test); not with activation recompute. None: on in one
-    process without activation recompute (assemble's choice), off otherwise."""
+    per-module regions at the default amax history (a GPU test); off until measured faster beyond the noise; not
+    with activation recompute."""
 
     def validate(self) -> None:
         _at_least("te.delayed_margin", self.delayed_margin, 0)

@@ -450,8 +450,7 @@ def _backend_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict[str
     options = {"fp8_weights": fp8_weights, "cache_fp8_weights": cache,
                "delayed_margin": cfg.te.delayed_margin, "fuse_wgrad_accumulation": cfg.te.gradient_accumulation_fusion,
                "local_amax": cfg.te.local_amax,
-               **({"one_autocast_per_forward": cfg.te.one_autocast_per_forward}
-                  if cfg.te.one_autocast_per_forward is not None else {}),
+               **({"one_autocast_per_forward": True} if cfg.te.one_autocast_per_forward else {}),
                **({"blockwise_gemms": cfg.te.blockwise_gemms} if cfg.te.blockwise_gemms != "te" else {})}
     grouped_fp8 = _grouped_fp8_options(cfg, plan, micro_batches)
     return {**({"te": options} if plan.for_backend("te") else {}),
