@@ -105,12 +105,12 @@ def test_of_one_days_bands_the_last_written_is_the_newest(tmp_path):
     assert "loss-band-gate-b" in gates and "loss-band-gate-m" not in gates
 
 
-def _own_model(date: str, judged: list[bool | None]) -> dict:
+def _own_model(date: str, judged: list[bool | None], commit: str = "abc1234", ratio: float = 1.0) -> dict:
     """An own-model run's record: one arm, and one target per entry, judged met/not met or not measured (None)."""
-    targets = [{"arm": f"own {i}", "against": "trainer", "ratio": 1.0 if met is not None else None, "target": 0.95,
+    targets = [{"arm": f"own {i}", "against": "trainer", "ratio": ratio if met is not None else None, "target": 0.95,
                 "met": met} for i, met in enumerate(judged)]
-    return {"date": date, "environment": {"device": GPU}, "arms": [{"arm": "own", "tokens_per_s": 1.0}],
-            "targets": targets}
+    return {"date": date, "commit": commit, "environment": {"device": GPU},
+            "arms": [{"arm": "own", "tokens_per_s": 1.0}], "targets": targets}
 
 
 def test_the_own_model_headline_is_the_newest_run_judging_the_most_targets(tmp_path):
@@ -122,6 +122,22 @@ def test_the_own_model_headline_is_the_newest_run_judging_the_most_targets(tmp_p
         _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", _own_model(written, judged))
     own = pages(profiles)[profiles / "RESULTS.md"].split("## Own model")[1]
     assert "own-model-r2" in own and "own-model-r1" not in own and "own-model-memory" not in own
+
+
+def test_the_own_model_section_reads_each_target_over_every_run_at_the_headlines_commit(tmp_path):
+    """The headline met a target that another run at its commit missed: both ratios are shown; a run at another
+    commit is not counted, and a target measured once gets no row."""
+    profiles = _profiles(tmp_path)
+    for folder, written, judged, commit, ratio in (
+            ("2026-01-04-own-model-r1", "2026-01-04T01:00:00+00:00", [True, None], "abc1234", 0.96),
+            ("2026-01-04-own-model-r2", "2026-01-04T02:00:00+00:00", [False, None], "abc1234", 0.94),
+            ("2026-01-04-own-model-r3", "2026-01-04T03:00:00+00:00", [True, True], "abc1234", 0.97),
+            ("2026-01-04-own-model-r4", "2026-01-04T00:00:00+00:00", [True, True], "def5678", 0.99)):
+        _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", _own_model(written, judged, commit, ratio))
+    own = pages(profiles)[profiles / "RESULTS.md"].split("## Own model")[1]
+    assert "own-model-r3" in own and "The same targets over every run at commit `abc1234`:" in own
+    assert "| own 0 | trainer | 3 | 0.940x | 0.957x | 0.970x | 2 of 3 |" in own
+    assert "| own 1 |" not in own.split("The same targets")[1]
 
 
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):

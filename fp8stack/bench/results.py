@@ -330,8 +330,28 @@ def _own_model(evidence: Evidence) -> str:
                 f"A user's own model and loop with fp8stack, against the trainer and torchao by hand: "
                 f"{evidence.link(run)}.",
                 "", markdown_table(["arm", "tokens/s", "step-time spread"], arms),
-                markdown_table(["arm", "against", "ratio", "target", "status"], targets)]
+                markdown_table(["arm", "against", "ratio", "target", "status"], targets), *_repeats(evidence, run)]
     return "\n".join(out)
+
+
+def _repeats(evidence: Evidence, headline: Run) -> list[str]:
+    """Each target's ratio over every run at the headline's commit that measured it: one run's ratio sits within
+    the step-time noise of the others, and a target met in one of them is read against all."""
+    commit = headline.record.get("commit")
+    runs = [run for run in evidence.runs if run.current and run.kind == "own-model" and commit
+            and run.record.get("commit") == commit and evidence.device(run) == evidence.device(headline)]
+    rows = []
+    for target in headline.record["targets"]:
+        ratios = [t["ratio"] for run in runs for t in run.record["targets"]
+                  if (t["arm"], t["against"]) == (target["arm"], target["against"]) and t.get("ratio")]
+        if len(ratios) > 1:
+            met = sum(ratio >= target["target"] for ratio in ratios)
+            rows.append([target["arm"], target["against"], str(len(ratios)), f"{min(ratios):.3f}x",
+                         f"{sum(ratios) / len(ratios):.3f}x", f"{max(ratios):.3f}x", f"{met} of {len(ratios)}"])
+    if not rows:
+        return []
+    return [f"The same targets over every run at commit `{commit[:7]}`:", "",
+            markdown_table(["arm", "against", "runs", "lowest", "mean", "highest", "met in"], rows)]
 
 
 def _backends(evidence: Evidence) -> str:
