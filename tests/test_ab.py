@@ -560,10 +560,10 @@ def test_options_apply_to_every_arm_whose_plan_uses_them():
     assert [cfg.grouped_fp8.fp8_dispatch for cfg in mixed.values()] == [False, True]
     flatten = _arms("--grouped-fp8.wgrad-flatten", "compiled", "--expert-backend", "grouped_fp8",
                     recipes=("bf16", "rowwise", "blockwise"))
-    assert [cfg.grouped_fp8.wgrad_flatten for cfg in flatten.values()] == ["copies", "copies", "compiled"]
+    assert [cfg.grouped_fp8.wgrad_flatten for cfg in flatten.values()] == ["auto", "auto", "compiled"]
     mixed = _arms("--grouped-fp8.wgrad-flatten", "compiled", "--model", "tiny-moe", "--recipe-file",
                   "blockwise-experts-delayed-dense", recipes=("bf16", "delayed"))
-    assert [cfg.grouped_fp8.wgrad_flatten for cfg in mixed.values()] == ["copies", "compiled"]
+    assert [cfg.grouped_fp8.wgrad_flatten for cfg in mixed.values()] == ["auto", "compiled"]
     quantizer = _arms("--grouped-fp8.quantizer", "te", "--expert-backend", "grouped_fp8",
                       recipes=("bf16", "rowwise", "blockwise"))
     assert [cfg.grouped_fp8.quantizer for cfg in quantizer.values()] == ["auto", "auto", "te"]

@@ -150,7 +150,7 @@ TRAIN_BAD = [
     (["--config", "{tmp}/flat-field.json"], "unknown section(s) steps: use model, precision,"),
     (["--config", "{tmp}/nan-lr.json"], "optimizer.lr must be a finite number, got nan"),
     (["--config", "{tmp}/bad-flatten.json"],
-     "unknown grouped_fp8.wgrad_flatten 'gather': use copies, compiled, triton"),
+     "unknown grouped_fp8.wgrad_flatten 'gather': use auto, copies, compiled, triton"),
     (["--recipe-file", "{tmp}/no-such-recipe.yaml"], "--recipe-file: recipe file '{tmp}/no-such-recipe.yaml' not "
      "found: give a YAML path or a name in configs/recipes/"),
     (["--load", "{tmp}/no-such-checkpoint"], "checkpoint {tmp}/no-such-checkpoint does not exist"),

@@ -63,7 +63,8 @@ BAD_INPUTS = [
     (PLAN, "no FP8 recipe given: pass --fp8-recipe (bf16, delayed,"),
     ([*PLAN, "--fp8-recipe", "rowwise", "--fast"], "unrecognized arguments: --fast"),
     (["train", "--grouped-fp8.wgrad-flatten", "gather"],
-     "argument --grouped-fp8.wgrad-flatten: invalid choice: 'gather' (choose from 'copies', 'compiled', 'triton')"),
+     "argument --grouped-fp8.wgrad-flatten: invalid choice: 'gather' "
+     "(choose from 'auto', 'copies', 'compiled', 'triton')"),
     (["paln"], "argument command: invalid choice: 'paln'"),
     ([], "the following arguments are required: command"),
 ]

@@ -530,13 +530,21 @@ def test_the_compiled_wgrad_flattening_compiles_once_for_any_groups_and_either_o
     assert counters["stats"]["unique_graphs"] == graphs, "new group sizes or the other operand recompiled the gather"
 
 
+def test_the_auto_wgrad_flattening_copies_per_expert_where_triton_cannot_run(monkeypatch):
+    """auto on CPU operands (and wherever triton is not importable): the per-expert copies, never the Triton kernel,
+    which compiles for CUDA only (tests/gpu checks it runs there)."""
+    monkeypatch.setattr(deepgemm, "flatten_k_grouped_triton", lambda *_: pytest.fail("the Triton copy ran on CPU"))
+    data = torch.arange(4 * 384, dtype=torch.uint8).view(4, 384)
+    assert torch.equal(deepgemm.flatten_k_grouped_auto(data, [128, 256]), flatten_k_grouped(data, [128, 256]))
+
+
 def test_deepgemm_kernels_take_the_wgrad_flattening_they_are_given():
-    assert DeepGemmKernels(ContractDeepGemm()).flatten_k_grouped is flatten_k_grouped
+    assert DeepGemmKernels(ContractDeepGemm()).flatten_k_grouped is deepgemm.flatten_k_grouped_auto
     kernels = DeepGemmKernels(ContractDeepGemm(), wgrad_flatten="compiled")
     assert (kernels.wgrad_flatten, kernels.flatten_k_grouped) == ("compiled", deepgemm.flatten_k_grouped_compiled)
     assert tuple(deepgemm.WGRAD_FLATTENERS) == WGRAD_FLATTENS  # the configuration's choices, each with its function
-    assert set(FLATTEN_KERNELS) == set(WGRAD_FLATTENS) - {"copies"}  # and the conversion note of each
-    with pytest.raises(ValueError, match="DeepGEMM wgrad_flatten='gather': use one of copies, compiled, triton"):
+    assert set(FLATTEN_KERNELS) == set(WGRAD_FLATTENS) - {"auto", "copies"}  # and the conversion note of each
+    with pytest.raises(ValueError, match="DeepGEMM wgrad_flatten='gather': use one of auto, copies, compiled, triton"):
         DeepGemmKernels(ContractDeepGemm(), wgrad_flatten="gather")
 
 
@@ -1279,7 +1287,7 @@ def test_wgrad_flatten_flows_from_the_command_line_to_deepgemm_s_kernels(monkeyp
     monkeypatch.setattr(deepgemm, "load", lambda: (ContractDeepGemm(), ""))
     cfg = _job("--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8", "--grouped-fp8.wgrad-flatten",
                "compiled")
-    assert cfg.grouped_fp8.wgrad_flatten == "compiled" and _job().grouped_fp8.wgrad_flatten == "copies"
+    assert cfg.grouped_fp8.wgrad_flatten == "compiled" and _job().grouped_fp8.wgrad_flatten == "auto"
     model = build_model(cfg, torch.device("cpu"))
     plan = build_plan(cfg, model)
     options = _backend_options(cfg, plan, micro_batches=1)["grouped_fp8"]
@@ -1302,7 +1310,7 @@ def test_wgrad_flatten_flows_from_the_command_line_to_deepgemm_s_kernels(monkeyp
 def test_wgrad_flatten_compiled_is_refused_or_noted_where_deepgemm_does_not_run_the_experts(monkeypatch):
     """An unknown value and kernels torch are refused at construction; a plan without blockwise experts before any
     swap; where auto falls back to torch's kernels (no DeepGEMM) the option does nothing, and the notes say why."""
-    with pytest.raises(ValueError, match="wgrad_flatten='gather': use one of copies, compiled, triton"):
+    with pytest.raises(ValueError, match="wgrad_flatten='gather': use one of auto, copies, compiled, triton"):
         GroupedFP8Backend(wgrad_flatten="gather")
     with pytest.raises(ValueError, match="kernels=torch runs torch's scaled_mm per expert: use kernels deepgemm"):
         GroupedFP8Backend(kernels="torch", wgrad_flatten="compiled")
@@ -1317,6 +1325,27 @@ def test_wgrad_flatten_compiled_is_refused_or_noted_where_deepgemm_does_not_run_
     assert isinstance(model.layers[1].moe.experts.blockwise_kernels, TorchBlockwiseKernels)
     assert "wgrad_flatten compiled: no effect, the blockwise GEMMs run on torch scaled_mm per expert (deep_gemm is " \
            "not importable (test)), which slice each expert's operands themselves" in record.notes
+
+
+def test_the_default_wgrad_flattening_is_noted_on_deepgemm_and_asks_nothing_elsewhere(monkeypatch):
+    """wgrad_flatten auto, the default: on DeepGEMM (its contract standing in) the notes name the Triton copy; with
+    kernels torch, without DeepGEMM or without blockwise experts it neither refuses nor notes anything."""
+    monkeypatch.setattr(deepgemm, "load", lambda: (ContractDeepGemm(), ""))
+    model, plan = _tiny_moe_and_plan()
+    _, record = GroupedFP8Backend().convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert model.layers[1].moe.experts.blockwise_kernels.flatten_k_grouped is deepgemm.flatten_k_grouped_auto
+    assert "wgrad_flatten auto: DeepGEMM's K-grouped wgrad operands laid out by one Triton tile copy each on CUDA, " \
+           "not a copy per expert" in record.notes
+    monkeypatch.setattr(deepgemm, "TRITON_IMPORTABLE", False)
+    model, plan = _tiny_moe_and_plan()
+    _, record = GroupedFP8Backend().convert(model, plan.for_backend("grouped_fp8"), plan)
+    assert "wgrad_flatten auto: DeepGEMM's K-grouped wgrad operands laid out by a copy per expert, since triton is " \
+           "not importable" in record.notes
+    for backend, (recipe, fp8_format) in ((GroupedFP8Backend(kernels="torch"), ("blockwise", "e4m3")),
+                                          (GroupedFP8Backend(), ("rowwise", "e4m3"))):
+        model, plan = _tiny_moe_and_plan(recipe=recipe, fp8_format=fp8_format)
+        _, record = backend.convert(model, plan.for_backend("grouped_fp8"), plan)
+        assert not any("wgrad_flatten" in note for note in record.notes), record.notes
 
 
 # ---- quantizer te: TE's Float8BlockQuantizer for the activations and gradients -----------------------------

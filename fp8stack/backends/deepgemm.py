@@ -11,7 +11,7 @@ blockwise_fp8_training/deepgemm_grouped_kernels.py), with FP32 scales (the Hoppe
 DeepGEMM moves the FP32 scales into its TMA-aligned layout itself (transform_sf_into_required_layout).
 """
 
-import importlib
+import importlib.util
 import itertools
 import math
 import os
@@ -144,8 +144,19 @@ def flatten_k_grouped_triton(data: torch.Tensor, counts: list[int] | tuple[int, 
     return flatten_k_grouped_tiles(source, units, ends).view(data.dtype)
 
 
-WGRAD_FLATTENERS = {"copies": flatten_k_grouped, "compiled": flatten_k_grouped_compiled,
-                    "triton": flatten_k_grouped_triton}
+TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
+
+
+def flatten_k_grouped_auto(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """flatten_k_grouped's bytes by the Triton tile copy where Triton runs (CUDA operands, Triton importable), measured
+    the fastest layout on one H200 (GroupedFP8Config.wgrad_flatten names the runs); by the copies elsewhere."""
+    if data.is_cuda and TRITON_IMPORTABLE:
+        return flatten_k_grouped_triton(data, counts)
+    return flatten_k_grouped(data, counts)
+
+
+WGRAD_FLATTENERS = {"auto": flatten_k_grouped_auto, "copies": flatten_k_grouped,
+                    "compiled": flatten_k_grouped_compiled, "triton": flatten_k_grouped_triton}
 """grouped_fp8's wgrad_flatten choices (plan.recipes.WGRAD_FLATTENS): what lays out the K-grouped wgrad's operands."""
 
 
@@ -178,11 +189,11 @@ class DeepGemmKernels:
                     "once (DeepGEMM's K-grouped wgrad takes them as a Python list): capture the forward only, or "
                     "use recipe rowwise for a capturable training step")
 
-    def __init__(self, library: ModuleType | None = None, wgrad_flatten: str = "copies"):
+    def __init__(self, library: ModuleType | None = None, wgrad_flatten: str = "auto"):
         if wgrad_flatten not in WGRAD_FLATTENERS:
             raise ValueError(f"DeepGEMM wgrad_flatten={wgrad_flatten!r}: use one of {', '.join(WGRAD_FLATTENERS)}")
         self.wgrad_flatten = wgrad_flatten
-        """What lays out the K-grouped wgrad's operands: copies (one per expert) or compiled (one gather each)."""
+        """What lays out the K-grouped wgrad's operands (WGRAD_FLATTENERS)."""
         self.flatten_k_grouped = WGRAD_FLATTENERS[wgrad_flatten]
         if library is None:
             library, why = load()

@@ -676,11 +676,12 @@ class GroupedFP8Backend(Backend):
     while a CUDA graph is captured, off under fully_shard (before_fully_shard says why); the rowwise recipes quantize
     their weights at every forward. Measured faster on one H200 (the runs: GroupedFP8Config.cache_fp8_weights in
     fp8stack.config)."""
-    wgrad_flatten: str = "copies"
+    wgrad_flatten: str = "auto"
     """What lays out the blockwise wgrad GEMM's operands on DeepGEMM (K-grouped, expert by expert): copies (one per
     expert, launched from the host), compiled (one compiled gather per operand, deepgemm.flatten_k_grouped_compiled)
-    or triton (one Triton tile copy per operand, deepgemm.flatten_k_grouped_triton); the same bytes. copies until a
-    GPU measures another faster (GroupedFP8Config.wgrad_flatten in fp8stack.config names the profiles)."""
+    or triton (one Triton tile copy per operand, deepgemm.flatten_k_grouped_triton); the same bytes. auto: triton
+    where Triton runs, measured the fastest (GroupedFP8Config.wgrad_flatten in fp8stack.config names the runs), the
+    copies elsewhere; it is no ask, so nothing refuses it where no DeepGEMM wgrad runs."""
 
     name = "grouped_fp8"
 
@@ -692,7 +693,7 @@ class GroupedFP8Backend(Backend):
         if self.wgrad_flatten not in WGRAD_FLATTENS:
             raise ValueError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten!r}: use one of "
                              f"{', '.join(WGRAD_FLATTENS)}")
-        if self.wgrad_flatten != "copies" and self.kernels == "torch":
+        if self.wgrad_flatten not in ("auto", "copies") and self.kernels == "torch":
             raise ValueError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten} lays out DeepGEMM's wgrad operands, and "
                              "kernels=torch runs torch's scaled_mm per expert: use kernels deepgemm (or auto with "
                              "DeepGEMM installed), or wgrad_flatten copies")
@@ -818,10 +819,15 @@ class GroupedFP8Backend(Backend):
         return notes
 
     def _wgrad_flatten_notes(self, blockwise_kernels, without_deepgemm: str) -> list[str]:
-        """What wgrad_flatten compiled or triton does to the plan's blockwise experts; a PlanError when the plan has
-        none."""
-        if self.wgrad_flatten == "copies":
+        """What wgrad_flatten does to the plan's blockwise experts (auto: only where DeepGEMM runs them); a PlanError
+        when compiled or triton is asked for and the plan has none."""
+        on_deepgemm = isinstance(blockwise_kernels, deepgemm.DeepGemmKernels)
+        if self.wgrad_flatten == "copies" or (self.wgrad_flatten == "auto" and not on_deepgemm):
             return []
+        if self.wgrad_flatten == "auto":
+            how = ("one Triton tile copy each on CUDA, not a copy per expert" if deepgemm.TRITON_IMPORTABLE else
+                   "a copy per expert, since triton is not importable")
+            return [f"wgrad_flatten auto: DeepGEMM's K-grouped wgrad operands laid out by {how}"]
         if blockwise_kernels is None:
             raise PlanError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten} lays out blockwise expert GEMMs' wgrad "
                             "operands, and this plan gives grouped_fp8 none: plan the experts blockwise "

@@ -130,7 +130,8 @@ class TEBackend(Backend):
     """Delayed scaling: one TE autocast region around each forward of the model (te_modules.ModelAutocast, hooked on
     the root) instead of one per module, so TE reduces and updates amaxes and scales once per forward and once per
     backward instead of once per module in each. Modules of other recipes (and without FP8) still open their own.
-    Refuses activation recompute (refuse_recompute). Off: its speed gain is not yet measured beyond the noise."""
+    Refuses activation recompute (refuse_recompute). Off: measured no faster (TEConfig in fp8stack.config names the
+    runs)."""
     local_amax: bool | None = None
     """Delayed scaling: each process keeps its own amaxes and scales (TE DelayedScaling reduce_amax=False, what
     Megatron's --tp-only-amax-red does without tensor parallelism). Otherwise TE all-reduces the amaxes over all

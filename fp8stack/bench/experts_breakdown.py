@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", choices=KERNELS, default="deepgemm")
     parser.add_argument("--quantizer", choices=tuple(QUANTIZERS), default="inductor",
                         help="who quantizes activations and gradients (grouped_fp8's quantizer; te: DeepGEMM only)")
-    parser.add_argument("--wgrad-flatten", choices=tuple(deepgemm.WGRAD_FLATTENERS), default="copies",
+    parser.add_argument("--wgrad-flatten", default="copies",
+                        choices=[choice for choice in deepgemm.WGRAD_FLATTENERS if choice != "auto"],
                         help="what lays out DeepGEMM's wgrad operands in the timed steps and wgrad GEMM "
                         "(grouped_fp8's wgrad_flatten); the parts time both layouts alone")
     parser.add_argument("--experts", type=int, default=8)

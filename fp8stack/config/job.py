@@ -106,8 +106,9 @@ class TEConfig:
     """Delayed scaling: one TE autocast region around each forward of the whole model instead of one per TE module,
     so TE reduces and updates the amaxes and scales once per forward and once per backward rather than once per
     module in each (a kernel and its host work per module; all-reduces too without local amaxes). The same losses as
-    per-module regions at the default amax history (a GPU test); off until measured faster beyond the noise; not
-    with activation recompute."""
+    per-module regions at the default amax history (a GPU test); not with activation recompute. Off: no faster on
+    one H200 beyond the noise (profiles/runs/2026-11-29-ab-llama-1b-like-one-autocast-auto-h200 and -auto-b-h200,
+    each against te.one_autocast_per_forward=false)."""
 
     def validate(self) -> None:
         _at_least("te.delayed_margin", self.delayed_margin, 0)
@@ -153,7 +154,7 @@ class GroupedFP8Config:
     expert weight element); off under FSDP2. Measured faster on one H200, whole model and expert block
     (profiles/runs/2026-11-28-ab-deepseek-moe-medium-moe-cache-h200 against -moe-nocache-, and
     2026-11-28-experts-breakdown-deepgemm-h200-te-quantizer-cache)."""
-    wgrad_flatten: str = "copies"
+    wgrad_flatten: str = "auto"
     """How the blockwise experts' weight-gradient GEMM on DeepGEMM gets its two operands in the K-grouped layout (each
     expert's [dim, tokens] block, tokens innermost, expert after expert): copies, one copy per expert launched from the
     host (2 x E per GEMM); compiled, one inductor-compiled gather per operand whose source positions are computed on
@@ -164,9 +165,13 @@ class GroupedFP8Config:
     (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-copies-h200); one index_select over a built index ran
     slower (profiles/runs/2026-11-28-profile-deepseek-moe-medium-mixed-gather-h200), and the compiled gather moved
     fewer bytes a second than the copies
-    (profiles/runs/2026-11-29-experts-breakdown-deepgemm-h200-te-quantizer-compiled-wgrad-flatten-busy). copies until
-    a GPU measures another faster: python -m fp8stack.bench.experts_breakdown times all three. Needs the plan's
-    blockwise experts on grouped_fp8 (recipe blockwise, --expert-backend grouped_fp8), on DeepGEMM."""
+    (profiles/runs/2026-11-29-experts-breakdown-deepgemm-h200-te-quantizer-compiled-wgrad-flatten-busy). The Triton
+    copy laid the operands out in half the copies' GPU time
+    (profiles/runs/2026-11-29-experts-breakdown-deepgemm-h200-te-quantizer-triton-wgrad-flatten-triton; the whole
+    model's step as fast as the copies', profiles/runs/2026-11-29-ab-deepseek-moe-medium-mixed-triton-h200), so
+    auto, the default, runs it where Triton runs (CUDA, triton importable) and the copies elsewhere; python -m
+    fp8stack.bench.experts_breakdown times all three. The others need the plan's blockwise experts on grouped_fp8
+    (recipe blockwise, --expert-backend grouped_fp8), on DeepGEMM."""
 
     def validate(self) -> None:
         _choose("grouped_fp8.quantizer", self.quantizer, EXPERT_QUANTIZERS)
@@ -603,7 +608,7 @@ def _check_megatron(job: JobConfig) -> None:
                   "grouped_fp8.quantizer": (job.grouped_fp8.quantizer != "auto",
                                             "grouped_fp8's expert quantizer (megatron's experts are TE "
                                             "GroupedLinear, quantized by TE already)"),
-                  "grouped_fp8.wgrad_flatten": (job.grouped_fp8.wgrad_flatten != "copies",
+                  "grouped_fp8.wgrad_flatten": (job.grouped_fp8.wgrad_flatten != "auto",
                                                 "grouped_fp8's DeepGEMM wgrad operands (megatron's experts are TE "
                                                 "GroupedLinear)"),
                   "te.local_amax": (job.te.local_amax is not None, "the plain path's TE scaling state (megatron "

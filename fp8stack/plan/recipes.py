@@ -165,9 +165,10 @@ BLOCKWISE_GEMMS = ("te", "deepgemm")
 EXPERT_QUANTIZERS = ("auto", "inductor", "te")
 """What quantizes grouped_fp8's blockwise expert activations and gradients: fp8stack's inductor-compiled quantizers,
 TE's Float8BlockQuantizer kernel (DeepGEMM's expert kernels only), or auto: TE's where it can run."""
-WGRAD_FLATTENS = ("copies", "compiled", "triton")
+WGRAD_FLATTENS = ("auto", "copies", "compiled", "triton")
 """What lays out the operands of grouped_fp8's blockwise wgrad GEMM on DeepGEMM (K-grouped, expert by expert): a copy
-per expert, one compiled gather per operand, or one hand-written Triton tile copy per operand."""
+per expert, one compiled gather per operand, one hand-written Triton tile copy per operand, or auto: the Triton copy
+where Triton runs (CUDA operands, Triton importable), the copies elsewhere."""
 PARAM_DTYPES = ("fp32", "bf16", "fp8")
 """What a training run keeps its parameters in: FP32 (the master weights themselves), BF16 with FP32 masters in the
 optimizer, or BF16 with the TE FP8 linears' weights in FP8 only, FP32 masters in the optimizer

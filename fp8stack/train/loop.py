@@ -466,7 +466,7 @@ def _grouped_fp8_options(cfg: JobConfig, plan: Plan, micro_batches: int) -> dict
     grouped = cfg.grouped_fp8
     options = {**({"fp8_dispatch": True} if grouped.fp8_dispatch else {}),
                **({"quantizer": grouped.quantizer} if grouped.quantizer != "auto" else {}),
-               **({"wgrad_flatten": grouped.wgrad_flatten} if grouped.wgrad_flatten != "copies" else {})}
+               **({"wgrad_flatten": grouped.wgrad_flatten} if grouped.wgrad_flatten != "auto" else {})}
     if options and not any(get_recipe(d.recipe).fp8_dispatch for d in plan.for_backend("grouped_fp8")):
         expert_paths = sorted({f"{d.backend}/{d.recipe}" for d in plan.decisions if d.component.kind == "expert"})
         flags = " and ".join(f"--grouped-fp8.{name.replace('_', '-')}" for name in options)

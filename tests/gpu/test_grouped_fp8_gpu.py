@@ -553,6 +553,15 @@ def test_the_triton_wgrad_flattening_synchronises_nothing():
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), counts
 
 
+def test_the_default_wgrad_flattening_runs_the_triton_copy_on_the_gpu(monkeypatch):
+    """wgrad_flatten auto (the default) lays CUDA operands out by the Triton kernel, not the per-expert copies."""
+    operand = _random_fp8(384, 640)
+    expected = deepgemm.flatten_k_grouped(operand, [128, 0, 512])
+    monkeypatch.setattr(deepgemm, "flatten_k_grouped", lambda *_: pytest.fail("auto copied expert by expert"))
+    got = deepgemm.flatten_k_grouped_auto(operand, [128, 0, 512])
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_the_compiled_wgrad_flattening_neither_recompiles_nor_synchronises():
     """Once compiled, new group sizes and token counts and the other operand's dim (a wgrad's two differ) reuse the
     gather, and laying an operand out synchronises nothing (the group ends go up through pinned memory)."""
