@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fp8stack.evidence import run_folder
-from fp8stack.bench.loss_band import band, main, place, run_labels
+from fp8stack.bench.loss_band import band, drift, main, place, run_labels
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 
@@ -190,6 +190,44 @@ def test_the_figure_draws_each_runs_window_means_against_the_bf16_band(tmp_path)
     labels = run_labels(record)  # each run named with its file's number: both files' first BF16 runs are 'bf16'
     assert sorted(label for label in labels if label.startswith("bf16 [")) == ["bf16 [1]", "bf16 [2]"]
     assert all(label.endswith(("[1]", "[2]")) for label in labels)
+
+
+def _windowed(run: str, losses: list[float]) -> dict:
+    return {"run": run, "file": "ab.json", "window_losses": [[10 * (i + 1), loss] for i, loss in enumerate(losses)]}
+
+
+def test_the_drift_places_each_fp8_run_along_the_run_and_finds_where_it_stays_above_every_bf16_run():
+    """20 windows of 10 steps in 10 stretches of two: per stretch the BF16 mean, the spread of the BF16 runs'
+    stretch means around it and each FP8 run's gap; an FP8 run above both BF16 runs from window 6 on is behind from
+    step 51 (the window after the last one it did not stay above), one that ends inside is not behind."""
+    low, high = [1.0] * 20, [1.2] * 20
+    behind = _windowed("behind", [1.1] * 5 + [1.3] * 15)
+    back = _windowed("back", [1.3] * 19 + [1.1])
+    rows, placed = drift([_windowed("a", low), _windowed("b", high)], [behind, back])
+    assert len(rows) == 10 and [row["to_step"] for row in rows[:2]] == [20, 40] and rows[-1]["to_step"] == 200
+    assert rows[0]["bf16_mean"] == pytest.approx(1.1)
+    assert (rows[0]["bf16_low"], rows[0]["bf16_high"]) == (pytest.approx(-1 / 11), pytest.approx(1 / 11))
+    assert rows[0]["fp8_gaps"] == [pytest.approx(0.0), pytest.approx(0.2 / 1.1)]
+    assert rows[2]["fp8_gaps"][0] == pytest.approx((1.1 + 1.3) / 2 / 1.1 - 1)  # windows 5 and 6
+    assert [r["behind_from_step"] for r in placed] == [51, None]
+    always = _windowed("always", [1.3] * 20)
+    assert drift([_windowed("a", low)], [always])[1][0]["behind_from_step"] == 1
+    shorter = _windowed("short", [1.3] * 10)
+    assert drift([_windowed("a", low)], [shorter]) == ([], [shorter])  # windows of other steps: no drift
+
+
+def test_the_moe_gate_band_says_from_which_step_each_fp8_run_stayed_above_the_bf16_runs(tmp_path):
+    """The MoE gate files (four BF16 runs, the mixed and the all-blockwise FP8 runs, 2000 steps): the drift table's
+    ten stretches in the Markdown, and each FP8 run's step from which it stayed above every BF16 run."""
+    files = [committed(f"ab-deepseek-moe-small-loss-gate-{name}-h200.json") for name in ("mixed", "mixed-b",
+                                                                                        "blockwise")]
+    assert main(["--label", "gate", "--out-dir", str(tmp_path), *map(str, files)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-deepseek-moe-small-gate-h200.json").read_text())
+    assert [row["to_step"] for row in record["drift"]] == list(range(200, 2001, 200))
+    assert all(isinstance(r["behind_from_step"], int) for r in record["fp8_runs"])
+    markdown = written(tmp_path, "loss-band-deepseek-moe-small-gate-h200.md").read_text()
+    assert "| steps to | BF16 mean | BF16 runs | FP8 1 | FP8 2 |" in markdown
+    assert "above every BF16 run from step" in markdown
 
 
 def test_plot_only_redraws_a_bands_figure_and_the_band_needs_its_files(tmp_path, capsys):

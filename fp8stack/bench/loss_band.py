@@ -129,6 +129,55 @@ def window_means(losses: Sequence[float] | None) -> list[list[float]] | None:
     return [[end, statistics.fmean(losses[end - size:end])] for end in range(size, len(losses) + 1, size)]
 
 
+DRIFT_STRETCHES = 10
+"""The drift table's rows: stretches of the run, each the mean of WINDOWS / DRIFT_STRETCHES window means."""
+
+
+def drift(bf16_runs: list[dict], fp8_runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Where each FP8 run stands along the run, from the window means: per stretch of steps the BF16 runs' mean loss,
+    their spread around it and each FP8 run's gap to it; and each FP8 run with `behind_from_step`, the first step
+    from which every later window of it is above every BF16 run's (None: it ends inside or below them). ([], the
+    runs as they are) when a run lacks per-step losses or the runs' windows differ."""
+    windows = [r["window_losses"] for r in bf16_runs + fp8_runs]
+    if not bf16_runs or any(w is None or [end for end, _ in w] != [end for end, _ in windows[0]] for w in windows):
+        return [], fp8_runs
+    bf16 = [[loss for _, loss in r["window_losses"]] for r in bf16_runs]
+    ends = [end for end, _ in windows[0]]
+    size = max(1, len(ends) // DRIFT_STRETCHES)
+    rows = []
+    for first in range(0, len(ends) - size + 1, size):
+        means = [statistics.fmean(run[first:first + size]) for run in bf16]
+        mean = statistics.fmean(means)
+        rows.append({"to_step": ends[first + size - 1], "bf16_mean": mean, "bf16_low": min(means) / mean - 1,
+                     "bf16_high": max(means) / mean - 1,
+                     "fp8_gaps": [statistics.fmean(loss for _, loss in r["window_losses"][first:first + size]) / mean
+                                  - 1 for r in fp8_runs]})
+    highest = [max(run[i] for run in bf16) for i in range(len(ends))]
+    placed = []
+    for r in fp8_runs:
+        above = [loss > high for (_, loss), high in zip(r["window_losses"], highest)]
+        inside = [i for i, is_above in enumerate(above) if not is_above]
+        last_inside = inside[-1] if inside else -1
+        behind = None if last_inside == len(ends) - 1 else (ends[last_inside] + 1 if inside else 1)
+        placed.append({**r, "behind_from_step": behind})
+    return rows, placed
+
+
+def drift_markdown(rows: list[dict], fp8_runs: list[dict]) -> str:
+    """drift's table, and a line per FP8 run saying from which step it stayed above the BF16 runs."""
+    if not rows:
+        return ""
+    lines = [f"- {r['run']} ({r['file']}): " + (f"above every BF16 run from step {r['behind_from_step']} to the end"
+                                               if r["behind_from_step"] else "not above every BF16 run at the end")
+             for r in fp8_runs]
+    table = markdown_table(["steps to", "BF16 mean", "BF16 runs", *(f"FP8 {i + 1}" for i in range(len(fp8_runs)))],
+                           [[str(row["to_step"]), f"{row['bf16_mean']:.4f}",
+                             f"{row['bf16_low']:+.2%} to {row['bf16_high']:+.2%}",
+                             *(f"{gap:+.2%}" for gap in row["fp8_gaps"])] for row in rows])
+    return ("\n\nAlong the run (means over stretches of steps; the BF16 runs' spread and each FP8 run's gap, in the "
+            "order of the table above, against the BF16 mean):\n\n" + table + "\n" + "\n".join(lines) + "\n")
+
+
 def is_band_record(record: dict) -> bool:
     """The JSON is this tool's evidence: its settings, BF16 band and runs."""
     return all(isinstance(record.get(key), kind) for key, kind in (("settings", dict), ("bf16_band", dict),
@@ -299,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fp8_runs = [{**r, **place(r["final_loss"], bf16)} for r in fp8_runs]
     val, fp8_runs = validation_band(bf16_runs, fp8_runs)
     bf16_late_norm, fp8_runs = late_norm_gaps(bf16_runs, fp8_runs)
+    drift_rows, fp8_runs = drift(bf16_runs, fp8_runs)
     stem = f"loss-band-{settings['model']}-{args.label}-{device_slug(settings['device'])}"
     claim_or_exit("loss_band", stem, args.out_dir, args.force)
     memorised = past_one_pass(sources)
@@ -333,10 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"{r['gate'] or '-'}{' (not a gate)' if memorised and r['gate'] else ''}",
                                    _loss_cell(r["val_loss"], r["val_gap_to_mean"]), _share_cell(r["clipped_share"]),
                                    _loss_cell(r["late_grad_norm"], r["late_norm_gap"])]
-                                  for r in fp8_runs]))
+                                  for r in fp8_runs]) + drift_markdown(drift_rows, fp8_runs))
     payload = {"settings": settings, "sources": sources, "bf16_band": bf16, "gate_limit": gate_limit(bf16),
                "bf16_validation_band": val, "bf16_late_grad_norm": bf16_late_norm, "memorised": memorised,
-               "bf16_runs": bf16_runs, "fp8_runs": fp8_runs}
+               "bf16_runs": bf16_runs, "fp8_runs": fp8_runs, "drift": drift_rows}
     json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
     png = write_plot(json_path, draw)
     print(summary + f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))
