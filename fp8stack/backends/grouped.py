@@ -696,7 +696,7 @@ class GroupedFP8Backend(Backend):
         if self.wgrad_flatten not in ("auto", "copies") and self.kernels == "torch":
             raise ValueError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten} lays out DeepGEMM's wgrad operands, and "
                              "kernels=torch runs torch's scaled_mm per expert: use kernels deepgemm (or auto with "
-                             "DeepGEMM installed), or wgrad_flatten copies")
+                             "DeepGEMM installed), or wgrad_flatten auto")
         if self.quantizer == "te" and self.kernels == "torch":
             raise ValueError("grouped_fp8 quantizer=te lays TE's operands out for DeepGEMM, and kernels=torch runs "
                              "torch's scaled_mm: use kernels deepgemm (or auto with DeepGEMM installed), or quantizer "
@@ -831,7 +831,7 @@ class GroupedFP8Backend(Backend):
         if blockwise_kernels is None:
             raise PlanError(f"grouped_fp8 wgrad_flatten={self.wgrad_flatten} lays out blockwise expert GEMMs' wgrad "
                             "operands, and this plan gives grouped_fp8 none: plan the experts blockwise "
-                            "(--fp8-recipe blockwise --expert-backend grouped_fp8), or use wgrad_flatten copies")
+                            "(--fp8-recipe blockwise --expert-backend grouped_fp8), or leave wgrad_flatten at auto")
         if not isinstance(blockwise_kernels, deepgemm.DeepGemmKernels):
             return [f"wgrad_flatten {self.wgrad_flatten}: no effect, the blockwise GEMMs run on "
                     f"{blockwise_kernels.name} ({without_deepgemm}), which slice each expert's operands themselves"]
