@@ -261,7 +261,7 @@ def test_the_fp8_dispatch_is_profiled_against_the_bf16_dispatch(monkeypatch):
         main(["--model", "tiny-moe", "--fp8-recipe", "blockwise", "--expert-backend", "grouped_fp8",
               "--grouped-fp8.fp8-dispatch", "--grouped-fp8.wgrad-flatten", "compiled", "--grouped-fp8.quantizer", "te",
               "--out-dir", "unused"])
-    assert profiled == [("bf16", False, "copies", "auto")]
+    assert profiled == [("bf16", False, "auto", "auto")]
 
 
 def test_quantize_overhead_counts_fused_kernels_by_their_excess_over_bf16():
