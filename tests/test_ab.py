@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from fp8stack.ab import add_ab_parser, arm_configs, final_loss, main, run_ab
-from fp8stack.ab.run import _as_they_end, _earlier_runs, _RunningArm, ab_config, arm_stem, base_job
+from fp8stack.ab.run import (_as_they_end, _bf16_runs_from, _earlier_runs, _RunningArm, ab_config, arm_stem,
+                             base_job)
 from fp8stack.ab.plot import relative_gap
 from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, REPEAT_ARM, SINGLE_RUN_CAVEAT, LossGate, band_note, blended_peak,
                                   judge, loss_unresolved, loss_verdict, overall_verdict, peak_tflops, reference_arm,
@@ -393,6 +394,46 @@ def test_a_killed_ab_keeps_the_arms_it_measured_and_continues(tmp_path, capsys):
     assert whole["baseline_repeats"][0]["rel_loss_gap"] == 0.0  # the new repeat matches it: same seed, CPU kernels
     assert [c["runs"] for c in whole["continued_from"]] == [["bf16"]]
     assert "Runs bf16 from an earlier call" in _evidence(tmp_path, "ab-tiny-killed-cpu.md").read_text()
+
+
+def test_bf16_runs_taken_from_an_earlier_a_b_judge_the_fp8_arms_that_run_alone(one_after_another, tmp_path, capsys):
+    """--bf16-from: TWO_ARMS' bf16 run and its repeat, taken as they were recorded, judge the FP8 arm, the one arm
+    this A/B runs; the Markdown says where they came from. Refused in one line, exit 2, before any arm and without
+    evidence: a file whose bf16 runs trained other steps, one that ran on another device, one without a bf16 run."""
+    source = _evidence(one_after_another[0], "ab-tiny-cpu.json")
+    printed = _run_ab(tmp_path, *TWO_ARMS, "--bf16-from", str(source), "--label", "taken")
+    assert "[1/1] tiny tensorwise" in printed and "bf16 (repeat)" not in printed.split("[1/1]")[1].splitlines()[0]
+    taken, earlier = (json.loads(path.read_text()) for path in (_evidence(tmp_path, "ab-tiny-taken-cpu.json"), source))
+    assert taken["complete"] and taken["runs"]["bf16"] == earlier["runs"]["bf16"]
+    assert taken["runs"]["bf16 (repeat)"] == earlier["runs"]["bf16 (repeat)"]
+    assert [arm["recipe"] for arm in taken["arms"]] == ["bf16", "tensorwise"]
+    assert [c["runs"] for c in taken["continued_from"]] == [["bf16", "bf16 (repeat)"]]
+    assert "Runs bf16, bf16 (repeat) from an earlier call" in _evidence(tmp_path, "ab-tiny-taken-cpu.md").read_text()
+    elsewhere, without = tmp_path / "elsewhere.json", tmp_path / "without.json"
+    elsewhere.write_text(json.dumps({**earlier, "device": "NVIDIA H200"}))
+    without.write_text(json.dumps({**earlier, "runs": {"tensorwise": earlier["runs"]["tensorwise"]}}))
+    refusals = ((["--steps", "3", "--bf16-from", str(source)], "job.training.steps than this A/B's bf16 arm"),
+                (["--bf16-from", str(elsewhere)], "ran on NVIDIA H200, and this A/B runs on"),
+                (["--bf16-from", str(without)], "holds no finished bf16 run"))
+    for flags, problem in refusals:
+        assert main([*TWO_ARMS, *flags, "--label", "refused", "--out-dir", str(tmp_path)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert problem in error and error.count("\n") == 0, error
+    assert not list(tmp_path.rglob("*refused*"))
+
+
+def test_bf16_runs_are_taken_only_for_the_plain_bf16_arm_from_a_readable_file(tmp_path):
+    """With a BF16 arm on TE beside the plain one (--fastest-bf16), in this A/B or in the file's, the repeats rerun
+    the faster: no file's runs stand in for them. A file that cannot be read is named."""
+    with pytest.raises(ValueError, match="also runs bf16 on te: pass --no-fastest-bf16"):
+        _bf16_runs_from(tmp_path / "unread.json", {"bf16": None, "bf16 on te": None}, [], "cpu")
+    fastest = tmp_path / "fastest.json"
+    fastest.write_text(json.dumps({"runs": {"bf16": {}, "bf16 on te": {}}}))
+    with pytest.raises(ValueError, match="ran several BF16 arms, whose repeats rerun the faster: give an A/B run with "
+                                         "--no-fastest-bf16"):
+        _bf16_runs_from(fastest, {"bf16": None}, [], "cpu")
+    with pytest.raises(ValueError, match="cannot read --bf16-from .*missing.json"):
+        _bf16_runs_from(tmp_path / "missing.json", {"bf16": None}, [], "cpu")
 
 
 def test_a_wave_s_arms_are_taken_as_their_processes_end(tmp_path):

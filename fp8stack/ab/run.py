@@ -84,6 +84,11 @@ class AbConfig:
     listed twice runs two arms at once (loss runs on a GPU with room for both)."""
     continue_from: str | None = None
     """A partial evidence file of this same A/B (one stopped by a time limit): keep its runs, run the pending ones."""
+    bf16_from: str | None = None
+    """An earlier A/B's evidence file whose bf16 runs (the bf16 arm and its repeats, up to --baseline-runs) this A/B
+    takes instead of running them, refused unless they trained what this A/B's bf16 arm would (the same model, data,
+    batch, optimizer and steps on the same device): new FP8 arms judged against a recorded BF16 band, e.g. a loss
+    gate's, without its 2 000 BF16 steps again. Their speed was measured in another call."""
     arm_checkpoints: str | None = None
     """Keep each arm's checkpoints in DIR/<arm> (saved when the A/B is stopped by SIGTERM or SIGINT, and every
     --save-interval steps if given; removed once the arm has run all its steps), so that --continue-from resumes an
@@ -101,6 +106,7 @@ AB_ALIASES = {"ab.recipes": ("--recipes",), "ab.fastest_bf16": ("--fastest-bf16"
               "ab.attention": ("--attention",), "ab.levers": ("--levers",),
               "ab.baseline_runs": ("--baseline-runs",), "ab.loss_tolerance": ("--loss-tolerance",),
               "ab.nproc": ("--nproc",), "ab.gpus": ("--gpus",), "ab.continue_from": ("--continue-from",),
+              "ab.bf16_from": ("--bf16-from",),
               "ab.arm_checkpoints": ("--arm-checkpoints",), "ab.out_dir": ("--out-dir",), "ab.label": ("--label",),
               "ab.force": ("--force",)}
 """The A/B's own flags by their earlier names (the training flags have theirs in fp8stack.config.flags)."""
@@ -316,11 +322,16 @@ def run_ab(args: argparse.Namespace) -> int:
         runs, continued_from = (_earlier_runs(Path(ab.continue_from), train_config, recipes, ab.nproc,
                                               dense=shape.moe is None)
                                 if ab.continue_from else ({}, []))
+        repeat_names = repeat_arms(ab.baseline_runs)
+        if ab.bf16_from:
+            taken, source = _bf16_runs_from(Path(ab.bf16_from), configs, repeat_names, env["device"])
+            taken = {name: run for name, run in taken.items() if name not in runs}  # a continuation has them
+            runs, continued_from = {**taken, **runs}, ([{**source, "runs": list(taken)}] if taken else []) + \
+                continued_from
         # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
         claim_evidence(stem, ab.out_dir, ab.force or ab.continue_from is not None, suffixes=(".json", ".md", ".png"))
         for cfg in configs.values():  # what each arm's process would refuse, before any runs
             preflight(cfg, model_shape(cfg))
-        repeat_names = repeat_arms(ab.baseline_runs)
         resume_from = _resume_points(ab, [*configs, *repeat_names], runs)
     except (ValueError, PlanError) as err:  # ConfigError and EvidenceError are ValueErrors
         print(f"fp8stack ab: error: {' '.join(str(err).split())}", file=sys.stderr)
@@ -511,9 +522,10 @@ def run_ab(args: argparse.Namespace) -> int:
     return 0 if any(arm.verdict == "baseline" for arm in arms) else 1
 
 
-NOT_THE_AB = ("continue_from", "force", "out_dir", "label", "gpus", "arm_checkpoints")
-"""A/B options that change where its evidence (and its arms' checkpoints) go or where and how many of its arms run at
-once, not what they run: a continued A/B may change them."""
+NOT_THE_AB = ("continue_from", "bf16_from", "force", "out_dir", "label", "gpus", "arm_checkpoints")
+"""A/B options that change where its evidence (and its arms' checkpoints) go, where and how many of its arms run at
+once, or where its bf16 runs come from (a continuation holds them already), not what they run: a continued A/B may
+change them."""
 
 
 RAN_BEFORE_THE_OPTION = {"job.grouped_fp8.cache_fp8_weights": False}
@@ -559,6 +571,47 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
                                            "runs": [run for run in runs
                                                     if not any(run in c["runs"] for c in record["continued_from"])]}]
     return record["runs"], earlier
+
+
+NOT_IN_A_BF16_RUN = ("job.precision.", "job.te.", "job.grouped_fp8.", "job.deepgemm.", "job.torchao.",
+                     "job.checkpoint.", "job.logging.", "job.training.allow_little_fp8")
+"""What cannot change the plain bf16 arm's run: the FP8 plan's and its backends' options (its plan runs no TE,
+grouped_fp8, DeepGEMM or torchao module), where checkpoints and logs go, and the admission of little FP8."""
+
+
+def _bf16_runs_from(path: Path, configs: dict[str, JobConfig], repeat_names: Sequence[str], device: str
+                    ) -> tuple[dict[str, dict], dict]:
+    """(the finished runs of the bf16 arm and of repeat_names that the A/B file at path holds, by name; its date
+    and command) for --bf16-from, or ValueError when this A/B has another BF16 arm whose runs it would need, or the
+    file's bf16 runs trained something else than configs' bf16 arm (NOT_IN_A_BF16_RUN aside; an option the file
+    does not name, added since, at its default) or on another device."""
+    others = [name for name in configs if is_bf16_arm(name) and name != BF16]
+    if others:
+        raise ValueError(f"--bf16-from takes the plain bf16 arm's runs, and this A/B also runs {', '.join(others)}: "
+                         "pass --no-fastest-bf16 and no BF16 parameter variants")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read --bf16-from {path}: {err}") from None
+    recorded = record.get("runs") or {}
+    if any(is_bf16_arm(name) and name != BF16 for name in recorded):
+        raise ValueError(f"--bf16-from {path} ran several BF16 arms, whose repeats rerun the faster: give an A/B run "
+                         "with --no-fastest-bf16")
+    runs = {name: run for name, run in recorded.items()
+            if name in (BF16, *repeat_names) and isinstance(run, dict) and not stopped(run)}
+    if BF16 not in runs:
+        raise ValueError(f"--bf16-from {path} holds no finished bf16 run: give an A/B file whose bf16 arm ran")
+    if record.get("device") != device:
+        raise ValueError(f"--bf16-from {path} ran on {record.get('device')}, and this A/B runs on {device}: give "
+                         "an A/B file of this device")
+    ours, theirs = _leaves({"job": to_dict(configs[BF16])}), _leaves({"job": runs[BF16]["config"]})
+    defaults = _leaves({"job": to_dict(JobConfig())})
+    differ = sorted(key for key in set(ours) | set(theirs) if not key.startswith(NOT_IN_A_BF16_RUN)
+                    and ours.get(key) != theirs.get(key) and (key in theirs or ours[key] != defaults.get(key)))
+    if differ:
+        raise ValueError(f"--bf16-from {path}: its bf16 runs trained with another {', '.join(differ)} than this "
+                         "A/B's bf16 arm: give an A/B file of the same model, data and training settings")
+    return runs, {"date": record["date"], "command": record["command"]}
 
 
 def _call_share(name: str, run: dict | str) -> str:
