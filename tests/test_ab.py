@@ -687,7 +687,7 @@ def test_a_failed_arm_is_named_by_its_error_else_by_how_it_ended(ending, reason,
 
 
 def test_the_evidence_keeps_each_layers_routing_every_fiftieth_step_and_the_statistics_over_layers_at_every_step():
-    from fp8stack.ab.run import LAYER_ROUTING_EVERY, recorded_run
+    from fp8stack.ab.run import LAYER_ROUTING_EVERY, PER_STEP_DIGITS, recorded_run
 
     steps = [{"imbalance": 1.0 + i, "cv": 0.5, "layers.1.moe/imbalance": 2.0 + i, "layers.1.moe/cv": 0.1}
              for i in range(120)]
@@ -698,3 +698,8 @@ def test_the_evidence_keeps_each_layers_routing_every_fiftieth_step_and_the_stat
     assert LAYER_ROUTING_EVERY == 50 and kept["losses"] == run["losses"] and run["router"] == steps  # not changed
     assert recorded_run("failed: out of memory") == "failed: out of memory"
     assert recorded_run({"router": []}) == {"router": []}
+    figures = {"losses": [2.718281828459045, 10.0], "step_ms": [279.31234567], "lrs": [0.00021889387785457322],
+               "grad_norms": [None, 0.7639141], "router": [{"cv": 0.6073360443115234}], "val_loss": 1.2345678912}
+    assert PER_STEP_DIGITS == 7 and recorded_run(figures) == {  # to 7 significant digits; losses as measured
+        "losses": [2.718281828459045, 10.0], "step_ms": [279.3123], "lrs": [0.0002188939],
+        "grad_norms": [None, 0.7639141], "router": [{"cv": 0.607336}], "val_loss": 1.2345678912}

@@ -742,15 +742,38 @@ the layers, which the verdicts read, at every step. Every layer at every step (f
 long MoE A/B's evidence tens of MB; the trainer's TensorBoard scalars keep them all."""
 
 
+PER_STEP_DIGITS = 7
+"""Significant digits the evidence keeps of the per-step step times, learning rates, gradient norms and routing
+statistics (ROUNDED_PER_STEP): their run-to-run noise sits orders of magnitude above the seventh, and the digits
+after it made up about half of a long MoE A/B's file. The losses stay as measured: resumed and repeated runs are
+compared bit for bit by them."""
+ROUNDED_PER_STEP = ("step_ms", "lrs", "grad_norms", "router")
+
+
 def recorded_run(run: dict | str) -> dict | str:
-    """An arm's run as the evidence keeps it: its router statistics per layer thinned to every LAYER_ROUTING_EVERY
-    steps (those over the layers kept at every step); the rest as the run returned it."""
-    if not isinstance(run, dict) or not run.get("router"):
+    """An arm's run as the evidence keeps it: ROUNDED_PER_STEP to PER_STEP_DIGITS significant digits, its router
+    statistics per layer thinned to every LAYER_ROUTING_EVERY steps (those over the layers kept at every step); the
+    rest as the run returned it."""
+    if not isinstance(run, dict):
         return run
-    last = len(run["router"]) - 1
-    return {**run, "router": [step if index % LAYER_ROUTING_EVERY == 0 or index == last else
-                              {key: value for key, value in step.items() if "/" not in key}
-                              for index, step in enumerate(run["router"])]}
+    kept = dict(run)
+    if run.get("router"):
+        last = len(run["router"]) - 1
+        kept["router"] = [step if index % LAYER_ROUTING_EVERY == 0 or index == last else
+                          {key: value for key, value in step.items() if "/" not in key}
+                          for index, step in enumerate(run["router"])]
+    return {**kept, **{key: _significant(kept[key]) for key in ROUNDED_PER_STEP if key in kept}}
+
+
+def _significant(value):
+    """`value` with each float in it (in lists and dicts too) rounded to PER_STEP_DIGITS significant digits."""
+    if isinstance(value, float):
+        return float(f"{value:.{PER_STEP_DIGITS}g}")
+    if isinstance(value, list):
+        return [_significant(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _significant(item) for key, item in value.items()}
+    return value
 
 
 PER_STEP = ("losses", "step_ms", "lrs", "grad_norms", "router")
