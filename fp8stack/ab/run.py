@@ -326,8 +326,8 @@ def run_ab(args: argparse.Namespace) -> int:
         if ab.bf16_from:
             taken, source = _bf16_runs_from(Path(ab.bf16_from), configs, repeat_names, env["device"])
             taken = {name: run for name, run in taken.items() if name not in runs}  # a continuation has them
-            runs, continued_from = {**taken, **runs}, ([{**source, "runs": list(taken)}] if taken else []) + \
-                continued_from
+            if taken:
+                runs, continued_from = {**taken, **runs}, [{**source, "runs": list(taken)}, *continued_from]
         # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
         claim_evidence(stem, ab.out_dir, ab.force or ab.continue_from is not None, suffixes=(".json", ".md", ".png"))
         for cfg in configs.values():  # what each arm's process would refuse, before any runs
