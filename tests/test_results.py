@@ -140,6 +140,26 @@ def test_the_own_model_section_reads_each_target_over_every_run_at_the_headlines
     assert "| own 1 |" not in own.split("The same targets")[1]
 
 
+def _moe_ab(date: str, loss_verdict: str) -> dict:
+    """An A/B of an MoE model: arms with routing statistics, its FP8 arm's loss judged or not."""
+    record = _ab(135.0, date)
+    record["arms"] = [{**arm, "router_imbalance": 1.4, "loss_verdict": "-" if arm["verdict"] == "baseline" else
+                       loss_verdict} for arm in record["arms"]]
+    return record
+
+
+def test_the_newest_speed_a_b_of_an_moe_model_is_a_headline_and_a_loss_gate_is_not(tmp_path):
+    """An MoE A/B whose FP8 loss was not judged (a speed run) is shown, the newest per device; a later 2000-step
+    gate of an MoE model (its loss judged) is a loss band's, not this section's."""
+    profiles = _profiles(tmp_path)
+    for folder, date, loss in (("2026-01-04-ab-moe-old", "2026-01-04T00:00:00+00:00", "not judged"),
+                               ("2026-01-05-ab-moe-speed", "2026-01-05T00:00:00+00:00", "not judged"),
+                               ("2026-01-06-ab-moe-gate", "2026-01-06T00:00:00+00:00", "above")):
+        _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", _moe_ab(date, loss))
+    verdicts = pages(profiles)[profiles / "RESULTS.md"].split("## A/B verdicts")[1]
+    assert "ab-moe-speed" in verdicts and "ab-moe-old" not in verdicts and "ab-moe-gate" not in verdicts
+
+
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
     profiles = _profiles(tmp_path)
     assert main(["--profiles", str(profiles), "--check"]) == 1

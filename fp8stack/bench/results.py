@@ -280,7 +280,8 @@ def _model(record: dict) -> str:
 
 
 def _headline_abs(evidence: Evidence) -> list[Run]:
-    """The A/Bs the current targets were judged from, then the widest Megatron-path A/B per device."""
+    """The A/Bs the current targets were judged from, then the widest Megatron-path A/B and the newest speed A/B of
+    an MoE model per device."""
     cited = []
     for run in evidence.newest("targets").values():
         for row in run.record["rows"]:
@@ -289,7 +290,16 @@ def _headline_abs(evidence: Evidence) -> list[Run]:
                 cited.append(ab)
     megatron = evidence.widest("ab", lambda run: len(run.record["arms"]),
                                lambda run: _train_config(run.record).get("model_impl") == "megatron")
-    return cited + [run for run in megatron.values() if run not in cited]
+    moe = evidence.newest("ab", lambda run: _moe_speed_ab(run.record))
+    return cited + [run for run in [*megatron.values(), *moe.values()] if run not in cited]
+
+
+def _moe_speed_ab(record: dict) -> bool:
+    """An A/B of an MoE model (its arms have routing statistics) run for speed: no FP8 arm's loss judged (too few
+    steps), which leaves out the loss gates' long runs."""
+    fp8 = [arm for arm in record["arms"] if arm["verdict"] != "baseline" and arm.get("loss_verdict")]
+    return (any(arm.get("router_imbalance") is not None for arm in record["arms"]) and bool(fp8)
+            and all(arm["loss_verdict"] == "not judged" for arm in fp8))
 
 
 def _ab_verdicts(evidence: Evidence) -> str:
