@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -549,19 +549,12 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
     before files kept their runs). An option the file does not name was added since: it is this A/B's where it keeps
     its default (or, for RAN_BEFORE_THE_OPTION, what the file's runs did). A dense model's A/B ignores the MoE-only
     options, and every A/B the SAME_BYTES ones (their runs' step times are then each call's own)."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read --continue-from {path}: {err}") from None
+    record = _evidence_record(path, "--continue-from")
     if "runs" not in record:
         raise ValueError(f"{path} holds no runs to continue from (written before A/B files kept them): rerun the A/B")
-    ours = _leaves(train_config)
     theirs = {k: v for k, v in _leaves(record["train_config"]).items() if k.removeprefix("ab.") not in NOT_THE_AB}
-    defaults = _leaves({"job": to_dict(JobConfig()), "ab": to_plain(AbConfig())})
-    added_at_default = {k for k in set(ours) - set(theirs)
-                        if k in defaults and ours[k] == RAN_BEFORE_THE_OPTION.get(k, defaults[k])}
-    moot = {k for k in set(ours) | set(theirs) if (dense and k.startswith(MOE_ONLY)) or k in SAME_BYTES}
-    differ = sorted(k for k in (set(ours) | set(theirs)) - added_at_default - moot if ours.get(k) != theirs.get(k))
+    differ = _options_apart(_leaves(train_config), theirs,
+                            moot=lambda k: (dense and k.startswith(MOE_ONLY)) or k in SAME_BYTES)
     if differ or record.get("recipes") != recipes or record.get("nproc") != nproc:
         what = (f"train_config differs in {', '.join(differ)}" if differ else
                 f"its arms are {record.get('recipes')} on {record.get('nproc')} process(es) each")
@@ -571,6 +564,25 @@ def _earlier_runs(path: Path, train_config: dict, recipes: list[str], nproc: int
                                            "runs": [run for run in runs
                                                     if not any(run in c["runs"] for c in record["continued_from"])]}]
     return record["runs"], earlier
+
+
+def _evidence_record(path: Path, option: str) -> dict:
+    """The A/B evidence file that `option` names, or ValueError naming it when it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {option} {path}: {err}") from None
+
+
+def _options_apart(ours: dict, theirs: dict, moot: Callable[[str], bool]) -> list[str]:
+    """The dotted options (_leaves of {"job": ..., "ab": ...}) two configurations set differently, those `moot`
+    names aside. An option `theirs` does not name was added since it was written: apart only where `ours` leaves
+    it off its default (or, for RAN_BEFORE_THE_OPTION, off what runs before it did)."""
+    defaults = _leaves({"job": to_dict(JobConfig()), "ab": to_plain(AbConfig())})
+    added_at_default = {k for k in set(ours) - set(theirs)
+                        if k in defaults and ours[k] == RAN_BEFORE_THE_OPTION.get(k, defaults[k])}
+    return sorted(k for k in (set(ours) | set(theirs)) - added_at_default
+                  if not moot(k) and ours.get(k) != theirs.get(k))
 
 
 NOT_IN_A_BF16_RUN = ("job.precision.", "job.te.", "job.grouped_fp8.", "job.deepgemm.", "job.torchao.",
@@ -589,10 +601,7 @@ def _bf16_runs_from(path: Path, configs: dict[str, JobConfig], repeat_names: Seq
     if others:
         raise ValueError(f"--bf16-from takes the plain bf16 arm's runs, and this A/B also runs {', '.join(others)}: "
                          "pass --no-fastest-bf16 and no BF16 parameter variants")
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read --bf16-from {path}: {err}") from None
+    record = _evidence_record(path, "--bf16-from")
     recorded = record.get("runs") or {}
     if any(is_bf16_arm(name) and name != BF16 for name in recorded):
         raise ValueError(f"--bf16-from {path} ran several BF16 arms, whose repeats rerun the faster: give an A/B run "
@@ -604,10 +613,8 @@ def _bf16_runs_from(path: Path, configs: dict[str, JobConfig], repeat_names: Seq
     if record.get("device") != device:
         raise ValueError(f"--bf16-from {path} ran on {record.get('device')}, and this A/B runs on {device}: give "
                          "an A/B file of this device")
-    ours, theirs = _leaves({"job": to_dict(configs[BF16])}), _leaves({"job": runs[BF16]["config"]})
-    defaults = _leaves({"job": to_dict(JobConfig())})
-    differ = sorted(key for key in set(ours) | set(theirs) if not key.startswith(NOT_IN_A_BF16_RUN)
-                    and ours.get(key) != theirs.get(key) and (key in theirs or ours[key] != defaults.get(key)))
+    differ = _options_apart(_leaves({"job": to_dict(configs[BF16])}), _leaves({"job": runs[BF16]["config"]}),
+                            moot=lambda key: key.startswith(NOT_IN_A_BF16_RUN))
     if differ:
         raise ValueError(f"--bf16-from {path}: its bf16 runs trained with another {', '.join(differ)} than this "
                          "A/B's bf16 arm: give an A/B file of the same model, data and training settings")
