@@ -153,13 +153,11 @@ def drift(bf16_runs: list[dict], fp8_runs: list[dict]) -> tuple[list[dict], list
                      "fp8_gaps": [statistics.fmean(loss for _, loss in r["window_losses"][first:first + size]) / mean
                                   - 1 for r in fp8_runs]})
     highest = [max(run[i] for run in bf16) for i in range(len(ends))]
+    starts = [1, *(end + 1 for end in ends)]  # each window's first step; past the last: the run ended above
     placed = []
     for r in fp8_runs:
-        above = [loss > high for (_, loss), high in zip(r["window_losses"], highest)]
-        inside = [i for i, is_above in enumerate(above) if not is_above]
-        last_inside = inside[-1] if inside else -1
-        behind = None if last_inside == len(ends) - 1 else (ends[last_inside] + 1 if inside else 1)
-        placed.append({**r, "behind_from_step": behind})
+        last_inside = max((i for i, (_, loss) in enumerate(r["window_losses"]) if loss <= highest[i]), default=-1)
+        placed.append({**r, "behind_from_step": starts[last_inside + 1] if last_inside < len(ends) - 1 else None})
     return rows, placed
 
 
@@ -184,10 +182,15 @@ def is_band_record(record: dict) -> bool:
                                                                    ("bf16_runs", list), ("fp8_runs", list)))
 
 
+def source_names(record: dict) -> list[str]:
+    """The names of the A/B files a band reads, in its order (the figure numbers them)."""
+    return [Path(source["file"]).name for source in record["sources"]]
+
+
 def run_labels(record: dict) -> list[str]:
     """The figure's name of each BF16 then FP8 run: its arm without the options, and where the band reads several
     files, the file's number among them ([1], [2], ...: two files' first BF16 runs are both 'bf16')."""
-    files = [Path(source["file"]).name for source in record["sources"]]
+    files = source_names(record)
     runs = [*record["bf16_runs"], *record["fp8_runs"]]
     return [run["run"].split(" (recipe")[0] + (f" [{files.index(run['file']) + 1}]" if len(files) > 1 else "")
             for run in runs]
@@ -231,7 +234,7 @@ def draw(record: dict):
     finals.invert_yaxis()
     finals.set(xlabel="final loss (mean of the last 10% of steps)", title="final loss against the BF16 band")
     finals.legend(fontsize="small")
-    files = [Path(source["file"]).name for source in record["sources"]]
+    files = source_names(record)
     fig.suptitle(f"{record['settings']['model']}, {record['settings']['steps']} steps, on "
                  f"{record['settings']['device']}"
                  + ("".join(f"\n[{i}] {name}" for i, name in enumerate(files, 1)) if len(files) > 1 else ""),
