@@ -120,28 +120,33 @@ def _gather_k_grouped(source: torch.Tensor, ends: torch.Tensor, out: torch.Tenso
     return out.copy_(source[local // count, start + local % count])
 
 
+def _word_groups(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, list[int],
+                                                                                   torch.Tensor]:
+    """(data in the units it is moved in (_in_words), each group's width in those units, the groups' cumulative ends
+    on data's device): what a one-kernel layout reads, the ends reaching the device without a host sync
+    (host_ints_on)."""
+    source, per_word = _in_words(data, counts)
+    units = [count // per_word for count in counts]
+    return source, units, host_ints_on(list(itertools.accumulate(units)), data.device)
+
+
 def flatten_k_grouped_compiled(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
     """flatten_k_grouped's bytes from one compiled gather (on CUDA; eager elsewhere) instead of a copy per expert,
     each copy launched from the host: a host-bound step's GPU idles between them (GroupedFP8Config.wgrad_flatten
-    names the profiles). The group ends reach the device without a host sync (host_ints_on)."""
-    source, per_word = _in_words(data, counts)
-    out = source.new_empty(data.shape[0] * sum(counts) // per_word)
+    names the profiles)."""
+    source, units, ends = _word_groups(data, counts)
+    out = source.new_empty(data.shape[0] * sum(units))
     if out.numel():  # a zero size would be a compiled graph of its own, for nothing to move
-        ends = host_ints_on(list(itertools.accumulate(count // per_word for count in counts)), data.device)
         _gather_k_grouped(source, ends, out)
     return out.view(data.dtype)
 
 
 def flatten_k_grouped_triton(data: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
     """flatten_k_grouped's bytes from one hand-written Triton kernel (k_grouped_triton: whole token blocks of one
-    expert per program, copied in 8-byte words where the counts allow), one launch per operand, the group ends reaching
-    the device without a host sync (host_ints_on)."""
+    expert per program, copied in 8-byte words where the counts allow), one launch per operand."""
     from fp8stack.backends.k_grouped_triton import flatten_k_grouped_tiles  # triton: only where this choice runs
 
-    source, per_word = _in_words(data, counts)
-    units = [count // per_word for count in counts]
-    ends = host_ints_on(list(itertools.accumulate(units)), data.device)
-    return flatten_k_grouped_tiles(source, units, ends).view(data.dtype)
+    return flatten_k_grouped_tiles(*_word_groups(data, counts)).view(data.dtype)
 
 
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None

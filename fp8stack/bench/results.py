@@ -348,7 +348,9 @@ def _repeats(evidence: Evidence, headline: Run) -> list[str]:
     """Each target's ratio over every run at the headline's commit that measured it: one run's ratio sits within
     the step-time noise of the others, and a target met in one of them is read against all."""
     commit = headline.record.get("commit")
-    runs = [run for run in evidence.runs if run.current and run.kind == "own-model" and commit
+    if not commit:
+        return []
+    runs = [run for run in evidence.runs if run.current and run.kind == "own-model"
             and run.record.get("commit") == commit and evidence.device(run) == evidence.device(headline)]
     rows = []
     for target in headline.record["targets"]:
