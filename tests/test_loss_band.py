@@ -217,16 +217,21 @@ def test_the_drift_places_each_fp8_run_along_the_run_and_finds_where_it_stays_ab
 
 
 def test_the_moe_gate_band_says_from_which_step_each_fp8_run_stayed_above_the_bf16_runs(tmp_path):
-    """The MoE gate files (four BF16 runs, the mixed and the all-blockwise FP8 runs, 2000 steps): the drift table's
-    ten stretches in the Markdown, and each FP8 run's step from which it stayed above every BF16 run."""
-    files = [committed(f"ab-deepseek-moe-small-loss-gate-{name}-h200.json") for name in ("mixed", "mixed-b",
-                                                                                        "blockwise")]
+    """The MoE gate files (2000 steps): the mixed, all-blockwise, MoE-only and dense-only FP8 runs against four BF16
+    runs, the three that later files took by --bf16-from or --continue-from counted once; the drift table's ten
+    stretches in the Markdown, and the step from which the failing FP8 runs stayed above every BF16 run."""
+    files = [committed(f"ab-deepseek-moe-small-loss-gate-{name}-h200.json")
+             for name in ("mixed", "mixed-b", "blockwise", "moe-only", "dense-only")]
     assert main(["--label", "gate", "--out-dir", str(tmp_path), *map(str, files)]) == 0
     record = json.loads(written(tmp_path, "loss-band-deepseek-moe-small-gate-h200.json").read_text())
+    assert record["bf16_band"]["runs"] == 4
+    assert [r["file"] for r in record["bf16_runs"]].count(files[0].name) == 3
     assert [row["to_step"] for row in record["drift"]] == list(range(200, 2001, 200))
-    assert all(isinstance(r["behind_from_step"], int) for r in record["fp8_runs"])
+    gates = {r["file"]: r["gate"] for r in record["fp8_runs"]}
+    assert list(gates.values()) == ["fail", "fail", "pass", "pass"]  # mixed, blockwise | MoE-only, dense-only
+    assert all(isinstance(r["behind_from_step"], int) for r in record["fp8_runs"] if r["gate"] == "fail")
     markdown = written(tmp_path, "loss-band-deepseek-moe-small-gate-h200.md").read_text()
-    assert "| steps to | BF16 mean | BF16 runs | FP8 1 | FP8 2 |" in markdown
+    assert "| steps to | BF16 mean | BF16 runs | FP8 1 | FP8 2 | FP8 3 | FP8 4 |" in markdown
     assert "above every BF16 run from step" in markdown
 
 

@@ -62,8 +62,10 @@ def flat_config(config: dict) -> dict:
 
 def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list[dict]]:
     """(the shared settings, the BF16 runs, the FP8 runs, each file's date and command), each run with its file,
-    name and final loss; ValueError when the files are not of one setting or device."""
+    name and final loss; ValueError when the files are not of one setting or device. A run that several files hold
+    (taken by --bf16-from or --continue-from: the same losses step for step) counts once, in the first."""
     settings, device, bf16_runs, fp8_runs, sources = None, None, [], [], []
+    seen: set[tuple] = set()
     for path in paths:
         record = json.loads(Path(path).read_text())
         sources.append({"file": str(path), "date": record["date"], "command": record["command"],
@@ -82,8 +84,9 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
         validation = {name: own.get("val_loss") for name, own in own_runs.items()}
         norms = {name: gradient_norms(own.get("grad_norms"), config["grad_clip"]) for name, own in own_runs.items()}
         windows = {name: window_means(own.get("losses")) for name, own in own_runs.items()}
+        again = {name for name, own in own_runs.items() if not _first_time(seen, own.get("losses"))}
         for arm in record["arms"]:
-            if arm["final_loss"] is None:
+            if arm["final_loss"] is None or arm["recipe"] in again:
                 continue
             run = {"file": Path(path).name, "final_loss": arm["final_loss"], "val_loss": validation.get(arm["recipe"]),
                    "window_losses": windows.get(arm["recipe"]), **norms.get(arm["recipe"], NO_NORMS)}
@@ -107,8 +110,19 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
         bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"],
                        "val_loss": validation.get(r["run"]), "window_losses": windows.get(r["run"]),
                        **norms.get(r["run"], NO_NORMS)}
-                      for r in repeats if "error" not in r]
+                      for r in repeats if "error" not in r and r["run"] not in again]
     return {**settings, "device": device}, bf16_runs, fp8_runs, sources
+
+
+def _first_time(seen: set[tuple], losses: Sequence[float] | None) -> bool:
+    """Whether a run with these per-step losses is new to `seen` (and now in it); a run without them always is."""
+    if not losses:
+        return True
+    key = tuple(losses)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
 
 
 NO_NORMS = {"clipped_share": None, "late_grad_norm": None}
