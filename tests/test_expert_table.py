@@ -387,7 +387,7 @@ def test_a_choice_says_when_the_model_s_experts_are_not_a_measured_shape():
 def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
     """deepseek-moe-small's expert block (32 experts of 2048 -> 1536): every blockwise path measured slower than
     BF16 there, so its experts stay BF16 unless a backend is named; grouped_fp8's fastest kernels there are
-    DeepGEMM's."""
+    DeepGEMM's with TE's quantizer."""
     small_w13 = ExpertGemm(experts=32, n=2 * 1536, k=2048, tokens_per_expert=1024)
     grouped, te = (measured(90, "blockwise", backend, small_w13) for backend in ("grouped_fp8", "te"))
     assert grouped.speedup < 1 and te.speedup < 1  # what the evidence says today
@@ -399,7 +399,7 @@ def test_a_path_measured_slower_than_bf16_is_planned_only_when_asked():
     d = plan.decision("layers.0.moe.experts.w13")
     assert (d.backend, d.recipe) == ("grouped_fp8", "blockwise")
     assert d.reason.endswith(f"expert_backend=grouped_fp8, as asked: {grouped.describe()}")
-    assert grouped.kernels == "deepgemm" and "with deepgemm kernels" in d.reason
+    assert grouped.kernels == "deepgemm+te-quantizer" and "with deepgemm+te-quantizer kernels" in d.reason
 
 
 def test_deepseek_moe_medium_s_blockwise_experts_take_the_path_measured_faster_at_their_shape():
