@@ -160,6 +160,22 @@ def test_the_newest_speed_a_b_of_an_moe_model_is_a_headline_and_a_loss_gate_is_n
     assert "ab-moe-speed" in verdicts and "ab-moe-old" not in verdicts and "ab-moe-gate" not in verdicts
 
 
+def test_an_moe_speed_a_b_of_another_fp8_plan_stands_beside_the_newest_not_in_its_place(tmp_path):
+    """A later MoE speed A/B whose FP8 arm runs another recipe file (MoE-only FP8 beside the faster mix) is shown
+    next to the earlier one; one of the same plan replaces it."""
+    profiles = _profiles(tmp_path)
+    for folder, date, source in (("2026-01-04-ab-moe-mix", "2026-01-04T00:00:00+00:00", "mix.yaml"),
+                                 ("2026-01-05-ab-moe-only", "2026-01-05T00:00:00+00:00", "moe-only.yaml"),
+                                 ("2026-01-06-ab-moe-only-again", "2026-01-06T00:00:00+00:00", "moe-only.yaml")):
+        record = _moe_ab(date, "not judged")
+        fp8 = next(arm["recipe"] for arm in record["arms"] if arm["verdict"] != "baseline")
+        record["runs"] = {fp8: {"config": {"precision": {"overrides": [{"fqn": "*experts.*", "source": source}]}}}}
+        _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", record)
+    verdicts = pages(profiles)[profiles / "RESULTS.md"].split("## A/B verdicts")[1]
+    assert "ab-moe-mix" in verdicts and "ab-moe-only-again" in verdicts and "FP8 arms planned with mix.yaml" in verdicts
+    assert "ab-moe-only-h100" not in verdicts.replace("ab-moe-only-again", "")
+
+
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
     profiles = _profiles(tmp_path)
     assert main(["--profiles", str(profiles), "--check"]) == 1

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fp8stack.ab.verdicts import is_bf16_arm
 from fp8stack.evidence import ARCHIVE, RUNS, EvidenceError, describe_commit, markdown_table
 from fp8stack.bench.targets import describe as describe_experts
 from fp8stack.bench.targets import render as render_target
@@ -128,12 +129,15 @@ class Evidence:
         path = run.folder.relative_to(self.profiles).as_posix()
         return f"[{label or run.folder.name}]({path}/)"
 
-    def newest(self, kind: str, keep: Callable[[Run], bool] = lambda run: True) -> dict[str, Run]:
-        """The newest current run of `kind` per measured device."""
-        found: dict[str, Run] = {}
+    def newest(self, kind: str, keep: Callable[[Run], bool] = lambda run: True,
+               apart: Callable[[Run], tuple] = lambda run: ()) -> dict[str, Run]:
+        """The newest current run of `kind` per measured device, and per `apart(run)` within a device (keyed by
+        the device alone where apart gives ())."""
+        found: dict = {}
         for run in self.runs:
             if run.current and run.kind == kind and keep(run):
-                found[self.device(run)] = run  # runs are in the order they were written
+                key, within = self.device(run), apart(run)
+                found[(key, *within) if within else key] = run  # runs are in the order they were written
         return found
 
     def widest(self, kind: str, width: Callable[[Run], int], keep: Callable[[Run], bool] = lambda run: True
@@ -281,7 +285,7 @@ def _model(record: dict) -> str:
 
 def _headline_abs(evidence: Evidence) -> list[Run]:
     """The A/Bs the current targets were judged from, then the widest Megatron-path A/B and the newest speed A/B of
-    an MoE model per device."""
+    an MoE model per device and recipe file (a faster mix beside the plan that passed a loss gate)."""
     cited = []
     for run in evidence.newest("targets").values():
         for row in run.record["rows"]:
@@ -290,8 +294,15 @@ def _headline_abs(evidence: Evidence) -> list[Run]:
                 cited.append(ab)
     megatron = evidence.widest("ab", lambda run: len(run.record["arms"]),
                                lambda run: _train_config(run.record).get("model_impl") == "megatron")
-    moe = evidence.newest("ab", lambda run: _moe_speed_ab(run.record))
+    moe = evidence.newest("ab", lambda run: _moe_speed_ab(run.record), lambda run: _recipe_files(run.record))
     return cited + [run for run in [*megatron.values(), *moe.values()] if run not in cited]
+
+
+def _recipe_files(record: dict) -> tuple:
+    """The recipe files that set some modules' recipes or backends in an A/B's FP8 arms."""
+    runs = [run for name, run in (record.get("runs") or {}).items() if isinstance(run, dict) and not is_bf16_arm(name)]
+    return tuple(sorted({override.get("source") or "" for run in runs
+                         for override in (run.get("config") or {}).get("precision", {}).get("overrides") or ()}))
 
 
 def _moe_speed_ab(record: dict) -> bool:
@@ -313,7 +324,9 @@ def _ab_verdicts(evidence: Evidence) -> str:
                  _ratio(arm.get("tokens_per_s"), reference and reference.get("tokens_per_s")),
                  _number(arm.get("peak_mem_gib"), ".2f"), _number(arm.get("rel_loss_gap"), "+.2%"), arm["verdict"]]
                 for arm in arms]
-        out += [f"### {describe(run)}, on {evidence.device(run)}", "", f"Run: {evidence.link(run)}.", "",
+        files = ", ".join(name for name in _recipe_files(run.record) if name)
+        planned = f"; FP8 arms planned with {files}" if files else ""
+        out += [f"### {describe(run)}{planned}, on {evidence.device(run)}", "", f"Run: {evidence.link(run)}.", "",
                 markdown_table(["arm", "backend", "tokens/s", "over the reference", "peak GiB", "loss gap", "verdict"],
                                rows)]
     return "\n".join(out)
