@@ -422,18 +422,36 @@ def test_bf16_runs_taken_from_an_earlier_a_b_judge_the_fp8_arms_that_run_alone(o
     assert not list(tmp_path.rglob("*refused*"))
 
 
+def test_bf16_runs_from_several_files_fill_the_baseline_runs_in_order_each_run_once(one_after_another, tmp_path):
+    """--bf16-from a,b with --baseline-runs 3: a's bf16 run and repeat, then b's one run that a does not hold (b's
+    other is a's bf16 run again, as a file that took it would hold it) as 'bf16 (repeat 2)'; no BF16 run runs."""
+    source = _evidence(one_after_another[0], "ab-tiny-cpu.json")
+    earlier = json.loads(source.read_text())
+    another_run = {**earlier["runs"]["bf16"], "losses": [loss * 1.001 for loss in earlier["runs"]["bf16"]["losses"]]}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**earlier, "runs": {"bf16": earlier["runs"]["bf16"], "bf16 (repeat)": another_run}}))
+    printed = _run_ab(tmp_path, *TWO_ARMS, "--baseline-runs", "3", "--bf16-from", f"{source},{other}",
+                      "--label", "pooled")
+    assert "[1/1] tiny tensorwise" in printed
+    pooled = json.loads(_evidence(tmp_path, "ab-tiny-pooled-cpu.json").read_text())
+    assert pooled["runs"]["bf16 (repeat 2)"]["losses"] == another_run["losses"]
+    assert [(c["file"], c["runs"]) for c in pooled["continued_from"]] == [
+        (str(source), ["bf16", "bf16 (repeat)"]), (str(other), ["bf16 (repeat 2)"])]
+    assert len(pooled["baseline_repeats"]) == 2
+
+
 def test_bf16_runs_are_taken_only_for_the_plain_bf16_arm_from_a_readable_file(tmp_path):
     """With a BF16 arm on TE beside the plain one (--fastest-bf16), in this A/B or in the file's, the repeats rerun
     the faster: no file's runs stand in for them. A file that cannot be read is named."""
     with pytest.raises(ValueError, match="also runs bf16 on te: pass --no-fastest-bf16"):
-        _bf16_runs_from(tmp_path / "unread.json", {"bf16": None, "bf16 on te": None}, [], "cpu")
+        _bf16_runs_from(tmp_path / "unread.json", {"bf16": None, "bf16 on te": None}, "cpu")
     fastest = tmp_path / "fastest.json"
     fastest.write_text(json.dumps({"runs": {"bf16": {}, "bf16 on te": {}}}))
     with pytest.raises(ValueError, match="ran several BF16 arms, whose repeats rerun the faster: give an A/B run with "
                                          "--no-fastest-bf16"):
-        _bf16_runs_from(fastest, {"bf16": None}, [], "cpu")
+        _bf16_runs_from(fastest, {"bf16": None}, "cpu")
     with pytest.raises(ValueError, match="cannot read --bf16-from .*missing.json"):
-        _bf16_runs_from(tmp_path / "missing.json", {"bf16": None}, [], "cpu")
+        _bf16_runs_from(tmp_path / "missing.json", {"bf16": None}, "cpu")
 
 
 def test_a_wave_s_arms_are_taken_as_their_processes_end(tmp_path):

@@ -33,7 +33,7 @@ from fp8stack.ab.verdicts import (BF16_ON_TE_ARM, BF16_PARAMS_SUFFIX, CPU_LOSS_T
                                   FP8_PARAMS_SUFFIX, GATE_MIN_RUNS, GATE_STDEVS,
                                   GPU_LOSS_TOLERANCE, LAST_FRACTION, MAX_PASSES, NOISE_METHOD, NOISE_METHOD_SINGLE,
                                   Arm, arm_label, is_bf16_arm, judge, judged_by_gate, peak_tflops, reference_arm,
-                                  repeat_arms, repeat_note, verdict_cells)
+                                  repeat_arms, repeat_note, run_identity, verdict_cells)
 from fp8stack.config import ConfigError, JobConfig, add_config_arguments, add_section_arguments, job_from_args, to_dict
 from fp8stack.config.flags import add_megatron_recompute_arguments, from_overrides, run_command
 from fp8stack.plan import PlanError, PolicyConfig
@@ -84,11 +84,12 @@ class AbConfig:
     listed twice runs two arms at once (loss runs on a GPU with room for both)."""
     continue_from: str | None = None
     """A partial evidence file of this same A/B (one stopped by a time limit): keep its runs, run the pending ones."""
-    bf16_from: str | None = None
-    """An earlier A/B's evidence file whose bf16 runs (the bf16 arm and its repeats, up to --baseline-runs) this A/B
-    takes instead of running them, refused unless they trained what this A/B's bf16 arm would (the same model, data,
-    batch, optimizer and steps on the same device): new FP8 arms judged against a recorded BF16 band, e.g. a loss
-    gate's, without its 2 000 BF16 steps again. Their speed was measured in another call."""
+    bf16_from: tuple[str, ...] | None = None
+    """Earlier A/Bs' evidence files (comma-separated) whose bf16 runs (each file's bf16 arm and its repeats) this A/B
+    takes instead of running them, in the files' order and up to --baseline-runs, a run held by several files taken
+    once; refused unless they trained what this A/B's bf16 arm would (the same model, data, batch, optimizer and
+    steps on the same device): new FP8 arms judged against a recorded BF16 band, e.g. a loss gate's, without its
+    2 000 BF16 steps again. Runs still missing run here. Their speed was measured in other calls."""
     arm_checkpoints: str | None = None
     """Keep each arm's checkpoints in DIR/<arm> (saved when the A/B is stopped by SIGTERM or SIGINT, and every
     --save-interval steps if given; removed once the arm has run all its steps), so that --continue-from resumes an
@@ -150,7 +151,7 @@ def to_plain(ab: AbConfig) -> dict:
 def ab_config(args: argparse.Namespace) -> AbConfig:
     """The ab section of the options given (lists may be comma lists)."""
     given = {k.removeprefix("ab."): v for k, v in vars(args).items() if k.startswith("ab.")}
-    for name in ("recipes", "param_dtypes", "blockwise_gemms", "attention", "levers", "gpus"):
+    for name in ("recipes", "param_dtypes", "blockwise_gemms", "attention", "levers", "gpus", "bf16_from"):
         if name in given:
             parts = [part for item in given[name] for part in comma_separated(item)]
             given[name] = tuple(parts if name == "gpus" else dict.fromkeys(parts))  # a GPU listed twice runs 2 arms
@@ -324,10 +325,8 @@ def run_ab(args: argparse.Namespace) -> int:
                                 if ab.continue_from else ({}, []))
         repeat_names = repeat_arms(ab.baseline_runs)
         if ab.bf16_from:
-            taken, source = _bf16_runs_from(Path(ab.bf16_from), configs, repeat_names, env["device"])
-            taken = {name: run for name, run in taken.items() if name not in runs}  # a continuation has them
-            if taken:
-                runs, continued_from = {**taken, **runs}, [{**source, "runs": list(taken)}, *continued_from]
+            taken, sources = _bf16_runs_from_files(ab.bf16_from, configs, [BF16, *repeat_names], env["device"], runs)
+            runs, continued_from = {**taken, **runs}, [*sources, *continued_from]
         # --continue-from completes the evidence of this same A/B (_earlier_runs checked it is): it may replace it
         claim_evidence(stem, ab.out_dir, ab.force or ab.continue_from is not None, suffixes=(".json", ".md", ".png"))
         for cfg in configs.values():  # what each arm's process would refuse, before any runs
@@ -591,12 +590,30 @@ NOT_IN_A_BF16_RUN = ("job.precision.", "job.te.", "job.grouped_fp8.", "job.deepg
 grouped_fp8, DeepGEMM or torchao module), where checkpoints and logs go, and the admission of little FP8."""
 
 
-def _bf16_runs_from(path: Path, configs: dict[str, JobConfig], repeat_names: Sequence[str], device: str
-                    ) -> tuple[dict[str, dict], dict]:
-    """(the finished runs of the bf16 arm and of repeat_names that the A/B file at path holds, by name; its date
-    and command) for --bf16-from, or ValueError when this A/B has another BF16 arm whose runs it would need, or the
-    file's bf16 runs trained something else than configs' bf16 arm (NOT_IN_A_BF16_RUN aside; an option the file
-    does not name, added since, at its default) or on another device."""
+def _bf16_runs_from_files(paths: Sequence[str], configs: dict[str, JobConfig], names: Sequence[str], device: str,
+                          held: dict) -> tuple[dict[str, dict], list[dict]]:
+    """(the runs --bf16-from's files give this A/B's bf16 runs `names` that `held` (a continuation's) lacks, by this
+    A/B's name; per file that gave any, its date, command, path and the names its runs took), each file's runs in
+    order and a run several files hold (the same losses) taken once; ValueError as _bf16_runs_from."""
+    free = [name for name in names if name not in held]
+    seen = {run_identity(run) for run in held.values() if isinstance(run, dict)} - {None}
+    taken, sources = {}, []
+    for path in paths:
+        runs, source = _bf16_runs_from(Path(path), configs, device)
+        fresh = [run for run in runs.values() if run_identity(run) is None or run_identity(run) not in seen]
+        given = dict(zip(free[len(taken):], fresh))
+        seen |= {run_identity(run) for run in given.values()} - {None}
+        if given:
+            taken |= given
+            sources.append({**source, "file": str(path), "runs": list(given)})
+    return taken, sources
+
+
+def _bf16_runs_from(path: Path, configs: dict[str, JobConfig], device: str) -> tuple[dict[str, dict], dict]:
+    """(the finished runs of the bf16 arm and its repeats that the A/B file at path holds, by its names, in order;
+    its date and command) for --bf16-from, or ValueError when this A/B has another BF16 arm whose runs it would need,
+    or the file's bf16 runs trained something else than configs' bf16 arm (NOT_IN_A_BF16_RUN aside; an option the
+    file does not name, added since, at its default) or on another device."""
     others = [name for name in configs if is_bf16_arm(name) and name != BF16]
     if others:
         raise ValueError(f"--bf16-from takes the plain bf16 arm's runs, and this A/B also runs {', '.join(others)}: "
@@ -606,8 +623,8 @@ def _bf16_runs_from(path: Path, configs: dict[str, JobConfig], repeat_names: Seq
     if any(is_bf16_arm(name) and name != BF16 for name in recorded):
         raise ValueError(f"--bf16-from {path} ran several BF16 arms, whose repeats rerun the faster: give an A/B run "
                          "with --no-fastest-bf16")
-    runs = {name: run for name, run in recorded.items()
-            if name in (BF16, *repeat_names) and isinstance(run, dict) and not stopped(run)}
+    runs = {name: recorded[name] for name in (BF16, *repeat_arms(len(recorded) + 1))
+            if isinstance(recorded.get(name), dict) and not stopped(recorded[name])}
     if BF16 not in runs:
         raise ValueError(f"--bf16-from {path} holds no finished bf16 run: give an A/B file whose bf16 arm ran")
     if record.get("device") != device:

@@ -336,6 +336,12 @@ def arm_label(name: str, dtype: str | None) -> str:
     return f"fp32{configuration.removeprefix(BF16)} {NO_FP8}" + (f"{repeat}{count}" if repeat else "")
 
 
+def run_identity(run: dict) -> tuple | None:
+    """A run's per-step losses, which tell one run from another wherever it is stored (an A/B that took it by
+    --bf16-from or --continue-from holds it too); None for a run recorded without them."""
+    return tuple(run["losses"]) if run.get("losses") else None
+
+
 def repeat_arms(baseline_runs: int) -> list[str]:
     """Names of the bf16 runs after the first: REPEAT_ARM, then 'bf16 (repeat 2)', ..."""
     return [REPEAT_ARM, *(f"{BF16} (repeat {i})" for i in range(2, baseline_runs))] if baseline_runs > 1 else []

@@ -22,7 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp8stack.ab.verdicts import GATE_MIN_RUNS, GATE_STDEVS, GPU_LOSS_TOLERANCE, REPEAT_ARM, LossGate, is_bf16_arm
+from fp8stack.ab.verdicts import (GATE_MIN_RUNS, GATE_STDEVS, GPU_LOSS_TOLERANCE, REPEAT_ARM, LossGate, is_bf16_arm,
+                                  run_identity)
 from fp8stack.evidence import add_force_option, claim_or_exit, device_slug, markdown_table, write_evidence
 from fp8stack.bench.plots import add_plot_only_option, plot_only, refuse_flags_beside_plot_only, write_plot
 from fp8stack.bench.targets import plan_recipe
@@ -84,7 +85,7 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
         validation = {name: own.get("val_loss") for name, own in own_runs.items()}
         norms = {name: gradient_norms(own.get("grad_norms"), config["grad_clip"]) for name, own in own_runs.items()}
         windows = {name: window_means(own.get("losses")) for name, own in own_runs.items()}
-        again = {name for name, own in own_runs.items() if not _first_time(seen, own.get("losses"))}
+        again = {name for name, own in own_runs.items() if not _first_time(seen, run_identity(own))}
         for arm in record["arms"]:
             if arm["final_loss"] is None or arm["recipe"] in again:
                 continue
@@ -114,14 +115,12 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
     return {**settings, "device": device}, bf16_runs, fp8_runs, sources
 
 
-def _first_time(seen: set[tuple], losses: Sequence[float] | None) -> bool:
-    """Whether a run with these per-step losses is new to `seen` (and now in it); a run without them always is."""
-    if not losses:
-        return True
-    key = tuple(losses)
-    if key in seen:
+def _first_time(seen: set[tuple], identity: tuple | None) -> bool:
+    """Whether a run of this run_identity is new to `seen` (and now in it); a run without one always is."""
+    if identity in seen:
         return False
-    seen.add(key)
+    if identity is not None:
+        seen.add(identity)
     return True
 
 
