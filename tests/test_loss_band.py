@@ -229,9 +229,12 @@ def test_the_moe_gate_band_says_from_which_step_each_fp8_run_stayed_above_the_bf
     assert [row["to_step"] for row in record["drift"]] == list(range(200, 2001, 200))
     gates = {r["file"]: r["gate"] for r in record["fp8_runs"]}
     assert list(gates.values()) == ["fail", "fail", "pass", "pass"]  # mixed, blockwise | MoE-only, dense-only
+    shares = [r["fp8_flop_share"] for r in record["fp8_runs"]]  # what each plan ran in FP8, not in the names
+    assert shares[0] == shares[1] > shares[2] > 0.5 > 0.25 < shares[3] < 0.3
     assert all(isinstance(r["behind_from_step"], int) for r in record["fp8_runs"] if r["gate"] == "fail")
     markdown = written(tmp_path, "loss-band-deepseek-moe-small-gate-h200.md").read_text()
     assert "| steps to | BF16 mean | BF16 runs | FP8 1 | FP8 2 | FP8 3 | FP8 4 |" in markdown
+    assert "| file | FP8 run | FP8 share of GEMM FLOPs | final loss |" in markdown and "| 70% | 0.8549 |" in markdown
     assert "above every BF16 run from step" in markdown
 
 

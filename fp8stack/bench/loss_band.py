@@ -105,7 +105,8 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
                                   if o.get("recipe")]
                 options = (f"{fp8_format}, margin {margin}" if is_fp8(recipe) and get_recipe(recipe).scales_from_history
                            else fp8_format) + fused
-                fp8_runs.append({**run, "run": f"{', '.join([arm['recipe'], *overridden])} ({options})"})
+                fp8_runs.append({**run, "run": f"{', '.join([arm['recipe'], *overridden])} ({options})",
+                                 "fp8_flop_share": fp8_flop_share(own)})
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
             [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
         bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"],
@@ -122,6 +123,13 @@ def _first_time(seen: set[tuple], identity: tuple | None) -> bool:
     if identity is not None:
         seen.add(identity)
     return True
+
+
+def fp8_flop_share(run) -> float | None:
+    """The share of a run's GEMM FLOPs its plan ran in FP8 (which modules a recipe file or the plan's measurements
+    left in BF16 shows here, not in the recipe's name); None for a run recorded without its plan."""
+    summary = run.get("plan_summary") if isinstance(run, dict) else None
+    return (summary.get("flops_share_by_precision") or {}).get("fp8") if isinstance(summary, dict) else None
 
 
 NO_NORMS = {"clipped_share": None, "late_grad_norm": None}
@@ -391,10 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  [[r["file"], r["run"], f"{r['final_loss']:.4f}", _loss_cell(r["val_loss"]),
                                    _share_cell(r["clipped_share"]), _loss_cell(r["late_grad_norm"])]
                                   for r in bf16_runs]) + "\n"
-                + markdown_table(["file", "FP8 run", "final loss", "vs BF16 mean", "BF16 std devs", "position", "gate",
-                                  "validation loss (vs BF16 mean)", "steps clipped",
-                                  "grad norm, last quarter (vs BF16 mean)"],
-                                 [[r["file"], r["run"], f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}",
+                + markdown_table(["file", "FP8 run", "FP8 share of GEMM FLOPs", "final loss", "vs BF16 mean",
+                                  "BF16 std devs", "position", "gate", "validation loss (vs BF16 mean)",
+                                  "steps clipped", "grad norm, last quarter (vs BF16 mean)"],
+                                 [[r["file"], r["run"], _share_cell(r["fp8_flop_share"]), f"{r['final_loss']:.4f}",
+                                   f"{r['gap_to_mean']:+.2%}",
                                    f"{r['stdevs']:+.1f}", r["position"],
                                    f"{r['gate'] or '-'}{' (not a gate)' if memorised and r['gate'] else ''}",
                                    _loss_cell(r["val_loss"], r["val_gap_to_mean"]), _share_cell(r["clipped_share"]),

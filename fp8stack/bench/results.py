@@ -264,14 +264,15 @@ def _loss_gates(evidence: Evidence) -> str:
     out = []
     for run in newest.values():
         record, setting = run.record, run.record["settings"]
-        rows = [[r["run"], f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}", r["gate"]] for r in record["fp8_runs"]]
+        rows = [[r["run"], _number(r.get("fp8_flop_share"), ".0%"), f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}",
+                 r["gate"]] for r in record["fp8_runs"]]
         out += [f"### {setting['model']}: {setting['steps']} steps of {setting['global_batch']} x {setting['seq_len']} "
                 f"tokens ({setting['max_data_bytes'] / 2**20:.0f} MiB of {setting['data_source']} text), LR "
                 f"{setting['lr']:g}, clip {setting['grad_clip']:g}, seed {setting['seed']}, on {evidence.device(run)}",
                 "",
                 f"{record['bf16_band']['runs']} BF16 runs, mean final loss {record['bf16_band']['mean']:.4f}; the gate "
                 f"passes up to {record['gate_limit']:.4f}: {evidence.link(run)}.", "",
-                markdown_table(["FP8 run", "final loss", "vs BF16 mean", "gate"], rows)]
+                markdown_table(["FP8 run", "FP8 share of GEMM FLOPs", "final loss", "vs BF16 mean", "gate"], rows)]
     return "\n".join(["## Loss gates", "",
                       "An FP8 run passes when its final loss (the mean of the last 10% of steps) is at most the BF16 "
                       "runs' mean + max(0.25%, 2 standard deviations); the newest band of each setting "
