@@ -130,10 +130,10 @@ class Evidence:
         return f"[{label or run.folder.name}]({path}/)"
 
     def newest(self, kind: str, keep: Callable[[Run], bool] = lambda run: True,
-               apart: Callable[[Run], tuple] = lambda run: ()) -> dict[str, Run]:
+               apart: Callable[[Run], tuple] = lambda run: ()) -> dict[str | tuple, Run]:
         """The newest current run of `kind` per measured device, and per `apart(run)` within a device (keyed by
         the device alone where apart gives ())."""
-        found: dict = {}
+        found: dict[str | tuple, Run] = {}
         for run in self.runs:
             if run.current and run.kind == kind and keep(run):
                 key, within = self.device(run), apart(run)
@@ -264,8 +264,8 @@ def _loss_gates(evidence: Evidence) -> str:
     out = []
     for run in newest.values():
         record, setting = run.record, run.record["settings"]
-        rows = [[r["run"], _number(r.get("fp8_flop_share"), ".0%"), f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}",
-                 r["gate"]] for r in record["fp8_runs"]]
+        rows = [[r["run"], _number(r.get("fp8_flop_share"), ".0%"), f"{r['final_loss']:.4f}",
+                 f"{r['gap_to_mean']:+.2%}", r["gate"]] for r in record["fp8_runs"]]
         out += [f"### {setting['model']}: {setting['steps']} steps of {setting['global_batch']} x {setting['seq_len']} "
                 f"tokens ({setting['max_data_bytes'] / 2**20:.0f} MiB of {setting['data_source']} text), LR "
                 f"{setting['lr']:g}, clip {setting['grad_clip']:g}, seed {setting['seed']}, on {evidence.device(run)}",
