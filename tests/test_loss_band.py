@@ -238,6 +238,19 @@ def test_the_moe_gate_band_says_from_which_step_each_fp8_run_stayed_above_the_bf
     assert "above every BF16 run from step" in markdown
 
 
+def test_runs_of_one_file_with_the_same_losses_are_each_a_run(tmp_path):
+    """Only a run an earlier file holds counts once: two runs of one A/B whose losses match step for step (a CPU's
+    deterministic kernels) are two runs of the band."""
+    record = json.loads(committed("ab-deepseek-moe-small-loss-gate-mixed-h200.json").read_text())
+    for repeat in ("bf16 (repeat)", "bf16 (repeat 2)"):
+        record["runs"][repeat]["losses"] = record["runs"]["bf16"]["losses"]
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(record))
+    assert main(["--label", "same", "--out-dir", str(tmp_path), str(same), str(same)]) == 0
+    band_record = json.loads(written(tmp_path, "loss-band-deepseek-moe-small-same-h200.json").read_text())
+    assert band_record["bf16_band"]["runs"] == 3 and {r["file"] for r in band_record["bf16_runs"]} == {"same.json"}
+
+
 def test_plot_only_redraws_a_bands_figure_and_the_band_needs_its_files(tmp_path, capsys):
     """--plot-only draws a band's figure again from its JSON, measuring nothing, and refuses other options beside it;
     without --plot-only the files and --label are required, one line naming them."""

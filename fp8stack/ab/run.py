@@ -600,7 +600,7 @@ def _bf16_runs_from_files(paths: Sequence[str], configs: dict[str, JobConfig], n
     taken, sources = {}, []
     for path in paths:
         runs, source = _bf16_runs_from(Path(path), configs, device)
-        fresh = [run for run in runs.values() if run_identity(run) is None or run_identity(run) not in seen]
+        fresh = [run for run in runs.values() if run_identity(run) not in seen]  # None is never in seen
         given = dict(zip(free[len(taken):], fresh))
         seen |= {run_identity(run) for run in given.values()} - {None}
         if given:

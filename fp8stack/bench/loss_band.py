@@ -85,7 +85,8 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
         validation = {name: own.get("val_loss") for name, own in own_runs.items()}
         norms = {name: gradient_norms(own.get("grad_norms"), config["grad_clip"]) for name, own in own_runs.items()}
         windows = {name: window_means(own.get("losses")) for name, own in own_runs.items()}
-        again = {name for name, own in own_runs.items() if not _first_time(seen, run_identity(own))}
+        again = {name for name, own in own_runs.items() if run_identity(own) in seen}  # None is never in seen
+        seen |= {run_identity(own) for own in own_runs.values()} - {None}
         for arm in record["arms"]:
             if arm["final_loss"] is None or arm["recipe"] in again:
                 continue
@@ -114,15 +115,6 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
                        **norms.get(r["run"], NO_NORMS)}
                       for r in repeats if "error" not in r and r["run"] not in again]
     return {**settings, "device": device}, bf16_runs, fp8_runs, sources
-
-
-def _first_time(seen: set[tuple], identity: tuple | None) -> bool:
-    """Whether a run of this run_identity is new to `seen` (and now in it); a run without one always is."""
-    if identity in seen:
-        return False
-    if identity is not None:
-        seen.add(identity)
-    return True
 
 
 def fp8_flop_share(run) -> float | None:
