@@ -72,7 +72,7 @@ def _band(date: str, clip: float, finals: list[float], gate: str | None) -> dict
     written before the gate)."""
     setting = {"model": "tiny", "steps": 2000, "global_batch": 4, "seq_len": 1024, "max_data_bytes": 2**27,
                "data_source": "python", "lr": 1e-4, "grad_clip": clip, "seed": 0, "device": GPU}
-    runs = [{"run": f"delayed {i}", "final_loss": final, "gap_to_mean": final - 1.0, "gate": gate,
+    runs = [{"file": f"profiles/runs/x/ab-tiny-gate-{i}-h100.json", "run": f"delayed {i}", "final_loss": final, "gap_to_mean": final - 1.0, "gate": gate,
              "fp8_flop_share": 0.9} for i, final in enumerate(finals)]
     return {"date": date, "environment": {"device": "cpu"}, "settings": setting, "sources": [],
             "bf16_band": {"runs": 3, "mean": 1.0}, "gate_limit": 1.0025, "fp8_runs": runs}
@@ -92,7 +92,7 @@ def test_the_loss_gates_show_the_newest_judged_band_of_each_setting(tmp_path):
     assert gates.count("### tiny: 2000 steps of 4 x 1024 tokens (128 MiB of python text)") == 2
     assert f"LR 0.0001, clip 1, seed 0, on {GPU}" in gates and "clip 0," in gates and "clip 0.5" not in gates
     assert "loss-band-a" not in gates and "[2026-01-05-loss-band-b](runs/2026-01-05-loss-band-b/)" in gates
-    assert "| delayed 1 | 90% | 0.9900 | -1.00% | pass |" in gates and "the gate passes up to 1.0025" in gates
+    assert "| ab-tiny-gate-1-h100 | delayed 1 | 90% | 0.9900 | -1.00% | pass |" in gates and "the gate passes up to 1.0025" in gates
 
 
 def test_of_one_days_bands_the_last_written_is_the_newest(tmp_path):
@@ -174,6 +174,18 @@ def test_an_moe_speed_a_b_of_another_fp8_plan_stands_beside_the_newest_not_in_it
     verdicts = pages(profiles)[profiles / "RESULTS.md"].split("## A/B verdicts")[1]
     assert "ab-moe-mix" in verdicts and "ab-moe-only-again" in verdicts and "FP8 arms planned with mix.yaml" in verdicts
     assert "ab-moe-only-h100" not in verdicts.replace("ab-moe-only-again", "")
+
+
+def test_an_moe_speed_a_b_of_another_model_stands_beside_the_newest_of_the_same_plan(tmp_path):
+    """A later speed A/B of the same recipe file on a smaller MoE model (a host-bound shape) does not take the
+    larger model's place."""
+    profiles = _profiles(tmp_path)
+    for folder, date, model in (("2026-01-04-ab-moe-medium", "2026-01-04T00:00:00+00:00", "moe-medium"),
+                                ("2026-01-05-ab-moe-small", "2026-01-05T00:00:00+00:00", "moe-small")):
+        record = {**_moe_ab(date, "not judged"), "model": model}
+        _run(profiles, "runs", folder, f"{folder[11:]}-h100.json", record)
+    verdicts = pages(profiles)[profiles / "RESULTS.md"].split("## A/B verdicts")[1]
+    assert "ab-moe-medium" in verdicts and "ab-moe-small" in verdicts
 
 
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):

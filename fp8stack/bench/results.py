@@ -264,15 +264,16 @@ def _loss_gates(evidence: Evidence) -> str:
     out = []
     for run in newest.values():
         record, setting = run.record, run.record["settings"]
-        rows = [[r["run"], _number(r.get("fp8_flop_share"), ".0%"), f"{r['final_loss']:.4f}",
-                 f"{r['gap_to_mean']:+.2%}", r["gate"]] for r in record["fp8_runs"]]
+        rows = [[Path(r.get("file", "-")).stem, r["run"], _number(r.get("fp8_flop_share"), ".0%"),
+                 f"{r['final_loss']:.4f}", f"{r['gap_to_mean']:+.2%}", r["gate"]] for r in record["fp8_runs"]]
         out += [f"### {setting['model']}: {setting['steps']} steps of {setting['global_batch']} x {setting['seq_len']} "
                 f"tokens ({setting['max_data_bytes'] / 2**20:.0f} MiB of {setting['data_source']} text), LR "
                 f"{setting['lr']:g}, clip {setting['grad_clip']:g}, seed {setting['seed']}, on {evidence.device(run)}",
                 "",
                 f"{record['bf16_band']['runs']} BF16 runs, mean final loss {record['bf16_band']['mean']:.4f}; the gate "
                 f"passes up to {record['gate_limit']:.4f}: {evidence.link(run)}.", "",
-                markdown_table(["FP8 run", "FP8 share of GEMM FLOPs", "final loss", "vs BF16 mean", "gate"], rows)]
+                markdown_table(["A/B", "FP8 run", "FP8 share of GEMM FLOPs", "final loss", "vs BF16 mean", "gate"],
+                               rows)]
     return "\n".join(["## Loss gates", "",
                       "An FP8 run passes when its final loss (the mean of the last 10% of steps) is at most the BF16 "
                       "runs' mean + max(0.25%, 2 standard deviations); the newest band of each setting "
@@ -286,7 +287,7 @@ def _model(record: dict) -> str:
 
 def _headline_abs(evidence: Evidence) -> list[Run]:
     """The A/Bs the current targets were judged from, then the widest Megatron-path A/B and the newest speed A/B of
-    an MoE model per device and recipe file (a faster mix beside the plan that passed a loss gate)."""
+    each MoE model per device and recipe file (a faster mix beside the plan that passed a loss gate)."""
     cited = []
     for run in evidence.newest("targets").values():
         for row in run.record["rows"]:
@@ -295,7 +296,8 @@ def _headline_abs(evidence: Evidence) -> list[Run]:
                 cited.append(ab)
     megatron = evidence.widest("ab", lambda run: len(run.record["arms"]),
                                lambda run: _train_config(run.record).get("model_impl") == "megatron")
-    moe = evidence.newest("ab", lambda run: _moe_speed_ab(run.record), lambda run: _recipe_files(run.record))
+    moe = evidence.newest("ab", lambda run: _moe_speed_ab(run.record),
+                          lambda run: (run.record.get("model"), *_recipe_files(run.record)))
     return cited + [run for run in [*megatron.values(), *moe.values()] if run not in cited]
 
 
