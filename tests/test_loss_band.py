@@ -238,6 +238,22 @@ def test_the_moe_gate_band_says_from_which_step_each_fp8_run_stayed_above_the_bf
     assert "above every BF16 run from step" in markdown
 
 
+def test_a_plan_run_more_than_once_is_judged_by_the_mean_of_its_runs(tmp_path):
+    """The MoE gate's repeats: the mix's two runs (one passing, one failing) lie above the gate on their mean; both of
+    MoE-only FP8's runs pass and so does their mean; the plans run once stay out of the table."""
+    files = [committed(f"ab-deepseek-moe-small-loss-gate-{name}-h200.json")
+             for name in ("mixed", "mixed-b", "blockwise", "moe-only", "dense-only", "mixed-c", "moe-only-b")]
+    assert main(["--label", "repeats", "--out-dir", str(tmp_path), *map(str, files)]) == 0
+    record = json.loads(written(tmp_path, "loss-band-deepseek-moe-small-repeats-h200.json").read_text())
+    mix, moe_only = record["repeated_plans"]
+    assert mix["run"].startswith("delayed, *.experts.* blockwise") and moe_only["run"].startswith("blockwise (e4m3")
+    assert (mix["passed_runs"], mix["gate"], moe_only["passed_runs"], moe_only["gate"]) == (1, "fail", 2, "pass")
+    assert mix["mean"] == pytest.approx(statistics.fmean(mix["final_losses"])) and len(mix["final_losses"]) == 2
+    assert mix["gap_to_mean"] > record["gate_limit"] / record["bf16_band"]["mean"] - 1 > moe_only["gap_to_mean"]
+    markdown = written(tmp_path, "loss-band-deepseek-moe-small-repeats-h200.md").read_text()
+    assert "| 1 of 2 | fail |" in markdown and "| 2 of 2 | pass |" in markdown
+
+
 def test_runs_of_one_file_with_the_same_losses_are_each_a_run(tmp_path):
     """Only a run an earlier file holds counts once: two runs of one A/B whose losses match step for step (a CPU's
     deterministic kernels) are two runs of the band."""

@@ -74,8 +74,10 @@ def _band(date: str, clip: float, finals: list[float], gate: str | None) -> dict
                "data_source": "python", "lr": 1e-4, "grad_clip": clip, "seed": 0, "device": GPU}
     runs = [{"file": f"profiles/runs/x/ab-tiny-gate-{i}-h100.json", "run": f"delayed {i}", "final_loss": final, "gap_to_mean": final - 1.0, "gate": gate,
              "fp8_flop_share": 0.9} for i, final in enumerate(finals)]
+    repeated = [{"run": "delayed", "final_losses": finals, "passed_runs": 1, "gap_to_mean": 0.003, "gate": "fail"}]
     return {"date": date, "environment": {"device": "cpu"}, "settings": setting, "sources": [],
-            "bf16_band": {"runs": 3, "mean": 1.0}, "gate_limit": 1.0025, "fp8_runs": runs}
+            "bf16_band": {"runs": 3, "mean": 1.0}, "gate_limit": 1.0025, "fp8_runs": runs,
+            "repeated_plans": repeated if len(finals) > 1 else []}
 
 
 def test_the_loss_gates_show_the_newest_judged_band_of_each_setting(tmp_path):
@@ -92,7 +94,8 @@ def test_the_loss_gates_show_the_newest_judged_band_of_each_setting(tmp_path):
     assert gates.count("### tiny: 2000 steps of 4 x 1024 tokens (128 MiB of python text)") == 2
     assert f"LR 0.0001, clip 1, seed 0, on {GPU}" in gates and "clip 0," in gates and "clip 0.5" not in gates
     assert "loss-band-a" not in gates and "[2026-01-05-loss-band-b](runs/2026-01-05-loss-band-b/)" in gates
-    assert "| ab-tiny-gate-1-h100 | delayed 1 | 90% | 0.9900 | -1.00% | pass |" in gates and "the gate passes up to 1.0025" in gates
+    assert "| ab-tiny-gate-1-h100 | delayed 1 | 90% | 0.9900 | -1.00% | pass |" in gates
+    assert gates.count("Plans run more than once") == 1 and "| delayed | 1 of 2 | +0.30% | fail |" in gates and "the gate passes up to 1.0025" in gates
 
 
 def test_of_one_days_bands_the_last_written_is_the_newest(tmp_path):

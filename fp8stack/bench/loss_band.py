@@ -7,9 +7,10 @@ order), so one repeat is a poor measure of the band; several A/B files of one se
 
 Writes profiles/runs/<date>-loss-band-<model>-<label>-<device>/ (.json, .md and .png): every BF16 run's final loss,
 their mean, span and standard deviation, and each FP8 run's gap to the BF16 mean, in standard deviations and against
-the band's edges; beside them each run's validation loss and its gradient norms against the clip (how many steps the
-clip shortened, and the median norm over the last quarter of the steps): where the clip shortens every step, each
-update has the same length, and a noisier gradient points less of it along the descent. Files of different
+the band's edges (a plan run more than once also by the mean of its runs); beside them each run's validation loss
+and its gradient norms against the clip (how many steps the clip shortened, and the median norm over the last
+quarter of the steps): where the clip shortens every step, each update has the same length, and a noisier gradient
+points less of it along the descent. Files of different
 settings (anything both arms share: model, shape, batch, LR schedule, steps, seed, data) are refused. The figure
 plots each run's loss through training against the BF16 runs' band (window means, relative to the BF16 mean), and
 the final losses against the band and the gate; `--plot-only BAND.json` draws it again from a band's JSON.
@@ -107,7 +108,7 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict, list[dict], list[dict], list
                 options = (f"{fp8_format}, margin {margin}" if is_fp8(recipe) and get_recipe(recipe).scales_from_history
                            else fp8_format) + fused
                 fp8_runs.append({**run, "run": f"{', '.join([arm['recipe'], *overridden])} ({options})",
-                                 "fp8_flop_share": fp8_flop_share(own)})
+                                 "backend": arm.get("backend"), "fp8_flop_share": fp8_flop_share(own)})
         repeats = record.get("baseline_repeats") or (  # files before --baseline-runs held one repeat
             [{"run": REPEAT_ARM, **record["baseline_repeat"]}] if record.get("baseline_repeat") else [])
         bf16_runs += [{"file": Path(path).name, "run": r["run"], "final_loss": r["final_loss"],
@@ -314,6 +315,36 @@ def gate_limit(bf16: dict) -> float:
     return LossGate(bf16["mean"], bf16["stdev"], bf16["runs"], GATE_FLOOR).limit
 
 
+def repeated_plans(fp8_runs: list[dict], bf16: dict) -> list[dict]:
+    """Each FP8 plan that several runs trained (the same arm and options, backend and FP8 share): its runs' final
+    losses, their mean against the BF16 mean, the gate on that mean, and how many of its runs passed. A plan whose
+    runs end near the gate's limit passes or fails by chance run by run; the mean of its runs says where it lies."""
+    plans: dict[tuple, list[dict]] = {}
+    for r in fp8_runs:
+        plans.setdefault((r["run"], r.get("backend"), r["fp8_flop_share"]), []).append(r)
+    out = []
+    for (name, backend, share), runs in plans.items():
+        if len(runs) > 1:
+            mean = statistics.fmean(r["final_loss"] for r in runs)
+            placed = place(mean, bf16)
+            out.append({"run": name, "backend": backend, "fp8_flop_share": share,
+                        "final_losses": [r["final_loss"] for r in runs], "mean": mean,
+                        "gap_to_mean": placed["gap_to_mean"], "gate": placed["gate"],
+                        "passed_runs": sum(r["gate"] == "pass" for r in runs)})
+    return out
+
+
+def repeated_plans_markdown(plans: list[dict]) -> str:
+    if not plans:
+        return ""
+    rows = [[p["run"], p["backend"] or "-", _share_cell(p["fp8_flop_share"]),
+             ", ".join(f"{loss:.4f}" for loss in p["final_losses"]), f"{p['mean']:.4f}", f"{p['gap_to_mean']:+.2%}",
+             f"{p['passed_runs']} of {len(p['final_losses'])}", p["gate"] or "-"] for p in plans]
+    return ("\n\nPlans run more than once (the mean of their runs' final losses against the gate):\n\n"
+            + markdown_table(["FP8 run", "backend", "FP8 share of GEMM FLOPs", "final losses", "mean",
+                              "vs BF16 mean", "runs passing", "gate on the mean"], rows))
+
+
 def validation_band(bf16_runs: list[dict], fp8_runs: list[dict]) -> tuple[dict | None, list[dict]]:
     """The BF16 runs' band of validation losses (the held-out split's loss at the end) where every BF16 run has one,
     and each FP8 run with its gap to that band's mean (None where either is missing). Beside the gate, not in it:
@@ -365,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     val, fp8_runs = validation_band(bf16_runs, fp8_runs)
     bf16_late_norm, fp8_runs = late_norm_gaps(bf16_runs, fp8_runs)
     drift_rows, fp8_runs = drift(bf16_runs, fp8_runs)
+    plans = repeated_plans(fp8_runs, bf16)
     stem = f"loss-band-{settings['model']}-{args.label}-{device_slug(settings['device'])}"
     claim_or_exit("loss_band", stem, args.out_dir, args.force)
     memorised = past_one_pass(sources)
@@ -400,10 +432,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"{r['gate'] or '-'}{' (not a gate)' if memorised and r['gate'] else ''}",
                                    _loss_cell(r["val_loss"], r["val_gap_to_mean"]), _share_cell(r["clipped_share"]),
                                    _loss_cell(r["late_grad_norm"], r["late_norm_gap"])]
-                                  for r in fp8_runs]) + drift_markdown(drift_rows, fp8_runs))
+                                  for r in fp8_runs]) + repeated_plans_markdown(plans)
+                + drift_markdown(drift_rows, fp8_runs))
     payload = {"settings": settings, "sources": sources, "bf16_band": bf16, "gate_limit": gate_limit(bf16),
                "bf16_validation_band": val, "bf16_late_grad_norm": bf16_late_norm, "memorised": memorised,
-               "bf16_runs": bf16_runs, "fp8_runs": fp8_runs, "drift": drift_rows}
+               "bf16_runs": bf16_runs, "fp8_runs": fp8_runs, "repeated_plans": plans, "drift": drift_rows}
     json_path, md_path = write_evidence(stem, payload, markdown, out_dir=args.out_dir, replace=True)
     png = write_plot(json_path, draw)
     print(summary + f"wrote {json_path}, {md_path}" + (f", {png}" if png else ""))

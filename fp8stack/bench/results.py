@@ -273,11 +273,21 @@ def _loss_gates(evidence: Evidence) -> str:
                 f"{record['bf16_band']['runs']} BF16 runs, mean final loss {record['bf16_band']['mean']:.4f}; the gate "
                 f"passes up to {record['gate_limit']:.4f}: {evidence.link(run)}.", "",
                 markdown_table(["A/B", "FP8 run", "FP8 share of GEMM FLOPs", "final loss", "vs BF16 mean", "gate"],
-                               rows)]
+                               rows), *_repeated_plans(record)]
     return "\n".join(["## Loss gates", "",
                       "An FP8 run passes when its final loss (the mean of the last 10% of steps) is at most the BF16 "
                       "runs' mean + max(0.25%, 2 standard deviations); the newest band of each setting "
                       "(`python -m fp8stack.bench.loss_band`).", "", *out]) if out else ""
+
+
+def _repeated_plans(band: dict) -> list[str]:
+    """A loss band's plans run more than once, each judged by the mean of its runs (a plan at the gate's edge passes
+    or fails by chance run by run)."""
+    plans = band.get("repeated_plans") or []
+    rows = [[p["run"], f"{p['passed_runs']} of {len(p['final_losses'])}", f"{p['gap_to_mean']:+.2%}", p["gate"]]
+            for p in plans]
+    return ["", "Plans run more than once, judged by the mean of their runs:", "",
+            markdown_table(["FP8 run", "runs passing", "mean vs BF16 mean", "gate on the mean"], rows)] if rows else []
 
 
 def _model(record: dict) -> str:
