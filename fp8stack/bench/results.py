@@ -232,8 +232,8 @@ def _commit(record: dict) -> str:
 
 def results_page(evidence: Evidence) -> str:
     """RESULTS.md: the current standing, section by section."""
-    sections = [_targets(evidence), _loss_gates(evidence), _ab_verdicts(evidence), _own_model(evidence),
-                _backends(evidence), _megatron(evidence)]
+    sections = [_targets(evidence), _loss_gates(evidence), _ab_verdicts(evidence), _scaling(evidence),
+                _own_model(evidence), _backends(evidence), _megatron(evidence)]
     return "\n".join(["# Results", "", GENERATED, "", *filter(None, sections)]).rstrip() + "\n"
 
 
@@ -390,6 +390,42 @@ def _repeats(evidence: Evidence, headline: Run) -> list[str]:
         return []
     return [f"The same targets over every run at commit `{commit[:7]}`:", "",
             markdown_table(["arm", "against", "runs", "lowest", "mean", "highest", "met in"], rows)]
+
+
+def _scaling(evidence: Evidence) -> str:
+    """Each data-parallel wrapper's newest scaling run per device, model and GPU count: its FP8/BF16 on N GPUs against
+    the same run's one-GPU FP8/BF16 (the wrapper's cost must not eat FP8's gain), and FP8 parameters' all-gather bytes
+    over BF16's in the blocks where measured."""
+    newest: dict[str, dict[tuple, Run]] = {}
+    for run in evidence.runs:
+        if run.current and run.kind == "scaling":
+            record = run.record
+            for wrapper in record["figures"]["fp8_over_bf16"]:
+                if not wrapper.startswith("one_gpu"):  # the one-GPU reference and its bounds
+                    key = (record["model"], record["nproc"], record["recipe"], wrapper)
+                    newest.setdefault(evidence.device(run), {})[key] = run  # runs are in the order written
+    out = []
+    for device, wrappers in newest.items():
+        rows = []
+        for (model, nproc, recipe, wrapper), run in sorted(wrappers.items(), key=lambda item: item[0]):
+            record = run.record
+            figures, tolerance = record["figures"], record["targets"]["ratio_tolerance"]
+            ratios, gathers = figures["fp8_over_bf16"], figures["all_gather_bytes_fp8_over_bf16_blocks"]
+            one_gpu = ratios["one_gpu"]
+            rows.append([model + (f" ({record['one_gpu_model']} on one GPU)" if record.get("one_gpu_model") else ""),
+                         str(nproc), wrapper, recipe,
+                         _number(figures["per_gpu_tokens_per_s"].get(f"{wrapper}/{recipe}"), ",.0f"),
+                         f"{ratios[wrapper]:.3f}x", f"{one_gpu:.3f}x",
+                         "yes" if abs(ratios[wrapper] - one_gpu) <= tolerance else "NO",
+                         _number(gathers.get(wrapper), ".3f"), evidence.link(run)])
+        out += [f"## Scaling on several GPUs, {device}", "",
+                "Each data-parallel wrapper's newest run (`python -m fp8stack.bench.scaling`): every rank trains the "
+                "one-GPU run's micro-batches, and the wrapper's FP8/BF16 should stay within 0.03 of the one-GPU "
+                "run's beside it.", "",
+                markdown_table(["model", "GPUs", "wrapper", "FP8 recipe", "FP8 tokens/s per GPU", "FP8/BF16",
+                                "one GPU's FP8/BF16", "within 0.03", "FP8 all-gather bytes / BF16's (blocks)",
+                                "run"], rows)]
+    return "\n".join(out)
 
 
 def _backends(evidence: Evidence) -> str:
