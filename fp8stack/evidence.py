@@ -10,8 +10,9 @@ existing one is replaced only when the caller says so: a tool claims its files b
 again later gets a new folder; profiles/archive/ keeps the runs a later one superseded, and
 `python -m fp8stack.bench.results` writes profiles/INDEX.md and profiles/RESULTS.md from the folders.
 
-The JSON is indented as json.dumps(indent=2) writes it, except that a list of scalars takes one line (evidence_json):
-a 2000-step loss curve is one line, not 2000. A figure is a PNG with a palette (palette_png), a third of the bytes of
+The JSON is indented as json.dumps(indent=2) writes it, except that a list of scalars takes one line, and so does
+each record of a list of flat records (evidence_json): a 2000-step loss curve is one line, not 2000, and a step's
+routing statistics one line, not one per layer and statistic. A figure is a PNG with a palette (palette_png), a third of the bytes of
 matplotlib's own: the working tree a lent GPU machine receives is capped at 64 MiB, and the evidence is most of it.
 `python -m fp8stack.evidence --compact PATH...` rewrites files written before in these layouts, their content
 unchanged (a figure's colours aside, each drawn from a palette of PNG_COLORS).
@@ -244,7 +245,8 @@ def write_evidence(stem: str, payload: dict, markdown: str, out_dir: str | Path 
 def evidence_json(record) -> str:
     """The text of an evidence JSON file holding `record`: dicts, and lists holding a dict or a list, indented two
     spaces a level as json.dumps(indent=2) writes them, a list of scalars (numbers, strings, booleans, null) on one
-    line. A value json cannot encode is written as its str() (json's default=str); json.loads of the text equals
+    line, and in a list of flat records (non-empty dicts of scalars) each record on a line of its own. A value json
+    cannot encode is written as its str() (json's default=str); json.loads of the text equals
     json.loads(json.dumps(record, indent=2, default=str)), floats in json's own repr, NaN and infinities included."""
     return _layout(json.loads(json.dumps(record, default=str)), "") + "\n"
 
@@ -252,6 +254,8 @@ def evidence_json(record) -> str:
 def _layout(value, indent: str) -> str:
     """A value as json.loads returns it, as evidence_json lays it out, its lines after the first starting `indent`."""
     inner = indent + "  "
+    if isinstance(value, list) and value and all(_flat_record(item) for item in value):
+        return "[\n" + ",\n".join(inner + json.dumps(item) for item in value) + f"\n{indent}]"
     if isinstance(value, dict) and value:
         items = [f"{inner}{json.dumps(key)}: {_layout(item, inner)}" for key, item in value.items()]
     elif isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
@@ -260,6 +264,11 @@ def _layout(value, indent: str) -> str:
         return json.dumps(value)
     opening, closing = "{}" if isinstance(value, dict) else "[]"
     return f"{opening}\n" + ",\n".join(items) + f"\n{indent}{closing}"
+
+
+def _flat_record(value) -> bool:
+    """A non-empty dict whose values are all scalars: a row of a table, or one step of a per-step series."""
+    return isinstance(value, dict) and bool(value) and not any(isinstance(v, (dict, list)) for v in value.values())
 
 
 PNG_COLORS = 256
@@ -332,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  "figures write.")
     parser.add_argument("--compact", nargs="+", type=Path, required=True, metavar="PATH",
                         help="JSON and PNG files, or folders of them (every *.json and *.png under each), to rewrite: "
-                             "a JSON with each list of scalars on one line, only when its parsed content stays the "
+                             "a JSON in evidence_json's layout (lists of scalars and flat records on one line each), "
+                             "only when its parsed content stays the "
                              "same; a PNG with a palette of 256 colours, only when that is smaller")
     args = parser.parse_args(argv)
     rewritten, untouched = compact(args.compact)

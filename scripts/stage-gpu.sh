@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stage the pinned FP8 stack for the GPU machine (../shared/gpu/stage.sh), then cut its TransformerEngine wheel into
-# 20 MiB parts and give small.tar a part of its own: each call carries one part plus this working tree, under the
-# device's 64 MiB per call while the tracked tree stays under ~43.5 MiB (36 MiB on 2026-11-29, growing with
+# 16 MiB parts and give small.tar a part of its own: each call carries one part plus this working tree, under the
+# device's 64 MiB per call while the tracked tree stays under ~47.5 MiB (41 MiB on 2026-11-29, growing with
 # profiles/: `git ls-files -z | xargs -0 du -cb | tail -1`; past that, split smaller). receive.sh installs once every
 # part has arrived, in any order, joining the parts in name order. Prints the parts to send.
 set -euo pipefail
@@ -12,7 +12,7 @@ mkdir -p "$work"
 cat $(ls .gpu/p*/core.part.* | awk -F/ '{print $NF " " $0}' | sort | cut -d' ' -f2) > "$work/core"
 mv .gpu/p0/core.sha256 .gpu/p0/receive.sh .gpu/p0/small.tar "$work/"
 rm -rf .gpu/p[0-9]*
-split -b 20m -d "$work/core" "$work/core.part."
+split -b 16m -d "$work/core" "$work/core.part."
 parts=0
 for piece in $(ls "$work"/core.part.* | sort); do
   mkdir -p ".gpu/p$parts" && mv "$piece" ".gpu/p$parts/" && cp "$work/receive.sh" ".gpu/p$parts/"

@@ -147,6 +147,17 @@ def test_evidence_json_reads_as_the_indented_json_with_each_list_of_scalars_on_o
     assert evidence_json(no_scalar_lists) == _indented(no_scalar_lists)  # dicts and lists of them: indented as before
 
 
+def test_each_flat_record_of_a_list_takes_one_line():
+    """A per-step series of routing statistics: one line per step, not one per layer and statistic; a list that also
+    holds an empty or a nested dict is indented as before."""
+    steps = [{f"layers.{layer}.moe/imbalance": 1.5 + layer, f"layers.{layer}.moe/dropped": 0.0} for layer in range(3)]
+    record = {"router": steps, "mixed": [{"a": 1}, {}], "nested": [{"a": {"b": 1}}]}
+    text = evidence_json(record)
+    assert _same_content(text, _indented(record))
+    assert text.split('"router": ')[1].startswith("[\n" + ",\n".join("    " + json.dumps(s) for s in steps) + "\n  ],")
+    assert '"mixed": [\n    {\n      "a": 1\n    },\n    {}\n  ]' in text and '"a": {\n' in text
+
+
 def test_a_2000_step_record_is_two_thirds_of_the_indented_one():
     """Full-precision floats keep most of the bytes: what goes is each item's line and indent."""
     values = random.Random(0)
