@@ -12,8 +12,8 @@ again later gets a new folder; profiles/archive/ keeps the runs a later one supe
 
 The JSON is indented as json.dumps(indent=2) writes it, except that a list of scalars takes one line, and so does
 each record of a list of flat records (evidence_json): a 2000-step loss curve is one line, not 2000, and a step's
-routing statistics one line, not one per layer and statistic. A figure is a PNG with a palette (palette_png), a third of the bytes of
-matplotlib's own: the working tree a lent GPU machine receives is capped at 64 MiB, and the evidence is most of it.
+routing statistics one line, not one per layer and statistic. A figure is a PNG with a palette (palette_png), a
+third of the bytes of matplotlib's own: the working tree a lent GPU machine receives is capped at 64 MiB, and the evidence is most of it.
 `python -m fp8stack.evidence --compact PATH...` rewrites files written before in these layouts, their content
 unchanged (a figure's colours aside, each drawn from a palette of PNG_COLORS).
 
