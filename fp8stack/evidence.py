@@ -13,7 +13,8 @@ again later gets a new folder; profiles/archive/ keeps the runs a later one supe
 The JSON is indented as json.dumps(indent=2) writes it, except that a list of scalars takes one line, and so does
 each record of a list of flat records (evidence_json): a 2000-step loss curve is one line, not 2000, and a step's
 routing statistics one line, not one per layer and statistic. A figure is a PNG with a palette (palette_png), a
-third of the bytes of matplotlib's own: the working tree a lent GPU machine receives is capped at 64 MiB, and the evidence is most of it.
+third of the bytes of matplotlib's own: the working tree a lent GPU machine receives is capped at 64 MiB, and the
+evidence is most of it.
 `python -m fp8stack.evidence --compact PATH...` rewrites files written before in these layouts, their content
 unchanged (a figure's colours aside, each drawn from a palette of PNG_COLORS).
 
@@ -342,8 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compact", nargs="+", type=Path, required=True, metavar="PATH",
                         help="JSON and PNG files, or folders of them (every *.json and *.png under each), to rewrite: "
                              "a JSON in evidence_json's layout (lists of scalars and flat records on one line each), "
-                             "only when its parsed content stays the "
-                             "same; a PNG with a palette of 256 colours, only when that is smaller")
+                             "only when its parsed content stays the same; a PNG with a palette of 256 colours, only "
+                             "when that is smaller")
     args = parser.parse_args(argv)
     rewritten, untouched = compact(args.compact)
     print(f"rewrote {len(rewritten)} file(s)")

@@ -335,6 +335,7 @@ def repeated_plans(fp8_runs: list[dict], bf16: dict) -> list[dict]:
 
 
 def repeated_plans_markdown(plans: list[dict]) -> str:
+    """repeated_plans' table, after the FP8 runs' ('' where no plan ran twice)."""
     if not plans:
         return ""
     rows = [[p["run"], p["backend"] or "-", _share_cell(p["fp8_flop_share"]),
