@@ -16,7 +16,8 @@ MARGIN = 2**20
 
 def tracked_bytes() -> int:
     names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
-    return sum((ROOT / name.decode()).stat().st_size for name in names if name and (ROOT / name.decode()).is_file())
+    paths = (ROOT / name.decode() for name in names if name)
+    return sum(path.stat().st_size for path in paths if path.is_file())
 
 
 def part_bytes() -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fp8stack.ab.verdicts import is_bf16_arm
 from fp8stack.evidence import ARCHIVE, RUNS, EvidenceError, describe_commit, markdown_table
+from fp8stack.bench.scaling import is_single
 from fp8stack.bench.targets import describe as describe_experts
 from fp8stack.bench.targets import render as render_target
 
@@ -399,11 +400,11 @@ def _scaling(evidence: Evidence) -> str:
     newest: dict[str, dict[tuple, Run]] = {}
     for run in evidence.runs:
         if run.current and run.kind == "scaling":
-            record = run.record
+            record, device = run.record, evidence.device(run)
             for wrapper in record["figures"]["fp8_over_bf16"]:
-                if not wrapper.startswith("one_gpu"):  # the one-GPU reference and its bounds
+                if not is_single(wrapper):  # the one-GPU reference and its bounds
                     key = (record["model"], record["nproc"], record["recipe"], wrapper)
-                    newest.setdefault(evidence.device(run), {})[key] = run  # runs are in the order written
+                    newest.setdefault(device, {})[key] = run  # runs are in the order written
     out = []
     for device, wrappers in newest.items():
         rows = []
